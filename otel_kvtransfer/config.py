@@ -1,0 +1,47 @@
+"""Settings read from OTEL_KVTRANSFER_* environment variables.
+
+Garbage never stops the engine: a value that does not parse, or lies outside its range, is logged once and the
+default is used instead.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+
+_logger = logging.getLogger(__name__)
+
+QUEUE_SIZE = "OTEL_KVTRANSFER_QUEUE_SIZE"
+FLUSH_INTERVAL_MS = "OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"
+REQUEST_TTL_S = "OTEL_KVTRANSFER_REQUEST_TTL_S"
+MAX_PENDING_ASYNC = "OTEL_KVTRANSFER_MAX_PENDING_ASYNC"
+
+
+@dataclass(frozen=True)
+class Settings:
+    queue_size: int = 65536  # transfer records waiting for the span builder
+    flush_interval_s: float = 0.2  # how often the background thread turns records into spans
+    request_ttl_s: float = 600.0  # a request open this long without activity is ended and counted as evicted
+    max_pending_async: int = 16384  # async submissions waiting for their completion to be observed
+
+
+def _read(name, parse, default, low, high):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = parse(raw.strip())
+        if not (low <= value <= high):
+            raise ValueError(f"outside [{low}, {high}]")
+    except (ValueError, OverflowError) as exc:
+        _logger.warning("otel_kvtransfer: ignoring %s=%r (%s); using %r", name, raw, exc, default)
+        return default
+    return value
+
+
+def load() -> Settings:
+    return Settings(
+        queue_size=_read(QUEUE_SIZE, int, Settings.queue_size, 1, 1 << 26),
+        flush_interval_s=_read(FLUSH_INTERVAL_MS, float, Settings.flush_interval_s * 1000, 1, 60_000) / 1000,
+        request_ttl_s=_read(REQUEST_TTL_S, float, Settings.request_ttl_s, 0.001, 86_400 * 7),
+        max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 24),
+    )

@@ -1,0 +1,139 @@
+"""Real Mooncake engines on 127.0.0.1: a receiver process and a sender, for the demo, the tests and bench/.
+
+`open_engine()` initialises a TransferEngine over TCP with the P2P handshake and turns the usual set-up
+failures (wheel missing, libibverbs missing) into one message that names the fix. `Receiver` runs an engine
+with a registered buffer in a spawned process and answers checksum requests, so a test can prove the bytes
+arrived. Security note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1.
+"""
+
+import hashlib
+import multiprocessing
+import os
+from typing import Optional
+
+LOOPBACK = "127.0.0.1"
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The Mooncake engine cannot be loaded here; the message says how to fix it."""
+
+
+def _load_engine_class():
+    try:
+        from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    except ImportError as exc:
+        text = str(exc)
+        if "libibverbs" in text or "libnuma" in text or "libnl" in text:
+            raise MooncakeUnavailable(
+                f"the Mooncake engine needs system libraries ({text}); install them with "
+                "`apt-get install -y libibverbs1 libnuma1`") from exc
+        raise MooncakeUnavailable(
+            f"the Mooncake engine is not installed ({text}); install it with "
+            "`pip install 'otel_kvtransfer[mooncake-cpu]'` (CPU hosts) or `pip install mooncake-transfer-engine` "
+            "(GPU hosts)") from exc
+    return TransferEngine
+
+
+def open_engine():
+    """A TransferEngine initialised on 127.0.0.1 over TCP with the P2P handshake."""
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    engine = _load_engine_class()()
+    rc = engine.initialize(LOOPBACK, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise MooncakeUnavailable(f"TransferEngine.initialize on {LOOPBACK} returned {rc}")
+    return engine
+
+
+def session_of(engine) -> str:
+    return f"{LOOPBACK}:{engine.get_rpc_port()}"
+
+
+def digest(data) -> str:
+    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
+
+
+def _receiver_main(conn, size: int, env: dict) -> None:
+    os.environ.update(env)
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    try:
+        engine = open_engine()
+        buffer = np.zeros(size, dtype=np.uint8)
+        rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
+        if rc != 0:
+            raise MooncakeUnavailable(f"register_memory returned {rc}")
+    except Exception as exc:  # pylint: disable=broad-except
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", session_of(engine), buffer.ctypes.data, size))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "digest":
+            _, offset, length = message
+            conn.send(digest(buffer[offset:offset + length]))
+        elif message[0] == "fill":
+            buffer[:] = message[1]
+            conn.send("ok")
+        elif message[0] == "stop":
+            conn.send("bye")
+            return
+
+
+class Receiver:
+    """A Mooncake engine with `size` registered bytes in its own (spawned) process on 127.0.0.1."""
+
+    def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_receiver_main, args=(child, size, dict(env or {})), daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.kill()
+            raise MooncakeUnavailable(f"the receiver process did not start within {start_timeout_s:.0f} s")
+        reply = self._conn.recv()
+        if reply[0] != "ready":
+            self.kill()
+            raise MooncakeUnavailable(f"the receiver process failed: {reply[1]}")
+        _, self.session, self.base_address, self.size = reply
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _ask(self, message, timeout_s: float = 30.0):
+        self._conn.send(message)
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"the receiver (pid {self.pid}) did not answer {message[0]!r}")
+        return self._conn.recv()
+
+    def digest(self, offset: int, length: int) -> str:
+        return self._ask(("digest", offset, length))
+
+    def fill(self, value: int) -> None:
+        self._ask(("fill", value))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._ask(("stop",), timeout_s)
+            except (OSError, EOFError, TimeoutError):
+                pass
+            self.process.join(timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False

@@ -1,0 +1,73 @@
+"""The names of ../shared/DESIGN.md in one place: spans, attributes, metrics.
+
+Every other module takes its names from here, so a rename is one edit and a typo is an ImportError.
+"""
+
+INSTRUMENTATION_NAME = "otel_kvtransfer"
+
+# Span names.
+SPAN_REQUEST = "kv_transfer.request"
+SPAN_SEND = "kv_transfer.send"
+SPAN_RECEIVE = "kv_transfer.receive"
+# Not fixed by DESIGN: a compute interval of a request, so the timeline shows compute beside transfers.
+SPAN_COMPUTE = "kv_transfer.compute"
+
+# kv_transfer.* attributes.
+BOOTSTRAP_ROOM = "kv_transfer.bootstrap_room"
+ROLE = "kv_transfer.role"
+BACKEND = "kv_transfer.backend"
+BYTES = "kv_transfer.bytes"
+LOGICAL_BYTES = "kv_transfer.logical_bytes"
+EXPECTED_BYTES = "kv_transfer.expected_bytes"
+TRANSFER_COUNT = "kv_transfer.transfer_count"
+CHUNK_COUNT = "kv_transfer.chunk_count"
+REPLICA_FACTOR = "kv_transfer.replica_factor"
+BUSY_S = "kv_transfer.busy_s"
+THROUGHPUT = "kv_transfer.throughput"
+COMPUTE_OVERLAP_S = "kv_transfer.compute_overlap_s"
+COMPUTE_OVERLAP_RATIO = "kv_transfer.compute_overlap_ratio"
+DESCRIPTOR_COUNT = "kv_transfer.descriptor_count"
+ENGINE_CALLS = "kv_transfer.engine_calls"
+PAYLOAD = "kv_transfer.payload"
+OP = "kv_transfer.op"
+CHUNK_INDEX = "kv_transfer.chunk_index"
+IS_LAST_CHUNK = "kv_transfer.is_last_chunk"
+PREFIX_EARLY_SEND = "kv_transfer.prefix_early_send"
+DESTINATION_INDEX = "kv_transfer.destination_index"
+RETURN_CODE = "kv_transfer.return_code"
+EVICTED = "kv_transfer.evicted"
+DROP_REASON = "kv_transfer.drop_reason"
+SGLANG_RID = "sglang.rid"
+
+# Standard keys.
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+NETWORK_TRANSPORT = "network.transport"
+NETWORK_IO_DIRECTION = "network.io.direction"
+ERROR_TYPE = "error.type"
+
+# Values.
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+PAYLOAD_KV = "kv"
+PAYLOAD_AUX = "aux"
+PAYLOAD_STATE = "state"
+OP_WRITE = "write"
+OP_READ = "read"
+DIRECTION_TRANSMIT = "transmit"
+DIRECTION_RECEIVE = "receive"
+BACKEND_MOONCAKE = "mooncake"
+
+# Metrics: (name, unit, description).
+METRIC_DURATION = "kv_transfer.duration"
+METRIC_SIZE = "kv_transfer.size"
+METRIC_THROUGHPUT = "kv_transfer.throughput"
+METRIC_FAILURES = "kv_transfer.failures"
+METRIC_REQUEST_DURATION = "kv_transfer.request.duration"
+METRIC_REQUEST_SIZE = "kv_transfer.request.size"
+METRIC_REQUEST_THROUGHPUT = "kv_transfer.request.throughput"
+METRIC_REQUEST_COMPUTE_OVERLAP = "kv_transfer.request.compute_overlap"
+METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
+
+# Attributes a metric point may carry: low cardinality only (DESIGN).
+METRIC_ATTRIBUTES = (BACKEND, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR)
