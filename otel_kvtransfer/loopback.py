@@ -3,7 +3,8 @@
 `open_engine()` initialises a TransferEngine over TCP with the P2P handshake and turns the usual set-up
 failures (wheel missing, libibverbs missing) into one message that names the fix. `Receiver` runs an engine
 with a registered buffer in a spawned process and answers checksum requests, so a test can prove the bytes
-arrived. Security note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1.
+arrived; given a span file, it is also an instrumented decode engine that records `kv_transfer.receive` spans
+when told a room's KV is expected and when it has arrived. Security note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1.
 """
 
 import hashlib
@@ -52,10 +53,29 @@ def digest(data) -> str:
     return hashlib.blake2b(memoryview(data).cast("B"), digest_size=16).hexdigest()
 
 
-def _receiver_main(conn, size: int, env: dict) -> None:
+def _decode_side_tracing(span_file: str, service_name: str):
+    """Instrument this receiver as a decode engine writing its spans to `span_file`; returns the provider."""
+    # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+    from otel_kvtransfer.spanfile import JsonLinesSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(span_file)))
+    KVTransferInstrumentor().instrument(tracer_provider=provider)
+    return provider
+
+
+def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service_name: str) -> None:
     os.environ.update(env)
     import numpy as np  # pylint: disable=import-outside-toplevel
 
+    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+
+    provider = _decode_side_tracing(span_file, service_name) if span_file else None
     try:
         engine = open_engine()
         buffer = np.zeros(size, dtype=np.uint8)
@@ -77,7 +97,15 @@ def _receiver_main(conn, size: int, env: dict) -> None:
         elif message[0] == "fill":
             buffer[:] = message[1]
             conn.send("ok")
+        elif message[0] == "receive_begin":  # the decode engine asks for a room's KV
+            integration.begin_receive(message[1], expected_bytes=message[2])
+            conn.send("ok")
+        elif message[0] == "receive_end":  # ... and sees it arrive (or fail)
+            integration.end_receive(message[1], error_type=message[2])
+            conn.send("ok")
         elif message[0] == "stop":
+            if provider is not None:
+                provider.shutdown()
             conn.send("bye")
             return
 
@@ -85,10 +113,12 @@ def _receiver_main(conn, size: int, env: dict) -> None:
 class Receiver:
     """A Mooncake engine with `size` registered bytes in its own (spawned) process on 127.0.0.1."""
 
-    def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0):
+    def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0,
+                 span_file: Optional[str] = None, service_name: str = "kv-decode"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_receiver_main, args=(child, size, dict(env or {})), daemon=True)
+        self.process = ctx.Process(
+            target=_receiver_main, args=(child, size, dict(env or {}), span_file, service_name), daemon=True)
         self.process.start()
         child.close()
         if not self._conn.poll(start_timeout_s):
@@ -115,6 +145,12 @@ class Receiver:
 
     def fill(self, value: int) -> None:
         self._ask(("fill", value))
+
+    def begin_receive(self, room: int, expected_bytes: Optional[int] = None) -> None:
+        self._ask(("receive_begin", room, expected_bytes))
+
+    def end_receive(self, room: int, error_type: Optional[str] = None) -> None:
+        self._ask(("receive_end", room, error_type))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process.is_alive():

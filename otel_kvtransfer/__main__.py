@@ -1,0 +1,5 @@
+import sys
+
+from otel_kvtransfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,323 @@
+"""`otel-kvtransfer demo`: a prefill engine pushing KV to K decode engines through the real Mooncake engine.
+
+Everything moves real bytes over TCP on 127.0.0.1: this process is the prefill engine; each decode engine is a
+spawned process with a registered buffer. Per request (the seed scenario): the cached prefix is sent early as
+chunk 0, then chunked prefill computes 8192 and 1655 tokens, and chunk i is sent while chunk i+1 is computed
+(compute is simulated by sleeping, so the transfers have the CPU); the last chunk carries the aux payload. One
+transfer worker sends each chunk to the K destinations one after another, as sglang does for MLA fan-out.
+
+It prints, per request, what the spans say (wire and logical bytes, transfers, busy time, true throughput,
+compute overlap) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30 over the time from
+the last chunk's enqueue to success), and the link capacity measured in the same run.
+"""
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class DemoConfig:
+    requests: int = 6
+    fanout: int = 2
+    prefix_tokens: int = 2048
+    chunk_tokens: List[int] = field(default_factory=lambda: [8192, 1655])
+    bytes_per_token: int = 8192
+    page_tokens: int = 64
+    aux_bytes: int = 4096
+    compute_us_per_token: float = 60.0
+    out_dir: str = "kvtransfer-demo"
+    otlp: bool = False
+    console: bool = False
+
+    @property
+    def request_tokens(self) -> int:
+        return self.prefix_tokens + sum(self.chunk_tokens)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.request_tokens * self.bytes_per_token
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    parser.add_argument("--requests", type=int, default=d.requests, help="requests to run (default %(default)s)")
+    parser.add_argument("--fanout", type=int, default=d.fanout,
+                        help="decode engines receiving the same KV, the replica factor (default %(default)s)")
+    parser.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
+                        help="cached prefix sent early as chunk 0; 0 disables it (default %(default)s)")
+    parser.add_argument("--chunks", default=",".join(map(str, d.chunk_tokens)),
+                        help="tokens of each prefill chunk (default %(default)s)")
+    parser.add_argument("--bytes-per-token", type=int, default=d.bytes_per_token,
+                        help="KV bytes per token over all layers (default %(default)s)")
+    parser.add_argument("--page-tokens", type=int, default=d.page_tokens,
+                        help="tokens per KV page, one descriptor each (default %(default)s)")
+    parser.add_argument("--compute-us-per-token", type=float, default=d.compute_us_per_token,
+                        help="simulated prefill compute per token (default %(default)s)")
+    parser.add_argument("--out-dir", default=d.out_dir, help="where spans.jsonl and results go (default %(default)s)")
+    parser.add_argument("--otlp", action="store_true", help="also export spans and metrics over OTLP (OTEL_EXPORTER_OTLP_*)")
+    parser.add_argument("--console", action="store_true", help="also print spans to the console")
+
+
+def config_from_args(args) -> DemoConfig:
+    try:
+        chunks = [int(x) for x in str(args.chunks).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"otel-kvtransfer demo: --chunks takes comma-separated token counts, not {args.chunks!r}")
+    cfg = DemoConfig(
+        requests=args.requests, fanout=args.fanout, prefix_tokens=args.prefix_tokens, chunk_tokens=chunks,
+        bytes_per_token=args.bytes_per_token, page_tokens=args.page_tokens,
+        compute_us_per_token=args.compute_us_per_token, out_dir=args.out_dir, otlp=args.otlp, console=args.console)
+    problems = []
+    if cfg.requests < 1:
+        problems.append("--requests must be at least 1")
+    if not 1 <= cfg.fanout <= 8:
+        problems.append("--fanout must be between 1 and 8")
+    if cfg.prefix_tokens < 0 or not chunks or min(chunks) < 1:
+        problems.append("--prefix-tokens must be >= 0 and every chunk >= 1 token")
+    if cfg.bytes_per_token < 1 or cfg.page_tokens < 1:
+        problems.append("--bytes-per-token and --page-tokens must be positive")
+    if cfg.kv_bytes > (1 << 31):
+        problems.append(f"one request would move {cfg.kv_bytes / GIB:.1f} GiB per destination; keep it under 2 GiB")
+    if cfg.compute_us_per_token < 0:
+        problems.append("--compute-us-per-token must be >= 0")
+    if problems:
+        raise SystemExit("otel-kvtransfer demo: " + "; ".join(problems))
+    return cfg
+
+
+def _setup_tracing(cfg: DemoConfig, span_file: str):
+    # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+    from otel_kvtransfer.spanfile import JsonLinesSpanExporter
+
+    resource = Resource.create({"service.name": "kv-prefill"})
+    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(span_file)))
+    readers = []
+    if cfg.console:
+        tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    if cfg.otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    return tracer_provider, meter_provider
+
+
+class _Destination:
+    def __init__(self, receiver, index):
+        self.receiver, self.index = receiver, index
+
+
+def _pages(start_token: int, tokens: int, cfg: DemoConfig, src_base: int, dst_base: int):
+    """Descriptors of one chunk: one per KV page (source, destination, length)."""
+    srcs, dsts, lens = [], [], []
+    token = start_token
+    end = start_token + tokens
+    while token < end:
+        n = min(cfg.page_tokens, end - token)
+        offset = token * cfg.bytes_per_token
+        srcs.append(src_base + offset)
+        dsts.append(dst_base + offset)
+        lens.append(n * cfg.bytes_per_token)
+        token += n
+    return srcs, dsts, lens
+
+
+def measure_link_capacity(engine, receiver, src_base: int, nbytes: int, rounds: int = 3) -> float:
+    """Bytes per second of plain, uninstrumented writes of `nbytes` to one receiver (the best of `rounds`)."""
+    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=import-outside-toplevel
+
+    descriptor = 4 << 20
+    lens = [min(descriptor, nbytes - off) for off in range(0, nbytes, descriptor)]
+    srcs = [src_base + off for off in range(0, nbytes, descriptor)]
+    dsts = [receiver.base_address + off for off in range(0, nbytes, descriptor)]
+    best = 0.0
+    with suppress_instrumentation():
+        for _ in range(rounds):
+            start = time.perf_counter()
+            rc = engine.batch_transfer_sync_write(receiver.session, srcs, dsts, lens)
+            elapsed = time.perf_counter() - start
+            if rc == 0 and elapsed > 0:
+                best = max(best, nbytes / elapsed)
+    return best
+
+
+def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt):
+    """One request: early prefix send, chunked compute overlapping the previous chunk's send, aux on the last."""
+    work: "queue.Queue" = queue.Queue()
+    result = {"error": None}
+    chunks = ([(cfg.prefix_tokens, True)] if cfg.prefix_tokens else []) + [(t, False) for t in cfg.chunk_tokens]
+    aux_offset = cfg.kv_bytes  # aux lives after the KV in both buffers
+
+    def transfer_worker():
+        # Like sglang's transfer worker: take a chunk, send it to each destination in turn.
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            index, start_token, tokens, is_last, early = item
+            for dest in destinations:
+                srcs, dsts, lens = _pages(start_token, tokens, cfg, src.ctypes.data, dest.receiver.base_address)
+                with kvt.transfer_scope(room, chunk_index=index, payload="kv", destination_index=dest.index,
+                                        replica_factor=len(destinations), is_last_chunk=is_last,
+                                        prefix_early_send=early):
+                    rc = engine.batch_transfer_sync_write(dest.receiver.session, srcs, dsts, lens)
+                if rc != 0:
+                    result["error"] = "transfer_failed"
+                if is_last:
+                    with kvt.transfer_scope(room, chunk_index=index, payload="aux", destination_index=dest.index,
+                                            replica_factor=len(destinations), is_last_chunk=True):
+                        engine.transfer_sync_write(dest.receiver.session, src.ctypes.data + aux_offset,
+                                                   dest.receiver.base_address + aux_offset, cfg.aux_bytes)
+            if is_last:
+                result["done_ns"] = time.time_ns()
+
+    for dest in destinations:
+        dest.receiver.begin_receive(room, expected_bytes=cfg.kv_bytes + cfg.aux_bytes)
+    started = time.time_ns()
+    kvt.begin_request(room, start_ns=started)
+    worker = threading.Thread(target=transfer_worker, name="transfer-worker", daemon=True)
+    worker.start()
+    token = 0
+    last_enqueue_ns = started
+    for index, (tokens, early) in enumerate(chunks):
+        is_last = index == len(chunks) - 1
+        if not early:  # the cached prefix needs no compute: it is sent at once
+            compute_start = time.time_ns()
+            time.sleep(tokens * cfg.compute_us_per_token / 1e6)
+            kvt.record_compute([room], compute_start, time.time_ns(), chunk_index=index)
+        last_enqueue_ns = time.time_ns()
+        work.put((index, token, tokens, is_last, early))
+        token += tokens
+    work.put(None)
+    worker.join()
+    done = result.get("done_ns", time.time_ns())
+    kvt.end_request(room, error_type=result["error"], end_ns=done)
+    for dest in destinations:
+        dest.receiver.end_receive(room, error_type=result["error"])
+    # sglang's legacy figure: KV bytes x replicas (no aux) / 2^30 over last enqueue -> success.
+    legacy_bytes = cfg.kv_bytes * len(destinations)
+    return {
+        "room": room,
+        "legacy_gib_s": legacy_bytes / GIB / max((done - last_enqueue_ns) / 1e9, 1e-9),
+        "enqueue_to_done_gib_s": legacy_bytes / GIB / max((done - started) / 1e9, 1e-9),
+        "error": result["error"],
+    }
+
+
+def _request_spans(span_file: str) -> dict:
+    rooms = {}
+    with open(span_file, encoding="utf-8") as handle:
+        for line in handle:
+            span = json.loads(line)
+            if span["name"] == "kv_transfer.request":
+                rooms[span["attributes"]["kv_transfer.bootstrap_room"]] = span["attributes"]
+    return rooms
+
+
+def format_table(rows, capacity_bps: float) -> str:
+    head = (f"{'room':>6} {'chunks':>6} {'xfers':>5} {'wire MiB':>9} {'logical MiB':>11} {'busy ms':>8} "
+            f"{'true GiB/s':>10} {'legacy GiB/s':>12} {'legacy/true':>11} {'enq->done GiB/s':>15} {'overlap':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['room']:>6} {r['chunks']:>6} {r['transfers']:>5} {r['wire_bytes'] / 2**20:>9.1f} "
+            f"{r['logical_bytes'] / 2**20:>11.1f} {r['busy_s'] * 1e3:>8.1f} {r['true_gib_s']:>10.2f} "
+            f"{r['legacy_gib_s']:>12.2f} {r['legacy_gib_s'] / max(r['true_gib_s'], 1e-12):>10.1f}x "
+            f"{r['enqueue_to_done_gib_s']:>15.2f} {r['overlap_ratio']:>7.0%}")
+    lines.append(f"link capacity measured in this run (plain engine writes, one destination): "
+                 f"{capacity_bps / GIB:.2f} GiB/s")
+    return "\n".join(lines)
+
+
+def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
+    # pylint: disable=import-outside-toplevel
+    import numpy as np
+
+    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+    from otel_kvtransfer.loopback import Receiver, open_engine
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    span_file = os.path.join(cfg.out_dir, "spans.jsonl")
+    if os.path.exists(span_file):
+        os.remove(span_file)
+    size = cfg.kv_bytes + cfg.aux_bytes
+    print(f"demo: {cfg.requests} requests of {cfg.request_tokens} tokens ({cfg.kv_bytes / 2**20:.0f} MiB KV), "
+          f"fan-out {cfg.fanout}, over Mooncake TCP on 127.0.0.1", file=progress)
+    print("demo: note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1",
+          file=progress)
+    tracer_provider, meter_provider = _setup_tracing(cfg, span_file)
+    instrumentor = KVTransferInstrumentor()
+    receivers = []
+    try:
+        for i in range(cfg.fanout):
+            print(f"demo: starting decode engine {i + 1}/{cfg.fanout} ...", file=progress)
+            receivers.append(Receiver(size, env={"MC_FORCE_TCP": "1"}, span_file=span_file,
+                                      service_name=f"kv-decode-{i}"))
+        engine = open_engine()
+        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        if engine.register_memory(src.ctypes.data, src.nbytes) != 0:
+            raise RuntimeError("register_memory failed for the prefill buffer")
+        for receiver in receivers[1:]:  # open every connection before timing anything
+            measure_link_capacity(engine, receiver, src.ctypes.data, 1 << 20, rounds=1)
+        capacity = measure_link_capacity(engine, receivers[0], src.ctypes.data, cfg.kv_bytes)
+        instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+        destinations = [_Destination(r, i) for i, r in enumerate(receivers)]
+        legacy = []
+        for n in range(cfg.requests):
+            room = 1000 + n
+            legacy.append(run_request(room, engine, src, destinations, cfg, kvt))
+            print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done", file=progress)
+        from otel_kvtransfer.loopback import digest
+
+        verified = all(r.digest(0, size) == digest(src) for r in receivers)
+    finally:
+        instrumentor.uninstrument()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+        for receiver in receivers:
+            receiver.stop()
+    spans = _request_spans(span_file)
+    rows = []
+    for item in legacy:
+        attrs = spans.get(item["room"], {})
+        rows.append({
+            "room": item["room"],
+            "chunks": attrs.get("kv_transfer.chunk_count", 0),
+            "transfers": attrs.get("kv_transfer.transfer_count", 0),
+            "wire_bytes": attrs.get("kv_transfer.bytes", 0),
+            "logical_bytes": attrs.get("kv_transfer.logical_bytes", 0),
+            "busy_s": attrs.get("kv_transfer.busy_s", 0.0),
+            "true_gib_s": attrs.get("kv_transfer.throughput", 0.0) / GIB,
+            "overlap_ratio": attrs.get("kv_transfer.compute_overlap_ratio", 0.0),
+            "legacy_gib_s": item["legacy_gib_s"],
+            "enqueue_to_done_gib_s": item["enqueue_to_done_gib_s"],
+            "error": item["error"],
+        })
+    summary = {"config": cfg.__dict__, "link_capacity_bytes_per_s": capacity, "bytes_verified": verified,
+               "requests": rows, "span_file": span_file}
+    with open(os.path.join(cfg.out_dir, "results.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    table = format_table(rows, capacity)
+    with open(os.path.join(cfg.out_dir, "table.txt"), "w", encoding="utf-8") as handle:
+        handle.write(table + "\n")
+    summary["table"] = table
+    return summary
