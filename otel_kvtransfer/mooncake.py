@@ -14,7 +14,7 @@ import os
 from time import time_ns
 
 import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvtransfer import integration, semconv
 from otel_kvtransfer.recorder import RECORDER, SEND
@@ -38,15 +38,16 @@ ASYNC_METHODS = {
     "batch_transfer_async_read": (READ, True),
     "batch_transfer_async": (None, True),
 }
-COMPLETION_METHODS = ("transfer_check_status", "get_batch_transfer_status", "initialize", "initialize_ext")
-_ALL_METHODS = tuple(SYNC_METHODS) + tuple(ASYNC_METHODS) + COMPLETION_METHODS
 
 # Argument positions shared by every transfer method: (target_hostname, buffer(s), peer address(es),
 # length(s), [opcode]).
 _LENGTH_KW = {False: "length", True: "lengths"}
 
 _transports = {}  # id(engine) -> protocol given to initialize()
+# For engines initialised before instrument(): what the environment forces, else unknown.
+_fallback_transport = {"value": None}
 _pending = {}  # (id(engine), batch_id) -> (start_ns, bytes, descriptors, op, session, transport, scope info, ctx)
+_originals = {}  # method name -> the class __dict__ entry it replaced
 errors = {"count": 0}  # the wrappers' own failures, swallowed (never raised into the engine)
 
 
@@ -98,7 +99,7 @@ def _record_sync(instance, args, kwargs, op, batch, start, rc, error_type):
         session, nbytes, descriptors, op = _describe(args, kwargs, op, batch)
         if error_type is None and rc != 0:
             error_type = "transfer_failed"
-        transport = _transports.get(id(instance))
+        transport = _transports.get(id(instance), _fallback_transport["value"])
         _deliver((start, end, nbytes, descriptors, op, session, transport, rc, error_type))
     except Exception:  # pylint: disable=broad-except
         errors["count"] += 1
@@ -113,7 +114,7 @@ def _async_wrapper(op, batch):
         batch_id = wrapped(*args, **kwargs)
         try:
             session, nbytes, descriptors, op_ = _describe(args, kwargs, op, batch)
-            transport = _transports.get(id(instance))
+            transport = _transports.get(id(instance), _fallback_transport["value"])
             scope = integration.current_scope()
             info = scope.info if scope is not None else None
             if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
@@ -171,14 +172,18 @@ def _batch_status_wrapper(wrapped, instance, args, kwargs):
 def _initialize_wrapper(wrapped, instance, args, kwargs):
     rc = wrapped(*args, **kwargs)
     try:
-        protocol = args[2] if len(args) > 2 else None
-        if os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true"):
-            protocol = "tcp"
+        protocol = _forced_transport() or (args[2] if len(args) > 2 else None)
         if protocol:
             _transports[id(instance)] = str(protocol)
     except Exception:  # pylint: disable=broad-except
         errors["count"] += 1
     return rc
+
+
+def _forced_transport():
+    if os.environ.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "tcp"
+    return os.environ.get("MOONCAKE_PROTOCOL") or None
 
 
 def _engine_class():
@@ -202,20 +207,19 @@ def instrument() -> bool:
     except Exception as exc:  # pylint: disable=broad-except
         _logger.debug("otel_kvtransfer: Mooncake engine not importable (%s); not instrumented", exc)
         return False
+    _fallback_transport["value"] = _forced_transport()
     if hasattr(engine.transfer_sync_write, "__wrapped__"):
         return True  # already wrapped
-    module = "mooncake.engine"
-    for name, (op, batch) in SYNC_METHODS.items():
-        if hasattr(engine, name):
-            wrapt.wrap_function_wrapper(module, f"TransferEngine.{name}", _sync_wrapper(op, batch))
-    for name, (op, batch) in ASYNC_METHODS.items():
-        if hasattr(engine, name):
-            wrapt.wrap_function_wrapper(module, f"TransferEngine.{name}", _async_wrapper(op, batch))
-    wrapt.wrap_function_wrapper(module, "TransferEngine.transfer_check_status", _check_status_wrapper)
-    wrapt.wrap_function_wrapper(module, "TransferEngine.get_batch_transfer_status", _batch_status_wrapper)
-    for name in ("initialize", "initialize_ext"):
-        if hasattr(engine, name):
-            wrapt.wrap_function_wrapper(module, f"TransferEngine.{name}", _initialize_wrapper)
+    wrappers = {name: _sync_wrapper(op, batch) for name, (op, batch) in SYNC_METHODS.items()}
+    wrappers.update({name: _async_wrapper(op, batch) for name, (op, batch) in ASYNC_METHODS.items()})
+    wrappers.update(transfer_check_status=_check_status_wrapper, get_batch_transfer_status=_batch_status_wrapper,
+                    initialize=_initialize_wrapper, initialize_ext=_initialize_wrapper)
+    for name, wrapper in wrappers.items():
+        if name in engine.__dict__:
+            # Keep the class __dict__ entry itself: pybind11 stores an instancemethod there, and what
+            # getattr(class, name).__wrapped__ gives back is the bare function, which would lose `self`.
+            _originals[name] = engine.__dict__[name]
+            wrapt.wrap_function_wrapper(engine, name, wrapper)
     return True
 
 
@@ -224,7 +228,7 @@ def uninstrument() -> None:
         engine = _engine_class()
     except Exception:  # pylint: disable=broad-except
         return
-    for name in _ALL_METHODS:
-        if hasattr(getattr(engine, name, None), "__wrapped__"):
-            unwrap(engine, name)
+    for name, original in list(_originals.items()):
+        setattr(engine, name, original)
+    _originals.clear()
     _pending.clear()

@@ -19,3 +19,95 @@ def require_part(ok: bool, what: str) -> None:
     if IN_CI:
         pytest.fail(message)
     pytest.skip(message)
+
+
+def mooncake_importable() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+class Telemetry:
+    """An SDK TracerProvider with an in-memory exporter and an in-memory metric reader, instrumented."""
+
+    def __init__(self, sampler=None):
+        # pylint: disable=import-outside-toplevel
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from otel_kvtransfer import KVTransferInstrumentor
+
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        self.instrumentor = KVTransferInstrumentor()
+
+    def instrument(self):
+        self.instrumentor.instrument(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
+        return self
+
+    def uninstrument(self):
+        self.instrumentor.uninstrument()
+
+    def spans(self, name=None):
+        self.tracer_provider.force_flush()
+        spans = self.exporter.get_finished_spans()
+        return [s for s in spans if name is None or s.name == name]
+
+    def metrics(self):
+        """{metric name: [data points]} of everything recorded so far."""
+        self.tracer_provider.force_flush()
+        found = {}
+        data = self.reader.get_metrics_data()
+        for resource_metrics in (data.resource_metrics if data else []):
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    found.setdefault(metric.name, []).extend(metric.data.data_points)
+        return found
+
+
+@pytest.fixture
+def telemetry():
+    t = Telemetry().instrument()
+    yield t
+    t.uninstrument()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    from otel_kvtransfer.loopback import Receiver  # pylint: disable=import-outside-toplevel
+
+    r = Receiver(64 << 20, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"})
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer.loopback import open_engine  # pylint: disable=import-outside-toplevel
+
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+    e = open_engine()
+    source = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
+    assert e.register_memory(source.ctypes.data, source.nbytes) == 0
+    yield _Engine(e, source)
+
+
+class _Engine:
+    """The test process's engine with its registered source buffer."""
+
+    def __init__(self, engine, source):
+        self.engine = engine
+        self.source = source
+        self.base = source.ctypes.data

@@ -1,0 +1,195 @@
+"""Every Mooncake TransferEngine call becomes one kv_transfer.send span with exact bytes; real engine, two
+processes, TCP on 127.0.0.1."""
+
+import threading
+import time
+
+import pytest
+from opentelemetry.trace import SpanKind, StatusCode
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.loopback import Receiver, digest
+
+
+def _only(spans):
+    assert len(spans) == 1, [dict(s.attributes) for s in spans]
+    return spans[0]
+
+
+def test_sync_write_span_has_exact_bytes_and_the_bytes_arrive(telemetry, engine, receiver):
+    rc = engine.engine.transfer_sync_write(receiver.session, engine.base + 100, receiver.base_address + 4096, 123457)
+    assert rc == 0
+    assert receiver.digest(4096, 123457) == digest(engine.source[100:100 + 123457])
+    span = _only(telemetry.spans(semconv.SPAN_SEND))
+    host, port = receiver.session.split(":")
+    assert span.kind is SpanKind.CLIENT
+    assert span.status.status_code is StatusCode.UNSET
+    duration = span.end_time - span.start_time
+    assert dict(span.attributes) == {
+        semconv.BYTES: 123457,
+        semconv.DESCRIPTOR_COUNT: 1,
+        semconv.ENGINE_CALLS: 1,
+        semconv.OP: semconv.OP_WRITE,
+        semconv.THROUGHPUT: pytest.approx(123457 * 1e9 / duration),
+        semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_TRANSMIT,
+        semconv.NETWORK_TRANSPORT: "tcp",
+        semconv.SERVER_ADDRESS: host,
+        semconv.SERVER_PORT: int(port),
+        semconv.BACKEND: semconv.BACKEND_MOONCAKE,
+    }
+
+
+def test_one_span_per_call_with_batch_bytes_summed(telemetry, engine, receiver):
+    lengths = [4096, 1, 65536, 777]
+    offsets = [0, 10000, 20000, 200000]
+    rc = engine.engine.batch_transfer_sync_write(
+        receiver.session, [engine.base + o for o in offsets], [receiver.base_address + o for o in offsets], lengths)
+    assert rc == 0
+    for offset, length in zip(offsets, lengths):
+        assert receiver.digest(offset, length) == digest(engine.source[offset:offset + length])
+    for n in range(5):
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 1000 + n) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert [s.attributes[semconv.BYTES] for s in spans] == [sum(lengths)] + [1000 + n for n in range(5)]
+    assert spans[0].attributes[semconv.DESCRIPTOR_COUNT] == 4
+
+
+def test_read_ops_are_spans_with_op_read(telemetry, engine, receiver):
+    receiver.fill(7)
+    assert engine.engine.transfer_sync_read(receiver.session, engine.base, receiver.base_address, 5000) == 0
+    assert digest(engine.source[:5000]) == receiver.digest(0, 5000)
+    assert engine.engine.batch_transfer_sync_read(
+        receiver.session, [engine.base, engine.base + 8192], [receiver.base_address, receiver.base_address + 8192],
+        [10, 20]) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert [(s.attributes[semconv.OP], s.attributes[semconv.BYTES]) for s in spans] == [("read", 5000), ("read", 30)]
+
+
+def test_opcode_argument_decides_op(telemetry, engine, receiver):
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    opcode = TransferEngine.TransferOpcode
+    assert engine.engine.transfer_sync(receiver.session, engine.base, receiver.base_address, 64, opcode.Write) == 0
+    assert engine.engine.batch_transfer_sync(
+        receiver.session, [engine.base], [receiver.base_address], [32], opcode.Read) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert [(s.attributes[semconv.OP], s.attributes[semconv.BYTES]) for s in spans] == [("write", 64), ("read", 32)]
+
+
+def test_async_submission_span_ends_when_completion_is_observed(telemetry, engine, receiver):
+    submitted = time.time_ns()
+    batch_id = engine.engine.transfer_submit_write(receiver.session, engine.base, receiver.base_address, 8 << 20)
+    assert batch_id > 0
+    deadline = time.monotonic() + 30
+    status = 0
+    while status == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the span must include this wait: it ends when completion is seen
+        status = engine.engine.transfer_check_status(batch_id)
+    observed = time.time_ns()
+    assert status == 1
+    span = _only(telemetry.spans(semconv.SPAN_SEND))
+    assert span.attributes[semconv.BYTES] == 8 << 20
+    assert submitted <= span.start_time
+    assert span.end_time <= observed
+    assert span.end_time - span.start_time >= 10_000_000  # at least the first 10 ms poll interval
+    assert receiver.digest(0, 8 << 20) == digest(engine.source[:8 << 20])
+
+
+def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, receiver):
+    ids = [
+        engine.engine.batch_transfer_async_write(
+            receiver.session, [engine.base + i * 65536], [receiver.base_address + i * 65536], [65536])
+        for i in range(3)
+    ]
+    assert all(i > 0 for i in ids)
+    time.sleep(0.02)
+    assert not telemetry.spans(semconv.SPAN_SEND)  # nothing ends before completion is observed
+    assert engine.engine.get_batch_transfer_status(ids) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert len(spans) == 3
+    assert all(s.attributes[semconv.BYTES] == 65536 for s in spans)
+    assert all(s.end_time - s.start_time >= 20_000_000 for s in spans)
+
+
+def test_zero_length_calls_are_zero_byte_spans(telemetry, engine, receiver):
+    assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 0) == 0
+    assert engine.engine.batch_transfer_sync_write(receiver.session, [], [], []) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert [(s.attributes[semconv.BYTES], s.attributes[semconv.DESCRIPTOR_COUNT]) for s in spans] == [(0, 1), (0, 0)]
+    assert all(s.attributes[semconv.THROUGHPUT] == 0.0 for s in spans)
+
+
+def test_unreachable_session_is_an_error_span(telemetry, engine):
+    rc = engine.engine.transfer_sync_write("127.0.0.1:1", engine.base, 0, 16)
+    assert rc != 0
+    span = _only(telemetry.spans(semconv.SPAN_SEND))
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes[semconv.RETURN_CODE] == rc
+    assert span.attributes[semconv.ERROR_TYPE] == "transfer_failed"
+    assert span.attributes[semconv.SERVER_PORT] == 1
+    failures = telemetry.metrics()[semconv.METRIC_FAILURES]
+    assert sum(p.value for p in failures) == 1
+
+
+def test_failed_async_submission_is_an_error_span(telemetry, engine):
+    batch_id = engine.engine.transfer_submit_write("127.0.0.1:1", engine.base, 0, 16)
+    assert batch_id in (0, -1)
+    span = _only(telemetry.spans(semconv.SPAN_SEND))
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes[semconv.ERROR_TYPE] == "submit_failed"
+    assert span.attributes[semconv.RETURN_CODE] == batch_id
+
+
+def test_unregistered_remote_address_is_an_error_span(telemetry, engine, receiver):
+    rc = engine.engine.transfer_sync_write(receiver.session, engine.base, 12345, 16)
+    assert rc != 0
+    span = _only(telemetry.spans(semconv.SPAN_SEND))
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes[semconv.RETURN_CODE] == rc
+
+
+def test_receiver_killed_mid_transfer_gives_error_span(telemetry, engine):
+    failures = 0
+    for _ in range(3):
+        doomed = Receiver(64 << 20, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"})
+        try:
+            assert engine.engine.transfer_sync_write(doomed.session, engine.base, doomed.base_address, 4096) == 0
+            result = {}
+            step = 1 << 20
+            offsets = list(range(0, 64 << 20, step))
+
+            def send():
+                # 64 MiB, sent 8 times over: long enough for the kill to land mid-transfer.
+                for _ in range(8):
+                    result.setdefault("rcs", []).append(engine.engine.batch_transfer_sync_write(
+                        doomed.session, [engine.base + o for o in offsets],
+                        [doomed.base_address + o for o in offsets], [step] * len(offsets)))
+                    if result["rcs"][-1] != 0:
+                        return
+
+            thread = threading.Thread(target=send)
+            thread.start()
+            time.sleep(0.05)
+            doomed.kill()
+            thread.join(60)
+            assert not thread.is_alive()
+        finally:
+            doomed.kill()
+        rcs = result["rcs"]
+        spans = telemetry.spans(semconv.SPAN_SEND)[-len(rcs):]
+        # Whatever the engine returned, the span says the same: ERROR exactly when the code is non-zero.
+        assert [s.status.status_code is StatusCode.ERROR for s in spans] == [rc != 0 for rc in rcs]
+        assert [s.attributes.get(semconv.RETURN_CODE) for s in spans] == [rc if rc != 0 else None for rc in rcs]
+        failures += sum(1 for rc in rcs if rc != 0)
+        if failures:
+            break
+    assert failures >= 1
+
+
+def test_return_values_and_exceptions_pass_through_unchanged(telemetry, engine, receiver):
+    assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+    with pytest.raises(TypeError):
+        engine.engine.transfer_sync_write(receiver.session, "not an address", receiver.base_address, 8)
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    assert len(spans) == 2
+    assert spans[1].attributes[semconv.ERROR_TYPE] == "TypeError"
