@@ -90,6 +90,7 @@ class Recorder:
         self._capacity = settings.queue_size
         self._sink, self._tick, self._on_drops, self._on_fork = sink, tick, on_drops, on_fork
         self.active = True
+        self._wake.set()  # a waiting thread picks up the new interval now
         self._ensure_thread()
 
     def stop(self) -> None:

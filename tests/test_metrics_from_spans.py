@@ -1,0 +1,101 @@
+"""The DESIGN metrics come from the spans: values, exemplars, and counting every transfer under sampling."""
+
+import pytest
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+
+from conftest import Telemetry
+from otel_kvtransfer import semconv
+
+
+def _point(points):
+    assert len(points) == 1, points
+    return points[0]
+
+
+def test_send_metrics_equal_span_values(telemetry, engine, receiver):
+    lengths = [1000, 250000, 4 << 20]
+    for length in lengths:
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, length) == 0
+    spans = telemetry.spans(semconv.SPAN_SEND)
+    metrics = telemetry.metrics()
+    size = _point(metrics[semconv.METRIC_SIZE])
+    assert (size.count, size.sum) == (3, sum(lengths))
+    duration = _point(metrics[semconv.METRIC_DURATION])
+    assert duration.count == 3
+    assert duration.sum == pytest.approx(sum((s.end_time - s.start_time) / 1e9 for s in spans))
+    throughput = _point(metrics[semconv.METRIC_THROUGHPUT])
+    expected = [s.attributes[semconv.BYTES] * 1e9 / (s.end_time - s.start_time) for s in spans]
+    assert throughput.count == 3
+    assert throughput.sum == pytest.approx(sum(expected))
+    assert throughput.max == pytest.approx(max(expected))
+    assert dict(size.attributes) == {semconv.BACKEND: semconv.BACKEND_MOONCAKE}
+
+
+def test_exemplars_point_at_the_send_span(telemetry, engine, receiver):
+    for _ in range(3):
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 4096) == 0
+    span_ids = {s.context.span_id for s in telemetry.spans(semconv.SPAN_SEND)}
+    trace_ids = {s.context.trace_id for s in telemetry.spans(semconv.SPAN_SEND)}
+    metrics = telemetry.metrics()  # once: a collection hands out the exemplars gathered since the last one
+    for name in (semconv.METRIC_SIZE, semconv.METRIC_DURATION, semconv.METRIC_THROUGHPUT):
+        exemplars = [e for p in metrics[name] for e in p.exemplars]
+        assert exemplars, name
+        assert {e.span_id for e in exemplars} <= span_ids
+        assert {e.trace_id for e in exemplars} <= trace_ids
+
+
+def test_request_metrics(telemetry, engine, receiver):
+    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+
+    kvt.begin_request(5)
+    with kvt.transfer_scope(5, chunk_index=0, payload="kv", replica_factor=1):
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8192) == 0
+    kvt.record_compute([5], 0, 1)
+    kvt.end_request(5)
+    (request,) = telemetry.spans(semconv.SPAN_REQUEST)
+    metrics = telemetry.metrics()
+    size = _point(metrics[semconv.METRIC_REQUEST_SIZE])
+    assert (size.count, size.sum) == (1, 8192)
+    assert _point(metrics[semconv.METRIC_REQUEST_THROUGHPUT]).sum == request.attributes[semconv.THROUGHPUT]
+    assert _point(metrics[semconv.METRIC_REQUEST_COMPUTE_OVERLAP]).sum == 0.0
+    assert _point(metrics[semconv.METRIC_REQUEST_DURATION]).sum == (request.end_time - request.start_time) / 1e9
+    assert dict(size.attributes) == {semconv.BACKEND: "mooncake", semconv.ROLE: "prefill",
+                                     semconv.REPLICA_FACTOR: 1}
+
+
+class _SeeAll(SpanProcessor):
+    def __init__(self):
+        self.ended = []
+
+    def on_end(self, span):
+        self.ended.append(span)
+
+
+def test_sampling_exports_the_share_but_metrics_count_every_transfer(engine, receiver):
+    ratio = TraceIdRatioBased(0.1)
+    telemetry = Telemetry(sampler=ratio)
+    seen = _SeeAll()
+    telemetry.tracer_provider.add_span_processor(seen)
+    telemetry.instrument()
+    try:
+        total = 200
+        for _ in range(total):
+            assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 64) == 0
+        exported = telemetry.spans(semconv.SPAN_SEND)
+        size = _point(telemetry.metrics()[semconv.METRIC_SIZE])
+    finally:
+        telemetry.uninstrument()
+    assert (size.count, size.sum) == (total, total * 64)
+    assert len(seen.ended) == total
+    sampled = [s for s in seen.ended if s.context.trace_flags.sampled]
+    bound = ratio.bound
+    # Exactly the spans whose trace id the ratio sampler keeps are exported; the others were only recorded.
+    assert all((s.context.trace_id & TraceIdRatioBased.TRACE_ID_LIMIT) < bound for s in sampled)
+    assert all((s.context.trace_id & TraceIdRatioBased.TRACE_ID_LIMIT) >= bound
+               for s in seen.ended if not s.context.trace_flags.sampled)
+    assert {s.context.span_id for s in exported} == {s.context.span_id for s in sampled}
+    assert 0 < len(exported) < total // 2
+    # Exemplars only ever point at exported spans.
+    exemplar_ids = {e.span_id for e in size.exemplars}
+    assert exemplar_ids <= {s.context.span_id for s in exported}

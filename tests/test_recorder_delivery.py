@@ -1,0 +1,147 @@
+"""Nothing recorded is lost silently: flush and shutdown deliver it, drops are counted, forks keep working,
+rooms that never conclude are evicted and counted, uninstrument restores the engine exactly."""
+
+import os
+import time
+
+import pytest
+from opentelemetry.instrumentation.utils import suppress_instrumentation
+from opentelemetry.trace import StatusCode
+
+from conftest import Telemetry
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer.recorder import RECORDER
+
+
+def _dropped(telemetry):
+    return {dict(p.attributes)[semconv.DROP_REASON]: p.value
+            for p in telemetry.metrics().get(semconv.METRIC_DROPPED, [])}
+
+
+def test_force_flush_delivers_every_recorded_transfer(monkeypatch, engine, receiver):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")  # the background thread will not help
+    telemetry = Telemetry().instrument()
+    try:
+        for _ in range(300):
+            assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+        assert RECORDER.pending() > 0
+        telemetry.tracer_provider.force_flush()
+        assert RECORDER.pending() == 0
+        assert len(telemetry.exporter.get_finished_spans()) == 300
+    finally:
+        telemetry.uninstrument()
+
+
+def test_shutdown_delivers_every_recorded_transfer(monkeypatch, engine, receiver):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    telemetry = Telemetry().instrument()
+    try:
+        for _ in range(50):
+            assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+        telemetry.tracer_provider.shutdown()
+        assert len(telemetry.exporter.get_finished_spans()) == 50
+    finally:
+        telemetry.uninstrument()
+
+
+def test_full_queue_drops_are_counted(monkeypatch, engine, receiver):
+    monkeypatch.setenv(config.QUEUE_SIZE, "10")
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    telemetry = Telemetry().instrument()
+    try:
+        for _ in range(25):
+            assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+        assert len(telemetry.spans(semconv.SPAN_SEND)) == 10
+        assert _dropped(telemetry) == {"queue_full": 15}
+    finally:
+        telemetry.uninstrument()
+
+
+def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):
+    monkeypatch.setenv(config.REQUEST_TTL_S, "0.05")
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "10")
+    telemetry = Telemetry().instrument()
+    try:
+        kvt.begin_request(91)
+        kvt.begin_receive(92)
+        deadline = time.monotonic() + 10
+        while len(telemetry.exporter.get_finished_spans()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        spans = {s.name: s for s in telemetry.spans()}
+        assert set(spans) == {semconv.SPAN_REQUEST, semconv.SPAN_RECEIVE}
+        for span in spans.values():
+            assert span.status.status_code is StatusCode.ERROR
+            assert span.attributes[semconv.EVICTED] is True
+            assert span.attributes[semconv.ERROR_TYPE] == "evicted"
+        assert _dropped(telemetry) == {"request_evicted": 1, "receive_evicted": 1}
+    finally:
+        telemetry.uninstrument()
+
+
+@pytest.mark.parametrize("name", [config.QUEUE_SIZE, config.FLUSH_INTERVAL_MS, config.REQUEST_TTL_S,
+                                  config.MAX_PENDING_ASYNC])
+@pytest.mark.parametrize("garbage", ["", "abc", "-5", "0", "1e999", "nan", "9" * 40, "\x01\u00fc", "12abc"])
+def test_garbage_settings_fall_back_to_defaults(monkeypatch, name, garbage):
+    monkeypatch.setenv(name, garbage)
+    assert config.load() == config.Settings()
+
+
+def test_uninstrument_restores_the_engine_exactly_and_cycles_work(engine, receiver):
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    names = ["transfer_sync_write", "batch_transfer_sync_write", "transfer_submit_write", "transfer_check_status",
+             "get_batch_transfer_status", "initialize"]
+    originals = {n: TransferEngine.__dict__[n] for n in names}
+    for _ in range(3):
+        telemetry = Telemetry().instrument()
+        assert all(TransferEngine.__dict__[n] is not originals[n] for n in names)
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+        assert len(telemetry.spans(semconv.SPAN_SEND)) == 1
+        telemetry.uninstrument()
+        assert all(TransferEngine.__dict__[n] is originals[n] for n in names)
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+        assert len(telemetry.spans(semconv.SPAN_SEND)) == 1  # nothing recorded while uninstrumented
+
+
+def test_suppress_instrumentation_calls_straight_through(telemetry, engine, receiver):
+    with suppress_instrumentation():
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+    assert telemetry.spans() == []
+
+
+def test_a_failing_span_builder_never_reaches_the_engine(telemetry, engine, receiver, monkeypatch):
+    def broken(batch):
+        raise RuntimeError("bug in the builder")
+
+    monkeypatch.setattr(RECORDER, "_sink", broken)
+    assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+    RECORDER.drain()
+    assert RECORDER.pending() == 0
+    assert _dropped(telemetry) == {"builder_error": 1}
+
+
+def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
+    kvt.begin_request(77)  # open in the parent: the child must not end it twice
+    pid = os.fork()
+    if pid == 0:  # child: new engine connection, same instrumentation
+        code = 1
+        try:
+            from otel_kvtransfer.loopback import open_engine  # pylint: disable=import-outside-toplevel
+            import numpy as np  # pylint: disable=import-outside-toplevel
+
+            child_engine = open_engine()
+            buf = np.ones(4096, dtype=np.uint8)
+            child_engine.register_memory(buf.ctypes.data, buf.nbytes)
+            rc = child_engine.transfer_sync_write(receiver.session, buf.ctypes.data, receiver.base_address, 4096)
+            telemetry.tracer_provider.force_flush()
+            spans = telemetry.exporter.get_finished_spans()
+            names = [s.name for s in spans]
+            (tmp_path / "child.txt").write_text(f"{rc} {names}")
+            code = 0 if rc == 0 and names == [semconv.SPAN_SEND] else 3
+        finally:
+            os._exit(code)  # pylint: disable=protected-access
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, (tmp_path / "child.txt").read_text()
+    kvt.end_request(77)
+    assert [s.name for s in telemetry.spans()] == [semconv.SPAN_REQUEST]
