@@ -320,4 +320,18 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     with open(os.path.join(cfg.out_dir, "table.txt"), "w", encoding="utf-8") as handle:
         handle.write(table + "\n")
     summary["table"] = table
+    summary["next_steps"] = _timeline_pointer(span_file, progress)
     return summary
+
+
+def _timeline_pointer(span_file: str, progress) -> List[str]:
+    """Render the timeline of this run beside the span file and say where it is."""
+    try:
+        from otel_kvtransfer.timeline import timeline_from_file  # pylint: disable=import-outside-toplevel
+
+        print("demo: rendering the timeline ...", file=progress)
+        paths = timeline_from_file(span_file)
+    except Exception as exc:  # pylint: disable=broad-except
+        return [f"timeline: not rendered ({exc}); try `otel-kvtransfer timeline {span_file}`"]
+    return [f"timeline: {paths['html']} (picture: {paths['png']})",
+            f"details: otel-kvtransfer summarize {span_file}"]

@@ -17,6 +17,8 @@ Engine calls made on another thread (an executor running per-layer copies) join 
 `with scope.bind():` inside the function that runs there.
 """
 
+import functools
+import logging
 import threading
 from time import time_ns
 from typing import Iterable, Optional
@@ -33,6 +35,24 @@ from otel_kvtransfer.recorder import (
     RECORDER,
     SEND,
 )
+
+_logger = logging.getLogger(__name__)
+
+
+def _never_raises(function):
+    """Bad input from an engine module is counted as dropped, never raised into the engine."""
+
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception:  # pylint: disable=broad-except
+            RECORDER.drop("api_error")
+            _logger.debug("otel_kvtransfer: %s failed", function.__name__, exc_info=True)
+            return None
+
+    return guarded
+
 
 # Which TransferScope the engine calls of this thread belong to (read by the engine wrappers).
 _thread = threading.local()
@@ -107,7 +127,7 @@ class _Binding:
 
 
 def transfer_scope(
-    room: int,
+    room,
     *,
     chunk_index: int,
     payload: str,
@@ -117,20 +137,16 @@ def transfer_scope(
     prefix_early_send: bool = False,
     backend: str = semconv.BACKEND_MOONCAKE,
 ) -> TransferScope:
-    return TransferScope(
-        (
-            int(room),
-            int(chunk_index),
-            payload,
-            int(destination_index),
-            int(replica_factor),
-            bool(is_last_chunk),
-            bool(prefix_early_send),
-            backend,
-        )
-    )
+    try:
+        info = (int(room), int(chunk_index), str(payload), int(destination_index), int(replica_factor),
+                bool(is_last_chunk), bool(prefix_early_send), str(backend))
+    except (TypeError, ValueError):
+        RECORDER.drop("api_error")
+        info = None  # still a usable context manager; its calls are recorded as raw engine calls
+    return TransferScope(info)
 
 
+@_never_raises
 def begin_request(
     room: int,
     *,
@@ -145,18 +161,21 @@ def begin_request(
         RECORDER.record((BEGIN_REQUEST, int(room), start_ns or time_ns(), backend, rid, parent, attributes))
 
 
+@_never_raises
 def end_request(room: int, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     """Conclude the room's request: success, or failure with `error_type`."""
     if RECORDER.active:
         RECORDER.record((END_REQUEST, int(room), end_ns or time_ns(), error_type))
 
 
+@_never_raises
 def record_compute(rooms: Iterable[int], start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
     """A compute interval (time.time_ns clock) that served these rooms."""
     if RECORDER.active:
         RECORDER.record((COMPUTE, tuple(int(r) for r in rooms), int(start_ns), int(end_ns), chunk_index))
 
 
+@_never_raises
 def begin_receive(
     room: int,
     *,
@@ -171,6 +190,7 @@ def begin_receive(
         RECORDER.record((BEGIN_RECEIVE, int(room), start_ns or time_ns(), backend, expected_bytes, parent, attributes))
 
 
+@_never_raises
 def end_receive(room: int, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     if RECORDER.active:
         RECORDER.record((END_RECEIVE, int(room), end_ns or time_ns(), error_type))

@@ -161,3 +161,16 @@ def test_reused_room_starts_a_fresh_request(telemetry, engine, receiver):
     requests = telemetry.spans(semconv.SPAN_REQUEST)
     assert [r.attributes[semconv.BYTES] for r in requests] == [100, 200]
     assert requests[0].context.span_id != requests[1].context.span_id
+
+
+def test_bad_input_to_the_api_is_counted_never_raised(telemetry, engine, receiver):
+    kvt.begin_request("not a room")
+    kvt.end_request(None)
+    kvt.record_compute([object()], 0, 1)
+    with kvt.transfer_scope("x", chunk_index="y", payload="kv"):
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 16) == 0
+    (send,) = telemetry.spans(semconv.SPAN_SEND)
+    assert send.attributes[semconv.BYTES] == 16  # the transfer itself is still recorded
+    dropped = {dict(p.attributes)[semconv.DROP_REASON]: p.value
+               for p in telemetry.metrics()[semconv.METRIC_DROPPED]}
+    assert dropped == {"api_error": 4}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Sets up everything the package, its demo and its core tests need, on a fresh Debian machine (idempotent):
+#   - Debian libibverbs1 + libnuma1 (the Mooncake engine library links both)
+#   - a virtualenv at $KVT_VENV (default: .venv in the checkout) with sglang 0.5.23 on CPU (pins in
+#     scripts/requirements-sglang.txt, sglang itself with --no-deps), the Mooncake CPU wheel, and this package
+#     with its test extras. The venv is rebuilt when those inputs change (a stamp file records their hash).
+# Prints the venv's python on its last line.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVT_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+missing=()
+for pkg in libibverbs1 libnuma1; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]} (apt)" >&2
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+stamp_of_inputs() {
+  cat "$ROOT/scripts/requirements-sglang.txt" "$ROOT/scripts/requirements-test.txt" | sha256sum | cut -c1-16
+}
+want="$(stamp_of_inputs)-$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+have="$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)"
+if [ "$want" != "$have" ] || ! "$VENV/bin/python" -c "import sglang, mooncake.engine" >/dev/null 2>&1; then
+  echo "setup: building the virtualenv at $VENV (sglang on CPU, Mooncake, OpenTelemetry; a few minutes) ..." >&2
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$VENV/bin/python" -m pip install -q -r "$ROOT/scripts/requirements-sglang.txt" 2>&1 \
+    | grep -v "^WARNING: Location" >&2 || true
+  "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$VENV/bin/python" -m pip install -q -r "$ROOT/scripts/requirements-test.txt" 2>&1 \
+    | grep -v "^WARNING: Location" >&2 || true
+  "$VENV/bin/python" -c "import sglang, mooncake.engine, opentelemetry.sdk" \
+    || { echo "setup: the virtualenv did not come out whole (see the pip output above)" >&2; exit 1; }
+  echo "$want" > "$VENV/.kvt-stamp"
+fi
+# This checkout itself, editable, every time: the venv may be shared between checkouts (CI caches it).
+"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
+"$VENV/bin/python" -c "import otel_kvtransfer" || { echo "setup: otel_kvtransfer did not install" >&2; exit 1; }
+echo "$VENV/bin/python"
