@@ -255,6 +255,8 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     from otel_kvtransfer.instrumentor import KVTransferInstrumentor
     from otel_kvtransfer.loopback import Receiver, open_engine
 
+    # Mooncake logs every connection at INFO through glog; keep the demo's terminal for the demo's own output.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.makedirs(cfg.out_dir, exist_ok=True)
     span_file = os.path.join(cfg.out_dir, "spans.jsonl")
     if os.path.exists(span_file):

@@ -9,6 +9,9 @@ import os
 
 import pytest
 
+# Mooncake logs every connection at INFO; the tests only need its errors.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
