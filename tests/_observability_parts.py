@@ -1,0 +1,120 @@
+"""Finding and running the real parts of the observability tests: Prometheus, node + @grafana/schema, Phoenix.
+
+Every process started here is started in its own session and stopped by its PID (`stop`); every wait is
+bounded; every address is 127.0.0.1. `scripts/setup-observability.sh` installs the parts.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("OTEL_KVT_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "otel-kvtransfer")
+NODE_DIR = os.path.join(CACHE, "node")
+PHOENIX_VENV = os.path.join(CACHE, "phoenix-venv")
+SETUP = "bash scripts/setup-observability.sh"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prometheus_binary():
+    return shutil.which("prometheus")
+
+
+def node_ready() -> bool:
+    return bool(shutil.which("node")) and os.path.isfile(
+        os.path.join(NODE_DIR, "node_modules", "typescript", "bin", "tsc")) and os.path.isdir(
+        os.path.join(NODE_DIR, "node_modules", "@grafana", "schema"))
+
+
+def phoenix_binary():
+    path = os.path.join(PHOENIX_VENV, "bin", "phoenix")
+    return path if os.access(path, os.X_OK) else None
+
+
+def mooncake_available() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def start(argv, **kwargs) -> subprocess.Popen:
+    """Start a process in its own session (so `stop` can end it and its children by its PID)."""
+    return subprocess.Popen(argv, start_new_session=True, **kwargs)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the process group led by proc.pid, then SIGKILL it if it is still there after `timeout`."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:  # pylint: disable=broad-except
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout} s (last: {last!r})")
+
+
+def http_json(url: str, params=None, timeout: float = 5.0):
+    assert url.startswith("http://127.0.0.1:"), url  # tests talk to loopback only
+    if params:
+        url += "?" + urllib.parse.urlencode(params, doseq=True)
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read().decode())
+
+
+def read_line_with_prefix(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """The first stdout line of `proc` that starts with prefix (without it), read within `timeout`."""
+    import selectors  # pylint: disable=import-outside-toplevel
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+    finally:
+        selector.close()
+    raise TimeoutError(f"no '{prefix}' line from pid {proc.pid} within {timeout} s (exit code {proc.poll()})")

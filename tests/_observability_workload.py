@@ -1,0 +1,256 @@
+"""A real KV transfer workload for the observability tests: two Mooncake engines on 127.0.0.1, instrumented.
+
+Run as a script by tests/test_prometheus_dashboard.py and tests/test_trace_store.py (never imported by pytest):
+
+    python tests/_observability_workload.py metrics --seconds 6 --linger 60
+        prefill engine (this process) pushes rooms to a decode engine (a spawned process) for ~6 s; the package's
+        metrics are served on 127.0.0.1:<port>/metrics in the Collector's exposition (_observability_exposition)
+        until stdin closes or --linger seconds pass.
+    python tests/_observability_workload.py traces --protocol grpc --endpoint 127.0.0.1:4317 --project p
+        a few rooms; both engines export their spans over OTLP (gRPC or HTTP/protobuf) to that endpoint.
+
+Protocol on stdout: one line `READY {json}` when serving / about to run, one line `DONE {json}` with a summary.
+Every room: decode begins to receive, prefill opens the request, pushes 3 chunks x 2 destinations (replica
+factor 2) of KV plus one aux payload, while a "forward pass" of the next chunk runs on another thread (real
+compute overlap), then ends the request; decode ends its receive. Every 4th room has one failing transfer (a
+destination outside the peer's registered memory: Mooncake answers -1 at once). One room is opened and never
+ended, so the TTL evicts it and the instrumentation's dropped counter moves.
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from time import time_ns
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (ROOT, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+LOOPBACK = "127.0.0.1"
+CHUNK_BYTES = 4 << 20
+CHUNKS = 3
+REPLICAS = 2
+AUX_BYTES = 64 << 10
+RECV_BYTES = REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES
+
+
+def _engine():
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    engine = TransferEngine()
+    rc = engine.initialize(LOOPBACK, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize returned {rc}")
+    return engine
+
+
+def _providers(args, service_name, instance_id, with_metrics_reader):
+    # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    attributes = {"service.name": service_name, "service.instance.id": instance_id}
+    if args.project:
+        attributes["openinference.project.name"] = args.project  # Phoenix files spans under this project
+    resource = Resource.create(attributes)
+    tracer_provider = TracerProvider(resource=resource)
+    if args.mode == "traces":
+        if args.protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            exporter = OTLPSpanExporter(endpoint=f"http://{args.endpoint}", insecure=True, timeout=10)
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            exporter = OTLPSpanExporter(endpoint=f"http://{args.endpoint}/v1/traces", timeout=10)
+        tracer_provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    reader = InMemoryMetricReader() if with_metrics_reader else None
+    meter_provider = MeterProvider(resource=resource, metric_readers=[reader] if reader else [])
+    from otel_kvtransfer import KVTransferInstrumentor
+
+    KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    return tracer_provider, meter_provider, reader
+
+
+def _decode_main(conn, args_dict):
+    """The decode engine: a registered buffer, and kv_transfer.receive spans when told about rooms."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    args = argparse.Namespace(**args_dict)
+    tracer_provider, meter_provider, _ = _providers(args, "kvt-decode", "decode-0", False)
+    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+
+    engine = _engine()
+    buffer = np.zeros(RECV_BYTES, dtype=np.uint8)
+    rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
+    conn.send((engine.get_rpc_port(), buffer.ctypes.data, rc))
+    deadline = time.monotonic() + args.linger + 120
+    while time.monotonic() < deadline:
+        if not conn.poll(1.0):
+            continue
+        message = conn.recv()
+        if message[0] == "begin":
+            integration.begin_receive(message[1], expected_bytes=message[2])
+        elif message[0] == "end":
+            integration.end_receive(message[1], error_type=message[2])
+        elif message[0] == "stop":
+            break
+    tracer_provider.force_flush(10_000)
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+    conn.send("stopped")
+
+
+def _forward_pass(size=192):
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    start = time_ns()
+    a = np.random.default_rng(0).random((size, size))
+    for _ in range(6):
+        a = a @ a
+        a /= a.max()
+    return start, time_ns()
+
+
+def run(args) -> dict:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    tracer_provider, meter_provider, reader = _providers(args, "kvt-prefill", "prefill-0", args.mode == "metrics")
+    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+
+    endpoint = None
+    if args.mode == "metrics":
+        from _observability_exposition import ScrapeEndpoint  # pylint: disable=import-outside-toplevel
+
+        endpoint = ScrapeEndpoint(reader, port=args.metrics_port)
+
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    decode = ctx.Process(target=_decode_main, args=(child_conn, vars(args)), daemon=True)
+    decode.start()
+    summary = {"decode_pid": decode.pid, "rooms": [], "failed_rooms": [], "transfers": 0, "failed_transfers": 0,
+               "bytes": 0}
+    try:
+        if not parent_conn.poll(60):
+            raise RuntimeError("decode engine did not start within 60 s")
+        port, remote, rc = parent_conn.recv()
+        if rc != 0:
+            raise RuntimeError(f"decode register_memory returned {rc}")
+        session = f"{LOOPBACK}:{port}"
+        engine = _engine()
+        source = np.random.default_rng(1).integers(0, 255, RECV_BYTES, dtype=np.uint8)
+        rc = engine.register_memory(source.ctypes.data, source.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"prefill register_memory returned {rc}")
+        print("READY " + json.dumps({"metrics_port": endpoint.port if endpoint else None, "pid": os.getpid()}),
+              flush=True)
+
+        # A room the engine forgets: the TTL (OTEL_KVTRANSFER_REQUEST_TTL_S) evicts it -> dropped counter.
+        stale_room = args.room_base + 999_999
+        integration.begin_request(stale_room, rid="forgotten")
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        stop_at = time.monotonic() + args.seconds
+        index = 0
+        while (args.mode == "metrics" and time.monotonic() < stop_at) or (args.mode == "traces" and index < args.rooms):
+            room = args.room_base + index
+            fail = index % 4 == 3
+            parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES))
+            integration.begin_request(room, rid=f"rid-{room}")
+            compute = pool.submit(_forward_pass)
+            error = None
+            for chunk in range(CHUNKS):
+                # the forward pass of this chunk ran (or runs) while the previous chunk's KV is on the wire
+                start_ns, end_ns = compute.result(timeout=30)
+                integration.record_compute([room], start_ns, end_ns, chunk_index=chunk)
+                if chunk + 1 < CHUNKS:
+                    compute = pool.submit(_forward_pass)
+                for dest in range(REPLICAS):
+                    offset = (dest * CHUNKS + chunk) * CHUNK_BYTES
+                    target = remote + offset
+                    if fail and chunk == CHUNKS - 1 and dest == REPLICAS - 1:
+                        target = remote + (1 << 40)  # outside every registered buffer of the peer
+                    with integration.transfer_scope(room, chunk_index=chunk, payload="kv", destination_index=dest,
+                                                    replica_factor=REPLICAS, is_last_chunk=chunk == CHUNKS - 1):
+                        rc = engine.transfer_sync_write(session, source.ctypes.data + offset, target, CHUNK_BYTES)
+                    summary["transfers"] += 1
+                    summary["bytes"] += CHUNK_BYTES
+                    if rc != 0:
+                        summary["failed_transfers"] += 1
+                        error = "transfer_failed"
+            with integration.transfer_scope(room, chunk_index=CHUNKS - 1, payload="aux", is_last_chunk=True):
+                offset = REPLICAS * CHUNKS * CHUNK_BYTES
+                rc = engine.transfer_sync_write(session, source.ctypes.data + offset, remote + offset, AUX_BYTES)
+            summary["transfers"] += 1
+            summary["bytes"] += AUX_BYTES
+            if rc != 0:
+                summary["failed_transfers"] += 1
+                error = error or "transfer_failed"
+            integration.end_request(room, error_type=error)
+            parent_conn.send(("end", room, error))
+            summary["rooms"].append(room)
+            if error:
+                summary["failed_rooms"].append(room)
+            index += 1
+            time.sleep(args.pause)
+        pool.shutdown(wait=True)
+        # let the TTL evict the forgotten room, then deliver everything
+        time.sleep(args.evict_wait)
+        tracer_provider.force_flush(10_000)
+        meter_provider.force_flush(10_000)
+    finally:
+        try:
+            parent_conn.send(("stop",))
+            if parent_conn.poll(30):
+                parent_conn.recv()
+        except (OSError, EOFError):
+            pass
+        decode.join(15)
+        if decode.is_alive():
+            decode.kill()
+            decode.join(5)
+    print("DONE " + json.dumps(summary), flush=True)
+    if endpoint is not None:
+        # keep serving /metrics until the test closes stdin (or the linger bound passes)
+        done = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+        done.wait(args.linger)
+        endpoint.close()
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["metrics", "traces"])
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rooms", type=int, default=4)
+    parser.add_argument("--room-base", type=int, default=1000)
+    parser.add_argument("--pause", type=float, default=0.05)
+    parser.add_argument("--evict-wait", type=float, default=2.5)
+    parser.add_argument("--linger", type=float, default=60.0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    parser.add_argument("--endpoint", default=None)
+    parser.add_argument("--project", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+    os.environ.setdefault("OTEL_KVTRANSFER_REQUEST_TTL_S", "1.5")
+    os.environ.setdefault("OTEL_KVTRANSFER_FLUSH_INTERVAL_MS", "100")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""dashboards/*.json against Grafana's own schema (npm @grafana/schema, checked by TypeScript), plus what the
+schema cannot see: units, variables, datasource references and the metric names the panels query."""
+
+import copy
+import glob
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from _observability_parts import NODE_DIR, ROOT, SETUP, node_ready
+from _observability_promnames import DESIGN_METRICS, series_names
+from conftest import require_part
+
+DASHBOARDS = sorted(glob.glob(os.path.join(ROOT, "dashboards", "*.json")))
+MAIN = os.path.join(ROOT, "dashboards", "kv_transfer.json")
+CHECK = os.path.join(ROOT, "dashboards", "typecheck", "check.mjs")
+KNOWN_SERIES = {name for metric in DESIGN_METRICS for name in series_names(*metric)}
+
+
+def _typecheck(*paths):
+    return subprocess.run(["node", CHECK, *paths], env={**os.environ, "NODE_PATH_ROOT": NODE_DIR},
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _panels(dashboard):
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def _exprs(dashboard):
+    return [(panel["title"], target["expr"]) for panel in _panels(dashboard) for target in panel.get("targets", [])]
+
+
+def test_dashboards_exist():
+    assert MAIN in DASHBOARDS
+
+
+@pytest.fixture(scope="module")
+def typecheck_ready():
+    require_part(node_ready(), f"node + @grafana/schema + typescript in {NODE_DIR} ({SETUP})")
+
+
+def test_dashboards_satisfy_grafana_schema(typecheck_ready):
+    result = _typecheck(*DASHBOARDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "satisfy Dashboard" in result.stdout
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d["panels"][1]["fieldConfig"]["defaults"].__setitem__("unitt", "Bps"), "unitt"),
+    (lambda d: d["panels"][1]["gridPos"].__setitem__("x", "0"), "not assignable to type 'number'"),
+    (lambda d: d["panels"][6]["options"]["legend"].__setitem__("displayMode", "tables"), '"tables"'),
+    (lambda d: d.pop("schemaVersion"), "schemaVersion"),
+])
+def test_typecheck_rejects_a_broken_dashboard(typecheck_ready, tmp_path, mutate, expected):
+    """The check has teeth: a misspelt key, a wrong type, a bad enum value, a missing required field fail."""
+    with open(MAIN, encoding="utf-8") as handle:
+        dashboard = json.load(handle)
+    broken = copy.deepcopy(dashboard)
+    mutate(broken)
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(broken, indent=2))
+    result = _typecheck(str(path))
+    assert result.returncode != 0
+    assert expected in result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def dashboard():
+    with open(MAIN, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def test_every_query_uses_only_the_collector_names(dashboard):
+    for title, expr in _exprs(dashboard):
+        names = set(re.findall(r"\b(kv_transfer_[a-z_]+)\b", expr))
+        assert names, (title, expr)
+        # label names (kv_transfer_payload, ...) follow `by (` / `{` ; metric names are the known series
+        metric_names = {n for n in names if re.search(rf"\b{n}\s*(\{{|\[)", expr)}
+        assert metric_names and metric_names <= KNOWN_SERIES, (title, metric_names - KNOWN_SERIES)
+
+
+def test_every_design_metric_has_a_panel(dashboard):
+    used = " ".join(expr for _, expr in _exprs(dashboard))
+    for name, unit, kind in DESIGN_METRICS:
+        family = series_names(name, unit, kind)[0].rsplit("_bucket", 1)[0]
+        assert family in used, name
+
+
+def test_units_make_grafana_show_rates_bytes_and_seconds(dashboard):
+    units = {}
+    for panel in _panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit") or \
+            panel.get("options", {}).get("yAxis", {}).get("unit")
+        assert unit, panel["title"]
+        units[panel["title"]] = unit
+        exprs = " ".join(t["expr"] for t in panel["targets"])
+        if "throughput_bytes_per_second" in exprs or ("size_bytes_sum" in exprs and "rate(" in exprs):
+            assert unit == "Bps", (panel["title"], unit)  # bytes/sec (SI): GB/s
+        elif "_seconds" in exprs and "histogram_quantile" in exprs:
+            assert unit == "s", (panel["title"], unit)
+        elif "size_bytes_bucket" in exprs:
+            assert unit == "bytes", (panel["title"], unit)
+        elif "compute_overlap" in exprs:
+            assert unit == "percentunit", (panel["title"], unit)
+
+
+def test_variables_filter_every_query(dashboard):
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "service", "instance", "backend", "role"} <= set(variables)
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("service", "instance", "backend", "role"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    for title, expr in _exprs(dashboard):
+        assert 'job=~"$service"' in expr and 'instance=~"$instance"' in expr, title
+        if "instrumentation_dropped" not in expr:  # the dropped counter has neither backend nor role
+            assert 'kv_transfer_backend=~"$backend"' in expr and 'kv_transfer_role=~"$role"' in expr, title
+
+
+def test_datasource_is_the_variable_and_exemplars_are_on(dashboard):
+    exemplar_titles = set()
+    for panel in _panels(dashboard):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"]
+            if target.get("exemplar"):
+                exemplar_titles.add(panel["title"])
+    assert any("Transfer throughput" in t for t in exemplar_titles)
+    assert any("Request throughput" in t for t in exemplar_titles)
+    assert any(p["type"] == "heatmap" for p in _panels(dashboard))
+
+
+def test_panel_ids_unique_and_grid_fits(dashboard):
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids))
+    for panel in _panels(dashboard):
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]

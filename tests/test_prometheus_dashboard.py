@@ -1,0 +1,261 @@
+"""Every PromQL expression of the dashboard, evaluated by a real Prometheus that scraped the package's metrics
+while real Mooncake transfers ran; and the scraped names are exactly the Collector's translation of the OTel names.
+
+Set-up: a Prometheus (Debian `prometheus`, exemplar storage on) on 127.0.0.1 scrapes, every second, a workload
+process (tests/_observability_workload.py) in which KVTransferInstrumentor derives the metrics from real
+Mooncake transfers to a second engine process. The workload exposes them the way the Collector's prometheus
+exporter does (tests/_observability_exposition.py; names through tests/_observability_promnames.py, which
+ports the Collector's translation and is unit-tested below against the translator's own cases and against
+opentelemetry-exporter-prometheus).
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from _observability_parts import (
+    ROOT, SETUP, free_port, http_json, mooncake_available, prometheus_binary, read_line_with_prefix, start, stop,
+    wait_until)
+from _observability_promnames import (
+    COUNTER, DESIGN_METRICS, GAUGE, HISTOGRAM, job_and_instance, label_name, metric_name, series_names)
+from conftest import require_part
+
+DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
+WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")
+RATE_INTERVAL = "4s"  # what Grafana's $__rate_interval is for a 1 s scrape interval (4 x scrape interval)
+VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "role": ".*"}
+
+
+# --- the translation itself (no real part needed) ------------------------------------------------------------
+
+@pytest.mark.parametrize("name, unit, kind, expected", [
+    # cases of github.com/prometheus/otlptranslator metric_namer_test.go (UnderscoreEscapingWithSuffixes)
+    ("simple_metric", "", GAUGE, "simple_metric"),
+    ("metric@with#special$chars", "", GAUGE, "metric_with_special_chars"),
+    ("123metric", "", GAUGE, "_123metric"),
+    ("requests", "", COUNTER, "requests_total"),
+    ("cpu_usage", "1", GAUGE, "cpu_usage_ratio"),
+    ("items", "1", COUNTER, "items_total"),
+    ("response_time", "ms", GAUGE, "response_time_milliseconds"),
+    ("memory_usage", "By", GAUGE, "memory_usage_bytes"),
+    ("requests", "1/s", GAUGE, "requests_per_second"),
+    ("throughput", "By/s", GAUGE, "throughput_bytes_per_second"),
+    ("custom_metric", "custom_unit", GAUGE, "custom_metric_custom_unit"),
+    ("custom_metric", "{custom}", GAUGE, "custom_metric"),
+    ("custom_metric", "By/{custom}", GAUGE, "custom_metric_bytes"),
+    ("requests_total", "", COUNTER, "requests_total"),
+    ("cpu_usage_ratio", "1", GAUGE, "cpu_usage_ratio"),
+    ("response_time_seconds", "s", GAUGE, "response_time_seconds"),
+    # this package's metrics (DESIGN.md)
+    ("kv_transfer.duration", "s", HISTOGRAM, "kv_transfer_duration_seconds"),
+    ("kv_transfer.size", "By", HISTOGRAM, "kv_transfer_size_bytes"),
+    ("kv_transfer.throughput", "By/s", HISTOGRAM, "kv_transfer_throughput_bytes_per_second"),
+    ("kv_transfer.failures", "{transfer}", COUNTER, "kv_transfer_failures_total"),
+    ("kv_transfer.request.duration", "s", HISTOGRAM, "kv_transfer_request_duration_seconds"),
+    ("kv_transfer.request.size", "By", HISTOGRAM, "kv_transfer_request_size_bytes"),
+    ("kv_transfer.request.throughput", "By/s", HISTOGRAM, "kv_transfer_request_throughput_bytes_per_second"),
+    # unit "1" gets `_ratio` on gauges only: a histogram keeps its bare name
+    ("kv_transfer.request.compute_overlap", "1", HISTOGRAM, "kv_transfer_request_compute_overlap"),
+    ("kv_transfer.instrumentation.dropped", "{record}", COUNTER, "kv_transfer_instrumentation_dropped_total"),
+])
+def test_collector_metric_name_translation(name, unit, kind, expected):
+    assert metric_name(name, unit, kind) == expected
+
+
+def test_collector_label_translation():
+    assert label_name("kv_transfer.backend") == "kv_transfer_backend"
+    assert label_name("error.type") == "error_type"
+    assert label_name("kv_transfer.replica_factor") == "kv_transfer_replica_factor"
+    assert label_name("kv_transfer.drop_reason") == "kv_transfer_drop_reason"
+    assert label_name("a..b") == "a_b" and label_name("0x") == "key_0x"
+    assert job_and_instance({"service.name": "p", "service.instance.id": "i"}) == ("p", "i")
+    assert job_and_instance({"service.name": "p", "service.namespace": "ns"}) == ("ns/p", None)
+
+
+def test_python_prometheus_exporter_agrees_on_names():
+    """opentelemetry-exporter-prometheus names these metrics exactly as the Collector does (it lacks exemplars and
+    job/instance from the resource, which is why the scrape test serves the Collector's exposition instead)."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader  # pylint: disable=import-outside-toplevel
+        from prometheus_client import CollectorRegistry, generate_latest  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        require_part(False, "pip package opentelemetry-exporter-prometheus")
+    from opentelemetry.sdk.metrics import MeterProvider  # pylint: disable=import-outside-toplevel
+
+    registry = CollectorRegistry()
+    reader = PrometheusMetricReader()
+    registry.register(reader._collector)  # pylint: disable=protected-access
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter("otel_kvtransfer")
+    for name, unit, kind in DESIGN_METRICS:
+        if kind == HISTOGRAM:
+            meter.create_histogram(name, unit=unit).record(1.0, {"kv_transfer.backend": "mooncake"})
+        else:
+            meter.create_counter(name, unit=unit).add(1, {"error.type": "x"})
+    text = generate_latest(registry).decode()
+    provider.shutdown()
+    exposed = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{", text, re.M))
+    expected = {series for metric in DESIGN_METRICS for series in series_names(*metric)}
+    assert {n for n in exposed if n.startswith("kv_transfer")} >= expected
+    assert "kv_transfer_backend=" in text and "error_type=" in text
+
+
+# --- the real run ---------------------------------------------------------------------------------------------
+
+def _room_trace_id(room: int) -> str:
+    digest = hashlib.blake2b(room.to_bytes(8, "big"), digest_size=16, person=b"kv_transfer").digest()
+    return digest.hex()
+
+
+def _dashboard_queries():
+    with open(DASHBOARD, encoding="utf-8") as handle:
+        dashboard = json.load(handle)
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            queries.append((panel["title"], target.get("legendFormat", target["refId"]), target["expr"]))
+    variables = [(v["name"], v["query"]["query"]) for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return queries, variables
+
+
+def _substitute(expr: str) -> str:
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    for name, value in VARIABLES.items():
+        expr = expr.replace(f"${name}", value)
+    assert "$" not in expr, expr
+    return expr
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Prometheus + the workload; yields what the tests need; stops both by PID."""
+    binary = prometheus_binary()
+    require_part(bool(binary), f"Debian prometheus ({SETUP})")
+    require_part(mooncake_available(), "mooncake-transfer-engine-non-cuda + libibverbs1 (bash scripts/setup.sh)")
+    workdir = tempfile.mkdtemp(prefix="kvt-prom-")
+    prom_port, metrics_port = free_port(), free_port()
+    config = os.path.join(workdir, "prometheus.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        handle.write(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
+    prometheus = workload = None
+    log = open(os.path.join(workdir, "prometheus.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    err = open(os.path.join(workdir, "workload.err"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    try:
+        prometheus = start([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
+                            f"--web.listen-address=127.0.0.1:{prom_port}", "--enable-feature=exemplar-storage",
+                            "--storage.tsdb.retention.time=1h"], stdout=log, stderr=log)
+        base = f"http://127.0.0.1:{prom_port}"
+        wait_until(lambda: http_json(f"{base}/api/v1/status/buildinfo")["status"] == "success", 30,
+                   what="prometheus ready")
+        started = time.time()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+        workload = start([sys.executable, WORKLOAD, "metrics", "--seconds", "6", "--linger", "90",
+                          "--metrics-port", str(metrics_port)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+        json.loads(read_line_with_prefix(workload, "READY ", 90))
+        summary = json.loads(read_line_with_prefix(workload, "DONE ", 90))
+        done = time.time()
+
+        def scraped_everything():
+            result = http_json(f"{base}/api/v1/query", {"query": "sum(kv_transfer_size_bytes_count)"})["data"]
+            return result["result"] and int(float(result["result"][0]["value"][1])) == summary["transfers"]
+
+        wait_until(scraped_everything, 20, what="Prometheus holding every transfer of the run")
+        time.sleep(1.5)  # one more scrape, so every series has its final sample
+        yield {"base": base, "summary": summary, "start": started, "end": time.time(), "done": done}
+    finally:
+        if workload is not None:
+            try:
+                workload.stdin.close()
+                workload.wait(15)
+            except Exception:  # pylint: disable=broad-except
+                pass
+            stop(workload)
+        stop(prometheus)
+        log.close()
+        err.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_scraped_names_are_the_collector_names(run):
+    names = http_json(f"{run['base']}/api/v1/label/__name__/values")["data"]
+    ours = {n for n in names if n.startswith("kv_transfer")}
+    expected = {series for metric in DESIGN_METRICS for series in series_names(*metric)}
+    assert ours == expected
+    labels = set(http_json(f"{run['base']}/api/v1/labels", {"match[]": "kv_transfer_size_bytes_count"})["data"])
+    assert {"job", "instance", "kv_transfer_backend", "kv_transfer_role", "kv_transfer_payload",
+            "kv_transfer_replica_factor", "otel_scope_name"} <= labels
+    series = http_json(f"{run['base']}/api/v1/series", {"match[]": "kv_transfer_size_bytes_count"})["data"]
+    assert {(s["job"], s["instance"]) for s in series} == {("kvt-prefill", "prefill-0")}
+
+
+def test_metrics_count_every_transfer(run):
+    summary = run["summary"]
+
+    def value(expr):
+        result = http_json(f"{run['base']}/api/v1/query", {"query": expr})["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    assert value("sum(kv_transfer_size_bytes_count)") == summary["transfers"]
+    assert value("sum(kv_transfer_size_bytes_sum)") == summary["bytes"]
+    assert value("sum(kv_transfer_failures_total)") == summary["failed_transfers"] > 0
+    # every room concluded (plus the forgotten one the TTL evicted), and the eviction was counted as a drop
+    assert value('sum(kv_transfer_request_duration_seconds_count{error_type!="evicted"})') == len(summary["rooms"])
+    assert value('sum(kv_transfer_instrumentation_dropped_total{kv_transfer_drop_reason="request_evicted"})') == 1
+
+
+def test_every_dashboard_query_returns_data(run, record_property):
+    queries, variables = _dashboard_queries()
+    report = []
+    for title, legend, expr in queries:
+        concrete = _substitute(expr)
+        data = http_json(f"{run['base']}/api/v1/query_range", {
+            "query": concrete, "start": f"{run['start']:.3f}", "end": f"{run['end']:.3f}", "step": "1"})
+        assert data["status"] == "success", (title, concrete, data)
+        values = [float(v) for series in data["data"]["result"] for _, v in series["values"]]
+        finite = [v for v in values if not math.isnan(v) and not math.isinf(v)]
+        assert finite, f"{title} [{legend}]: no data for {concrete}"
+        groups = sorted({json.dumps({k: v for k, v in s["metric"].items()}, sort_keys=True)
+                         for s in data["data"]["result"]})
+        report.append({"panel": title, "legend": legend, "expr": expr, "series": len(data["data"]["result"]),
+                       "groups": [json.loads(g) for g in groups], "max": max(finite), "last": finite[-1]})
+    for name, query in variables:
+        match = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", query)
+        assert match, query
+        selector, label = _substitute(match.group(1)), match.group(2)
+        values = http_json(f"{run['base']}/api/v1/label/{label}/values", {"match[]": selector})["data"]
+        assert values, (name, query)
+        report.append({"variable": name, "query": query, "values": values})
+    text = json.dumps(report, indent=1)
+    record_property("dashboard_queries", text)
+    out = os.environ.get("KVT_DASHBOARD_REPORT")
+    if out:
+        with open(out, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    print(text)
+
+
+def test_exemplars_point_at_the_send_spans_traces(run):
+    summary = run["summary"]
+    data = http_json(f"{run['base']}/api/v1/query_exemplars", {
+        "query": "kv_transfer_throughput_bytes_per_second_bucket", "start": f"{run['start']:.3f}",
+        "end": f"{run['end']:.3f}"})["data"]
+    exemplars = [e for series in data for e in series["exemplars"]]
+    assert exemplars, "Prometheus stored no exemplars"
+    room_traces = {_room_trace_id(room) for room in summary["rooms"]}
+    for exemplar in exemplars:
+        labels = exemplar["labels"]
+        assert re.fullmatch(r"[0-9a-f]{32}", labels["trace_id"]) and re.fullmatch(r"[0-9a-f]{16}", labels["span_id"])
+        assert labels["trace_id"] in room_traces  # the trace of the room the transfer belonged to
