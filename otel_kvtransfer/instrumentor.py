@@ -96,13 +96,13 @@ class KVTransferInstrumentor(BaseInstrumentor):
         )
         self._builder = builder
         mooncake.instrument()
-        _instrument_sglang()
+        _sglang("instrument")
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out.
         self._finalizer = multiprocessing.util.Finalize(
             None, _flush_providers, args=(tracer_provider, meter_provider), exitpriority=100)
 
     def _uninstrument(self, **kwargs):
-        _uninstrument_sglang()
+        _sglang("uninstrument")
         mooncake.uninstrument()
         RECORDER.stop()
         for processor in list(_attached.values()):
@@ -123,23 +123,13 @@ def _flush_providers(tracer_provider, meter_provider):
                 _logger.debug("otel_kvtransfer: flush at exit failed", exc_info=True)
 
 
-def _instrument_sglang():
+def _sglang(action: str):
+    """Run instrument/uninstrument of the sglang module when it is part of this install."""
     try:
         from otel_kvtransfer import sglang as sglang_integration  # pylint: disable=import-outside-toplevel
     except ImportError:
         return
     try:
-        sglang_integration.instrument()
+        getattr(sglang_integration, action)()
     except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer could not instrument sglang", exc_info=True)
-
-
-def _uninstrument_sglang():
-    try:
-        from otel_kvtransfer import sglang as sglang_integration  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return
-    try:
-        sglang_integration.uninstrument()
-    except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer could not uninstrument sglang", exc_info=True)
+        _logger.warning("otel_kvtransfer could not %s sglang", action, exc_info=True)

@@ -91,24 +91,25 @@ class SpanBuilder:
         self._receives.clear()
 
     # --- prefill request ----------------------------------------------------------------------------------
-    def _open_request(self, room, start_ns, now, backend=semconv.BACKEND_MOONCAKE, rid=None, parent=None,
-                      attributes=None) -> _OpenRequest:
-        attrs = {
-            semconv.BOOTSTRAP_ROOM: room,
-            semconv.ROLE: semconv.ROLE_PREFILL,
-            semconv.BACKEND: backend,
-        }
-        if rid is not None:
-            attrs[semconv.SGLANG_RID] = str(rid)
+    def _start_room_span(self, name, kind, room, role, backend, parent, start_ns, extra, attributes):
+        """A room's top span: under the given parent, else under the room's synthetic parent."""
+        attrs = {semconv.BOOTSTRAP_ROOM: room, semconv.ROLE: role, semconv.BACKEND: backend}
+        attrs.update(extra)
         if attributes:
             attrs.update(attributes)
-        span = self._tracer.start_span(
-            semconv.SPAN_REQUEST,
+        return self._tracer.start_span(
+            name,
             context=parent if parent is not None else room_parent_context(room),
-            kind=SpanKind.INTERNAL,
+            kind=kind,
             attributes=attrs,
             start_time=start_ns,
         )
+
+    def _open_request(self, room, start_ns, now, backend=semconv.BACKEND_MOONCAKE, rid=None, parent=None,
+                      attributes=None) -> _OpenRequest:
+        extra = {semconv.SGLANG_RID: str(rid)} if rid is not None else {}
+        span = self._start_room_span(semconv.SPAN_REQUEST, SpanKind.INTERNAL, room, semconv.ROLE_PREFILL, backend,
+                                     parent, start_ns, extra, attributes)
         state = _OpenRequest(span, now)
         self._requests[room] = state
         return state
@@ -242,23 +243,11 @@ class SpanBuilder:
         _, room, start_ns, backend, expected_bytes, parent, attributes = rec
         if room in self._receives:
             return
-        attrs = {
-            semconv.BOOTSTRAP_ROOM: room,
-            semconv.ROLE: semconv.ROLE_DECODE,
-            semconv.BACKEND: backend,
-            semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_RECEIVE,
-        }
+        extra = {semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_RECEIVE}
         if expected_bytes is not None:
-            attrs[semconv.EXPECTED_BYTES] = int(expected_bytes)
-        if attributes:
-            attrs.update(attributes)
-        span = self._tracer.start_span(
-            semconv.SPAN_RECEIVE,
-            context=parent if parent is not None else room_parent_context(room),
-            kind=SpanKind.SERVER,
-            attributes=attrs,
-            start_time=start_ns,
-        )
+            extra[semconv.EXPECTED_BYTES] = int(expected_bytes)
+        span = self._start_room_span(semconv.SPAN_RECEIVE, SpanKind.SERVER, room, semconv.ROLE_DECODE, backend,
+                                     parent, start_ns, extra, attributes)
         self._receives[room] = _OpenReceive(span, now)
 
     def _end_receive(self, rec, now):
