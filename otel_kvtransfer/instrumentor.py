@@ -12,6 +12,7 @@ processors stay attached (the SDK cannot detach them) but go quiet, and a later 
 """
 
 import logging
+import multiprocessing
 import multiprocessing.util
 import weakref
 from typing import Collection
@@ -86,7 +87,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
             description="Records the instrumentation had to drop (queue full, evicted rooms, own errors)")
         builder = SpanBuilder(
             tracer, settings.request_ttl_s,
-            on_evicted=lambda reason, n: RECORDER.drop(reason, n))
+            on_evicted=lambda reason, n: RECORDER.drop(reason, n),
+            on_error=lambda n: RECORDER.drop("builder_error", n))
         RECORDER.start(
             settings,
             sink=builder.consume,
@@ -98,8 +100,11 @@ class KVTransferInstrumentor(BaseInstrumentor):
         mooncake.instrument()
         _sglang("instrument")
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out.
-        self._finalizer = multiprocessing.util.Finalize(
-            None, _flush_providers, args=(tracer_provider, meter_provider), exitpriority=100)
+        # (The main process has the providers' own atexit shutdown.)
+        self._finalizer = None
+        if multiprocessing.parent_process() is not None:
+            self._finalizer = multiprocessing.util.Finalize(
+                None, _flush_providers, args=(tracer_provider, meter_provider), exitpriority=100)
 
     def _uninstrument(self, **kwargs):
         _sglang("uninstrument")
@@ -113,7 +118,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
 
 
 def _flush_providers(tracer_provider, meter_provider):
-    RECORDER.drain()
+    RECORDER.final_drain()
     for provider in (tracer_provider, meter_provider):
         flush = getattr(provider, "force_flush", None)
         if flush is not None:

@@ -231,4 +231,6 @@ def uninstrument() -> None:
     for name, original in list(_originals.items()):
         setattr(engine, name, original)
     _originals.clear()
+    if _pending:  # submissions whose completion will now never be observed: counted, not silently lost
+        RECORDER.drop("async_uninstrumented", len(_pending))
     _pending.clear()

@@ -33,6 +33,9 @@ END_RECEIVE = 6
 
 Sink = Callable[[List[tuple]], None]
 
+# How long flushing at shutdown or exit may wait for a drain in progress (a hung synchronous exporter).
+EXIT_DRAIN_TIMEOUT_S = 5.0
+
 
 class Recorder:
     """Bounded, lock-free-on-append hand-off from engine threads to one background span-building thread."""
@@ -52,11 +55,12 @@ class Recorder:
         self._on_fork: Optional[Callable[[], None]] = None
         self._wake = threading.Event()
         self._stopping = False
+        self._stalled = False
         self._thread: Optional[threading.Thread] = None
         self.sink_errors = 0
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
-        atexit.register(self.drain)
+        atexit.register(self.final_drain)
 
     # --- hot path -----------------------------------------------------------------------------------------
     def record(self, rec: tuple) -> None:
@@ -90,6 +94,10 @@ class Recorder:
         self._capacity = settings.queue_size
         self._sink, self._tick, self._on_drops, self._on_fork = sink, tick, on_drops, on_fork
         self.active = True
+        # Drain at exit before the providers shut down: their atexit handlers were registered before this one
+        # (they exist before instrument()), and atexit runs the latest first.
+        atexit.unregister(self.final_drain)
+        atexit.register(self.final_drain)
         self._wake.set()  # a waiting thread picks up the new interval now
         self._ensure_thread()
 
@@ -111,11 +119,20 @@ class Recorder:
             self._wake.clear()
             self.drain()
 
-    def drain(self) -> None:
-        """Turn everything queued so far into spans, on the calling thread."""
+    def drain(self, timeout_s: Optional[float] = None) -> bool:
+        """Turn everything queued so far into spans, on the calling thread.
+
+        False when another drain (the background thread, held up by a hung synchronous exporter) did not let go
+        within `timeout_s`; nothing is lost then, the records stay queued.
+        """
         if self._sink is None:
-            return
-        with self._drain_lock:
+            return True
+        if self._stalled:  # a final drain already waited its time out: don't wait again on the way out
+            timeout_s = 0
+        if not self._drain_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            return False
+        self._stalled = False
+        try:
             batch = []
             pop = self._queue.popleft
             try:
@@ -134,6 +151,30 @@ class Recorder:
                 self.drop("builder_error", len(batch))
                 _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
             self._report_drops()
+        finally:
+            self._drain_lock.release()
+        return True
+
+    def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S) -> bool:
+        """Drain for a process that is about to end: never waits longer than `timeout_s`.
+
+        Records that could not be turned into spans in time are counted as dropped (`flush_timeout`), since
+        nothing will deliver them after the process is gone.
+        """
+        if self.drain(timeout_s):
+            return True
+        self._stalled = True
+        lost = 0
+        try:
+            while True:
+                self._queue.popleft()
+                lost += 1
+        except IndexError:
+            pass
+        if lost:
+            self.drop("flush_timeout", lost)
+        self._report_drops()
+        return False
 
     def _report_drops(self) -> None:
         with self._drop_lock:
@@ -173,11 +214,10 @@ class FlushFirstSpanProcessor(SpanProcessor):
         self._recorder = recorder
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self._recorder.drain()
-        return True
+        return self._recorder.drain(timeout_millis / 1000)
 
     def shutdown(self) -> None:
-        self._recorder.drain()
+        self._recorder.final_drain()
 
 
 # One per process: the wrappers reach it as a module global, the cheapest lookup on the hot path.

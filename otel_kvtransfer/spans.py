@@ -59,10 +59,11 @@ class _OpenReceive:
 
 
 class SpanBuilder:
-    def __init__(self, tracer, request_ttl_s: float, on_evicted=None, clock=time.monotonic):
+    def __init__(self, tracer, request_ttl_s: float, on_evicted=None, on_error=None, clock=time.monotonic):
         self._tracer = tracer
         self._ttl = request_ttl_s
         self._on_evicted = on_evicted or (lambda kind, n: None)
+        self._on_error = on_error or (lambda n: None)
         self._clock = clock
         self._requests: Dict[int, _OpenRequest] = {}
         self._receives: Dict[int, _OpenReceive] = {}
@@ -77,10 +78,14 @@ class SpanBuilder:
 
     # Called by the recorder with a batch of records, in the order they were recorded.
     def consume(self, batch: List[tuple]) -> None:
-        now = self._clock()
-        handlers = self._handlers
+        handlers, clock = self._handlers, self._clock
         for rec in batch:
-            handlers[rec[0]](rec, now)
+            try:
+                # The clock per record: a long batch must not make the rooms it just opened look stale.
+                handlers[rec[0]](rec, clock())
+            except Exception:  # pylint: disable=broad-except
+                # One record that fails (a span processor raising, say) loses only itself, and is counted.
+                self._on_error(1)
 
     def open_rooms(self) -> int:
         return len(self._requests) + len(self._receives)

@@ -145,3 +145,38 @@ def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
     assert os.WEXITSTATUS(status) == 0, (tmp_path / "child.txt").read_text()
     kvt.end_request(77)
     assert [s.name for s in telemetry.spans()] == [semconv.SPAN_REQUEST]
+
+
+_SHORT_LIVED = r"""
+import os
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from otel_kvtransfer import KVTransferInstrumentor
+from otel_kvtransfer import integration as kvt
+
+os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"] = "60000"  # only the exit path can deliver
+tracer_provider = TracerProvider()
+meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
+    ConsoleMetricExporter(formatter=lambda data: data.to_json(indent=None) + "\n"), export_interval_millis=600000)])
+KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+for room in range(25):
+    kvt.begin_request(room)
+    kvt.end_request(room)
+"""
+
+
+def test_a_short_lived_process_delivers_its_metrics_at_exit(tmp_path):
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    script = tmp_path / "short.py"
+    script.write_text(_SHORT_LIVED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    counts = [point["count"]
+              for line in out.stdout.splitlines() if line.startswith("{")
+              for rm in json.loads(line)["resource_metrics"] for sm in rm["scope_metrics"]
+              for metric in sm["metrics"] if metric["name"] == semconv.METRIC_REQUEST_SIZE
+              for point in metric["data"]["data_points"]]
+    assert counts == [25]

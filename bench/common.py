@@ -1,0 +1,241 @@
+"""What every benchmark shares: the machine description, RSS, the SDK pipeline, stand-in engines, naive wrapper.
+
+The pipeline is the production shape: an SDK TracerProvider whose spans go to a BatchSpanProcessor with a no-op
+exporter that counts what reaches it, and a MeterProvider with an in-memory reader (the aggregation work happens
+when a point is recorded, as with any reader). `KVTransferInstrumentor` attaches its own processors to them.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from importlib import metadata
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake logs every connection at INFO
+os.environ.setdefault("MC_FORCE_TCP", "1")
+
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+from opentelemetry.trace import SpanKind  # noqa: E402
+
+from otel_kvtransfer import semconv  # noqa: E402
+
+PACKAGES = ["otel_kvtransfer", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-instrumentation", "wrapt",
+            "mooncake-transfer-engine-non-cuda", "numpy"]
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            mem_kib = int(handle.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "packages": versions,
+    }
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def quantile(values, q):
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class CountingExporter(SpanExporter):
+    """A no-op exporter that only counts the spans reaching it."""
+
+    def __init__(self):
+        self.count = 0
+
+    def export(self, spans):
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+
+class Pipeline:
+    """TracerProvider -> BatchSpanProcessor(no-op exporter); MeterProvider with an in-memory reader."""
+
+    def __init__(self, max_queue_size=8192, max_export_batch_size=512, schedule_delay_millis=100, metrics="on"):
+        self.exporter = CountingExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(BatchSpanProcessor(
+            self.exporter, max_queue_size=max_queue_size, max_export_batch_size=max_export_batch_size,
+            schedule_delay_millis=schedule_delay_millis))
+        self.reader = InMemoryMetricReader()
+        if metrics == "no_exemplars":  # the SDK's exemplar filter off: what exemplars cost
+            from opentelemetry.sdk.metrics._internal.exemplar import (  # pylint: disable=import-outside-toplevel
+                AlwaysOffExemplarFilter,
+            )
+
+            self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False,
+                                                exemplar_filter=AlwaysOffExemplarFilter())
+        elif metrics == "no_reader":  # nothing reads the metrics: the SDK still takes each measurement
+            self.meter_provider = MeterProvider(metric_readers=[], shutdown_on_exit=False)
+        else:
+            self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+
+    def metric_points(self) -> dict:
+        found = {}
+        data = self.reader.get_metrics_data()
+        for resource_metrics in (data.resource_metrics if data else []):
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    found.setdefault(metric.name, []).extend(metric.data.data_points)
+        return found
+
+    def transfers_in_metrics(self) -> int:
+        return sum(p.count for p in self.metric_points().get(semconv.METRIC_DURATION, []))
+
+    def dropped(self) -> dict:
+        return {dict(p.attributes)[semconv.DROP_REASON]: p.value
+                for p in self.metric_points().get(semconv.METRIC_DROPPED, [])}
+
+    def shutdown(self):
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+# --- stand-in engines --------------------------------------------------------------------------------------------
+
+def _no_op_write(self, target_hostname, buffer, peer_buffer_address, length):  # pylint: disable=unused-argument
+    return 0
+
+
+class PlainStandIn:
+    """A zero-cost stand-in for TransferEngine.transfer_sync_write: same signature, does nothing, returns 0.
+
+    Used only to separate the wrapper's own cost from the network noise of a real loopback transfer; every figure
+    measured on it is labelled 'stand-in'."""
+
+    transfer_sync_write = _no_op_write
+
+
+class WrappedStandIn:
+    """The same no-op method, wrapped by the package's own Mooncake wrapper (`mooncake._sync_wrapper`)."""
+
+    transfer_sync_write = _no_op_write
+
+
+class NaiveStandIn:
+    """The same no-op method, wrapped by `Naive.wrapper` (SDK span + histogram records on the calling thread)."""
+
+    transfer_sync_write = _no_op_write
+
+
+def wrap_stand_ins(naive):
+    """Wrap the stand-in classes once: ours with the package's wrapper factory, the naive one with `naive`."""
+    import wrapt  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import mooncake  # pylint: disable=import-outside-toplevel
+
+    # pylint: disable=protected-access
+    if not hasattr(WrappedStandIn.__dict__["transfer_sync_write"], "__wrapped__"):
+        wrapt.wrap_function_wrapper(WrappedStandIn, "transfer_sync_write",
+                                    mooncake._sync_wrapper(mooncake.WRITE, False))
+    if not hasattr(NaiveStandIn.__dict__["transfer_sync_write"], "__wrapped__"):
+        wrapt.wrap_function_wrapper(NaiveStandIn, "transfer_sync_write", naive)
+
+
+def register_transport(engine, transport="tcp"):
+    """What the package's initialize() wrapper notes for a real engine, for a stand-in that has no initialize."""
+    from otel_kvtransfer import mooncake  # pylint: disable=import-outside-toplevel
+
+    mooncake._transports[id(engine)] = transport  # pylint: disable=protected-access
+
+
+# --- the naive reference instrumentation ----------------------------------------------------------------------
+
+class Naive:
+    """What a straightforward on-thread instrumentation does per transfer: an SDK span with the same attributes,
+    three histogram records (duration, size, throughput), all on the engine thread. The reference point."""
+
+    def __init__(self, pipeline: Pipeline):
+        self.tracer = pipeline.tracer_provider.get_tracer("naive-reference")
+        meter = pipeline.meter_provider.get_meter("naive-reference")
+        self.duration = meter.create_histogram("naive.duration", unit="s")
+        self.size = meter.create_histogram("naive.size", unit="By")
+        self.throughput = meter.create_histogram("naive.throughput", unit="By/s")
+
+    def wrapper(self, wrapped, instance, args, kwargs):
+        tracer = self.tracer
+        with tracer.start_as_current_span(semconv.SPAN_SEND, kind=SpanKind.CLIENT) as span:
+            start = time.time_ns()
+            rc = wrapped(*args, **kwargs)
+            elapsed = max(time.time_ns() - start, 1)
+            nbytes = int(args[3])
+            host, _, port = str(args[0]).rpartition(":")
+            throughput = nbytes * 1e9 / elapsed
+            span.set_attributes({
+                semconv.BYTES: nbytes, semconv.DESCRIPTOR_COUNT: 1, semconv.ENGINE_CALLS: 1,
+                semconv.OP: semconv.OP_WRITE, semconv.THROUGHPUT: throughput,
+                semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_TRANSMIT, semconv.NETWORK_TRANSPORT: "tcp",
+                semconv.SERVER_ADDRESS: host, semconv.SERVER_PORT: int(port) if port.isdigit() else 0,
+                semconv.BACKEND: semconv.BACKEND_MOONCAKE})
+            labels = {semconv.BACKEND: semconv.BACKEND_MOONCAKE}
+            self.duration.record(elapsed / 1e9, labels)
+            self.size.record(nbytes, labels)
+            self.throughput.record(throughput, labels)
+        return rc
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=False)
+        handle.write("\n")
+
+
+def main_wrapper(run):
+    """`python bench/X.py [--quick] [--out FILE]`: run one benchmark and write (or print) its JSON."""
+    import argparse  # pylint: disable=import-outside-toplevel
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for quoting)")
+    parser.add_argument("--out", help="write the JSON result here (default: print it)")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    if args.out:
+        write_json(args.out, result)
+    else:
+        print(json.dumps(result, indent=2))

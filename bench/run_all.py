@@ -1,0 +1,253 @@
+"""Run every benchmark, each in a fresh process, and write bench/results.json and bench/RESULTS.md.
+
+    python bench/run_all.py            # the full run (a few minutes on 2 cores)
+    python bench/run_all.py --quick    # a smoke run with fewer rounds: its figures are not for quoting
+
+Nothing here passes or fails: the figures are written down with the machine they were measured on, beside the
+goals of issue 6, and each goal is marked met or not met.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import machine, write_json  # noqa: E402
+
+BENCHES = ["cost", "pipeline", "memory", "truth"]
+GOALS = {"added_us_per_transfer": 5.0, "capacity_per_s": 20_000, "truth_error": 0.02}
+
+
+def _run_one(name: str, quick: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{name}.json")
+        cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--out", out] + (["--quick"] if quick else [])
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+        load_before = os.getloadavg()[0]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+        elapsed = time.monotonic() - start
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise SystemExit(f"bench/{name}.py failed with exit code {proc.returncode}")
+        with open(out, encoding="utf-8") as handle:
+            result = json.load(handle)
+    result["wall_s"] = round(elapsed, 1)
+    # Other processes on the machine (another developer's tests, say) add noise: say how busy it was.
+    result["load_average_1min_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(f"bench: {name} done in {elapsed:.0f} s", file=sys.stderr)
+    return result
+
+
+def _fmt(value, digits=1):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def summary(results: dict) -> dict:
+    cost, pipe, mem, truth = (results[k] for k in BENCHES)
+    real = cost["real_engine"]["sizes"]
+    paired = {size: v["added_us_paired_rounds"]["ours"] for size, v in real.items()}
+    se = {size: v["added_us_paired_rounds_se"]["ours"] for size, v in real.items()}
+    worst = max(paired, key=lambda size: paired[size])
+    added_stand_in = cost["stand_in"]["added_us"]["ours"]
+    growth = mem["rss_after_warmup_mib"]["growth"]
+    goal = GOALS["added_us_per_transfer"]
+    return {
+        "cost_added_us_stand_in": added_stand_in,
+        "cost_added_us_real_engine_worst": paired[worst],
+        "cost_added_us_real_engine_worst_se": se[worst],
+        # The wrapper's own cost (stand-in, no noise) within the goal, and no real-engine figure significantly
+        # above it (more than two standard errors of its loopback noise).
+        "cost_goal_met": added_stand_in <= goal and all(paired[k] - 2 * se[k] <= goal for k in paired),
+        "capacity_per_s": pipe["sustained_capacity_per_s"],
+        "builder_only_per_s": pipe["builder_only"]["spans_per_s"],
+        "capacity_goal_met": pipe["sustained_capacity_per_s"] >= GOALS["capacity_per_s"],
+        "overload_accounted": pipe["overload"]["accounted"] and pipe["overload"]["wrong_return_values"] == 0,
+        "rss_growth_mib_after_warmup": growth,
+        "rss_flat": abs(growth) < 5.0,
+        "truth_worst_median_error": truth["per_transfer_worst_median_abs_error"],
+        "truth_worst_error": truth["per_transfer_worst_abs_error"],
+        "truth_goal_met": truth["per_transfer_worst_median_abs_error"] <= GOALS["truth_error"],
+        "truth_median_error_by_bytes": {size: v["median_error"] for size, v in truth["per_transfer"].items()},
+    }
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    cost, pipe, mem, truth = (results[k] for k in BENCHES)
+    s = results["summary"]
+    lines = ["# Benchmark results", "",
+             f"Written by `python bench/run_all.py{' --quick' if results['quick'] else ''}` on {results['date']} "
+             f"({results['total_wall_s']:.0f} s). What each figure means: [README.md](README.md).", ""]
+    if results["quick"]:
+        lines += ["**Quick (smoke) run: fewer rounds; do not quote these figures.**", ""]
+    lines += ["## Machine", "", "| | |", "|---|---|",
+              f"| CPU | {m['cpu_model']}, {m['nproc']} cores (nproc) |",
+              f"| memory | {m['memory_gib']} GiB |", f"| kernel | {m['kernel']} |",
+              f"| Python | {m['python']} ({m['python_implementation']}) |"]
+    for name, version in m["packages"].items():
+        lines.append(f"| {name} | {version or 'not installed'} |")
+    loads = ", ".join(f"{name} {results[name]['load_average_1min_before_after'][0]:.2f} -> "
+                      f"{results[name]['load_average_1min_before_after'][1]:.2f}" for name in BENCHES)
+    lines.append(f"| load average (1 min) before -> after each benchmark | {loads} |")
+    lines += ["", "A load average well above the benchmark's own (about 1) means other processes shared the two "
+              "cores during the run; their noise is in the figures. Rerun on a quiet machine before quoting."]
+    lines += ["", "## Headline", "", "| goal | figure | verdict |", "|---|---|---|",
+              f"| <= 5 us added per transfer on the engine thread | stand-in: {s['cost_added_us_stand_in']:.2f} us; "
+              f"real engine (worst of 8 B / 1 MiB, paired rounds): {s['cost_added_us_real_engine_worst']:+.1f} "
+              f"+- {s['cost_added_us_real_engine_worst_se']:.1f} us (loopback noise) "
+              f"| {_verdict(s['cost_goal_met'])} |",
+              f"| >= 20,000 transfers/s into spans + metrics, nothing dropped | sustained: "
+              f"{s['capacity_per_s']:,}/s (builder alone: {s['builder_only_per_s']:,.0f}/s) "
+              f"| {_verdict(s['capacity_goal_met'])} |",
+              f"| beyond capacity: drops counted, engine unaffected | spans + dropped == calls: "
+              f"{pipe['overload']['accounted']}, wrong return values: {pipe['overload']['wrong_return_values']} "
+              f"| {_verdict(s['overload_accounted'])} |",
+              f"| RSS flat over 1,000,000 transfers after warm-up | growth {s['rss_growth_mib_after_warmup']:+.2f} MiB "
+              f"| {_verdict(s['rss_flat'])} |",
+              f"| per-transfer throughput within 2% of an independent timer | median error by size: "
+              + ", ".join(f"{int(size) >> 20} MiB {err:+.2%}" for size, err in s["truth_median_error_by_bytes"].items())
+              + f" (worst single {s['truth_worst_error']:.2%}) "
+              f"| {_verdict(s['truth_goal_met'])} |", ""]
+
+    # 1. cost
+    si = cost["stand_in"]
+    lines += ["## 1. Cost on the transfer thread", "",
+              "Modes interleaved round by round in one process: **off** = uninstrumented, **ours** = "
+              "`KVTransferInstrumentor().instrument()`, **naive** = an SDK span + 3 histogram records per "
+              "transfer on the calling thread (the reference point).", "",
+              "| engine | bytes | off median us | ours median us | naive median us | ours added us "
+              "(pooled / paired +- se) | naive added us | ours / off | naive / off |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, v in cost["real_engine"]["sizes"].items():
+        med, add, par, se, ratio = (v["median_us"], v["added_us"], v["added_us_paired_rounds"],
+                                    v["added_us_paired_rounds_se"], v["ratio_to_off"])
+        lines.append(
+            f"| Mooncake, TCP 127.0.0.1 | {int(size):,} | {med['off']:.1f} | {med['ours']:.1f} | {med['naive']:.1f} "
+            f"| {add['ours']:+.1f} / {par['ours']:+.1f} +- {se['ours']:.1f} | {add['naive']:+.1f} "
+            f"| {ratio['ours']:.3f} | {ratio['naive']:.3f} |")
+    pc = si["per_call_ns"]
+    lines.append(
+        f"| **stand-in** (no-op method, not the engine) | 8 | {pc['off'] / 1e3:.3f} | {pc['ours'] / 1e3:.3f} "
+        f"| {pc['naive'] / 1e3:.3f} | {si['added_us']['ours']:+.2f} | {si['added_us']['naive']:+.2f} | - | - |")
+    lines += ["", "Process CPU time per transfer, all threads (the background span building included; the engine's "
+              "own threads too):", "", "| engine | bytes | off us | ours us | naive us |", "|---|---:|---:|---:|---:|"]
+    for size, v in cost["real_engine"]["sizes"].items():
+        c = v["cpu_us_per_call_all_threads"]
+        lines.append(f"| Mooncake, TCP 127.0.0.1 | {int(size):,} | {c['off']:.1f} | {c['ours']:.1f} | {c['naive']:.1f} |")
+    v8 = cost["real_engine"]["sizes"]["8"]
+    lines += ["", f"Real engine: {v8['rounds']} rounds x {v8['calls_per_mode_per_round']} calls per mode (8 B), "
+              f"{cost['real_engine']['sizes'][str(1 << 20)]['calls_per_mode_per_round']} (1 MiB); every call timed "
+              f"alone. Stand-in: {si['rounds']} rounds x {si['calls_per_block']} calls per block, blocks timed. "
+              "p90/p99 per mode are in results.json.", ""]
+
+    # 2. pipeline
+    b = pipe["builder_only"]
+    lines += ["## 2. Pipeline capacity", "",
+              f"Records made by the package's Mooncake wrapper around the stand-in method (the exact tuples and hot "
+              f"path of a real call), turned into spans (BatchSpanProcessor + no-op exporter) and metrics.", "",
+              f"- Builder alone ({b['records']:,} queued records, one drain): **{b['spans_per_s']:,.0f} transfers/s** "
+              f"({b['us_per_transfer']:.1f} us of builder time per transfer); spans exported {b['spans_exported']:,}, "
+              f"transfers in metrics {b['transfers_in_metrics']:,}, dropped {b['dropped'] or 0}.",
+              "- Where the builder's time goes (us per transfer, same drain): default "
+              f"{pipe['builder_breakdown']['us_per_transfer_default']:.1f}; exemplars off "
+              f"{pipe['builder_breakdown']['us_per_transfer_exemplars_off']:.1f}; no metric reader "
+              f"{pipe['builder_breakdown']['us_per_transfer_no_metric_reader']:.1f}; the bare SDK span with the "
+              f"same attributes and export, no builder: {pipe['builder_breakdown']['us_per_span_bare_sdk']:.1f}.",
+              f"- Sustained, default settings (queue 65,536, flush 200 ms), producer thread offering R/s: "
+              f"**{pipe['sustained_capacity_per_s']:,}/s** is the highest R with nothing dropped and a settled queue.",
+              "", "| offered /s | achieved /s | peak queue depth | middle / last third peak | keeps up | "
+              "record->span latency (max) | dropped | spans + dropped == calls |",
+              "|---:|---:|---:|---:|---|---:|---|---|"]
+    for st in pipe["sustained_steps"]:
+        lines.append(
+            f"| {st['offered_per_s']:,} | {st['achieved_offer_per_s']:,.0f} | {st['max_queue_depth']:,} "
+            f"| {st['peak_depth_middle_third']:,} / {st['peak_depth_last_third']:,} | {st['keeps_up']} "
+            f"| {st['record_to_span_latency_s_max']:.2f} s | {st['dropped'] or 0} | {st['accounted']} |")
+    o = pipe["overload"]
+    lines += ["", f"Beyond capacity (queue {o['queue_size']:,}, producer calling as fast as it can for {o['seconds']} s): "
+              f"{o['calls']:,} calls ({o['calls_per_s']:,.0f}/s), {o['wrong_return_values']} wrong return values, "
+              f"engine-thread cost {o['median_ns_per_call_engine_thread'] / 1e3:.2f} us per call "
+              f"(uncontended stand-in: {si['per_call_ns']['ours'] / 1e3:.2f} us); {o['transfers_in_metrics']:,} "
+              f"transfers became spans and metrics, dropped {o['dropped']}; spans + dropped == calls: "
+              f"{o['accounted']}.", ""]
+
+    # 3. memory
+    lines += ["## 3. Memory", "",
+              f"{mem['transfers']:,} transfers in {mem['requests']:,} requests (begin, 4 scoped transfers, end) over "
+              f"{mem['rooms_reused']:,} reused rooms, through the wrapper around the stand-in method; "
+              f"{mem['transfers_in_metrics']:,} in metrics, {mem['spans_exported']:,} spans exported "
+              f"(sends + requests), dropped {mem['dropped'] or 0}.", "",
+              "| transfers | RSS MiB | open rooms | queued |", "|---:|---:|---:|---:|"]
+    for smp in mem["samples"]:
+        lines.append(f"| {smp['transfers']:,} | {smp['rss_mib']:.1f} | {smp.get('open_rooms', '-')} "
+                     f"| {smp.get('queued', '-')} |")
+    r = mem["rss_after_warmup_mib"]
+    lines += ["", f"After warm-up: {r['first']:.1f} -> {r['last']:.1f} MiB (min {r['min']:.1f}, max {r['max']:.1f}).", ""]
+
+    # 4. truth
+    lines += ["## 4. Truth", "", "### Per transfer: span throughput vs an independent timer", "",
+              "Real Mooncake writes, TCP 127.0.0.1; the timer is perf_counter around the same engine call, outside "
+              "the wrapper (so it also holds the wrapper's own microseconds).", "",
+              "| bytes | transfers | span GiB/s (median) | timer GiB/s (median) | median error | worst error "
+              "| timer - span (median us) | of which before the span's start / after its end (us) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, v in truth["per_transfer"].items():
+        lines.append(f"| {int(size):,} | {v['transfers']} | {v['median_span_gib_s']:.3f} | {v['median_timer_gib_s']:.3f} "
+                     f"| {v['median_error']:+.2%} | {v['max_abs_error']:.2%} | {v['median_timer_minus_span_us']:.1f} "
+                     f"| {v['median_before_span_us']:.1f} / {v['median_after_span_us']:.1f} |")
+    lines += ["", "### Seed scenario (chunked prefill 8192 + 1655 tokens, 2048-token cached prefix sent early)", "",
+              "| fan-out | room | transfers | wire MiB | logical MiB | busy ms | true GiB/s (spans) | legacy GiB/s "
+              "| legacy / true | enqueue->done GiB/s | compute overlap | link capacity GiB/s | true / capacity |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for seed in truth["seed"]:
+        for row in seed["rows"]:
+            lines.append(
+                f"| {seed['fanout']} | {row['room']} | {row['transfers']} | {row['wire_mib']:.1f} "
+                f"| {row['logical_mib']:.1f} | {row['busy_ms']:.1f} | {row['true_gib_s']:.2f} "
+                f"| {row['legacy_gib_s']:.2f} | {row['legacy_over_true']:.1f}x | {row['enqueue_to_done_gib_s']:.2f} "
+                f"| {row['compute_overlap_ratio']:.0%} | {seed['link_capacity_gib_s']:.2f} "
+                f"| {row['true_over_capacity']:.0%} |")
+    lines += ["", "Link capacity: best of plain uninstrumented writes of one request's KV to one receiver, measured "
+              "before and after the requests of the same run. Bytes verified on every receiver: "
+              + ", ".join(f"fan-out {x['fanout']}: {x['bytes_verified']}" for x in truth["seed"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run, not for quoting")
+    parser.add_argument("--out-dir", default=HERE, help="where results.json and RESULTS.md go (default: bench/)")
+    args = parser.parse_args()
+    start = time.monotonic()
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "quick": args.quick, "machine": machine()}
+    for name in BENCHES:
+        results[name] = _run_one(name, args.quick)
+    results["total_wall_s"] = round(time.monotonic() - start, 1)
+    results["summary"] = summary(results)
+    results["goals"] = GOALS
+    os.makedirs(args.out_dir, exist_ok=True)
+    write_json(os.path.join(args.out_dir, "results.json"), results)
+    with open(os.path.join(args.out_dir, "RESULTS.md"), "w", encoding="utf-8") as handle:
+        handle.write(render(results))
+    print(f"bench: wrote {args.out_dir}/results.json and RESULTS.md in {results['total_wall_s']:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

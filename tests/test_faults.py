@@ -1,0 +1,524 @@
+"""Faults around the instrumentation never reach the engine: real Mooncake engine, TCP on 127.0.0.1.
+
+Complements test_recorder_delivery.py (garbage settings, eviction, fork, uninstrument cycles, failing builder) and
+test_mooncake_engine.py (receiver killed mid-transfer, unreachable peers). Here: exporters that raise or hang
+(collector down), span processors that raise, garbage in every OTEL_KVTRANSFER_* variable at once, 8 threads
+reusing bootstrap rooms, a queue that never drains, async submissions whose completion is never observed,
+instrument/uninstrument while transfers are in flight, bad arguments to the integration API, and process exit
+with a hung exporter. For each: the engine's return values are unchanged, no exception comes from the
+instrumentation, and every transfer is either in the spans/metrics or counted as dropped. docs/faults.md lists
+them all.
+"""
+
+import statistics
+import threading
+import time
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from otel_kvtransfer import KVTransferInstrumentor, config, mooncake, semconv
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer.loopback import digest
+from otel_kvtransfer.recorder import RECORDER
+
+
+class _Setup:
+    """A TracerProvider with the given span processors, an in-memory metric reader, instrumented."""
+
+    def __init__(self, *processors):
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        for processor in processors:
+            self.tracer_provider.add_span_processor(processor)
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.instrumentor = KVTransferInstrumentor()
+        self.instrumentor.instrument(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
+
+    def metric_points(self):
+        """{metric name: [points]}, after draining the recorder (without flushing the span processors)."""
+        RECORDER.drain()
+        found = {}
+        data = self.reader.get_metrics_data()
+        for resource_metrics in (data.resource_metrics if data else []):
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    found.setdefault(metric.name, []).extend(metric.data.data_points)
+        return found
+
+    def transfers_in_metrics(self) -> int:
+        return sum(p.count for p in self.metric_points().get(semconv.METRIC_DURATION, []))
+
+    def dropped(self) -> dict:
+        return {dict(p.attributes)[semconv.DROP_REASON]: p.value
+                for p in self.metric_points().get(semconv.METRIC_DROPPED, [])}
+
+    def close(self):
+        self.instrumentor.uninstrument()
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+class _RaisingExporter(SpanExporter):
+    def __init__(self):
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        raise ConnectionError("collector down")
+
+    def shutdown(self):
+        pass
+
+
+class _HangingExporter(SpanExporter):
+    """export() blocks until released, like a collector that accepts the connection and never answers."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.exported = []
+
+    def export(self, spans):
+        self.entered.set()
+        self.release.wait(60)
+        self.exported.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.release.set()
+
+
+class _RaisingProcessor(SpanProcessor):
+    """A third-party span processor with a bug: raises in on_start/on_end (for every span, or when `poison`)."""
+
+    def __init__(self, where="end", poison=None):
+        self.where, self.poison = where, poison
+        self.raised = 0
+
+    def _maybe_raise(self, span):
+        if self.poison is None or (span.attributes or {}).get(semconv.BYTES) == self.poison:
+            self.raised += 1
+            raise RuntimeError("bug in a span processor")
+
+    def on_start(self, span, parent_context=None):
+        if self.where == "start":
+            self._maybe_raise(span)
+
+    def on_end(self, span):
+        if self.where == "end":
+            self._maybe_raise(span)
+
+
+def _write(engine, receiver, nbytes=8, offset=0):
+    return engine.engine.transfer_sync_write(
+        receiver.session, engine.base + offset, receiver.base_address + offset, nbytes)
+
+
+def _timed_writes(engine, receiver, n):
+    """Per-call wall time (s) of n 8-byte writes; every return code must be 0."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        rc = _write(engine, receiver)
+        times.append(time.perf_counter() - start)
+        assert rc == 0
+    return times
+
+
+# --- exporters --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("processor_class", [SimpleSpanProcessor, BatchSpanProcessor])
+def test_exporter_that_raises_leaves_engine_and_metrics_intact(engine, receiver, processor_class):
+    exporter = _RaisingExporter()
+    setup = _Setup(processor_class(exporter))
+    try:
+        for n in range(40):
+            assert _write(engine, receiver, 8 + n) == 0
+        RECORDER.drain()
+        setup.tracer_provider.force_flush()
+        assert exporter.calls >= 1  # the exporter was called, raised, and the SDK logged it
+        assert setup.transfers_in_metrics() == 40  # metrics come from the spans, not the export
+        assert setup.dropped() == {}
+    finally:
+        setup.close()
+
+
+def test_collector_down_with_the_real_otlp_exporter(engine, receiver):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # pylint: disable=import-outside-toplevel
+        OTLPSpanExporter,
+    )
+
+    exporter = OTLPSpanExporter(endpoint="http://127.0.0.1:9/v1/traces", timeout=1)  # nothing listens on port 9
+    setup = _Setup(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+    try:
+        for _ in range(100):
+            assert _write(engine, receiver) == 0
+        time.sleep(0.2)  # the batch processor tries (and fails) to export meanwhile
+        assert setup.transfers_in_metrics() == 100
+        assert setup.dropped() == {}
+    finally:
+        setup.close()
+
+
+def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, receiver, record_property):
+    baseline = _timed_writes(engine, receiver, 200)  # uninstrumented, same process, same peer
+    exporter = _HangingExporter()
+    batch = BatchSpanProcessor(exporter, max_queue_size=64, max_export_batch_size=8, schedule_delay_millis=5)
+    setup = _Setup(batch)
+    try:
+        assert _write(engine, receiver) == 0
+        RECORDER.drain()
+        assert exporter.entered.wait(10)  # the exporter is now stuck inside export()
+        hung = _timed_writes(engine, receiver, 400)
+        drained = threading.Thread(target=RECORDER.drain)
+        drained.start()
+        drained.join(10)
+        assert not drained.is_alive()  # the span builder does not wait on the exporter either
+        # The SDK's queue overflowed (its own logged drop), but metrics still count every transfer.
+        assert setup.transfers_in_metrics() == 401
+        assert setup.dropped() == {}
+        record_property("median_us_uninstrumented", statistics.median(baseline) * 1e6)
+        record_property("median_us_exporter_hung", statistics.median(hung) * 1e6)
+    finally:
+        exporter.release.set()
+        setup.close()
+
+
+def test_hung_exporter_on_the_builder_thread_fills_the_queue_and_counts_drops(monkeypatch, engine, receiver):
+    # The worst case: a synchronous processor whose exporter hangs stalls the span builder itself. The queue
+    # never drains; the engine keeps its speed, the queue stays at its bound, and every record past it is counted.
+    capacity = 16
+    monkeypatch.setenv(config.QUEUE_SIZE, str(capacity))
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "5")
+    exporter = _HangingExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    try:
+        assert _write(engine, receiver) == 0
+        assert exporter.entered.wait(10)  # the builder thread is stuck exporting the first span
+        for _ in range(2000):
+            assert _write(engine, receiver) == 0
+            assert RECORDER.pending() <= capacity
+        assert RECORDER.pending() == capacity
+        exporter.release.set()
+        deadline = time.monotonic() + 10
+        while RECORDER.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dropped = setup.dropped()
+        assert len(exporter.exported) == 1 + capacity
+        assert dropped == {"queue_full": 2000 - capacity}
+        assert setup.transfers_in_metrics() + dropped["queue_full"] == 2001
+    finally:
+        exporter.release.set()
+        setup.close()
+
+
+# --- span processors -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_processor_that_raises_on_every_span_is_counted_not_raised(monkeypatch, engine, receiver, where):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    exporter = InMemorySpanExporter()
+    bad = _RaisingProcessor(where)
+    setup = _Setup(bad, SimpleSpanProcessor(exporter))
+    try:
+        for n in range(20):
+            assert _write(engine, receiver, 100 + n) == 0
+        kvt.begin_request(5)
+        kvt.end_request(5)
+        RECORDER.drain()
+        assert bad.raised >= 1
+        # Every record is accounted for: derived into metrics, or counted as lost to the builder error.
+        dropped = setup.dropped()
+        assert set(dropped) <= {"builder_error"}
+        assert setup.transfers_in_metrics() + dropped.get("builder_error", 0) >= 20
+        # The engine still works after the faulty processor is gone, with nothing stale left behind.
+        setup.close()
+        exporter = InMemorySpanExporter()  # the old one was shut down with its provider
+        setup = _Setup(SimpleSpanProcessor(exporter))
+        assert _write(engine, receiver, 4242) == 0
+        RECORDER.drain()
+        assert [s.attributes[semconv.BYTES] for s in exporter.get_finished_spans()] == [4242]
+    finally:
+        setup.close()
+
+
+def test_one_poisoned_span_loses_only_itself(monkeypatch, engine, receiver):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter), _RaisingProcessor("end", poison=13))
+    try:
+        for nbytes in range(10, 20):
+            assert _write(engine, receiver, nbytes) == 0
+        RECORDER.drain()
+        assert sorted(s.attributes[semconv.BYTES] for s in exporter.get_finished_spans()) == list(range(10, 20))
+        assert setup.dropped().get("builder_error", 0) <= 1
+    finally:
+        setup.close()
+
+
+# --- settings -----------------------------------------------------------------------------------------------------
+
+def test_garbage_in_every_setting_at_once_still_records(monkeypatch, engine, receiver):
+    for name, garbage in [(config.QUEUE_SIZE, "-1"), (config.FLUSH_INTERVAL_MS, "nan"),
+                          (config.REQUEST_TTL_S, "\x01\u00fc"), (config.MAX_PENDING_ASYNC, "9" * 40)]:
+        monkeypatch.setenv(name, garbage)
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    try:
+        assert RECORDER.settings == config.Settings()
+        assert _write(engine, receiver, 777) == 0
+        RECORDER.drain()
+        assert [s.attributes[semconv.BYTES] for s in exporter.get_finished_spans()] == [777]
+    finally:
+        setup.close()
+
+
+# --- concurrency and room reuse -------------------------------------------------------------------------------
+
+THREADS, ROUNDS, CHUNKS = 8, 6, 3
+ROOMS = [7000 + i for i in range(THREADS)]
+
+
+def _size_of(thread_index: int) -> int:
+    return 1000 + 97 * thread_index  # distinct per thread, so every span says which thread made it
+
+
+def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine, receiver):
+    """Round r: thread t serves room ROOMS[(t + r) % 8], so every room is reused by a different thread each round;
+    thread 0's first request fails, and the room's next use must not inherit that failure."""
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    barrier = threading.Barrier(THREADS)
+    rcs, errors = [], []
+
+    def worker(t):
+        size = _size_of(t)
+        try:
+            for r in range(ROUNDS):
+                room = ROOMS[(t + r) % THREADS]
+                kvt.begin_request(room)
+                for chunk in range(CHUNKS):
+                    offset = (t * CHUNKS + chunk) * 8192
+                    with kvt.transfer_scope(room, chunk_index=chunk, payload="kv", is_last_chunk=chunk == CHUNKS - 1):
+                        rcs.append(_write(engine, receiver, size, offset))
+                kvt.end_request(room, error_type="transfer_failed" if (t, r) == (0, 0) else None)
+                barrier.wait(30)  # a room's next use starts only after its previous one concluded
+        except Exception as exc:  # pylint: disable=broad-except
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors
+        assert rcs == [0] * THREADS * ROUNDS * CHUNKS
+        for t in range(THREADS):
+            for chunk in range(CHUNKS):
+                offset = (t * CHUNKS + chunk) * 8192
+                assert receiver.digest(offset, _size_of(t)) == digest(engine.source[offset:offset + _size_of(t)])
+        RECORDER.drain()
+        spans = exporter.get_finished_spans()
+    finally:
+        setup.close()
+
+    requests = sorted((s for s in spans if s.name == semconv.SPAN_REQUEST),
+                      key=lambda s: (s.attributes[semconv.BOOTSTRAP_ROOM], s.start_time))
+    sends = [s for s in spans if s.name == semconv.SPAN_SEND]
+    assert len(requests) == THREADS * ROUNDS
+    assert len(sends) == THREADS * ROUNDS * CHUNKS
+    children = {}
+    for send in sends:
+        children.setdefault(send.parent.span_id, []).append(send)
+    for i, request in enumerate(requests):
+        room, r = request.attributes[semconv.BOOTSTRAP_ROOM], i % ROUNDS
+        t = (ROOMS.index(room) - r) % THREADS  # the thread that served this room in round r
+        kids = children[request.context.span_id]
+        assert sorted(k.attributes[semconv.CHUNK_INDEX] for k in kids) == list(range(CHUNKS))
+        assert {k.attributes[semconv.BYTES] for k in kids} == {_size_of(t)}
+        assert {k.attributes[semconv.BOOTSTRAP_ROOM] for k in kids} == {room}
+        assert request.attributes[semconv.BYTES] == CHUNKS * _size_of(t)
+        assert request.attributes[semconv.TRANSFER_COUNT] == CHUNKS
+        assert request.attributes[semconv.CHUNK_COUNT] == CHUNKS
+        assert all(request.start_time <= k.start_time and k.end_time <= request.end_time for k in kids)
+        failed = (t, r) == (0, 0)
+        assert (request.status.status_code is StatusCode.ERROR) is failed
+        assert (semconv.ERROR_TYPE in request.attributes) is failed
+
+
+def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    original = TransferEngine.__dict__["transfer_sync_write"]
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stop = threading.Event()
+    rcs, errors = [], []
+
+    def worker(t):
+        try:
+            while not stop.is_set():
+                rcs.append(_write(engine, receiver, 300 + t, t * 4096))
+        except Exception as exc:  # pylint: disable=broad-except
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(20):
+            instrumentor = KVTransferInstrumentor()
+            instrumentor.instrument(tracer_provider=tracer_provider)
+            time.sleep(0.01)
+            instrumentor.uninstrument()
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors
+    assert rcs and set(rcs) == {0}
+    assert TransferEngine.__dict__["transfer_sync_write"] is original
+    spans = exporter.get_finished_spans()
+    assert spans  # some calls were recorded, and each one completely
+    assert {s.attributes[semconv.BYTES] for s in spans} <= {300 + t for t in range(4)}
+    tracer_provider.shutdown()
+
+
+# --- bounded memory -------------------------------------------------------------------------------------------
+
+def test_async_submissions_never_observed_are_bounded_and_counted(monkeypatch, engine, receiver):
+    monkeypatch.setenv(config.MAX_PENDING_ASYNC, "4")
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    try:
+        ids = [engine.engine.transfer_submit_write(
+            receiver.session, engine.base + i * 4096, receiver.base_address + i * 4096, 4096) for i in range(10)]
+        assert all(i > 0 for i in ids)
+        assert len(mooncake._pending) == 4  # pylint: disable=protected-access
+        deadline = time.monotonic() + 30
+        for batch_id in ids:  # observe every completion, the counted ones included
+            status = 0
+            while status == 0 and time.monotonic() < deadline:
+                status = engine.engine.transfer_check_status(batch_id)
+            assert status == 1
+        RECORDER.drain()
+        assert len(exporter.get_finished_spans()) == 4
+        assert setup.dropped() == {"async_pending_full": 6}
+        assert not mooncake._pending  # pylint: disable=protected-access
+    finally:
+        setup.close()
+
+
+def test_uninstrument_with_async_submissions_in_flight_counts_them(engine, receiver):
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    ids = []
+    try:
+        ids = [engine.engine.transfer_submit_write(
+            receiver.session, engine.base + i * 4096, receiver.base_address + i * 4096, 4096) for i in range(3)]
+        assert all(i > 0 for i in ids)
+        setup.instrumentor.uninstrument()
+        assert not exporter.get_finished_spans()
+        assert sum(setup.dropped().values()) == 3
+    finally:
+        deadline = time.monotonic() + 30
+        for batch_id in ids:  # let the engine finish and free the batches
+            while engine.engine.transfer_check_status(batch_id) == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        setup.close()
+
+
+def test_ten_thousand_rooms_that_never_conclude_are_all_evicted_and_counted(monkeypatch):
+    monkeypatch.setenv(config.REQUEST_TTL_S, "0.5")  # longer than building 10,000 spans takes
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    builder = setup.instrumentor._builder  # pylint: disable=protected-access
+    try:
+        for room in range(10_000):
+            kvt.begin_request(room)
+        RECORDER.drain()
+        assert builder.open_rooms() == 10_000
+        time.sleep(0.6)
+        RECORDER.drain()  # the tick evicts
+        assert builder.open_rooms() == 0
+        assert setup.dropped() == {"request_evicted": 10_000}
+        assert len(exporter.get_finished_spans()) == 10_000
+    finally:
+        setup.close()
+
+
+# --- the integration API ----------------------------------------------------------------------------------------
+
+def test_integration_api_never_raises_on_a_bad_room(engine, receiver):
+    exporter = InMemorySpanExporter()
+    setup = _Setup(SimpleSpanProcessor(exporter))
+    try:
+        for bad in (None, "not-a-room", object()):
+            kvt.begin_request(bad)
+            kvt.record_compute([bad], 1, 2)
+            kvt.end_request(bad)
+            kvt.begin_receive(bad)
+            kvt.end_receive(bad)
+            with kvt.transfer_scope(bad, chunk_index=0, payload="kv"):
+                assert _write(engine, receiver, 55) == 0  # still recorded, as a raw engine call
+        RECORDER.drain()
+        assert [s.attributes[semconv.BYTES] for s in exporter.get_finished_spans()] == [55] * 3
+        assert setup.dropped() == {"api_error": 18}
+    finally:
+        setup.close()
+
+
+# --- process exit -----------------------------------------------------------------------------------------------
+
+_EXIT_WITH_HUNG_EXPORTER = r"""
+import threading, time
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
+from otel_kvtransfer import KVTransferInstrumentor, config
+from otel_kvtransfer import integration as kvt
+
+entered = threading.Event()
+
+class Hung(SpanExporter):
+    def export(self, spans):
+        entered.set()
+        threading.Event().wait()  # a collector that never answers
+    def shutdown(self):
+        pass
+
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(Hung()))
+KVTransferInstrumentor().instrument(tracer_provider=provider)
+kvt.begin_request(1)
+kvt.end_request(1)
+assert entered.wait(10)  # the recorder's thread is now stuck in export()
+kvt.begin_request(2)     # ... and this record waits in the queue
+print("exiting", flush=True)
+"""
+
+
+def test_a_hung_synchronous_exporter_does_not_stop_the_engine_process_from_exiting(tmp_path):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    script = tmp_path / "hung_exit.py"
+    script.write_text(_EXIT_WITH_HUNG_EXPORTER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=8)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the process did not exit within 8 s after its main thread ended: {out.decode()[-500:]}")
+    assert b"exiting" in out
