@@ -1,0 +1,444 @@
+"""Prefill side of sglang's Mooncake PD transfer: what each engine call is for.
+
+The transfer worker threads run `MooncakeKVManager.transfer_worker` (bound at thread start, so it is never
+wrapped itself); what it calls is:
+- `FastQueue.put` (scheduler thread, inside `add_transfer_request`): the chunk is tagged with its 0-based index in
+  its room and whether it is the cached-prefix early send (made inside sglang's `maybe_send_cached_prefix_chunk`).
+- `FastQueue.get` (worker thread): the dequeued chunk becomes this thread's current chunk.
+- `send_kvcache` / `send_kvcache_slice` / `send_kvcache_dcp` / `_do_staging_transfer` (payload kv),
+  `maybe_send_extra` (state), `send_aux` (aux): each runs inside one transfer scope for (chunk x destination x
+  payload); the executor it is handed is swapped for one that binds the scope on the executor's threads, so the
+  per-layer engine calls of the sliced path join it too.
+- `conclude_transfer`: a destination skipped because its session already failed gets a 0-byte ERROR send.
+- `update_status`: Success / Failed of a room ends its `kv_transfer.request`.
+The request begins at `MooncakeKVSender.__init__` (bootstrap), under sglang's own request span when sglang's
+tracing is on (`create_sender` hands us the Req). `Scheduler.run_batch` of a prefill scheduler gives the compute
+intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted in
+ERRORS and logged at debug level.
+"""
+
+import logging
+import threading
+from time import time_ns
+
+import wrapt
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
+
+from otel_kvtransfer import integration, semconv
+
+_logger = logging.getLogger(__name__)
+
+ERRORS = {"count": 0}  # the wrappers' own failures (swallowed, never raised into sglang)
+_tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
+_patched = []  # (owner class, attribute) to unwrap
+_TAG = "_otel_kvt"  # attribute set on a TransferKVChunk: (chunk_index, prefix_early_send)
+
+# room -> next chunk index; bounded: entries of concluded rooms are removed, the rest capped.
+_next_chunk = {}
+_MAX_ROOMS = 65536
+_classes = {}  # name -> sglang class, filled as modules are patched
+
+
+def _own_error(what: str) -> None:
+    ERRORS["count"] += 1
+    _logger.debug("otel_kvtransfer sglang wrapper failed: %s", what, exc_info=True)
+
+
+def _active() -> bool:
+    return integration.is_active() and is_instrumentation_enabled()
+
+
+def _wrap(module, owner_name: str, attr: str, wrapper) -> None:
+    owner = getattr(module, owner_name)
+    current = owner.__dict__.get(attr)
+    if current is None or hasattr(current, "__wrapped__"):
+        return
+    wrapt.wrap_function_wrapper(module, f"{owner_name}.{attr}", wrapper)
+    _patched.append((owner, attr))
+
+
+def unpatch() -> None:
+    while _patched:
+        owner, attr = _patched.pop()
+        try:
+            unwrap(owner, attr)
+        except Exception:  # pylint: disable=broad-except
+            _own_error(f"unwrap {owner}.{attr}")
+    _next_chunk.clear()
+
+
+def _is_mooncake(obj) -> bool:
+    """A Mooncake manager or sender (the Common* methods we wrap serve every backend)."""
+    cls = _classes.get("sender" if hasattr(obj, "kv_mgr") else "manager")
+    return cls is not None and isinstance(obj, cls)
+
+
+def _is_prefill(mgr) -> bool:
+    mode = getattr(mgr, "disaggregation_mode", None)
+    return getattr(mode, "name", None) == "PREFILL"
+
+
+# --- request lifecycle ----------------------------------------------------------------------------------------
+
+
+def _sglang_parent(trace_ctx):
+    """sglang's own request span context (`--enable-trace`), or None."""
+    if trace_ctx is None or not getattr(trace_ctx, "tracing_enable", False):
+        return None
+    return getattr(trace_ctx, "root_span_context", None)
+
+
+def _create_sender_wrapper(wrapped, instance, args, kwargs):
+    """PrefillBootstrapQueue.create_sender(req, ...): remember the Req so the sender's request gets rid/parent."""
+    if not _active():
+        return wrapped(*args, **kwargs)
+    req = args[0] if args else kwargs.get("req")
+    previous = getattr(_tls, "req", None)
+    _tls.req = req
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _tls.req = previous
+
+
+def _sender_init_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _active():
+        try:
+            if _is_mooncake(instance) and instance.conclude_state is None and _is_prefill(instance.kv_mgr):
+                mgr = instance.kv_mgr
+                if not getattr(mgr, "is_dummy_cp_rank", False):
+                    req = getattr(_tls, "req", None)
+                    rid = getattr(req, "rid", None) if req is not None else None
+                    stats = getattr(req, "time_stats", None) if req is not None else None
+                    parent = _sglang_parent(getattr(stats, "trace_ctx", None)) or _sglang_parent(
+                        getattr(instance, "trace_ctx", None))
+                    integration.begin_request(instance.bootstrap_room, rid=rid, parent=parent)
+        except Exception:  # pylint: disable=broad-except
+            _own_error("sender init")
+    return result
+
+
+_FAILURE_TYPES = (
+    ("timed out", "bootstrap_timeout"),
+    ("Aborted", "aborted"),
+    ("is not alive", "decode_session_failed"),
+    ("Failed to send kv chunk", "kv_send_failed"),
+    ("Failed to send state", "state_send_failed"),
+    ("Failed to send aux", "aux_send_failed"),
+    ("layout", "state_layout_rejected"),
+    ("Duplicate or cancelled", "bootstrap_failed"),
+    ("Decode instance could be dead", "decode_session_failed"),
+)
+
+
+def error_type_of(reason) -> str:
+    """A low-cardinality error.type from sglang's free-text failure reason."""
+    text = str(reason or "")
+    for needle, kind in _FAILURE_TYPES:
+        if needle in text:
+            return kind
+    return "transfer_failed"
+
+
+def _update_status_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _active():
+        try:
+            if _is_mooncake(instance) and _is_prefill(instance):
+                room = args[0] if args else kwargs.get("bootstrap_room")
+                status = instance.request_status.get(room)
+                name = _poll_name(status)
+                if name == "Success":
+                    _conclude(room, None)
+                elif name == "Failed":
+                    _conclude(room, error_type_of(instance.failure_records.get(room)))
+        except Exception:  # pylint: disable=broad-except
+            _own_error("update_status")
+    return result
+
+
+def _conclude(room, error_type) -> None:
+    _next_chunk.pop(room, None)
+    integration.end_request(room, error_type=error_type)
+
+
+_POLL_NAMES = {}
+
+
+def _poll_name(status):
+    return _POLL_NAMES.get(status)
+
+
+def _sender_clear_wrapper(wrapped, instance, args, kwargs):
+    """A sender cleared before its room concluded (scheduler abort paths): end the request as failed."""
+    if _active():
+        try:
+            if _is_mooncake(instance) and _is_prefill(instance.kv_mgr):
+                status = _poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
+                if status not in ("Success", "Failed"):
+                    _conclude(instance.bootstrap_room, "cleared")
+        except Exception:  # pylint: disable=broad-except
+            _own_error("sender clear")
+    return wrapped(*args, **kwargs)
+
+
+# --- chunks: enqueue (scheduler thread) and dequeue (worker thread) -----------------------------------------
+
+
+def _add_transfer_request_wrapper(wrapped, instance, args, kwargs):
+    if not _active():
+        return wrapped(*args, **kwargs)
+    try:
+        is_last = args[3] if len(args) > 3 else kwargs.get("is_last_chunk", False)
+        _tls.enqueue = (bool(getattr(_tls, "early", False)) and not is_last,)
+    except Exception:  # pylint: disable=broad-except
+        _own_error("add_transfer_request")
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _tls.enqueue = None
+
+
+def _tag(chunk, early: bool) -> None:
+    room = chunk.room
+    index = _next_chunk.get(room, 0)
+    if index == 0 and len(_next_chunk) >= _MAX_ROOMS:
+        _next_chunk.pop(next(iter(_next_chunk)))  # oldest room: its later chunks restart at 0 (counted)
+        ERRORS["count"] += 1
+    _next_chunk[room] = index + 1
+    setattr(chunk, _TAG, (index, early))
+
+
+def _queue_put_wrapper(wrapped, instance, args, kwargs):
+    enqueue = getattr(_tls, "enqueue", None)
+    if enqueue is not None:
+        try:
+            item = args[0] if args else kwargs.get("item")
+            if isinstance(item, _classes["chunk"]) and not hasattr(item, _TAG):
+                _tag(item, enqueue[0])
+        except Exception:  # pylint: disable=broad-except
+            _own_error("queue put")
+    return wrapped(*args, **kwargs)
+
+
+def _queue_get_wrapper(wrapped, instance, args, kwargs):
+    item = wrapped(*args, **kwargs)
+    try:
+        cls = _classes.get("chunk")
+        if cls is not None and isinstance(item, cls):
+            if not hasattr(item, _TAG):  # enqueued before we were instrumented
+                _tag(item, False)
+            _tls.chunk = item
+        elif item is None:
+            _tls.chunk = None
+    except Exception:  # pylint: disable=broad-except
+        _own_error("queue get")
+    return item
+
+
+# --- transfers -----------------------------------------------------------------------------------------------
+
+
+class _ScopedExecutor:
+    """Stands in for the worker's ThreadPoolExecutor: each submitted function runs bound to the scope."""
+
+    __slots__ = ("_executor", "_scope")
+
+    def __init__(self, executor, scope):
+        self._executor = executor
+        self._scope = scope
+
+    def submit(self, fn, *args, **kwargs):
+        scope = self._scope
+
+        def bound(*a, **kw):
+            with scope.bind():
+                return fn(*a, **kw)
+
+        return self._executor.submit(bound, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+
+def _destination(mgr, room, session):
+    """(destination_index among the room's non-dummy destinations, replica factor)."""
+    index = 0
+    infos = mgr.transfer_infos.get(room) or {}
+    for key, info in list(infos.items()):
+        if getattr(info, "is_dummy", False):
+            continue
+        if key == session:
+            break
+        index += 1
+    replica = getattr(mgr, "_kv_replica_factor", None) or 1
+    return index, int(replica)
+
+
+def _session_of(args, kwargs, session_pos, req_pos):
+    if session_pos is not None:
+        if len(args) > session_pos:
+            return args[session_pos]
+        return kwargs.get("mooncake_session_id")
+    req = args[req_pos] if len(args) > req_pos else kwargs.get("req")
+    return getattr(req, "mooncake_session_id", None)
+
+
+def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
+    """A wrapper running one MooncakeKVManager send method inside one transfer scope."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        chunk = getattr(_tls, "chunk", None)
+        if chunk is None or not _active() or integration.current_scope() is not None:
+            return wrapped(*args, **kwargs)
+        scope = None
+        try:
+            index, early = getattr(chunk, _TAG, (0, False))
+            session = _session_of(args, kwargs, session_pos, req_pos)
+            destination, replica = _destination(instance, chunk.room, session)
+            scope = integration.transfer_scope(
+                chunk.room,
+                chunk_index=index,
+                payload=payload,
+                destination_index=destination,
+                replica_factor=replica,
+                is_last_chunk=bool(chunk.is_last_chunk),
+                prefix_early_send=early,
+            )
+            if executor_pos is not None:
+                if len(args) > executor_pos:
+                    args = args[:executor_pos] + (_ScopedExecutor(args[executor_pos], scope),) + args[
+                        executor_pos + 1:]
+                elif kwargs.get("executor") is not None:
+                    kwargs = dict(kwargs, executor=_ScopedExecutor(kwargs["executor"], scope))
+        except Exception:  # pylint: disable=broad-except
+            _own_error(f"transfer scope {payload}")
+            scope = None
+        if scope is None:
+            return wrapped(*args, **kwargs)
+        with scope:
+            result = wrapped(*args, **kwargs)
+            try:
+                rc = result[0] if isinstance(result, tuple) else result
+                if isinstance(rc, int) and rc != 0 and not scope.calls:
+                    scope.set_error(f"{payload}_send_failed")
+            except Exception:  # pylint: disable=broad-except
+                _own_error("transfer result")
+            return result
+
+    return wrapper
+
+
+def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
+    """A destination skipped because its session is known dead: a 0-byte ERROR send for it."""
+    chunk = getattr(_tls, "chunk", None)
+    if chunk is not None and _active() and integration.current_scope() is None:
+        try:
+            room = kwargs.get("bootstrap_room")
+            reason = str(kwargs.get("failure_reason") or "")
+            if (_is_mooncake(instance) and room == chunk.room and _poll_name(kwargs.get("status")) == "Failed"
+                    and ("is not alive" in reason or "layout" in reason)):
+                failed = set(getattr(instance, "failed_sessions", ())) | set(
+                    getattr(instance, "state_layout_rejections", {}))
+                session = next((s for s in (instance.transfer_infos.get(room) or {}) if s in failed), None)
+                destination, replica = _destination(instance, room, session)
+                index, early = getattr(chunk, _TAG, (0, False))
+                scope = integration.transfer_scope(
+                    room, chunk_index=index, payload=semconv.PAYLOAD_KV, destination_index=destination,
+                    replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early)
+                scope.set_error(error_type_of(reason))
+                with scope:
+                    pass
+        except Exception:  # pylint: disable=broad-except
+            _own_error("conclude_transfer")
+    return wrapped(*args, **kwargs)
+
+
+# --- scheduler: early cached-prefix send and compute ---------------------------------------------------------
+
+
+def _early_send_wrapper(wrapped, instance, args, kwargs):
+    """sglang's maybe_send_cached_prefix_chunk: a chunk enqueued inside it is the cached-prefix early send."""
+    previous = getattr(_tls, "early", False)
+    _tls.early = True
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _tls.early = previous
+
+
+def _run_batch_wrapper(wrapped, instance, args, kwargs):
+    """Scheduler.run_batch of a prefill scheduler: one compute interval for every room in the batch."""
+    if not _active() or getattr(getattr(instance, "disaggregation_mode", None), "name", None) != "PREFILL":
+        return wrapped(*args, **kwargs)
+    start = time_ns()
+    result = wrapped(*args, **kwargs)
+    try:
+        record_batch_compute(args[0] if args else kwargs.get("batch"), start, time_ns())
+    except Exception:  # pylint: disable=broad-except
+        _own_error("run_batch")
+    return result
+
+
+def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:
+    rooms = [r.bootstrap_room for r in (getattr(batch, "reqs", None) or ()) if
+             getattr(r, "bootstrap_room", None) is not None]
+    if rooms:
+        integration.record_compute(rooms, start_ns, end_ns)
+
+
+# --- patching, module by module (called by the post-import hooks of otel_kvtransfer.sglang) -----------------
+
+
+def patch_common_utils(module) -> None:
+    _classes["chunk"] = module.TransferKVChunk
+    _wrap(module, "FastQueue", "put", _queue_put_wrapper)
+    _wrap(module, "FastQueue", "get", _queue_get_wrapper)
+
+
+def patch_common_conn(module) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
+
+    _POLL_NAMES.update({KVPoll.Success: "Success", KVPoll.Failed: "Failed"})
+    _wrap(module, "CommonKVManager", "update_status", _update_status_wrapper)
+    _wrap(module, "CommonKVManager", "conclude_transfer", _conclude_transfer_wrapper)
+    _wrap(module, "CommonKVSender", "__init__", _sender_init_wrapper)
+    _wrap(module, "CommonKVSender", "clear", _sender_clear_wrapper)
+
+
+# method -> (payload, position of mooncake_session_id, position of req, position of executor); positions
+# exclude self and were read from sglang 0.5.23's signatures.
+TRANSFER_METHODS = {
+    "send_kvcache": (semconv.PAYLOAD_KV, 0, None, 4),
+    "send_kvcache_slice": (semconv.PAYLOAD_KV, 0, None, 7),
+    "send_kvcache_dcp": (semconv.PAYLOAD_KV, 0, None, None),
+    "_do_staging_transfer": (semconv.PAYLOAD_KV, None, 2, 5),
+    "maybe_send_extra": (semconv.PAYLOAD_STATE, None, 0, 2),
+    "send_aux": (semconv.PAYLOAD_AUX, None, 0, None),
+}
+
+
+def patch_mooncake_conn(module) -> None:
+    _classes["manager"] = module.MooncakeKVManager
+    _classes["sender"] = module.MooncakeKVSender
+    import inspect  # pylint: disable=import-outside-toplevel
+
+    for name, (payload, session_pos, req_pos, executor_pos) in TRANSFER_METHODS.items():
+        method = module.MooncakeKVManager.__dict__.get(name)
+        if method is None:
+            continue
+        params = list(inspect.signature(method).parameters)[1:]
+        if "executor" in params:
+            executor_pos = params.index("executor")
+        _wrap(module, "MooncakeKVManager", name, _transfer_wrapper(payload, session_pos, req_pos, executor_pos))
+    _wrap(module, "MooncakeKVManager", "add_transfer_request", _add_transfer_request_wrapper)
+
+
+def patch_prefill(module) -> None:
+    _wrap(module, "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk", _early_send_wrapper)
+    _wrap(module, "PrefillBootstrapQueue", "create_sender", _create_sender_wrapper)
+
+
+def patch_scheduler(module) -> None:
+    _wrap(module, "Scheduler", "run_batch", _run_batch_wrapper)

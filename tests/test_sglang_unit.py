@@ -1,0 +1,205 @@
+"""In-process checks of the sglang integration: version gate, patch/unpatch symmetry, failure naming, compute.
+
+They import sglang's disaggregation modules (a few seconds) but start no engine.
+"""
+
+import importlib.util
+import logging
+
+import pytest
+from conftest import require_part
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from otel_kvtransfer import semconv as sc
+from otel_kvtransfer import sglang as kvt_sglang
+from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.sglang import prefill
+
+
+def _require_sglang():
+    require_part(importlib.util.find_spec("sglang") is not None, "sglang 0.5.23")
+
+
+def _wrapped(owner, attr) -> bool:
+    return hasattr(owner.__dict__.get(attr), "__wrapped__")
+
+
+def _targets():
+    from sglang.srt.disaggregation.common import conn as common_conn
+    from sglang.srt.disaggregation.common import utils as common_utils
+    from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
+    from sglang.srt.disaggregation import decode as sg_decode
+    from sglang.srt.disaggregation import prefill as sg_prefill
+
+    return [
+        (common_utils.FastQueue, "put"),
+        (common_utils.FastQueue, "get"),
+        (common_conn.CommonKVManager, "update_status"),
+        (common_conn.CommonKVSender, "__init__"),
+        (common_conn.CommonKVReceiver, "poll"),
+        (common_conn.CommonKVReceiver, "send_metadata"),
+        (mooncake_conn.MooncakeKVManager, "send_kvcache"),
+        (mooncake_conn.MooncakeKVManager, "send_kvcache_slice"),
+        (mooncake_conn.MooncakeKVManager, "send_aux"),
+        (mooncake_conn.MooncakeKVManager, "maybe_send_extra"),
+        (common_conn.CommonKVReceiver, "__init__"),
+        (sg_prefill.SchedulerDisaggregationPrefillMixin, "maybe_send_cached_prefix_chunk"),
+        (sg_prefill.PrefillBootstrapQueue, "create_sender"),
+        (sg_decode.DecodePreallocQueue, "_create_receiver_and_enqueue"),
+    ]
+
+
+@pytest.fixture
+def spans():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor = KVTransferInstrumentor()
+    instrumentor.instrument(tracer_provider=provider)
+    yield lambda: (RECORDER.drain(), exporter.get_finished_spans())[1]
+    instrumentor.uninstrument()
+
+
+def test_version_range():
+    assert kvt_sglang.is_supported("0.5.23")
+    assert kvt_sglang.is_supported("0.5.23.post1")
+    assert kvt_sglang.is_supported("0.5.30rc1")
+    assert not kvt_sglang.is_supported("0.5.22")
+    assert not kvt_sglang.is_supported("0.6.0")
+    assert not kvt_sglang.is_supported(None)
+
+
+def test_instrument_and_uninstrument_mirror_each_other(spans):
+    _require_sglang()
+    targets = _targets()
+    assert all(_wrapped(owner, attr) for owner, attr in targets), [t for t in targets if not _wrapped(*t)]
+    KVTransferInstrumentor().uninstrument()
+    assert not any(_wrapped(owner, attr) for owner, attr in targets)
+    KVTransferInstrumentor().instrument()  # the fixture's uninstrument() runs after this
+    assert all(_wrapped(owner, attr) for owner, attr in targets)
+
+
+def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog):
+    _require_sglang()
+    targets = _targets()
+    monkeypatch.setattr(kvt_sglang, "installed_version", lambda: "0.4.9")
+    monkeypatch.setitem(kvt_sglang._state, "warned", False)
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.sglang"):
+        assert kvt_sglang.instrument() is False
+        assert kvt_sglang.instrument() is False
+    assert not any(_wrapped(owner, attr) for owner, attr in targets)
+    warnings = [r for r in caplog.records if "outside the supported range" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize(
+    "reason, kind",
+    [
+        ("Request 5 timed out after 300.0s in KVPoll.Bootstrapping", "bootstrap_timeout"),
+        ("Aborted by AbortReq.", "aborted"),
+        ("Decode instance could be dead, remote mooncake session 127.0.0.1:1 is not alive",
+         "decode_session_failed"),
+        ("Failed to send kv chunk of 5 to 127.0.0.1:9", "kv_send_failed"),
+        ("Failed to send aux data of 5", "aux_send_failed"),
+        (None, "transfer_failed"),
+    ],
+)
+def test_error_type_of_sglang_failure_reasons(reason, kind):
+    assert prefill.error_type_of(reason) == kind
+
+
+def test_prefill_batch_compute_becomes_compute_spans_and_overlap(spans):
+    from otel_kvtransfer import integration
+
+    class Req:
+        def __init__(self, room):
+            self.bootstrap_room = room
+
+    class Batch:
+        reqs = [Req(11), Req(12), Req(None)]
+
+    integration.begin_request(11, start_ns=1_000)
+    prefill.record_batch_compute(Batch(), 2_000, 5_000)
+    with integration.transfer_scope(11, chunk_index=0, payload="kv"):
+        pass  # no engine call: no span
+    integration.end_request(11, end_ns=9_000)
+    integration.end_request(12, end_ns=9_000)
+    got = spans()
+    compute = sorted(s.attributes[sc.BOOTSTRAP_ROOM] for s in got if s.name == sc.SPAN_COMPUTE)
+    assert compute == [11, 12]
+    assert not [s for s in got if s.name == sc.SPAN_SEND]
+
+
+def test_run_batch_wrapper_only_times_prefill_schedulers(spans):
+    from types import SimpleNamespace
+
+    calls = []
+
+    def run_batch(batch):
+        calls.append(batch)
+        return "result"
+
+    batch = SimpleNamespace(reqs=[SimpleNamespace(bootstrap_room=21)])
+    decode_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="DECODE"))
+    prefill_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="PREFILL"))
+    assert prefill._run_batch_wrapper(run_batch, decode_sched, (batch,), {}) == "result"
+    assert prefill._run_batch_wrapper(run_batch, prefill_sched, (batch,), {}) == "result"
+    from otel_kvtransfer import integration
+
+    integration.end_request(21)
+    got = spans()
+    assert [s.attributes[sc.BOOTSTRAP_ROOM] for s in got if s.name == sc.SPAN_COMPUTE] == [21]
+    assert len(calls) == 2
+
+
+def test_wrapper_errors_are_swallowed_and_counted(spans):
+    _require_sglang()
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    class Broken(MooncakeKVManager):
+        disaggregation_mode = SimpleNamespace(name="PREFILL")
+
+        @property
+        def request_status(self):
+            raise RuntimeError("boom")
+
+    manager = Broken.__new__(Broken)  # a manager whose state our wrapper cannot read
+    before = prefill.ERRORS["count"]
+    assert prefill._update_status_wrapper(lambda *a, **k: "original", manager, (5, 4), {}) == "original"
+    assert prefill.ERRORS["count"] == before + 1
+
+    def raising(*a, **k):
+        raise ValueError("sglang's own error")
+
+    with pytest.raises(ValueError, match="sglang's own error"):
+        prefill._update_status_wrapper(raising, manager, (5, 4), {})
+
+
+def test_decode_receiver_takes_sglangs_request_span_as_parent(spans):
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from otel_kvtransfer.sglang import decode
+
+    sglang_ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        trace_id=0xABC, span_id=0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+    req = SimpleNamespace(time_stats=SimpleNamespace(
+        trace_ctx=SimpleNamespace(tracing_enable=True, root_span_context=sglang_ctx)))
+    receiver = SimpleNamespace()
+
+    def create(req_):
+        decode._receiver_init_wrapper(lambda: None, receiver, (), {})
+        return "decode_req"
+
+    assert decode._create_receiver_wrapper(create, None, (req,), {}) == "decode_req"
+    assert getattr(receiver, decode._PARENT) is sglang_ctx
+    untraced = SimpleNamespace()
+    decode._receiver_init_wrapper(lambda: None, untraced, (), {})
+    assert not hasattr(untraced, decode._PARENT)
