@@ -62,6 +62,37 @@ def _move_to_front(tracer_provider, processor):
             multi._span_processors = (processor,) + tuple(p for p in current if p is not processor)
 
 
+def _attach(tracer, tracer_provider, meter_provider):
+    _record_unsampled(tracer)
+    try:
+        _attach_processors(tracer_provider, meter_provider)
+    except Exception:  # pylint: disable=broad-except
+        _logger.warning("otel_kvtransfer could not attach its span processors", exc_info=True)
+
+
+class _LateAttach:
+    """The recorder's tick while instrument() ran before any SDK TracerProvider was set globally.
+
+    Each tick (on the background thread) looks for the real provider; once there, the builder gets a tracer
+    from it and the processors are attached, exactly as instrument() does with a provider at hand.
+    """
+
+    def __init__(self, builder, meter_provider):
+        self._builder = builder
+        self._meter_provider = meter_provider
+        self._attached = False
+
+    def __call__(self):
+        if not self._attached:
+            provider = trace.get_tracer_provider()
+            if not isinstance(provider, trace.ProxyTracerProvider):
+                tracer = provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
+                _attach(tracer, provider, self._meter_provider)
+                self._builder.set_tracer(tracer)
+                self._attached = True
+        self._builder.evict_stale()
+
+
 def _record_unsampled(tracer):
     if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
         tracer.sampler = RecordUnsampledSampler(tracer.sampler)
@@ -76,11 +107,10 @@ class KVTransferInstrumentor(BaseInstrumentor):
         meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
         settings = config.load()
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
-        _record_unsampled(tracer)
-        try:
-            _attach_processors(tracer_provider, meter_provider)
-        except Exception:  # pylint: disable=broad-except
-            _logger.warning("otel_kvtransfer could not attach its span processors", exc_info=True)
+        # No SDK yet (a plugin or an engine that sets its provider later): attach once one appears.
+        waiting_for_sdk = isinstance(tracer_provider, trace.ProxyTracerProvider)
+        if not waiting_for_sdk:
+            _attach(tracer, tracer_provider, meter_provider)
         meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)
         dropped = meter.create_counter(
             semconv.METRIC_DROPPED, unit="{record}",
@@ -89,10 +119,13 @@ class KVTransferInstrumentor(BaseInstrumentor):
             tracer, settings.request_ttl_s,
             on_evicted=lambda reason, n: RECORDER.drop(reason, n),
             on_error=lambda n: RECORDER.drop("builder_error", n))
+        tick = builder.evict_stale
+        if waiting_for_sdk:
+            tick = _LateAttach(builder, meter_provider)
         RECORDER.start(
             settings,
             sink=builder.consume,
-            tick=builder.evict_stale,
+            tick=tick,
             on_drops=lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}),
             on_fork=builder.reset,
         )

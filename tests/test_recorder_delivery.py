@@ -180,3 +180,41 @@ def test_a_short_lived_process_delivers_its_metrics_at_exit(tmp_path):
               for metric in sm["metrics"] if metric["name"] == semconv.METRIC_REQUEST_SIZE
               for point in metric["data"]["data_points"]]
     assert counts == [25]
+
+
+_SDK_SET_AFTER_INSTRUMENT = r"""
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otel_kvtransfer import KVTransferInstrumentor
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer.recorder import RECORDER
+
+KVTransferInstrumentor().instrument()  # no SDK yet: only the API's proxy providers exist
+exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+RECORDER.drain()  # the tick finds the SDK
+for room in range(3):
+    kvt.begin_request(room)
+    kvt.end_request(room)
+provider.force_flush()
+points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+          for m in sm.metrics if m.name == "kv_transfer.request.size" for p in m.data.data_points]
+print(len(exporter.get_finished_spans()), sum(p.count for p in points))
+"""
+
+
+def test_an_sdk_set_after_instrument_gets_the_processors(tmp_path):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    script = tmp_path / "late_sdk.py"
+    script.write_text(_SDK_SET_AFTER_INSTRUMENT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["3", "3"]  # three request spans exported, three requests in the metrics
