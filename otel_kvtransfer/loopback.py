@@ -79,6 +79,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
     try:
         engine = open_engine()
         buffer = np.zeros(size, dtype=np.uint8)
+        buffer.fill(0)  # fault the pages in now, as a real engine's pinned KV pool is: not during the first transfer
         rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
         if rc != 0:
             raise MooncakeUnavailable(f"register_memory returned {rc}")

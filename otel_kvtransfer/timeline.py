@@ -191,7 +191,7 @@ def _send_title(span) -> str:
 def request_header(req: Request) -> tuple:
     """The two header lines of a request block."""
     room = "-" if req.room is None else str(req.room)
-    status = {"UNSET": "no error (status unset)"}.get(req.status, req.status)
+    status = {"UNSET": "ok"}.get(req.status, req.status)  # instrumentations leave success UNSET
     if req.error_type:
         status = f"ERROR {req.error_type}"
     first = f"room {room}  ·  {req.engine}  ·  {status}"
