@@ -54,7 +54,6 @@ class Recorder:
         self._on_drops: Optional[Callable[[str, int], None]] = None
         self._on_fork: Optional[Callable[[], None]] = None
         self._wake = threading.Event()
-        self._stopping = False
         self._stalled = False
         self._thread: Optional[threading.Thread] = None
         self.sink_errors = 0
@@ -104,17 +103,16 @@ class Recorder:
     def stop(self) -> None:
         """Stop recording new transfers; what is queued is still delivered."""
         self.active = False
-        self.drain()
+        self.drain(EXIT_DRAIN_TIMEOUT_S)  # bounded: a hung exporter must not hang uninstrument()
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-recorder", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopping:
+        while True:  # a daemon thread: it ends with the process
             self._wake.wait(self.settings.flush_interval_s)
             self._wake.clear()
             self.drain()
