@@ -51,6 +51,13 @@ _originals = {}  # method name -> the class __dict__ entry it replaced
 errors = {"count": 0}  # the wrappers' own failures, swallowed (never raised into the engine)
 
 
+def _own_error(what: str) -> None:
+    """A failure of the wrapper itself: counted (metric `wrapper_error` drops), logged at debug, never raised."""
+    errors["count"] += 1
+    RECORDER.drop("wrapper_error")
+    _logger.debug("otel_kvtransfer could not %s", what, exc_info=True)
+
+
 def _op_of(opcode) -> str:
     name = getattr(opcode, "name", str(opcode))
     return READ if "read" in name.lower() else WRITE
@@ -102,8 +109,7 @@ def _record_sync(instance, args, kwargs, op, batch, start, rc, error_type):
         transport = _transports.get(id(instance), _fallback_transport["value"])
         _deliver((start, end, nbytes, descriptors, op, session, transport, rc, error_type))
     except Exception:  # pylint: disable=broad-except
-        errors["count"] += 1
-        _logger.debug("otel_kvtransfer could not record a Mooncake call", exc_info=True)
+        _own_error("record a Mooncake call")
 
 
 def _async_wrapper(op, batch):
@@ -126,8 +132,7 @@ def _async_wrapper(op, batch):
                 _pending[(id(instance), batch_id)] = (
                     start, nbytes, descriptors, op_, session, transport, info, integration.capture_context())
         except Exception:  # pylint: disable=broad-except
-            errors["count"] += 1
-            _logger.debug("otel_kvtransfer could not record a Mooncake submission", exc_info=True)
+            _own_error("record a Mooncake submission")
         return batch_id
 
     return wrapper
@@ -153,7 +158,7 @@ def _check_status_wrapper(wrapped, instance, args, kwargs):
             elif rc < 0:
                 _complete(instance, batch_id, rc, "timeout" if rc == -2 else "transfer_failed")
         except Exception:  # pylint: disable=broad-except
-            errors["count"] += 1
+            _own_error("observe a Mooncake completion")
     return rc
 
 
@@ -165,7 +170,7 @@ def _batch_status_wrapper(wrapped, instance, args, kwargs):
             for batch_id in batch_ids:
                 _complete(instance, batch_id, rc, None if rc == 0 else "transfer_failed")
         except Exception:  # pylint: disable=broad-except
-            errors["count"] += 1
+            _own_error("observe a Mooncake completion")
     return rc
 
 
@@ -176,7 +181,7 @@ def _initialize_wrapper(wrapped, instance, args, kwargs):
         if protocol:
             _transports[id(instance)] = str(protocol)
     except Exception:  # pylint: disable=broad-except
-        errors["count"] += 1
+        _own_error("read the transport of initialize()")
     return rc
 
 

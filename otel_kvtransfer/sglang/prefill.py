@@ -25,6 +25,7 @@ import wrapt
 from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
 
 from otel_kvtransfer import integration, semconv
+from otel_kvtransfer.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ _classes = {}  # name -> sglang class, filled as modules are patched
 
 def _own_error(what: str) -> None:
     ERRORS["count"] += 1
+    RECORDER.drop("wrapper_error")
     _logger.debug("otel_kvtransfer sglang wrapper failed: %s", what, exc_info=True)
 
 
