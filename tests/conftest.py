@@ -5,6 +5,7 @@ A test that needs a real part (the Mooncake wheel, sglang, Prometheus, Chromium,
 fails the test, so a green CI always means the real parts ran.
 """
 
+import json
 import os
 
 import pytest
@@ -67,13 +68,18 @@ class Telemetry:
     def metrics(self):
         """{metric name: [data points]} of everything recorded so far."""
         self.tracer_provider.force_flush()
-        found = {}
-        data = self.reader.get_metrics_data()
-        for resource_metrics in (data.resource_metrics if data else []):
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    found.setdefault(metric.name, []).extend(metric.data.data_points)
-        return found
+        return metric_points(self.reader)
+
+
+def metric_points(reader) -> dict:
+    """{metric name: [data points]} of one collection by an in-memory metric reader."""
+    found = {}
+    data = reader.get_metrics_data()
+    for resource_metrics in (data.resource_metrics if data else []):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
 
 
 @pytest.fixture
@@ -114,3 +120,20 @@ class _Engine:
         self.engine = engine
         self.source = source
         self.base = source.ctypes.data
+
+
+def console_json_objects(text: str) -> list:
+    """Every JSON object that OpenTelemetry's console exporters printed in `text` (other output is skipped)."""
+    decoder = json.JSONDecoder()
+    found, index = [], 0
+    while True:
+        start = text.find("{", index)
+        if start < 0:
+            return found
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            index = start + 1
+            continue
+        found.append(obj)
+        index = end

@@ -1,32 +1,15 @@
 """`opentelemetry-instrument python app.py` with standard OTEL_* variables only: spans and metrics from the
 process and from its multiprocessing spawn child, with nothing in the app that mentions OpenTelemetry."""
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 
-from conftest import mooncake_importable, require_part
+from conftest import console_json_objects, mooncake_importable, require_part
 from otel_kvtransfer import semconv
 
 APP = os.path.join(os.path.dirname(__file__), "apps", "auto_app.py")
-
-
-def _json_objects(text):
-    decoder = json.JSONDecoder()
-    found, index = [], 0
-    while True:
-        start = text.find("{", index)
-        if start < 0:
-            return found
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            index = start + 1
-            continue
-        found.append(obj)
-        index = end
 
 
 def _run(extra_env):
@@ -48,7 +31,7 @@ def _run(extra_env):
     result = subprocess.run([instrument, sys.executable, APP], env=env, capture_output=True, text=True,
                             timeout=180, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    objects = _json_objects(result.stdout)
+    objects = console_json_objects(result.stdout)
     spans = [o for o in objects if o.get("name") == semconv.SPAN_SEND and "context" in o]
     metrics = [o for o in objects if "resource_metrics" in o]
     return spans, metrics

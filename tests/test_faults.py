@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from conftest import metric_points
 from otel_kvtransfer import KVTransferInstrumentor, config, mooncake, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.loopback import digest
@@ -43,13 +44,7 @@ class _Setup:
     def metric_points(self):
         """{metric name: [points]}, after draining the recorder (without flushing the span processors)."""
         RECORDER.drain()
-        found = {}
-        data = self.reader.get_metrics_data()
-        for resource_metrics in (data.resource_metrics if data else []):
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    found.setdefault(metric.name, []).extend(metric.data.data_points)
-        return found
+        return metric_points(self.reader)
 
     def transfers_in_metrics(self) -> int:
         return sum(p.count for p in self.metric_points().get(semconv.METRIC_DURATION, []))

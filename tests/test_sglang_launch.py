@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_part
+from conftest import console_json_objects, require_part
 
 from otel_kvtransfer import semconv as sc
 
@@ -42,20 +42,7 @@ def _env(**extra):
 
 def _console_spans(stdout: str):
     """Every span JSON object the console exporter printed (other output is skipped)."""
-    decoder = json.JSONDecoder()
-    spans, i = [], 0
-    while True:
-        i = stdout.find("{", i)
-        if i < 0:
-            return spans
-        try:
-            obj, end = decoder.raw_decode(stdout, i)
-        except ValueError:
-            i += 1
-            continue
-        if isinstance(obj, dict) and "name" in obj and "context" in obj:
-            spans.append(obj)
-        i = end
+    return [o for o in console_json_objects(stdout) if isinstance(o, dict) and "name" in o and "context" in o]
 
 
 def _harness(argv_prefix, scenario, env):
