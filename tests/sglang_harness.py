@@ -353,12 +353,9 @@ def prefill_main(cfg, events, go) -> None:
             start += n
         # sglang stamps prefill_transfer_queue_entry_time after the last chunk is handed over (prefill.py) ...
         t_entry = time.perf_counter()
-        status = sender.poll()
-        while status not in (KVPoll.Success, KVPoll.Failed):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sender stuck in {status}")
-            time.sleep(0.001)
-            status = sender.poll()
+        status = _poll_until_concluded(sender, KVPoll, deadline)
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            raise TimeoutError(f"sender stuck in {status}")
         # ... and its completion time when the scheduler first polls Success.
         t_done = time.perf_counter()
         metric = sender.get_transfer_metric()
@@ -377,10 +374,7 @@ def prefill_main(cfg, events, go) -> None:
         if second is not None:
             second.init(num_kv_indices=len(pages), aux_index=1)
             second.send(pages)
-            status2 = second.poll()
-            while status2 not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
-                time.sleep(0.001)
-                status2 = second.poll()
+            status2 = _poll_until_concluded(second, KVPoll, deadline)
             out["second_status"] = "Success" if status2 == KVPoll.Success else "Failed"
             second.clear()
         if collect is not None:
@@ -390,6 +384,15 @@ def prefill_main(cfg, events, go) -> None:
     except BaseException:
         out["error"] = traceback.format_exc()
     events.put(("prefill_done", out))
+
+
+def _poll_until_concluded(poller, KVPoll, deadline: float):
+    """Poll a sender or receiver until Success or Failed, or the deadline; returns the last status."""
+    status = poller.poll()
+    while status not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+        time.sleep(0.001)
+        status = poller.poll()
+    return status
 
 
 def _rooms_without_decode(cfg, mgr, sender_class, KVPoll) -> Dict[str, Any]:
@@ -485,12 +488,9 @@ def decode_main(cfg, rank, events, stop) -> None:
         if cfg["fail"] == "decode_gone":
             _wait_flag(stop, cfg["timeout_s"])  # the parent kills this process once prefill holds its metadata
             return
-        status = receiver.poll()
-        while status not in (KVPoll.Success, KVPoll.Failed):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"receiver stuck in {status}")
-            time.sleep(0.001)
-            status = receiver.poll()
+        status = _poll_until_concluded(receiver, KVPoll, deadline)
+        if status not in (KVPoll.Success, KVPoll.Failed):
+            raise TimeoutError(f"receiver stuck in {status}")
         out["status"] = "Success" if status == KVPoll.Success else "Failed"
         if status == KVPoll.Success:
             out["verified"] = _verify(cfg, kv, aux, rank)
