@@ -1,6 +1,8 @@
-"""The names of ../shared/DESIGN.md in one place: spans, attributes, metrics.
+"""The names of DESIGN.md in one place: spans, attributes, metrics.
 
-Every other module takes its names from here, so a rename is one edit and a typo is an ImportError.
+Every other module takes its names from here, so a rename is one edit and a typo is an ImportError. Names that
+belong to one engine or framework (its backend value, its id attributes) live in that engine's module or that
+framework's package, not here.
 """
 
 INSTRUMENTATION_NAME = "otel_kvtransfer"
@@ -8,14 +10,17 @@ INSTRUMENTATION_NAME = "otel_kvtransfer"
 # Span names.
 SPAN_REQUEST = "kv_transfer.request"
 SPAN_SEND = "kv_transfer.send"
-SPAN_RECEIVE = "kv_transfer.receive"
-# Not fixed by DESIGN: a compute interval of a request, so the timeline shows compute beside transfers.
 SPAN_COMPUTE = "kv_transfer.compute"
+SPAN_RECEIVE = "kv_transfer.receive"  # the peer's wait in a push (decode)
+SPAN_SERVE = "kv_transfer.serve"  # the peer's wait in a pull (prefill)
 
 # kv_transfer.* attributes.
-BOOTSTRAP_ROOM = "kv_transfer.bootstrap_room"
+REQUEST_KEY = "kv_transfer.request_key"
+BOOTSTRAP_ROOM = "kv_transfer.bootstrap_room"  # kept on the spans of frameworks whose key is a bootstrap room
 ROLE = "kv_transfer.role"
 BACKEND = "kv_transfer.backend"
+FRAMEWORK = "kv_transfer.framework"
+PROTOCOL = "kv_transfer.protocol"
 BYTES = "kv_transfer.bytes"
 LOGICAL_BYTES = "kv_transfer.logical_bytes"
 EXPECTED_BYTES = "kv_transfer.expected_bytes"
@@ -35,9 +40,9 @@ IS_LAST_CHUNK = "kv_transfer.is_last_chunk"
 PREFIX_EARLY_SEND = "kv_transfer.prefix_early_send"
 DESTINATION_INDEX = "kv_transfer.destination_index"
 RETURN_CODE = "kv_transfer.return_code"
+NOTIFICATION = "kv_transfer.notification"
 EVICTED = "kv_transfer.evicted"
 DROP_REASON = "kv_transfer.drop_reason"
-SGLANG_RID = "sglang.rid"
 
 # Standard keys.
 SERVER_ADDRESS = "server.address"
@@ -45,6 +50,11 @@ SERVER_PORT = "server.port"
 NETWORK_TRANSPORT = "network.transport"
 NETWORK_IO_DIRECTION = "network.io.direction"
 ERROR_TYPE = "error.type"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+
+# network.transport takes only the well-known values of the semantic conventions; anything else an engine
+# reports (rdma, efa, nvlink, ucx, ...) goes to kv_transfer.protocol.
+WELL_KNOWN_TRANSPORTS = frozenset({"tcp", "udp", "pipe", "unix", "quic"})
 
 # Values.
 ROLE_PREFILL = "prefill"
@@ -56,9 +66,10 @@ OP_WRITE = "write"
 OP_READ = "read"
 DIRECTION_TRANSMIT = "transmit"
 DIRECTION_RECEIVE = "receive"
-BACKEND_MOONCAKE = "mooncake"
+DIRECTION_OF_OP = {OP_WRITE: DIRECTION_TRANSMIT, OP_READ: DIRECTION_RECEIVE}
+EVICTED_ERROR = "evicted"
 
-# Metrics: (name, unit, description).
+# Metrics.
 METRIC_DURATION = "kv_transfer.duration"
 METRIC_SIZE = "kv_transfer.size"
 METRIC_THROUGHPUT = "kv_transfer.throughput"
@@ -67,7 +78,8 @@ METRIC_REQUEST_DURATION = "kv_transfer.request.duration"
 METRIC_REQUEST_SIZE = "kv_transfer.request.size"
 METRIC_REQUEST_THROUGHPUT = "kv_transfer.request.throughput"
 METRIC_REQUEST_COMPUTE_OVERLAP = "kv_transfer.request.compute_overlap"
+METRIC_RECEIVE_DURATION = "kv_transfer.receive.duration"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
 
 # Attributes a metric point may carry: low cardinality only (DESIGN).
-METRIC_ATTRIBUTES = (BACKEND, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR)
+METRIC_ATTRIBUTES = (BACKEND, FRAMEWORK, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR, GEN_AI_REQUEST_MODEL)

@@ -1,0 +1,113 @@
+"""The one set of rules for every figure derived from transfers: busy time, throughput, logical bytes, overlap,
+quantiles.
+
+The span builder computes a request's aggregates with `RequestAggregate`, and every offline tool (summarize,
+timeline, perfetto, bench) uses the same functions, so a figure can never differ between a span and a summary.
+Intervals are [start_ns, end_ns) pairs of integers.
+"""
+
+import math
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+Interval = Tuple[int, int]
+NS_PER_S = 1_000_000_000
+
+
+def union(intervals: Iterable[Interval]) -> List[Interval]:
+    """Merge overlapping or touching intervals into a sorted disjoint list (a reversed pair is put right)."""
+    merged: List[Interval] = []
+    for start, end in sorted((s, e) if s <= e else (e, s) for s, e in intervals):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(disjoint: Iterable[Interval]) -> int:
+    return sum(end - start for start, end in disjoint)
+
+
+def intersection_length(a: Sequence[Interval], b: Sequence[Interval]) -> int:
+    """Total length shared by two sorted disjoint lists (as `union` returns them)."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def throughput(nbytes: float, duration_ns: float) -> float:
+    """Bytes per second over a duration in nanoseconds; 0.0 when there is no duration to divide by."""
+    return nbytes * NS_PER_S / duration_ns if duration_ns > 0 else 0.0
+
+
+def logical_share(nbytes: float, replica_factor: Optional[int]) -> float:
+    """The unique (non-replica) part of one send: every payload sent to N destinations counts once."""
+    return nbytes / max(int(replica_factor or 1), 1)
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = min(max(q, 0.0), 1.0) * (n - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, n - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class RequestAggregate:
+    """Accumulates one request's sends and compute intervals; `figures()` gives its DESIGN aggregates.
+
+    Keys of `figures()`: bytes, logical_bytes, transfer_count, chunk_count, replica_factor, busy_ns,
+    throughput, and when compute is known, overlap_ns and overlap_ratio.
+    """
+
+    __slots__ = ("sends", "compute", "chunks", "bytes", "logical", "transfers", "replica")
+
+    def __init__(self):
+        self.sends: List[Interval] = []
+        self.compute: List[Interval] = []
+        self.chunks = set()
+        self.bytes = 0
+        self.logical = 0.0
+        self.transfers = 0
+        self.replica = 1
+
+    def add_send(self, start_ns: int, end_ns: int, nbytes: int, replica_factor: int = 1, chunk_index=None) -> None:
+        self.sends.append((start_ns, end_ns))
+        if chunk_index is not None:
+            self.chunks.add(chunk_index)
+        self.bytes += nbytes
+        self.logical += logical_share(nbytes, replica_factor)
+        self.transfers += 1
+        self.replica = max(self.replica, int(replica_factor or 1))
+
+    def add_compute(self, start_ns: int, end_ns: int) -> None:
+        self.compute.append((start_ns, end_ns))
+
+    def figures(self) -> dict:
+        busy = union(self.sends)
+        busy_ns = length(busy)
+        out = {
+            "bytes": self.bytes,
+            "logical_bytes": int(round(self.logical)),
+            "transfer_count": self.transfers,
+            "chunk_count": len(self.chunks),
+            "replica_factor": self.replica,
+            "busy_ns": busy_ns,
+            "throughput": throughput(self.bytes, busy_ns),
+        }
+        if self.compute:
+            overlap_ns = intersection_length(busy, union(self.compute))
+            out["overlap_ns"] = overlap_ns
+            out["overlap_ratio"] = overlap_ns / busy_ns if busy_ns else 0.0
+        return out

@@ -1,0 +1,71 @@
+"""The records the hot path hands to the span builder: their kinds and named field positions.
+
+A record is a plain tuple (the cheapest thing to build on an engine thread); this module is the one place that
+says what each position means. Producers build them through `integration` and the engine modules; only
+`builder` reads them. The backend (and, for framework records, the framework) travels in every record, so the
+core never assumes an engine.
+"""
+
+# Kinds: field 0 of every record.
+SEND = 1  # one actual transfer: one engine call, or a transfer scope's engine calls
+BEGIN_REQUEST = 2  # the initiator's request span opens
+END_REQUEST = 3
+COMPUTE = 4  # a compute interval serving some requests
+BEGIN_PEER = 5  # the peer's waiting span (receive for a push, serve for a pull) opens
+END_PEER = 6
+KIND = 0
+
+# SEND: (SEND, info, calls, context, scope_error, scope_span)
+SEND_INFO = 1  # a transfer-scope info tuple (below), or None for a raw engine call
+SEND_CALLS = 2  # list of call tuples (below)
+SEND_CONTEXT = 3  # the context a raw engine call is parented to (None inside a scope)
+SEND_ERROR = 4  # error.type the scope itself set, or None
+SEND_SCOPE_SPAN = 5  # (enter_ns, exit_ns) of the scope: the send's time when it made no engine call
+
+# Transfer-scope info: what a framework says a transfer is for.
+INFO_KEY = 0  # request key: int (a bootstrap room) or str
+INFO_CHUNK = 1
+INFO_PAYLOAD = 2
+INFO_DESTINATION = 3
+INFO_REPLICA = 4
+INFO_IS_LAST = 5
+INFO_EARLY = 6
+INFO_ATTRIBUTES = 7  # dict of extra span attributes (framework ids), or None
+
+# One engine call, as an engine wrapper times it.
+CALL_START = 0  # time_ns()
+CALL_END = 1
+CALL_BYTES = 2
+CALL_DESCRIPTORS = 3
+CALL_OP = 4  # semconv.OP_WRITE | OP_READ
+CALL_PEER = 5  # the engine's own peer name, parsed later by the engine's peer_attributes()
+CALL_PROTOCOL = 6  # the engine's protocol name (tcp, rdma, ucx, ...) or None
+CALL_RETURN_CODE = 7
+CALL_ERROR = 8  # error.type, or None on success
+CALL_BACKEND = 9  # kv_transfer.backend of the engine that made the call
+CALL_EXTRA = 10  # dict of extra send attributes from the engine (e.g. a notification), or None
+
+# BEGIN_REQUEST: (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)
+# BEGIN_PEER:    (BEGIN_PEER, key, start_ns, span_name, role, backend, framework, attributes, parent)
+KEY = 1
+TIME = 2
+REQ_ROLE = 3
+REQ_BACKEND = 4
+REQ_FRAMEWORK = 5
+REQ_ATTRIBUTES = 6  # dict: framework ids, gen_ai.request.model, expected bytes ...; or None
+REQ_PARENT = 7  # a real parent context (the engine's own request span), or None
+PEER_NAME = 3
+PEER_ROLE = 4
+PEER_BACKEND = 5
+PEER_FRAMEWORK = 6
+PEER_ATTRIBUTES = 7
+PEER_PARENT = 8
+
+# END_REQUEST / END_PEER: (kind, key, end_ns, error_type)
+END_ERROR = 3
+
+# COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index)
+COMPUTE_KEYS = 1
+COMPUTE_START = 2
+COMPUTE_END = 3
+COMPUTE_CHUNK = 4
