@@ -214,3 +214,134 @@ def test_grafana_provisioning_links_exemplars_to_traces(compose):
     for provider in providers:
         path = provider["options"]["path"]
         assert any(m.startswith(path) for m in mounts), path
+
+
+# --- tail sampling: what the policies keep ----------------------------------------------------------------------
+
+_OTTL_TOKEN = re.compile(r'\s*(?:(?P<attr>attributes\["(?P<key>[^"\\]+)"\])|(?P<str>"[^"\\]*")|(?P<num>-?\d+(?:\.\d+)?)'
+                         r'|(?P<op>==|!=|<=|>=|<|>|\(|\))|(?P<word>[A-Za-z_]+))')
+
+
+class _Value:
+    """An OTTL value: comparisons with nil, or between a number and a string, are false (never an error)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def cmp(self, op, other):
+        a, b = self.value, other.value
+        if op == "==":
+            return a == b
+        if op == "!=":
+            return a != b
+        if a is None or b is None or isinstance(a, str) != isinstance(b, str):
+            return False
+        return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op]
+
+
+def _ottl_span_condition(condition: str, env=None):
+    """A predicate over (span name, attributes) for the subset of OTTL the gateway's conditions use (comparisons of
+    `name`, `attributes["k"]`, strings, numbers and nil, joined by and / or / not with parentheses). Environment
+    references are resolved the Collector's way (`${env:NAME:-default}`). Anything else fails the test loudly."""
+    env = env or {}
+    condition = re.sub(r"\$\{env:([A-Z_][A-Z0-9_]*)(?::-([^}]*))?\}",
+                       lambda m: env.get(m.group(1), m.group(2) or ""), condition)
+    operands, source, pos = [], [], 0
+    while pos < len(condition.rstrip()):
+        match = _OTTL_TOKEN.match(condition, pos)
+        assert match and match.end() > pos, f"unsupported OTTL at {condition[pos:pos + 30]!r}"
+        pos = match.end()
+        if match.group("attr"):
+            source.append(f"_v(attrs.get({match.group('key')!r}))")
+        elif match.group("str"):
+            source.append(f"_v({match.group('str')})")
+        elif match.group("num"):
+            source.append(f"_v({match.group('num')})")
+        elif match.group("op") in ("(", ")"):
+            source.append(match.group("op"))
+        elif match.group("op"):
+            source.append(f".cmp({match.group('op')!r}, ")
+            operands.append(len(source))
+        else:
+            word = match.group("word")
+            assert word in ("name", "nil", "and", "or", "not"), f"unsupported OTTL word {word}"
+            source.append({"name": "_v(name)", "nil": "_v(None)"}.get(word, f" {word} "))
+    # `a OP b` -> `a.cmp(OP, b)`: close each comparison right after its right operand
+    for index in reversed(operands):
+        source[index] = source[index] + ")"
+    code = "".join(source)
+
+    def keep(name, attrs):
+        return eval(code, {"__builtins__": {}}, {"_v": _Value, "name": name, "attrs": attrs})  # pylint: disable=eval-used
+
+    return keep
+
+
+def _send(payload, nbytes, seconds):
+    return {"kv_transfer.payload": payload, "kv_transfer.bytes": nbytes,
+            "kv_transfer.throughput": nbytes / seconds if nbytes else None}
+
+
+def test_slow_transfer_policy_keeps_only_large_slow_kv_sends():
+    """Every aux send (a few KiB, latency-bound) was 'slow' by bytes/s, so the policy kept ~100% of traces: it now
+    looks only at KV sends of >= 1 MiB (the default), slower than the floor."""
+    cfg = _load(os.path.join(COLLECTOR, "gateway.yaml"))
+    (policy,) = [p for p in cfg["processors"]["tail_sampling"]["policies"] if p["name"] == "keep-slow-transfers"]
+    (condition,) = policy["ottl_condition"]["span"]
+    keep = _ottl_span_condition(condition)
+    assert not keep("kv_transfer.send", _send("aux", 4 << 10, 0.005))          # 0.8 MB/s aux: not a slow transfer
+    assert not keep("kv_transfer.send", _send("state", 64 << 10, 0.01))
+    assert not keep("kv_transfer.send", _send("kv", (1 << 20) - 1, 0.01))      # a small KV tail
+    assert not keep("kv_transfer.send", _send("kv", 64 << 20, 0.01))           # 6.7 GB/s: fast
+    assert not keep("kv_transfer.send", {"kv_transfer.payload": "kv", "kv_transfer.bytes": 8 << 20})  # failed
+    assert not keep("kv_transfer.request", _send("kv", 64 << 20, 1.0))
+    assert keep("kv_transfer.send", _send("kv", 1 << 20, 0.01))                # 105 MB/s on 1 MiB: slow
+    assert keep("kv_transfer.send", _send("kv", 64 << 20, 1.0))
+    # the thresholds follow their environment variables
+    strict = _ottl_span_condition(condition, {"KVT_SLOW_TRANSFER_MIN_BYTES": "4096",
+                                              "KVT_SLOW_TRANSFER_BYTES_PER_SECOND": "1000000"})
+    assert strict("kv_transfer.send", _send("kv", 4096, 0.01)) and not strict("kv_transfer.send", _send("kv", 4096, 1e-4))
+
+
+def test_tail_sampling_remembers_decisions_for_late_spans():
+    """Decode spans can end long after decision_wait: without a decision cache a late span starts a new partial
+    trace that the policies judge alone."""
+    sampling = _load(os.path.join(COLLECTOR, "gateway.yaml"))["processors"]["tail_sampling"]
+    cache = sampling["decision_cache"]
+    assert set(cache) == {"sampled_cache_size", "non_sampled_cache_size"}
+    # at least as many decided traces remembered as are held undecided
+    assert cache["sampled_cache_size"] >= sampling["num_traces"]
+    assert cache["non_sampled_cache_size"] >= sampling["num_traces"]
+
+
+# --- compose: every Prometheus target is reachable, every variable means something ------------------------------
+
+def test_collector_self_metrics_listen_where_prometheus_scrapes():
+    """The Collector serves its own metrics on localhost:8888 unless told otherwise: the scrape of otel-collector:8888
+    from the Prometheus container would be down."""
+    prometheus = _load(os.path.join(COLLECTOR, "prometheus.yml"))
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "otel-collector-self"]
+    (target,) = job["static_configs"][0]["targets"]
+    host, port = target.rsplit(":", 1)
+    assert host == "otel-collector"
+    for name in CONFIGS:
+        readers = _load(os.path.join(COLLECTOR, name))["service"]["telemetry"]["metrics"]["readers"]
+        exporters = [r["pull"]["exporter"]["prometheus"] for r in readers if "pull" in r]
+        assert any(e["host"] == "0.0.0.0" and str(e["port"]) == port for e in exporters), (name, exporters)
+
+
+def test_jaeger_gets_no_v1_variables(compose):
+    """COLLECTOR_OTLP_ENABLED was Jaeger v1's switch; Jaeger v2 receives OTLP by default and ignores it."""
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["image"].split(":", 1)[1].startswith("2.")
+    assert not [k for k in (jaeger.get("environment") or {}) if k.startswith(("COLLECTOR_", "SPAN_STORAGE_"))]
+
+
+def test_resource_attributes_become_metric_labels():
+    """Resource attributes such as host.name reach only `target_info` unless the exporter copies them: a short,
+    restart-stable list (never a wildcard: process.pid would make a new series per restart)."""
+    exporter = _load(os.path.join(COLLECTOR, "agent.yaml"))["exporters"]["prometheus"]
+    assert "resource_to_telemetry_conversion" not in exporter  # deprecated in favour of resource_constant_labels
+    included = exporter["resource_constant_labels"]["included"]
+    assert "host.name" in included
+    assert not [k for k in included if "*" in k or "?" in k or k.startswith(("process.", "service."))]
