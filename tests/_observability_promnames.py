@@ -116,5 +116,7 @@ DESIGN_METRICS = [
     ("kv_transfer.request.size", "By", HISTOGRAM),
     ("kv_transfer.request.throughput", "By/s", HISTOGRAM),
     ("kv_transfer.request.compute_overlap", "1", HISTOGRAM),
+    ("kv_transfer.receive.duration", "s", HISTOGRAM),
+    ("kv_transfer.descriptors", "{descriptor}", HISTOGRAM),
     ("kv_transfer.instrumentation.dropped", "{record}", COUNTER),
 ]

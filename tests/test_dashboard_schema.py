@@ -101,7 +101,9 @@ def test_units_make_grafana_show_rates_bytes_and_seconds(dashboard):
         assert unit, panel["title"]
         units[panel["title"]] = unit
         exprs = " ".join(t["expr"] for t in panel["targets"])
-        if "throughput_bytes_per_second" in exprs or ("size_bytes_sum" in exprs and "rate(" in exprs):
+        if "descriptors_bucket" in exprs:
+            assert unit == "short", (panel["title"], unit)  # a count (bytes per descriptor: an override)
+        elif "throughput_bytes_per_second" in exprs or ("size_bytes_sum" in exprs and "rate(" in exprs):
             assert unit == "Bps", (panel["title"], unit)  # bytes/sec (SI): GB/s
         elif "_seconds" in exprs and "histogram_quantile" in exprs:
             assert unit == "s", (panel["title"], unit)
@@ -111,16 +113,72 @@ def test_units_make_grafana_show_rates_bytes_and_seconds(dashboard):
             assert unit == "percentunit", (panel["title"], unit)
 
 
+FILTERS = {"service": "job", "instance": "instance", "backend": "kv_transfer_backend",
+           "framework": "kv_transfer_framework", "model": "gen_ai_request_model", "role": "kv_transfer_role"}
+
+
 def test_variables_filter_every_query(dashboard):
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert {"datasource", "service", "instance", "backend", "role"} <= set(variables)
+    assert set(FILTERS) | {"datasource", "payload"} <= set(variables)
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("service", "instance", "backend", "role"):
+    for name in list(FILTERS) + ["payload"]:
+        # "All" is `.*`, which also matches a series without the label (a raw engine call has no framework)
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+        assert variables[name]["query"]["query"].endswith(f", {FILTERS.get(name, 'kv_transfer_payload')})")
     for title, expr in _exprs(dashboard):
         assert 'job=~"$service"' in expr and 'instance=~"$instance"' in expr, title
-        if "instrumentation_dropped" not in expr:  # the dropped counter has neither backend nor role
-            assert 'kv_transfer_backend=~"$backend"' in expr and 'kv_transfer_role=~"$role"' in expr, title
+        if "instrumentation_dropped" not in expr:  # the dropped counter has none of the request's attributes
+            for name, label in FILTERS.items():
+                assert f'{label}=~"${name}"' in expr, (title, name)
+
+
+def test_throughput_quantiles_and_heatmap_are_kv_only_by_default(dashboard):
+    """A 4 KiB aux send is latency-bound (0.8-25 MB/s in one demo, KV 90-1,118 MB/s): mixed into one histogram
+    the quantiles describe neither. Per-transfer speed, duration, size and descriptor panels follow $payload,
+    whose default is kv; panels that break down by payload (bytes/s, transfers/s by payload) show every payload."""
+    (payload,) = [v for v in dashboard["templating"]["list"] if v["name"] == "payload"]
+    assert payload["current"]["value"] == ["kv"]
+    per_send = ("throughput_bytes_per_second_bucket", "duration_seconds_bucket", "size_bytes_bucket",
+                "descriptors_bucket")
+    checked = set()
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if "kv_transfer_request_" in expr or "kv_transfer_receive_" in expr:
+                continue
+            if any(f"kv_transfer_{name}" in expr for name in per_send):
+                assert 'kv_transfer_payload=~"$payload"' in expr, (panel["title"], expr)
+                checked.add(panel["type"])
+            if "by (kv_transfer_payload)" in expr:
+                assert "$payload" not in expr, panel["title"]
+    assert {"heatmap", "timeseries", "stat"} <= checked
+
+
+def _panel_with(dashboard, series):
+    found = [p for p in _panels(dashboard) if any(series in t["expr"] for t in p.get("targets", []))]
+    assert found, series
+    return found
+
+
+def test_peer_wait_and_descriptor_panels(dashboard):
+    """The decode side had no metric and no panel; nor did descriptors per transfer."""
+    wait = _panel_with(dashboard, "kv_transfer_receive_duration_seconds_bucket")
+    assert any(p["fieldConfig"]["defaults"]["unit"] == "s" and
+               any("histogram_quantile(0.99" in t["expr"] for t in p["targets"]) for p in wait)
+    assert _panel_with(dashboard, "kv_transfer_receive_duration_seconds_count")
+    descriptors = _panel_with(dashboard, "kv_transfer_descriptors_bucket")
+    assert any(p["fieldConfig"]["defaults"]["unit"] == "short" for p in descriptors)
+
+
+def test_one_panel_per_engine(dashboard):
+    """Issue 11: a panel per engine, i.e. Grafana repeats it for each value of $backend (multi-value, All)."""
+    repeated = [p for p in _panels(dashboard) if p.get("repeat")]
+    assert [p["repeat"] for p in repeated] == ["backend"]
+    (panel,) = repeated
+    assert "$backend" in panel["title"] and panel["repeatDirection"] == "h"
+    exprs = " ".join(t["expr"] for t in panel["targets"])
+    assert "kv_transfer_size_bytes_sum" in exprs and "kv_transfer_failures_total" in exprs
+    assert "kv_transfer_throughput_bytes_per_second_bucket" in exprs
 
 
 def test_datasource_is_the_variable_and_exemplars_are_on(dashboard):

@@ -32,7 +32,9 @@ from conftest import require_part
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
 WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")
 RATE_INTERVAL = "4s"  # what Grafana's $__rate_interval is for a 1 s scrape interval (4 x scrape interval)
-VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "role": ".*"}
+# "All" for every filter, the payload variable at its default (kv)
+VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "framework": ".*", "model": ".*", "role": ".*",
+             "payload": "kv"}
 
 
 # --- the translation itself (no real part needed) ------------------------------------------------------------
@@ -65,6 +67,8 @@ VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "role": ".*"}
     ("kv_transfer.request.throughput", "By/s", HISTOGRAM, "kv_transfer_request_throughput_bytes_per_second"),
     # unit "1" gets `_ratio` on gauges only: a histogram keeps its bare name
     ("kv_transfer.request.compute_overlap", "1", HISTOGRAM, "kv_transfer_request_compute_overlap"),
+    ("kv_transfer.receive.duration", "s", HISTOGRAM, "kv_transfer_receive_duration_seconds"),
+    ("kv_transfer.descriptors", "{descriptor}", HISTOGRAM, "kv_transfer_descriptors"),
     ("kv_transfer.instrumentation.dropped", "{record}", COUNTER, "kv_transfer_instrumentation_dropped_total"),
 ])
 def test_collector_metric_name_translation(name, unit, kind, expected):
