@@ -41,6 +41,21 @@ if [ "$want" != "$have" ] || ! "$VENV/bin/python" -c "import sglang, mooncake.en
     || { echo "setup: the virtualenv did not come out whole (see the pip output above)" >&2; exit 1; }
   echo "$want" > "$VENV/.kvt-stamp"
 fi
+# A real sglang server (launch_server) and sglang-router, for the end-to-end serving tests: added to the venv
+# above without touching its pins (they are constraints here); skipped while the stamp matches.
+server_want="$(cat "$ROOT/scripts/requirements-sglang-server.txt" "$ROOT/scripts/requirements-sglang.txt" \
+  | sha256sum | cut -c1-16)-router-0.3.2"
+server_have="$(cat "$VENV/.kvt-server-stamp" 2>/dev/null || true)"
+if [ "$server_want" != "$server_have" ] \
+  || ! "$VENV/bin/python" -c "import fastapi, uvicorn, xgrammar, sglang_router" >/dev/null 2>&1; then
+  echo "setup: adding sglang's server dependencies and sglang-router to $VENV ..." >&2
+  "$VENV/bin/python" -m pip install -q -r "$ROOT/scripts/requirements-sglang-server.txt" \
+    -c "$ROOT/scripts/requirements-sglang.txt" "sglang-router==0.3.2" 2>&1 \
+    | grep -v "^WARNING: Location\|^ERROR: pip's dependency resolver\|^sglang 0.5.23 requires" >&2 || true
+  "$VENV/bin/python" -c "import fastapi, uvicorn, xgrammar, sglang_router" \
+    || { echo "setup: sglang's server dependencies did not install" >&2; exit 1; }
+  echo "$server_want" > "$VENV/.kvt-server-stamp"
+fi
 # This checkout itself, editable, every time: the venv may be shared between checkouts (CI caches it).
 "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
 "$VENV/bin/python" -c "import otel_kvtransfer" || { echo "setup: otel_kvtransfer did not install" >&2; exit 1; }
