@@ -263,3 +263,58 @@ def test_exemplars_point_at_the_send_spans_traces(run):
         labels = exemplar["labels"]
         assert re.fullmatch(r"[0-9a-f]{32}", labels["trace_id"]) and re.fullmatch(r"[0-9a-f]{16}", labels["span_id"])
         assert labels["trace_id"] in room_traces  # the trace of the room the transfer belonged to
+
+
+# --- alert rules users import (dashboards/alerts.yaml) -----------------------------------------------------------
+
+ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
+ALERT_TESTS = os.path.join(ROOT, "dashboards", "alerts.test.yaml")
+
+
+def _promtool(*args, cwd=None):
+    promtool = shutil.which("promtool")
+    require_part(bool(promtool), f"promtool (Debian prometheus; {SETUP})")
+    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, check=False, cwd=cwd)
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests():
+    """`promtool check rules` parses every expression; `promtool test rules` shows each alert firing on the series
+    that should page (after its `for`) and quiet on a healthy twin."""
+    checked = _promtool("check", "rules", ALERTS)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    tested = _promtool("test", "rules", ALERT_TESTS)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+@pytest.mark.parametrize("old, new", [
+    ("> 0.01", "> 0.5"),                                  # failure ratio threshold loosened: the alert misses
+    ("> 2\n", "> 10\n"),                                  # receive wait p99 threshold: misses
+    ("kv_transfer_receive_duration_seconds_bucket", "kv_transfer_duration_seconds_bucket"),  # wrong metric
+])
+def test_alert_unit_tests_have_teeth(tmp_path, old, new):
+    with open(ALERTS, encoding="utf-8") as handle:
+        text = handle.read()
+    assert old in text
+    (tmp_path / "alerts.yaml").write_text(text.replace(old, new), encoding="utf-8")
+    shutil.copy(ALERT_TESTS, tmp_path / "alerts.test.yaml")
+    result = _promtool("test", "rules", "alerts.test.yaml", cwd=str(tmp_path))
+    assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
+
+
+def test_alert_rules_use_the_collector_names():
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    with open(ALERTS, encoding="utf-8") as handle:
+        groups = yaml.safe_load(handle)["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    recorded = {rule["record"] for rule in rules if "record" in rule}
+    known = {series for metric in DESIGN_METRICS for series in series_names(*metric)}
+    alerts = [rule for rule in rules if "alert" in rule]
+    assert {a["alert"] for a in alerts} >= {"KVTransferFailureRatioHigh", "KVTransferInstrumentationDropping",
+                                            "KVTransferRequestThroughputFarBelowLink", "KVTransferPeerWaitP99High"}
+    for rule in rules:
+        names = set(re.findall(r"\b(kv_transfer[a-z_:]*)\s*(?:\{|\[|\))", rule["expr"]))
+        assert names <= known | recorded, (rule.get("alert") or rule["record"], names - known - recorded)
+    for alert in alerts:
+        assert alert["labels"]["severity"] in ("critical", "warning", "info"), alert["alert"]
+        assert alert["annotations"]["summary"] and alert["annotations"]["description"], alert["alert"]
