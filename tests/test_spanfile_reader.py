@@ -1,11 +1,14 @@
-"""The span-file reader: both formats into one model, and one clear error naming the line for bad input.
+"""The span-file reader: OTLP-JSON (through opentelemetry-proto) and the older JSON lines into one model, and one
+clear error naming the line for bad or hostile input.
 
-Also home of the helpers the other report tests share: `demo_span_file()` (a span file from a real
-`otel-kvtransfer demo` run, made once per session) and `synthetic_records()` (unit-test data of the same format,
-for the sizes and faults a demo run does not produce).
+Also home of the helpers the other tool tests share: `demo_span_file()` (a span file from a real
+`otel-kvtransfer demo` run, made once per session), `synthetic_records()` (spans of the JSON-lines format for the
+sizes and faults a demo run does not produce), `write_jsonl()` and `write_otlp()` (the same records as OTLP-JSON,
+built with the proto messages).
 """
 
 import atexit
+import base64
 import json
 import os
 import random
@@ -16,28 +19,29 @@ import tempfile
 
 import pytest
 from conftest import require_part
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from otel_kvtransfer import intervals
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.spanfile_reader import Span, SpanFileError, iter_spans, read_spans
+from otel_kvtransfer.tools.spanfile import SpanFileError, iter_spans, read_spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEMO = {}
+T0 = 1_700_000_000_000_000_000
 
 
 def demo_span_file() -> str:
-    """Path of a span file written by a real demo run (`--requests 3`), made once per test session.
-
-    This is the one switch between synthetic data and the real demo: every end-to-end report test uses it."""
+    """Path of a span file written by a real demo run (`--requests 3`), made once per test session."""
     if "path" in _DEMO:
         return _DEMO["path"]
     if "error" in _DEMO:
-        require_part(False, _DEMO["error"])
+        pytest.fail(_DEMO["error"])
     try:
-        import otel_kvtransfer.demo  # noqa: F401
-    except ImportError as exc:
-        _DEMO["error"] = f"otel_kvtransfer.demo ({exc})"
-        require_part(False, _DEMO["error"])
+        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except Exception:  # pylint: disable=broad-except
+        require_part(False, "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
     out_dir = tempfile.mkdtemp(prefix="kvt-demo-")
     atexit.register(shutil.rmtree, out_dir, True)
     path = os.path.join(out_dir, "spans.jsonl")
@@ -55,13 +59,7 @@ def demo_span_file() -> str:
         _DEMO["error"] = f"demo failed (rc {proc.returncode}): {output[-2000:]}"
         pytest.fail(_DEMO["error"])
     _DEMO["path"] = path
-    _DEMO["output"] = output
     return path
-
-
-def demo_output() -> str:
-    demo_span_file()
-    return _DEMO.get("output", "")
 
 
 # --------------------------------------------------------------------------------------------------- synthetic
@@ -71,78 +69,62 @@ def _hex(rng, digits):
     return "".join(rng.choice("0123456789abcdef") for _ in range(digits))
 
 
-def synthetic_records(requests=3, destinations=2, chunks=3, seed=7, fail_room=None, t0=1_700_000_000_000_000_000):
-    """Span records in the demo's JSON-lines format with self-consistent request attributes."""
+def span_record(name, trace_id, span_id, parent, start, end, attributes, resource=None, status="UNSET",
+                kind="INTERNAL", description=None):
+    """One span in the JSON-lines format."""
+    return {"name": name, "trace_id": trace_id, "span_id": span_id, "parent_span_id": parent, "kind": kind,
+            "start_time_unix_nano": start, "end_time_unix_nano": end,
+            "status": {"code": status, "description": description}, "attributes": attributes,
+            "resource": resource or {"service.name": "prefill", "service.instance.id": "prefill-0",
+                                     "process.pid": 4242},
+            "scope": {"name": "otel_kvtransfer", "version": "0.1.0"}}
+
+
+def synthetic_records(requests=3, destinations=2, chunks=3, seed=7, fail_key=None, t0=T0):
+    """Request, compute, send and receive spans of the JSON-lines format, children before parents as exporters
+    write them. Request spans carry no aggregates (the tools compute them from the children), so figures in the
+    tests are checked against the children."""
     rng = random.Random(seed)
-    resource = {"service.name": "prefill", "service.instance.id": "prefill-0", "process.pid": 4242}
-    decode_resource = {"service.name": "decode", "service.instance.id": "decode-0", "process.pid": 4343}
-    scope = {"name": "otel_kvtransfer", "version": "0.1.0"}
+    decode = {"service.name": "decode", "service.instance.id": "decode-0", "process.pid": 4343}
     out = []
     start = t0
     for index in range(requests):
-        room = 1000 + index
+        key = str(1000 + index)
+        ident = {sc.REQUEST_KEY: key, sc.BOOTSTRAP_ROOM: 1000 + index, sc.FRAMEWORK: "sglang",
+                 sc.BACKEND: "mooncake"}
         trace_id, req_id = _hex(rng, 32), _hex(rng, 16)
-        cursor = start
-        sends, computes = [], []
+        cursor, failed = start, False
+        children = []
         for chunk in range(chunks):
-            c_start = cursor
-            c_end = c_start + rng.randint(2, 6) * 1_000_000
-            computes.append((c_start, c_end, chunk))
+            c_start, c_end = cursor, cursor + rng.randint(2, 6) * 1_000_000
+            children.append(span_record(sc.SPAN_COMPUTE, trace_id, _hex(rng, 16), req_id, c_start, c_end,
+                                        {sc.REQUEST_KEY: key, sc.CHUNK_INDEX: chunk}))
             for dest in range(destinations):
                 for payload in ("kv", "aux") if chunk == chunks - 1 else ("kv",):
                     s_start = c_end - 1_000_000 + rng.randint(0, 500_000) if chunk == 0 else c_start + 500_000
-                    dur = rng.randint(1, 4) * 1_000_000
+                    s_end = s_start + rng.randint(1, 4) * 1_000_000
                     nbytes = rng.randint(1, 8) * 1_048_576 if payload == "kv" else 4096
-                    failed = fail_room == room and chunk == chunks - 1 and dest == 0 and payload == "kv"
-                    sends.append(dict(start=s_start, end=s_start + dur, bytes=nbytes, payload=payload, chunk=chunk,
-                                      dest=dest, failed=failed))
+                    bad = fail_key == key and chunk == chunks - 1 and dest == 0 and payload == "kv"
+                    failed = failed or bad
+                    attrs = {**ident, sc.BYTES: nbytes, sc.PAYLOAD: payload, sc.OP: sc.OP_WRITE,
+                             sc.CHUNK_INDEX: chunk, sc.IS_LAST_CHUNK: chunk == chunks - 1,
+                             sc.PREFIX_EARLY_SEND: False, sc.REPLICA_FACTOR: destinations,
+                             sc.DESTINATION_INDEX: dest, sc.THROUGHPUT: nbytes * 1e9 / (s_end - s_start),
+                             sc.SERVER_ADDRESS: "127.0.0.1", sc.SERVER_PORT: 15000 + dest}
+                    if bad:
+                        attrs[sc.ERROR_TYPE] = "TransferFailed"
+                    children.append(span_record(sc.SPAN_SEND, trace_id, _hex(rng, 16), req_id, s_start, s_end,
+                                                attrs, status="ERROR" if bad else "UNSET", kind="CLIENT"))
             cursor = c_end
-        r_start = min(c[0] for c in computes)
-        r_end = max(max(s["end"] for s in sends), cursor) + 200_000
-        busy = intervals.union((s["start"], s["end"]) for s in sends)
-        busy_ns = intervals.length(busy)
-        comp = intervals.union((c[0], c[1]) for c in computes)
-        overlap_ns = intervals.intersection_length(busy, comp)
-        total = sum(s["bytes"] for s in sends)
-        kv = sum(s["bytes"] for s in sends if s["payload"] == "kv")
-        failed = any(s["failed"] for s in sends)
-        attrs = {
-            sc.BOOTSTRAP_ROOM: room, sc.ROLE: sc.ROLE_PREFILL, sc.BACKEND: sc.BACKEND_MOONCAKE,
-            sc.BYTES: total, sc.LOGICAL_BYTES: kv // destinations + (total - kv),
-            sc.TRANSFER_COUNT: len(sends), sc.CHUNK_COUNT: chunks, sc.REPLICA_FACTOR: destinations,
-            sc.BUSY_S: busy_ns / 1e9, sc.THROUGHPUT: total / (busy_ns / 1e9),
-            sc.COMPUTE_OVERLAP_S: overlap_ns / 1e9, sc.COMPUTE_OVERLAP_RATIO: overlap_ns / busy_ns,
-        }
+        r_end = max(max(c["end_time_unix_nano"] for c in children), cursor) + 200_000
+        out.extend(children)
+        attrs = {**ident, sc.ROLE: sc.ROLE_PREFILL}
         if failed:
             attrs[sc.ERROR_TYPE] = "TransferFailed"
-        out.append({"name": sc.SPAN_REQUEST, "trace_id": trace_id, "span_id": req_id, "parent_span_id": None,
-                    "kind": "INTERNAL", "start_time_unix_nano": r_start, "end_time_unix_nano": r_end,
-                    "status": {"code": "ERROR" if failed else "OK",
-                               "description": "transfer failed" if failed else None},
-                    "attributes": attrs, "resource": resource, "scope": scope})
-        for c_start, c_end, chunk in computes:
-            out.append({"name": sc.SPAN_COMPUTE, "trace_id": trace_id, "span_id": _hex(rng, 16),
-                        "parent_span_id": req_id, "kind": "INTERNAL", "start_time_unix_nano": c_start,
-                        "end_time_unix_nano": c_end, "status": {"code": "UNSET", "description": None},
-                        "attributes": {sc.CHUNK_INDEX: chunk}, "resource": resource, "scope": scope})
-        for s in sends:
-            a = {sc.BYTES: s["bytes"], sc.PAYLOAD: s["payload"], sc.OP: sc.OP_WRITE, sc.BOOTSTRAP_ROOM: room,
-                 sc.CHUNK_INDEX: s["chunk"], sc.IS_LAST_CHUNK: s["chunk"] == chunks - 1,
-                 sc.PREFIX_EARLY_SEND: False, sc.REPLICA_FACTOR: destinations, sc.DESTINATION_INDEX: s["dest"],
-                 sc.THROUGHPUT: s["bytes"] / ((s["end"] - s["start"]) / 1e9),
-                 sc.SERVER_ADDRESS: "127.0.0.1", sc.SERVER_PORT: 15000 + s["dest"]}
-            if s["failed"]:
-                a[sc.ERROR_TYPE] = "TransferFailed"
-            out.append({"name": sc.SPAN_SEND, "trace_id": trace_id, "span_id": _hex(rng, 16),
-                        "parent_span_id": req_id, "kind": "CLIENT", "start_time_unix_nano": s["start"],
-                        "end_time_unix_nano": s["end"],
-                        "status": {"code": "ERROR" if s["failed"] else "UNSET", "description": None},
-                        "attributes": a, "resource": resource, "scope": scope})
-        out.append({"name": sc.SPAN_RECEIVE, "trace_id": trace_id, "span_id": _hex(rng, 16),
-                    "parent_span_id": _hex(rng, 16), "kind": "SERVER", "start_time_unix_nano": r_start + 100_000,
-                    "end_time_unix_nano": r_end + 300_000, "status": {"code": "OK", "description": None},
-                    "attributes": {sc.BOOTSTRAP_ROOM: room, sc.ROLE: sc.ROLE_DECODE}, "resource": decode_resource,
-                    "scope": scope})
+        out.append(span_record(sc.SPAN_REQUEST, trace_id, req_id, None, start, r_end, attrs,
+                               status="ERROR" if failed else "UNSET", description="transfer failed" if failed else None))
+        out.append(span_record(sc.SPAN_RECEIVE, trace_id, _hex(rng, 16), _hex(rng, 16), start + 100_000,
+                               r_end + 300_000, {sc.REQUEST_KEY: key, sc.ROLE: sc.ROLE_DECODE}, resource=decode))
         start = r_end - rng.randint(0, 5) * 1_000_000  # requests overlap a little
     return out
 
@@ -154,103 +136,111 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def _any(value):
+def _any_value(value) -> AnyValue:
     if isinstance(value, bool):
-        return {"boolValue": value}
+        return AnyValue(bool_value=value)
     if isinstance(value, int):
-        return {"intValue": str(value)}
+        return AnyValue(int_value=value)
     if isinstance(value, float):
-        return {"doubleValue": value}
-    return {"stringValue": str(value)}
+        return AnyValue(double_value=value)
+    return AnyValue(string_value=str(value))
 
 
-def to_otlp_line(records, numeric_enums=True):
-    """One OTLP-JSON export request (as the Collector's file exporter writes) holding `records`."""
-    kinds = {"INTERNAL": 1, "SERVER": 2, "CLIENT": 3, "PRODUCER": 4, "CONSUMER": 5}
+def _key_values(attributes: dict) -> list:
+    return [KeyValue(key=k, value=_any_value(v)) for k, v in attributes.items()]
+
+
+def otlp_request(records) -> dict:
+    """One OTLP-JSON export request (a dict, ids in hex as OTLP/JSON writes them) holding `records`, built with
+    the proto messages."""
+    kinds = {"INTERNAL": 1, "SERVER": 2, "CLIENT": 3}
     codes = {"UNSET": 0, "OK": 1, "ERROR": 2}
+    message = ExportTraceServiceRequest()
     by_resource = {}
     for r in records:
-        key = json.dumps(r["resource"], sort_keys=True)
-        by_resource.setdefault(key, (r["resource"], []))[1].append(r)
-    resource_spans = []
+        by_resource.setdefault(json.dumps(r["resource"], sort_keys=True), (r["resource"], []))[1].append(r)
     for resource, recs in by_resource.values():
-        spans = []
+        resource_spans = ResourceSpans()
+        resource_spans.resource.attributes.extend(_key_values(resource))
+        scope_spans = ScopeSpans()
+        scope_spans.scope.name = "otel_kvtransfer"
         for r in recs:
-            span = {"traceId": r["trace_id"], "spanId": r["span_id"], "parentSpanId": r["parent_span_id"] or "",
-                    "name": r["name"],
-                    "kind": kinds[r["kind"]] if numeric_enums else f"SPAN_KIND_{r['kind']}",
-                    "startTimeUnixNano": str(r["start_time_unix_nano"]),
-                    "endTimeUnixNano": str(r["end_time_unix_nano"]),
-                    "attributes": [{"key": k, "value": _any(v)} for k, v in r["attributes"].items()],
-                    "status": {}}
-            code = r["status"]["code"]
-            if code != "UNSET":
-                span["status"]["code"] = codes[code] if numeric_enums else f"STATUS_CODE_{code}"
-            if r["status"].get("description"):
-                span["status"]["message"] = r["status"]["description"]
-            spans.append(span)
-        resource_spans.append({
-            "resource": {"attributes": [{"key": k, "value": _any(v)} for k, v in resource.items()]},
-            "scopeSpans": [{"scope": {"name": "otel_kvtransfer", "version": "0.1.0"}, "spans": spans}]})
-    return json.dumps({"resourceSpans": resource_spans})
+            scope_spans.spans.append(Span(
+                trace_id=bytes.fromhex(r["trace_id"]), span_id=bytes.fromhex(r["span_id"]),
+                parent_span_id=bytes.fromhex(r["parent_span_id"] or ""), name=r["name"], kind=kinds[r["kind"]],
+                start_time_unix_nano=r["start_time_unix_nano"], end_time_unix_nano=r["end_time_unix_nano"],
+                attributes=_key_values(r["attributes"]),
+                status=Status(code=codes[r["status"]["code"]], message=r["status"]["description"] or "")))
+        resource_spans.scope_spans.append(scope_spans)
+        message.resource_spans.append(resource_spans)
+    data = json_format.MessageToDict(message, use_integers_for_enums=True)
+    for rs in data["resourceSpans"]:  # proto3 JSON writes bytes as base64; OTLP/JSON wants hex ids
+        for span in rs["scopeSpans"][0]["spans"]:
+            for field in ("traceId", "spanId", "parentSpanId"):
+                if field in span:
+                    span[field] = base64.b64decode(span[field]).hex()
+    return data
+
+
+def write_otlp(path, records, per_line=None):
+    """`records` as OTLP-JSON, one export request per line (`per_line` spans each; default all in one)."""
+    per_line = per_line or max(len(records), 1)
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(0, len(records), per_line):
+            handle.write(json.dumps(otlp_request(records[i:i + per_line])) + "\n")
+    return str(path)
 
 
 # --------------------------------------------------------------------------------------------------- tests
 
 
-def test_native_format_round_trips(tmp_path):
+def _same(a, b):
+    assert (a.name, a.trace_id, a.span_id, a.parent_span_id, a.kind) == \
+        (b.name, b.trace_id, b.span_id, b.parent_span_id, b.kind)
+    assert (a.start_time_unix_nano, a.end_time_unix_nano, a.status_code) == \
+        (b.start_time_unix_nano, b.end_time_unix_nano, b.status_code)
+    assert a.attributes == b.attributes and a.resource == b.resource
+
+
+def test_jsonl_format_reads_every_field(tmp_path):
     records = synthetic_records(requests=2)
     spans = read_spans(write_jsonl(tmp_path / "s.jsonl", records))
     assert len(spans) == len(records)
     for span, record in zip(spans, records):
-        assert isinstance(span, Span)
         assert span.name == record["name"]
-        assert span.trace_id == record["trace_id"]
-        assert span.span_id == record["span_id"]
-        assert span.parent_span_id == record["parent_span_id"]
+        assert (span.trace_id, span.span_id, span.parent_span_id) == \
+            (record["trace_id"], record["span_id"], record["parent_span_id"])
         assert span.kind == record["kind"]
-        assert span.start_time_unix_nano == record["start_time_unix_nano"]
-        assert span.end_time_unix_nano == record["end_time_unix_nano"]
+        assert (span.start_time_unix_nano, span.end_time_unix_nano) == \
+            (record["start_time_unix_nano"], record["end_time_unix_nano"])
         assert span.status_code == record["status"]["code"]
-        assert span.attributes == record["attributes"]
-        assert span.resource == record["resource"]
+        assert span.attributes == record["attributes"] and span.resource == record["resource"]
         assert span.scope_name == "otel_kvtransfer"
 
 
-@pytest.mark.parametrize("numeric_enums", [True, False])
-def test_otlp_json_reads_like_the_native_format(tmp_path, numeric_enums):
+def test_otlp_json_reads_like_the_jsonl_format(tmp_path):
     records = synthetic_records(requests=3)
-    path = tmp_path / "otlp.json"
-    # Two export requests on two lines, as a file exporter appends them.
-    path.write_text(to_otlp_line(records[:5], numeric_enums) + "\n" + to_otlp_line(records[5:], numeric_enums)
-                    + "\n")
-    native = read_spans(write_jsonl(tmp_path / "n.jsonl", records))
-    otlp = read_spans(path)
-    def key(span):
-        return span.span_id
-
-    assert len(otlp) == len(native)
-    for a, b in zip(sorted(native, key=key), sorted(otlp, key=key)):
-        assert (a.name, a.trace_id, a.parent_span_id, a.kind) == (b.name, b.trace_id, b.parent_span_id, b.kind)
-        assert (a.start_time_unix_nano, a.end_time_unix_nano) == (b.start_time_unix_nano, b.end_time_unix_nano)
-        assert a.status_code == b.status_code
-        assert a.attributes == b.attributes
-        assert a.resource == b.resource
-    assert {s.line for s in otlp} == {1, 2}
+    jsonl = read_spans(write_jsonl(tmp_path / "n.jsonl", records))
+    otlp = read_spans(write_otlp(tmp_path / "o.jsonl", records, per_line=7))
+    assert len(otlp) == len(jsonl) == len(records)
+    for a, b in zip(sorted(jsonl, key=lambda s: s.span_id), sorted(otlp, key=lambda s: s.span_id)):
+        _same(a, b)
+    assert {s.line for s in otlp} == set(range(1, (len(records) + 6) // 7 + 1))
+    failed = [s for s in otlp if s.status_code == "ERROR"]
+    assert not failed  # no failure asked for
 
 
-def test_otlp_base64_ids_are_accepted(tmp_path):
-    import base64
-
+def test_otlp_base64_ids_and_enum_names_are_accepted(tmp_path):
     record = synthetic_records(requests=1)[0]
-    line = json.loads(to_otlp_line([record]))
-    span = line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    data = otlp_request([record])
+    span = data["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
     span["traceId"] = base64.b64encode(bytes.fromhex(record["trace_id"])).decode()
     span["spanId"] = base64.b64encode(bytes.fromhex(record["span_id"])).decode()
+    span["kind"] = "SPAN_KIND_CLIENT"
     path = tmp_path / "b64.json"
-    path.write_text(json.dumps(line) + "\n")
+    path.write_text(json.dumps(data) + "\n")
     (parsed,) = read_spans(path)
-    assert parsed.trace_id == record["trace_id"] and parsed.span_id == record["span_id"]
+    assert (parsed.trace_id, parsed.span_id, parsed.kind) == (record["trace_id"], record["span_id"], "CLIENT")
 
 
 def _error_of(path):
@@ -259,87 +249,117 @@ def _error_of(path):
     return info.value
 
 
-def test_empty_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "empty.jsonl"
-    path.write_text("")
-    error = _error_of(path)
-    assert str(path) in str(error) and "empty" in str(error)
+def test_empty_truncated_foreign_and_binary_files_name_the_line(tmp_path):
+    path = tmp_path / "f.jsonl"
     path.write_text("\n\n  \n")
-    assert "empty" in str(_error_of(path))
-
-
-def test_truncated_file_names_the_line(tmp_path):
+    assert "empty" in str(_error_of(path)) and str(path) in str(_error_of(path))
     records = synthetic_records(requests=1)
     text = "".join(json.dumps(r) + "\n" for r in records)
-    path = tmp_path / "cut.jsonl"
-    path.write_text(text[: len(text) - 40])  # cut inside the last record
+    path.write_text(text[: len(text) - 40])
     error = _error_of(path)
-    assert error.line == len(records)
-    assert f"{path}:{len(records)}:" in str(error)
-    assert "truncated" in str(error)
-    assert "\n" not in str(error)
-
-
-def test_foreign_json_names_the_line(tmp_path):
-    path = tmp_path / "foreign.jsonl"
-    records = synthetic_records(requests=1)
+    assert error.line == len(records) and "cut short" in str(error) and "\n" not in str(error)
     path.write_text(json.dumps(records[0]) + "\n" + json.dumps({"hello": "world"}) + "\n")
-    error = _error_of(path)
-    assert error.line == 2 and "not a span" in str(error)
-    path.write_text("[1, 2, 3]\n")
-    assert _error_of(path).line == 1
-
-
-def test_foreign_text_and_binary(tmp_path):
-    path = tmp_path / "notes.txt"
-    path.write_text("just some notes\nnothing else\n")
-    error = _error_of(path)
-    assert error.line == 1 and "invalid JSON" in str(error)
-    path = tmp_path / "blob.bin"
+    assert _error_of(path).line == 2 and "not a span" in str(_error_of(path))
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
-    error = _error_of(path)
-    assert error.line == 1
-
-
-def test_bad_fields_name_the_line(tmp_path):
-    records = synthetic_records(requests=1)
-    bad = dict(records[1])
-    bad["end_time_unix_nano"] = bad["start_time_unix_nano"] - 1
-    path = write_jsonl(tmp_path / "bad.jsonl", [records[0], bad])
-    error = _error_of(path)
-    assert error.line == 2 and "ends" in str(error)
-    bad = dict(records[1])
-    bad["trace_id"] = "xyz"
-    error = _error_of(write_jsonl(tmp_path / "bad2.jsonl", [records[0], bad]))
-    assert error.line == 2 and "trace_id" in str(error)
-    bad = dict(records[1])
-    del bad["span_id"]
-    assert _error_of(write_jsonl(tmp_path / "bad3.jsonl", [bad])).line == 1
-
-
-def test_missing_file_and_directory(tmp_path):
+    assert _error_of(path).line == 1
     assert "no such file" in str(_error_of(tmp_path / "nope.jsonl"))
     assert "directory" in str(_error_of(tmp_path))
 
 
-def test_progress_is_reported(tmp_path):
-    path = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=2))
+def test_bad_fields_name_the_line(tmp_path):
+    records = synthetic_records(requests=1)
+    for change, words in ((("end_time_unix_nano", records[1]["start_time_unix_nano"] - 1), "ends"),
+                          (("trace_id", "xyz"), "trace_id")):
+        bad = dict(records[1], **dict([change]))
+        error = _error_of(write_jsonl(tmp_path / "bad.jsonl", [records[0], bad]))
+        assert error.line == 2 and words in str(error)
+
+
+HOSTILE_JSONL = [
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"attributes":{"kv_transfer.bytes":NaN}}', "NaN"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"attributes":{"kv_transfer.bootstrap_room":Infinity}}', "Infinity"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"attributes":{"kv_transfer.chunk_index":1e999}}', "out of range"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"attributes":{"kv_transfer.bytes":"many"}}', "kv_transfer.bytes"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"scope":"x"}', "scope"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"resource":"x"}', "resource"),
+    ('{"name":"kv_transfer.send","trace_id":"%s","span_id":"%s","start_time_unix_nano":1,'
+     '"end_time_unix_nano":2,"attributes":{"k":"\\ud800"}}', "surrogate"),
+]
+
+
+@pytest.mark.parametrize("template, words", HOSTILE_JSONL)
+def test_hostile_jsonl_values_are_one_clear_error(tmp_path, template, words):
+    good = synthetic_records(requests=1)[0]
+    path = tmp_path / "h.jsonl"
+    path.write_text(json.dumps(good) + "\n" + template % ("ab" * 16, "cd" * 8) + "\n")
+    error = _error_of(path)
+    assert error.line == 2 and words in str(error), str(error)
+
+
+def _otlp_with(mutate):
+    data = otlp_request(synthetic_records(requests=1)[:2])
+    mutate(data)
+    return json.dumps(data)
+
+
+def _set_attr(key, value):
+    def mutate(data):
+        data["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"].append({"key": key, "value": value})
+    return mutate
+
+
+HOSTILE_OTLP = {
+    "double NaN busy_s": (_set_attr(sc.BUSY_S, {"doubleValue": "NaN"}), sc.BUSY_S),
+    "1e999 int": (_set_attr(sc.CHUNK_INDEX, {"intValue": "1e999"}), ":2: "),
+    "string bytes": (_set_attr(sc.BYTES, {"stringValue": "9"}), sc.BYTES),
+    "non-string key": (_set_attr(5, {"intValue": "1"}), ":2: "),
+    "resource x": (lambda d: d["resourceSpans"][0].update(resource="x"), ":2: "),
+    "scope x": (lambda d: d["resourceSpans"][0]["scopeSpans"][0].update(scope="x"), ":2: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_OTLP))
+def test_hostile_otlp_values_are_one_clear_error(tmp_path, case):
+    mutate, words = HOSTILE_OTLP[case]
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(otlp_request(synthetic_records(requests=1)[:1])) + "\n" + _otlp_with(mutate) + "\n")
+    error = _error_of(path)
+    assert error.line == 2 and words in str(error), str(error)
+    assert len(str(error)) < 600
+
+
+def test_deep_nesting_and_huge_values_are_bounded(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100_000 + "\n")
+    error = _error_of(path)
+    assert error.line == 1 and "nested too deeply" in str(error)
+    path.write_text(json.dumps({"hello": "x", "y" * 10_000_000: 1}) + "\n")
+    error = _error_of(path)
+    assert error.line == 1 and len(str(error)) < 600
+
+
+def test_progress_is_reported_for_long_reads(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=40))
     calls = []
     spans = list(iter_spans(path, progress=lambda done, total, n: calls.append((done, total, n))))
-    assert calls and calls[-1] == (os.path.getsize(path), os.path.getsize(path), len(spans))
+    size = os.path.getsize(path)
+    assert calls and calls[-1] == (size, size, len(spans))
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)
 
 
-def test_demo_span_file_reads(demo_spans):
-    spans = read_spans(demo_spans)
+def test_demo_span_file_reads():
+    spans = read_spans(demo_span_file())
     names = {s.name for s in spans}
     assert {sc.SPAN_REQUEST, sc.SPAN_SEND} <= names
     for span in spans:
         assert len(span.trace_id) == 32 and len(span.span_id) == 16
         assert span.end_time_unix_nano >= span.start_time_unix_nano
-    requests = [s for s in spans if s.name == sc.SPAN_REQUEST]
-    assert len(requests) >= 3
-
-
-@pytest.fixture(scope="session")
-def demo_spans():
-    return demo_span_file()
+        if span.name in (sc.SPAN_REQUEST, sc.SPAN_SEND):
+            assert isinstance(span.attributes[sc.REQUEST_KEY], str)
+    assert len([s for s in spans if s.name == sc.SPAN_REQUEST]) >= 3

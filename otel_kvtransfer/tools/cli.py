@@ -1,0 +1,266 @@
+"""The `otel-kvtransfer` command: `demo`, and the span-file tools `timeline` and `summarize`.
+
+    otel-kvtransfer demo [...]
+    otel-kvtransfer timeline FILE [--html OUT.html] [--png OUT.png] [--perfetto OUT.json] [--key K ...]
+                                  [--since S] [--until S] [--page-size N] [--max-requests N]
+    otel-kvtransfer summarize FILE [--json] [--key K ...] [--since S] [--until S] [--limit N]
+
+FILE is OTLP-JSON (what `OTEL_TRACES_EXPORTER=kvtransfer_file` or the Collector's file exporter writes) or the
+older JSON-lines span format. Bad input (an empty, truncated, foreign or hostile file, a bad option, an
+unwritable output) is one line on stderr and exit code 2, never a traceback, and leaves no output file behind.
+Files are read as a stream (summarize keeps per-request aggregates, not spans; timeline reads twice, keeping only
+the spans of the requests it draws); reads that take long show progress on stderr.
+"""
+
+import argparse
+import math
+import os
+import sys
+from types import SimpleNamespace
+from typing import Optional
+
+PROG = "otel-kvtransfer"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad option in one line (exit 2) instead of usage plus error."""
+
+    def error(self, message):
+        from otel_kvtransfer.tools.text import bounded  # pylint: disable=import-outside-toplevel
+
+        self.exit(2, f"{self.prog}: error: {bounded(message)}\n")
+
+
+def _error(message: str) -> int:
+    from otel_kvtransfer.tools.text import bounded  # pylint: disable=import-outside-toplevel
+
+    sys.stderr.write(f"{PROG}: error: {bounded(message, 400)}\n")
+    return 2
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _add_filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="span file: OTLP-JSON (kvtransfer_file exporter, Collector file exporter) or "
+                                     "the older JSON-lines spans")
+    parser.add_argument("--key", "--room", dest="keys", action="append", metavar="KEY",
+                        help="only this request key (sglang: the bootstrap room); repeatable")
+    parser.add_argument("--since", type=_finite, metavar="S",
+                        help="only requests active after S seconds from the file's first request")
+    parser.add_argument("--until", type=_finite, metavar="S",
+                        help="only requests active before S seconds from the file's first request")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="KV-transfer telemetry: a demo, and tools for span files.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo_parser = sub.add_parser("demo", help="prefill -> decode KV transfers over real Mooncake on 127.0.0.1",
+                                 add_help=False)
+    demo_parser.set_defaults(handler=_demo)
+
+    timeline = sub.add_parser(
+        "timeline", help="HTML page + PNG of a span file (and Perfetto JSON)",
+        description="Render a span file as a self-contained HTML timeline and a PNG: one block per request, a "
+                    "lane for compute and one per destination, transfers coloured by payload.")
+    _add_filters(timeline)
+    timeline.add_argument("--html", metavar="OUT.html", help="HTML page (default: FILE stem + .timeline.html)")
+    timeline.add_argument("--png", metavar="OUT.png", help="PNG picture (default: FILE stem + .timeline.png)")
+    timeline.add_argument("--no-html", action="store_true", help="do not write the HTML page")
+    timeline.add_argument("--no-png", action="store_true", help="do not write the PNG")
+    timeline.add_argument("--perfetto", metavar="OUT.json",
+                          help="also write Chrome trace-event JSON for ui.perfetto.dev / chrome://tracing")
+    timeline.add_argument("--page-size", type=_count, default=20, metavar="N", help="requests per HTML page (20)")
+    timeline.add_argument("--png-requests", type=_count, default=6, metavar="N",
+                          help="request blocks drawn in the PNG after the overview (6)")
+    timeline.add_argument("--max-requests", type=_count, default=2000, metavar="N",
+                          help="request blocks in the page and the Perfetto file, the first N by start (2000)")
+    timeline.set_defaults(handler=run_timeline)
+
+    summarize = sub.add_parser(
+        "summarize", help="per-request table and per-transfer throughput distribution of a span file",
+        description="Summarize a span file: one row per request (bytes, busy time, true throughput, overlap) and "
+                    "the distribution of per-transfer throughput.")
+    _add_filters(summarize)
+    summarize.add_argument("--json", action="store_true", help="machine-readable output")
+    summarize.add_argument("--limit", type=_count, default=50, metavar="N", help="rows of the text table (50; 0 = all)")
+    summarize.set_defaults(handler=run_summarize)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------- demo
+
+
+def _demo(argv) -> int:
+    # The demo (and Mooncake under it) is imported only when asked for.
+    from otel_kvtransfer import demo  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import MooncakeUnavailable  # pylint: disable=import-outside-toplevel
+
+    parser = _Parser(prog=f"{PROG} demo", description="prefill -> decode KV transfers over real Mooncake")
+    demo.add_arguments(parser)
+    cfg = demo.config_from_args(parser.parse_args(argv))
+    try:
+        summary = demo.run(cfg)
+    except MooncakeUnavailable as exc:
+        return _error(f"demo: {exc}")
+    print(summary["table"])
+    print(f"bytes verified on every decode engine: {'yes' if summary['bytes_verified'] else 'NO'}")
+    print(f"spans: {summary['span_file']}")
+    for line in summary.get("next_steps", []):
+        print(line)
+    return 0 if summary["bytes_verified"] else 1
+
+
+# --------------------------------------------------------------------------------------------------- span files
+
+
+def load(path: str, keys=None, since=None, until=None, max_requests: Optional[int] = None,
+         drawing: bool = False) -> SimpleNamespace:
+    """Read `path` as a stream into requests, select them, and (`drawing`) read it again to attach the spans
+    of the selected requests. Raises SpanFileError."""
+    # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.requests import RequestSet, attach_children, select_requests
+    from otel_kvtransfer.tools.spanfile import iter_spans, stderr_progress
+
+    collected = RequestSet()
+    seen = {"bytes": None}
+
+    def progress(done, total, spans, report=stderr_progress(f"reading {path}")):
+        seen["bytes"] = done
+        report(done, total, spans)
+
+    for span in iter_spans(path, progress=progress):
+        collected.add(span)
+    requests = collected.finish()
+    origin = min((r.start_ns for r in requests), default=None)
+    selected = select_requests(requests, keys=keys, since_s=since, until_s=until, origin_ns=origin)
+    shown = selected[:max_requests] if max_requests else selected
+    if drawing and shown:
+        attach_children(shown, iter_spans(path, progress=stderr_progress(f"drawing {path}"),
+                                          limit_bytes=seen["bytes"]))
+    return SimpleNamespace(requests=requests, selected=selected, shown=shown, origin=origin,
+                           throughputs=collected.throughputs, span_count=collected.span_count)
+
+
+def _filter_note(args, loaded) -> str:
+    parts = []
+    if args.keys:
+        parts.append("keys " + ",".join(args.keys))
+    if args.since is not None or args.until is not None:
+        lo = "start" if args.since is None else f"{args.since:g} s"
+        hi = "end" if args.until is None else f"{args.until:g} s"
+        parts.append(f"window {lo} – {hi}")
+    note = f"filtered ({'; '.join(parts)}): {len(loaded.selected)} of {len(loaded.requests)} requests" if parts else ""
+    if len(loaded.shown) < len(loaded.selected):
+        cap = f"drawing the first {len(loaded.shown)} of {len(loaded.selected)} requests (--max-requests)"
+        note = f"{note}; {cap}" if note else cap
+    return note
+
+
+def run_timeline(args) -> int:
+    from otel_kvtransfer.tools.text import label  # pylint: disable=import-outside-toplevel
+
+    if args.page_size < 1:
+        return _error("--page-size must be >= 1")
+    loaded = load(args.file, args.keys, args.since, args.until, max_requests=args.max_requests or None,
+                  drawing=True)
+    if not loaded.requests:
+        return _error(f"{args.file}: no kv_transfer spans in {loaded.span_count} spans")
+    stem = os.path.splitext(args.file)[0]
+    html_path = None if args.no_html else (args.html or f"{stem}.timeline.html")
+    png_path = None if args.no_png else (args.png or f"{stem}.timeline.png")
+    note = _filter_note(args, loaded)
+    if png_path:
+        try:
+            import PIL  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        except ImportError:
+            return _error("the PNG needs Pillow: pip install 'otel_kvtransfer[timeline]' (or pass --no-png)")
+    # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.timeline import write_timeline
+
+    if len(loaded.shown) > 200:
+        sys.stderr.write(f"rendering {len(loaded.shown)} requests...\n")
+    written = write_timeline(loaded.shown, html_path, png_path, page_size=args.page_size,
+                             png_requests=args.png_requests, source=args.file, note=note, origin_ns=loaded.origin,
+                             throughputs=loaded.throughputs)
+    if args.perfetto:
+        import json
+
+        from otel_kvtransfer.tools.output import atomic_output
+        from otel_kvtransfer.tools.perfetto import request_spans, trace_events
+
+        data = trace_events(request_spans(loaded.shown))
+        with atomic_output(args.perfetto, "w") as handle:
+            json.dump(data, handle, separators=(",", ":"), allow_nan=False)
+            handle.write("\n")
+        written["perfetto"] = args.perfetto
+    if note:
+        print(label(note, 400))
+    for kind, path in written.items():
+        print(f"{kind}: {label(path, 400)}")
+    if not loaded.selected:
+        sys.stderr.write(f"{PROG}: warning: no request matches the filters\n")
+    return 0
+
+
+def run_summarize(args) -> int:
+    # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.summarize import format_text, summary_dict, to_json
+    from otel_kvtransfer.tools.text import label
+
+    loaded = load(args.file, args.keys, args.since, args.until)
+    if not loaded.requests:
+        return _error(f"{args.file}: no kv_transfer spans in {loaded.span_count} spans")
+    summary = summary_dict(args.file, loaded.span_count, loaded.selected, loaded.throughputs)
+    note = _filter_note(args, loaded)
+    if note:
+        summary["filter"] = note
+    if args.json:
+        sys.stdout.write(to_json(summary))
+    else:
+        if note:
+            sys.stdout.write(label(note, 400) + "\n")
+        sys.stdout.write(format_text(summary, limit=args.limit or None))
+    sys.stdout.flush()
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.spanfile import SpanFileError
+
+    try:
+        return args.handler(args)
+    except SpanFileError as exc:
+        return _error(str(exc))
+    except BrokenPipeError:
+        with open(os.devnull, "w", encoding="utf-8") as devnull:
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
+        return 0
+    except OSError as exc:
+        return _error(f"cannot write {exc.filename or 'output'}: {exc.strerror or exc}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

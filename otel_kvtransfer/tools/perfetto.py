@@ -1,0 +1,141 @@
+"""Chrome trace-event JSON from span files, for the Perfetto UI (ui.perfetto.dev) and chrome://tracing.
+
+Processes are the engines/ranks that emitted the spans (one per resource: service name, instance id, pid);
+threads are lanes: ``requests``, ``compute``, one per transfer destination, ``receive`` / ``serve``. Every span
+becomes one complete event (``ph: "X"``) with ``ts`` and ``dur`` in microseconds, measured from the earliest span
+(``otherData.origin_unix_nano``), so durations are the span durations to the nanosecond. The trace-event format
+wants the events of one thread to nest, and concurrent requests overlap, so each lane is packed
+(`lanes.pack`, as the timeline packs its rows) into as many threads as it needs (``dest 0 · 2``).
+
+    otel-kvtransfer timeline spans.jsonl --perfetto trace.json   # then open trace.json in ui.perfetto.dev
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.tools.lanes import pack
+from otel_kvtransfer.tools.requests import PEER_SPANS, engine_label
+from otel_kvtransfer.tools.spanfile import Span
+
+__all__ = ["trace_events", "lane_of", "request_spans"]
+
+
+def lane_of(span: Span) -> tuple:
+    """(sort key, lane name) of a span."""
+    if span.name == sc.SPAN_REQUEST:
+        return (0, 0), "requests"
+    if span.name == sc.SPAN_COMPUTE:
+        return (1, 0), "compute"
+    if span.name == sc.SPAN_SEND:
+        dest = span.attr(sc.DESTINATION_INDEX)
+        peer, port = span.attr(sc.SERVER_ADDRESS), span.attr(sc.SERVER_PORT)
+        where = f" {peer}:{port}" if peer is not None and port is not None else ""
+        if dest is not None:
+            return (2, dest), f"dest {dest}{where}"
+        return (2, 1 << 64), f"send{where}"
+    if span.name in PEER_SPANS:
+        return (3, 0), span.name.rsplit(".", 1)[-1]
+    return (4, 0), span.name
+
+
+def _event_name(span: Span) -> str:
+    chunk = span.attr(sc.CHUNK_INDEX)
+    if span.name == sc.SPAN_SEND:
+        payload = span.attr(sc.PAYLOAD) or "send"
+        return f"{payload} chunk {chunk}" if chunk is not None else str(payload)
+    if span.name == sc.SPAN_COMPUTE:
+        return f"compute chunk {chunk}" if chunk is not None else "compute"
+    key = span.attr(sc.REQUEST_KEY, span.attr(sc.BOOTSTRAP_ROOM))
+    if key is not None:
+        return f"{span.name.rsplit('.', 1)[-1]} {key}"
+    return span.name
+
+
+def _process_key(resource: dict) -> tuple:
+    return tuple(sorted((str(k), str(v)) for k, v in resource.items()))
+
+
+def request_spans(requests) -> list:
+    """The spans of `requests` (children attached), each once: request spans, sends, computes, peers."""
+    out = {}
+    for request in requests:
+        for span in ([request.span] if request.span else []) + request.sends + request.computes + request.peers:
+            out[(span.trace_id, span.span_id)] = span
+    return list(out.values())
+
+
+def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None) -> dict:
+    """The trace-event JSON object for `spans`."""
+    spans = sorted(spans, key=lambda s: (s.start_time_unix_nano, -s.end_time_unix_nano))
+    if origin_ns is None:
+        origin_ns = min((s.start_time_unix_nano for s in spans), default=0)
+
+    # Processes: one per resource; the OS pid when it is unique, else a small number.
+    resources = {}
+    for span in spans:
+        resources.setdefault(_process_key(span.resource), span.resource)
+    os_pids = [r.get("process.pid") for r in resources.values()]
+    use_os_pid = all(isinstance(p, int) and 0 < p < 1 << 31 for p in os_pids) and len(set(os_pids)) == len(os_pids)
+    pid_of, events = {}, []
+    for index, (key, resource) in enumerate(sorted(resources.items(), key=lambda kv: engine_label(kv[1]))):
+        pid = resource["process.pid"] if use_os_pid else index + 1
+        pid_of[key] = pid
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": engine_label(resource)}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": index}})
+
+    # Lanes, each packed into non-overlapping tracks (threads).
+    lanes = {}
+    for span in spans:
+        sort_key, lane = lane_of(span)
+        lanes.setdefault((pid_of[_process_key(span.resource)], sort_key, lane), []).append(span)
+    next_tid = {}
+    for (pid, _sort_key, lane), members in sorted(lanes.items(), key=lambda kv: kv[0][:2]):
+        rows = pack(members, lambda s: s.start_time_unix_nano, lambda s: s.end_time_unix_nano)
+        first = next_tid.get(pid, 1)
+        next_tid[pid] = first + max(rows, default=0) + 1
+        for number in range(max(rows, default=0) + 1):
+            name = lane if number == 0 else f"{lane} · {number + 1}"
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": first + number,
+                           "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": first + number,
+                           "args": {"sort_index": first + number}})
+        for span, row in zip(members, rows):
+            events.append(_event(span, pid, first + row, origin_ns))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"origin_unix_nano": origin_ns, "generator": "otel_kvtransfer",
+                      "note": "ts/dur in microseconds after origin_unix_nano"},
+    }
+
+
+def _event(span: Span, pid: int, tid: int, origin_ns: int) -> dict:
+    args = {str(k): v for k, v in span.attributes.items()}
+    args.update({
+        "span.name": span.name,
+        "trace_id": span.trace_id,
+        "span_id": span.span_id,
+        "parent_span_id": span.parent_span_id,
+        "status": span.status_code,
+        "duration_ns": span.duration_ns,
+        "start_time_unix_nano": span.start_time_unix_nano,
+    })
+    if span.status_description:
+        args["status.description"] = span.status_description
+    event = {
+        "name": _event_name(span),
+        "cat": str(span.attr(sc.PAYLOAD) or span.name),
+        "ph": "X",
+        "ts": (span.start_time_unix_nano - origin_ns) / 1000.0,
+        "dur": span.duration_ns / 1000.0,
+        "pid": pid,
+        "tid": tid,
+        "args": args,
+    }
+    if span.is_error:
+        event["cname"] = "terrible"
+    return event

@@ -1,0 +1,342 @@
+"""Group a stream of spans into requests, keeping per-request aggregates instead of the spans themselves.
+
+A request is one ``kv_transfer.request`` span with its ``kv_transfer.send`` and ``kv_transfer.compute``
+children (spans are grouped by (trace, request span id), so children may come before their parent, as exporters
+write them); sends outside any request span (raw engine calls) group by their parent, or by
+(trace, request key) when they have none. The peer's waiting spans (``kv_transfer.receive`` for a push,
+``kv_transfer.serve`` for a pull) join the requests of the same (trace, request key), falling back to the
+bootstrap room of older files, then to the trace.
+
+Every figure comes from `otel_kvtransfer.aggregate`, the rules the span builder uses: a request span that carries
+its aggregates is shown as it is; otherwise `RequestAggregate` computes them from the children.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Iterable, Optional, Sequence
+
+from otel_kvtransfer import aggregate
+from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.tools.spanfile import Span
+
+PEER_SPANS = (sc.SPAN_RECEIVE, sc.SPAN_SERVE)
+CHILD_SPANS = (sc.SPAN_SEND, sc.SPAN_COMPUTE)
+_COMPACT_AT = 4096  # intervals kept per request before they are merged (busy time needs only their union)
+
+# Request-span attributes shown as they are, and their names in a summary row.
+FIGURE_ATTRIBUTES = {
+    "bytes": sc.BYTES, "logical_bytes": sc.LOGICAL_BYTES, "transfer_count": sc.TRANSFER_COUNT,
+    "chunk_count": sc.CHUNK_COUNT, "replica_factor": sc.REPLICA_FACTOR, "busy_s": sc.BUSY_S,
+    "throughput": sc.THROUGHPUT, "compute_overlap_s": sc.COMPUTE_OVERLAP_S,
+    "compute_overlap_ratio": sc.COMPUTE_OVERLAP_RATIO,
+}
+_IDENTITY = (sc.REQUEST_KEY, sc.BOOTSTRAP_ROOM, sc.FRAMEWORK, sc.BACKEND, sc.ROLE, sc.GEN_AI_REQUEST_MODEL)
+
+
+def engine_label(resource: dict) -> str:
+    """A short name of the process that emitted a span: service name plus instance id or pid."""
+    name = str(resource.get("service.name") or "unknown_service")
+    inst = resource.get("service.instance.id")
+    if inst:
+        inst = str(inst)
+        if len(inst) == 36 and inst.count("-") == 4:  # a uuid: its first group tells engines apart
+            inst = inst[:8]
+        return f"{name} [{inst}]"
+    pid = resource.get("process.pid")
+    return f"{name} [pid {pid}]" if pid else name
+
+
+def send_bytes(span: Span) -> int:
+    return span.attributes.get(sc.BYTES) or 0
+
+
+def send_throughput(span: Span) -> Optional[float]:
+    """The send span's own throughput attribute, else its bytes over its duration (aggregate.throughput)."""
+    value = span.attributes.get(sc.THROUGHPUT)
+    if value is not None:
+        return float(value)
+    return aggregate.throughput(send_bytes(span), span.duration_ns) or None
+
+
+def group_key(span: Span) -> Optional[tuple]:
+    """The request a span belongs to, or None for spans that are not part of one (peers, foreign spans)."""
+    if span.name == sc.SPAN_REQUEST:
+        return span.trace_id, span.span_id
+    if span.name in CHILD_SPANS:
+        if span.parent_span_id:
+            return span.trace_id, span.parent_span_id
+        key = span.attributes.get(sc.REQUEST_KEY, span.attributes.get(sc.BOOTSTRAP_ROOM))
+        return span.trace_id, f"key:{key}"
+    return None
+
+
+def _key_of(attributes: dict) -> Optional[str]:
+    key = attributes.get(sc.REQUEST_KEY)
+    if key is None and attributes.get(sc.BOOTSTRAP_ROOM) is not None:
+        key = str(attributes[sc.BOOTSTRAP_ROOM])
+    return key
+
+
+class Request:
+    """One request: identity, status, its figures, and (filled only for drawing) its child spans."""
+
+    __slots__ = ("trace_id", "group", "span_id", "identity", "engine", "start_ns", "end_ns", "has_span",
+                 "status", "error_type", "figure_attrs", "aggregate", "send_spans", "compute_spans",
+                 "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes")
+
+    def __init__(self, trace_id: str, group):
+        self.trace_id = trace_id
+        self.group = group
+        self.span_id: Optional[str] = None
+        self.identity: dict = {}
+        self.engine = ""
+        self.start_ns = self.end_ns = None
+        self.has_span = False
+        self.status = "UNSET"
+        self.error_type: Optional[str] = None
+        self.figure_attrs: dict = {}
+        self.aggregate = aggregate.RequestAggregate()
+        self.send_spans = self.compute_spans = 0
+        self.send_error: Optional[str] = None
+        self.last_chunk = None  # [chunk index, first start, last end] of the highest chunk's sends
+        self.last_flagged = None  # [first start, last end] of the sends marked is_last_chunk
+        self.peers: list = []
+        self.span: Optional[Span] = None  # the request span itself, kept only by `attach_children`
+        self.sends: list = []
+        self.computes: list = []
+
+    # ---- building
+    def note_time(self, span: Span, own: bool) -> None:
+        """The request span's own times when there is one, else the hull of what was seen."""
+        lo, hi = span.start_time_unix_nano, span.end_time_unix_nano
+        if own or self.start_ns is None:
+            self.start_ns, self.end_ns = lo, hi
+        elif not self.has_span:
+            self.start_ns, self.end_ns = min(self.start_ns, lo), max(self.end_ns, hi)
+
+    def note_identity(self, span: Span, override: bool = False) -> None:
+        for key in _IDENTITY:
+            value = span.attributes.get(key)
+            if value is not None and (override or key not in self.identity):
+                self.identity[key] = value
+        if override or not self.engine:
+            self.engine = engine_label(span.resource)
+
+    def add_request_span(self, span: Span) -> None:
+        self.has_span = True
+        self.span_id = span.span_id
+        self.note_time(span, own=True)
+        self.note_identity(span, override=True)
+        self.status = span.status_code
+        error = span.attributes.get(sc.ERROR_TYPE)
+        self.error_type = str(error) if error is not None else None
+        self.figure_attrs = {name: span.attributes[key] for name, key in FIGURE_ATTRIBUTES.items()
+                             if key in span.attributes}
+
+    def add_child(self, span: Span) -> None:
+        self.note_time(span, own=False)
+        self.note_identity(span)
+        lo, hi = span.start_time_unix_nano, span.end_time_unix_nano
+        if span.name == sc.SPAN_COMPUTE:
+            self.compute_spans += 1
+            self.aggregate.add_compute(lo, hi)
+            if len(self.aggregate.compute) > _COMPACT_AT:
+                self.aggregate.compute = aggregate.union(self.aggregate.compute)
+            return
+        attrs = span.attributes
+        self.send_spans += 1
+        chunk = attrs.get(sc.CHUNK_INDEX)
+        self.aggregate.add_send(lo, hi, send_bytes(span), attrs.get(sc.REPLICA_FACTOR) or 1, chunk)
+        if len(self.aggregate.sends) > _COMPACT_AT:
+            self.aggregate.sends = aggregate.union(self.aggregate.sends)
+        if span.is_error and self.send_error is None:
+            self.send_error = str(attrs.get(sc.ERROR_TYPE) or "error")
+        if chunk is not None:
+            last = self.last_chunk
+            if last is None or chunk > last[0]:
+                self.last_chunk = [chunk, lo, hi]
+            elif chunk == last[0]:
+                last[1], last[2] = min(last[1], lo), max(last[2], hi)
+        if attrs.get(sc.IS_LAST_CHUNK) is True:
+            flagged = self.last_flagged
+            self.last_flagged = [lo, hi] if flagged is None else [min(flagged[0], lo), max(flagged[1], hi)]
+
+    # ---- identity
+    @property
+    def key(self) -> Optional[str]:
+        return _key_of(self.identity)
+
+    @property
+    def room(self) -> Optional[int]:
+        return self.identity.get(sc.BOOTSTRAP_ROOM)
+
+    @property
+    def framework(self) -> Optional[str]:
+        return self.identity.get(sc.FRAMEWORK)
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self.identity.get(sc.BACKEND)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / aggregate.NS_PER_S
+
+    @property
+    def final_status(self) -> str:
+        if self.has_span:
+            return self.status
+        return "ERROR" if self.send_error or any(p.is_error for p in self.peers) else "UNSET"
+
+    @property
+    def final_error_type(self) -> Optional[str]:
+        return self.error_type or self.send_error
+
+    # ---- figures
+    def figures(self) -> dict:
+        """The DESIGN aggregates: the request span's own when it carries them, else from its children."""
+        out = dict.fromkeys(FIGURE_ATTRIBUTES)
+        if "bytes" in self.figure_attrs and "busy_s" in self.figure_attrs:
+            out.update(self.figure_attrs)
+            return out
+        if not self.send_spans:
+            return out
+        computed = self.aggregate.figures()
+        out.update({name: computed[name] for name in ("bytes", "logical_bytes", "transfer_count", "chunk_count",
+                                                       "replica_factor", "throughput")})
+        out["busy_s"] = computed["busy_ns"] / aggregate.NS_PER_S
+        if "overlap_ns" in computed:
+            out["compute_overlap_s"] = computed["overlap_ns"] / aggregate.NS_PER_S
+            out["compute_overlap_ratio"] = computed["overlap_ratio"]
+        return out
+
+    def busy_intervals(self) -> list:
+        return aggregate.union(self.aggregate.sends)
+
+    def last_chunk_rate(self, nbytes: Optional[float]) -> Optional[float]:
+        """What engines report today: all of a request's bytes over the latency of only its last chunk."""
+        window = self.last_flagged or (self.last_chunk[1:] if self.last_chunk else None)
+        if window is None or not nbytes:
+            return None
+        return aggregate.throughput(nbytes, window[1] - window[0]) or None
+
+    def to_dict(self) -> dict:
+        figures = self.figures()
+        return {
+            "request_key": self.key,
+            "bootstrap_room": self.room,
+            "framework": self.framework,
+            "backend": self.backend,
+            "role": self.identity.get(sc.ROLE),
+            "model": self.identity.get(sc.GEN_AI_REQUEST_MODEL),
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "engine": self.engine,
+            "status": self.final_status,
+            "error_type": self.final_error_type,
+            "start_time_unix_nano": self.start_ns,
+            "end_time_unix_nano": self.end_ns,
+            "duration_s": self.duration_s,
+            **figures,
+            "last_chunk_rate": self.last_chunk_rate(figures["bytes"]),
+            "send_spans": self.send_spans,
+            "compute_spans": self.compute_spans,
+            "peer_spans": len(self.peers),
+        }
+
+
+class RequestSet:
+    """Feed spans with `add` (any order), then `finish()`: the requests, ordered by start time. Keeps per-request
+    aggregates and the per-transfer throughputs, not the spans."""
+
+    def __init__(self):
+        self.groups: dict = {}
+        self.peers: list = []
+        self.throughputs = array("d")  # every successful send's own throughput (By/s), for the distribution
+        self.span_count = 0
+
+    def add(self, span: Span) -> None:
+        self.span_count += 1
+        if span.name in PEER_SPANS:
+            self.peers.append(span)
+            return
+        group = group_key(span)
+        if group is None:
+            return
+        request = self.groups.get(group)
+        if request is None:
+            request = self.groups[group] = Request(span.trace_id, group)
+        if span.name == sc.SPAN_REQUEST:
+            request.add_request_span(span)
+            return
+        request.add_child(span)
+        if span.name == sc.SPAN_SEND and not span.is_error:
+            rate = send_throughput(span)
+            if rate:
+                self.throughputs.append(rate)
+
+    def finish(self) -> list:
+        requests = [r for r in self.groups.values() if r.has_span or r.send_spans]
+        by_key, by_trace = {}, {}
+        for request in requests:
+            by_trace.setdefault(request.trace_id, []).append(request)
+            if request.key is not None:
+                by_key.setdefault((request.trace_id, request.key), []).append(request)
+        for peer in self.peers:
+            key = _key_of(peer.attributes)
+            matched = by_key.get((peer.trace_id, key)) if key is not None else None
+            matched = matched or by_trace.get(peer.trace_id)
+            if not matched:  # a peer-only view (the decode side's file): the peer stands as its own request
+                request = Request(peer.trace_id, (peer.trace_id, peer.span_id))
+                request.note_identity(peer)
+                request.note_time(peer, own=False)
+                matched = [request]
+                requests.append(request)
+                by_trace.setdefault(peer.trace_id, []).append(request)
+                if key is not None:
+                    by_key[(peer.trace_id, key)] = matched
+            for request in matched:
+                request.peers.append(peer)
+        requests.sort(key=lambda r: (r.start_ns, r.key or ""))
+        return requests
+
+
+def attach_children(requests: Sequence[Request], spans: Iterable[Span]) -> None:
+    """Second pass for drawing: give each of `requests` its request span and its send and compute spans."""
+    wanted = {r.group: r for r in requests}
+    for span in spans:
+        request = wanted.get(group_key(span))
+        if request is None:
+            continue
+        if span.name == sc.SPAN_REQUEST:
+            request.span = span
+        else:
+            (request.sends if span.name == sc.SPAN_SEND else request.computes).append(span)
+    for request in requests:
+        request.sends.sort(key=lambda s: (s.start_time_unix_nano, s.end_time_unix_nano))
+        request.computes.sort(key=lambda s: s.start_time_unix_nano)
+
+
+def select_requests(requests: Sequence[Request], keys: Optional[Iterable[str]] = None,
+                    since_s: Optional[float] = None, until_s: Optional[float] = None,
+                    origin_ns: Optional[int] = None) -> list:
+    """Requests whose key (or bootstrap room) is in `keys` when given, and whose time overlaps
+    [since_s, until_s] in seconds after `origin_ns` (default: the earliest request start)."""
+    if not requests:
+        return []
+    if origin_ns is None:
+        origin_ns = min(r.start_ns for r in requests)
+    wanted = {str(k) for k in keys} if keys else None
+    lo = origin_ns + int(since_s * aggregate.NS_PER_S) if since_s is not None else None
+    hi = origin_ns + int(until_s * aggregate.NS_PER_S) if until_s is not None else None
+    out = []
+    for request in requests:
+        if wanted is not None and request.key not in wanted and str(request.room) not in wanted:
+            continue
+        if lo is not None and request.end_ns < lo:
+            continue
+        if hi is not None and request.start_ns > hi:
+            continue
+        out.append(request)
+    return out

@@ -1,0 +1,436 @@
+"""Read span files into one span model, whatever wrote them; every value in them is untrusted.
+
+Two formats, one JSON object per line, detected line by line:
+
+* OTLP-JSON as the OpenTelemetry file exporters write it (`OtlpJsonFileSpanExporter`, the Collector's ``file``
+  exporter): one ``{"resourceSpans": [...]}`` export request per line, parsed with opentelemetry-proto's
+  ``ExportTraceServiceRequest`` and ``json_format`` (ids in hex as OTLP/JSON writes them, or base64);
+* the older JSON-lines format of this package: one span per line, keys ``name``, ``trace_id``, ``span_id``,
+  ``parent_span_id``, ``kind``, ``start_time_unix_nano``, ``end_time_unix_nano``, ``status``, ``attributes``,
+  ``resource``, ``scope``.
+
+Anything else (an empty, truncated, binary or foreign file; NaN, Infinity or 1e999; a value of the wrong type in
+a ``kv_transfer.*`` attribute; nesting too deep; a lone surrogate; a line over 64 MiB) raises
+:class:`SpanFileError`, whose message is one line naming the file and the line, with echoed values bounded.
+
+    for span in iter_spans("spans.jsonl"):
+        print(span.name, span.duration_ns, span.attributes.get("kv_transfer.bytes"))
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional
+
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.file_exporter import ids_from_hex
+from otel_kvtransfer.tools.text import bounded
+
+__all__ = ["Span", "SpanFileError", "iter_spans", "read_spans", "stderr_progress"]
+
+KINDS = ("INTERNAL", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")  # by OTLP number (0 = unspecified)
+STATUS_CODES = ("UNSET", "OK", "ERROR")
+MAX_LINE = 64 << 20
+_MAX_NS = (1 << 63) - 1
+
+# kv_transfer attributes the tools compute with: their type is checked on read, so no figure is NaN or a string.
+COUNTS = frozenset({sc.BYTES, sc.LOGICAL_BYTES, sc.EXPECTED_BYTES, sc.TRANSFER_COUNT, sc.CHUNK_COUNT,
+                    sc.REPLICA_FACTOR, sc.DESCRIPTOR_COUNT, sc.ENGINE_CALLS, sc.CHUNK_INDEX, sc.DESTINATION_INDEX,
+                    sc.BOOTSTRAP_ROOM, sc.SERVER_PORT})
+MEASURES = frozenset({sc.BUSY_S, sc.THROUGHPUT, sc.COMPUTE_OVERLAP_S, sc.COMPUTE_OVERLAP_RATIO})
+
+# A progress callback gets (bytes read so far, total bytes, spans so far).
+Progress = Callable[[int, int, int], None]
+
+
+class SpanFileError(ValueError):
+    """A span file that cannot be read; ``str()`` is one line naming the file and, when known, the line."""
+
+    def __init__(self, path: str, line: Optional[int], message: str):
+        self.path = str(path)
+        self.line = line
+        self.message = message
+        where = f"{self.path}:{line}" if line else self.path
+        super().__init__(bounded(f"{where}: {message}", 400))
+
+
+class Span:
+    """One finished span, the same whichever format it came from."""
+
+    __slots__ = ("name", "trace_id", "span_id", "parent_span_id", "kind", "start_time_unix_nano",
+                 "end_time_unix_nano", "status_code", "status_description", "attributes", "resource",
+                 "scope_name", "line")
+
+    def __init__(self, name, trace_id, span_id, parent_span_id, kind, start_time_unix_nano, end_time_unix_nano,
+                 status_code="UNSET", status_description=None, attributes=None, resource=None, scope_name="",
+                 line=0):
+        self.name: str = name
+        self.trace_id: str = trace_id  # 32 lowercase hex
+        self.span_id: str = span_id  # 16 lowercase hex
+        self.parent_span_id: Optional[str] = parent_span_id
+        self.kind: str = kind
+        self.start_time_unix_nano: int = start_time_unix_nano
+        self.end_time_unix_nano: int = end_time_unix_nano
+        self.status_code: str = status_code
+        self.status_description: Optional[str] = status_description
+        self.attributes: dict = attributes if attributes is not None else {}
+        self.resource: dict = resource if resource is not None else {}
+        self.scope_name: str = scope_name
+        self.line: int = line
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_time_unix_nano - self.start_time_unix_nano
+
+    @property
+    def is_error(self) -> bool:
+        return self.status_code == "ERROR"
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attributes.get(key, default)
+
+
+class _LineError(Exception):
+    """Raised inside the line parsers; turned into a SpanFileError with file and line by the reader."""
+
+
+def _reject_constant(name):
+    raise _LineError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise _LineError(f"number {bounded(text, 40)} is out of range")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_FIELD_CHAIN = re.compile(r"Failed to parse (\w+) field")
+
+
+def _check_text(value: Any) -> None:
+    """Raise on a lone surrogate anywhere in a decoded JSON value (it cannot be written out as UTF-8)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _LineError("a string holds a lone surrogate (not valid Unicode)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+# --------------------------------------------------------------------------------------------------- values
+
+
+def _checked_attributes(attributes: dict) -> dict:
+    """The attributes with the numeric kv_transfer ones checked: counts are integers >= 0, measures finite >= 0."""
+    for key in COUNTS.intersection(attributes):
+        value = attributes[key]
+        if isinstance(value, float) and value.is_integer():
+            value = attributes[key] = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise _LineError(f"{key} must be an integer >= 0, got {bounded(repr(value))}")
+    for key in MEASURES.intersection(attributes):
+        value = attributes[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise _LineError(f"{key} must be a finite number >= 0, got {bounded(repr(value))}")
+    if sc.REQUEST_KEY in attributes and not isinstance(attributes[sc.REQUEST_KEY], str):
+        attributes[sc.REQUEST_KEY] = str(attributes[sc.REQUEST_KEY])
+    return attributes
+
+
+def _times(start: Any, end: Any) -> tuple:
+    values = []
+    for what, value in (("start time", start), ("end time", end)):
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_NS:
+            raise _LineError(f"{what} must be a Unix time in nanoseconds, got {bounded(repr(value))}")
+        values.append(value)
+    if values[1] < values[0]:
+        raise _LineError(f"span ends ({values[1]}) before it starts ({values[0]})")
+    return values[0], values[1]
+
+
+def _text(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _LineError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _LineError(f"{what} must be an object, got {type(value).__name__}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------- OTLP-JSON
+
+
+def _any_value(value) -> Any:
+    """An OTLP AnyValue message as a plain value."""
+    which = value.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [_any_value(v) for v in value.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: _any_value(kv.value) for kv in value.kvlist_value.values}
+    if which == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode("ascii")
+    return getattr(value, which)
+
+
+def _otlp_attributes(items) -> dict:
+    return {kv.key: _any_value(kv.value) for kv in items}
+
+
+def _hex(raw: bytes, size: int, what: str, optional: bool = False) -> Optional[str]:
+    if optional and not any(raw):
+        return None
+    if len(raw) != size:
+        raise _LineError(f"{what} must be {size} bytes ({2 * size} hex digits), got {len(raw)}")
+    return raw.hex()
+
+
+_MESSAGE_FIELDS: dict = {}
+
+
+def _message_fields(descriptor) -> dict:
+    """{JSON or proto name: (repeated, descriptor)} of the message-typed fields of a message type."""
+    fields = _MESSAGE_FIELDS.get(descriptor.full_name)
+    if fields is None:
+        fields = {}
+        for field in descriptor.fields:
+            if field.message_type is not None:
+                repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+                entry = (repeated, field.message_type)
+                fields[field.json_name] = fields[field.name] = entry
+        _MESSAGE_FIELDS[descriptor.full_name] = fields
+    return fields
+
+
+def _check_shape(value: dict, descriptor) -> None:
+    """Every message-typed field is an object (or a list of objects): json_format, told to skip unknown fields
+    (as OTLP receivers must), would otherwise take `"resource": "x"` for an empty resource."""
+    stack = [(value, descriptor)]
+    while stack:
+        obj, desc = stack.pop()
+        fields = _message_fields(desc)
+        for key, item in obj.items():
+            entry = fields.get(key)
+            if entry is None or item is None:
+                continue
+            repeated, child = entry
+            for element in (item if repeated and isinstance(item, list) else [item]):
+                if not isinstance(element, dict):
+                    raise _LineError(f"{key} must be an object, got {type(element).__name__}")
+                stack.append((element, child))
+
+
+def _otlp_spans(obj: dict) -> Iterator[Span]:
+    _check_shape(obj, ExportTraceServiceRequest.DESCRIPTOR)
+    message = ExportTraceServiceRequest()
+    json_format.ParseDict(ids_from_hex(obj), message, ignore_unknown_fields=True)
+    for resource_spans in message.resource_spans:
+        resource = _otlp_attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            scope = scope_spans.scope.name
+            for raw in scope_spans.spans:
+                if not raw.name:
+                    raise _LineError("a span has no name")
+                start, end = _times(raw.start_time_unix_nano, raw.end_time_unix_nano)
+                yield Span(
+                    name=raw.name,
+                    trace_id=_hex(raw.trace_id, 16, "traceId"),
+                    span_id=_hex(raw.span_id, 8, "spanId"),
+                    parent_span_id=_hex(raw.parent_span_id, 8, "parentSpanId", optional=True),
+                    kind=KINDS[raw.kind] if 0 <= raw.kind < len(KINDS) else "INTERNAL",
+                    start_time_unix_nano=start,
+                    end_time_unix_nano=end,
+                    status_code=STATUS_CODES[raw.status.code] if 0 <= raw.status.code < 3 else "UNSET",
+                    status_description=raw.status.message or None,
+                    attributes=_checked_attributes(_otlp_attributes(raw.attributes)),
+                    resource=resource,
+                    scope_name=scope,
+                )
+
+
+# --------------------------------------------------------------------------------------------------- JSON lines
+
+
+def _hex_id(value: Any, digits: int, what: str, optional: bool = False) -> Optional[str]:
+    if optional and value in (None, ""):
+        return None
+    if isinstance(value, str) and len(value) == digits:
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            raw = None
+        if raw is not None:
+            return None if optional and not any(raw) else raw.hex()
+    raise _LineError(f"{what} must be {digits} hex digits, got {bounded(repr(value))}")
+
+
+def _native_span(obj: dict) -> Span:
+    for key in ("name", "trace_id", "span_id", "start_time_unix_nano", "end_time_unix_nano"):
+        if key not in obj:
+            raise _LineError(f"span has no {key!r}")
+    name = _text(obj["name"], "name")
+    if not name:
+        raise _LineError("span name must be a non-empty string")
+    status = _object(obj.get("status"), "status")
+    code = status.get("code") or "UNSET"
+    if code not in STATUS_CODES:
+        raise _LineError(f"unknown status code {bounded(repr(code))}")
+    kind = obj.get("kind") or "INTERNAL"
+    if kind not in KINDS:
+        raise _LineError(f"unknown span kind {bounded(repr(kind))}")
+    start, end = _times(obj["start_time_unix_nano"], obj["end_time_unix_nano"])
+    return Span(
+        name=name,
+        trace_id=_hex_id(obj["trace_id"], 32, "trace_id"),
+        span_id=_hex_id(obj["span_id"], 16, "span_id"),
+        parent_span_id=_hex_id(obj.get("parent_span_id"), 16, "parent_span_id", optional=True),
+        kind=kind,
+        start_time_unix_nano=start,
+        end_time_unix_nano=end,
+        status_code=code,
+        status_description=_text(status.get("description"), "status description") or None,
+        attributes=_checked_attributes(dict(_object(obj.get("attributes"), "attributes"))),
+        resource=dict(_object(obj.get("resource"), "resource")),
+        scope_name=_text(_object(obj.get("scope"), "scope").get("name"), "scope name"),
+    )
+
+
+def _parse_error(message: str) -> str:
+    """json_format's "Failed to parse a field: Failed to parse b field: reason" as "not OTLP-JSON at a.b: reason"."""
+    where = _FIELD_CHAIN.findall(message)
+    reason = message.rsplit(" field: ", 1)[-1] if where else message
+    return f"not OTLP-JSON{' at ' + '.'.join(where) if where else ''}: {bounded(reason, 120)}"
+
+
+def _parse_line(raw: bytes) -> list:
+    if b"\x00" in raw:
+        raise _LineError("binary data: not a span file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _LineError("not UTF-8 text: not a span file") from None
+    try:
+        obj = _DECODER.decode(text)
+    except json.JSONDecodeError as exc:
+        raise _LineError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise _LineError("invalid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_text(obj)
+    if not isinstance(obj, dict):
+        raise _LineError(f"expected a JSON object, got {type(obj).__name__}: not a span file")
+    if "resourceSpans" in obj:
+        try:
+            return list(_otlp_spans(obj))
+        except json_format.ParseError as exc:
+            raise _LineError(_parse_error(str(exc))) from None
+    if "trace_id" in obj and "span_id" in obj:
+        return [_native_span(obj)]
+    keys = ", ".join(sorted(bounded(k, 40) for k in obj)[:5]) or "none"
+    raise _LineError(f"not a span: neither OTLP-JSON nor the JSON-lines span format (keys: {keys})")
+
+
+# --------------------------------------------------------------------------------------------------- reader
+
+
+def iter_spans(path, progress: Optional[Progress] = None, limit_bytes: Optional[int] = None) -> Iterator[Span]:
+    """Yield the spans of `path` in file order (up to `limit_bytes` when given); raises SpanFileError naming the
+    line on bad input, or on a file with no span at all."""
+    path = os.fspath(path)
+    try:
+        handle = open(path, "rb")  # pylint: disable=consider-using-with
+        total = os.fstat(handle.fileno()).st_size
+    except IsADirectoryError:
+        raise SpanFileError(path, None, "is a directory, not a span file") from None
+    except FileNotFoundError:
+        raise SpanFileError(path, None, "no such file") from None
+    except OSError as exc:
+        raise SpanFileError(path, None, f"cannot open: {exc.strerror or exc}") from None
+    total = min(total, limit_bytes) if limit_bytes is not None else total
+    count = done = number = 0
+    with handle:
+        while done < total or limit_bytes is None:
+            raw = handle.readline(MAX_LINE + 1)
+            if not raw:
+                break
+            number += 1
+            done += len(raw)
+            if progress is not None and number % 64 == 0:
+                progress(done, total, count)
+            if not raw.strip():
+                continue
+            if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+                raise SpanFileError(path, number, f"line longer than {MAX_LINE >> 20} MiB")
+            try:
+                spans = _parse_line(raw)
+            except _LineError as exc:
+                message = str(exc)
+                if message.startswith("invalid JSON") and not raw.endswith(b"\n") and done >= total:
+                    message = "the line is cut short (file truncated?): " + message
+                raise SpanFileError(path, number, message) from None
+            except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
+                raise SpanFileError(path, number, f"bad value: {bounded(str(exc))}") from None
+            for span in spans:
+                span.line = number
+                count += 1
+                yield span
+        if progress is not None:
+            progress(done, total, count)
+    if count == 0:
+        raise SpanFileError(path, None, "is empty: no spans")
+
+
+def read_spans(path, progress: Optional[Progress] = None) -> list:
+    """All spans of `path` in a list (for small files and tests; the commands stream with `iter_spans`)."""
+    return list(iter_spans(path, progress))
+
+
+def stderr_progress(label: str, every_s: float = 1.0) -> Progress:
+    """A progress callback for long reads: one updating line on stderr, at most once a second, and only once a
+    read has taken longer than `every_s`."""
+    state = {"start": time.monotonic(), "last": 0.0, "shown": False}
+
+    def report(done: int, total: int, spans: int) -> None:
+        now = time.monotonic()
+        final = done >= total
+        if not state["shown"] and (final or now - state["start"] < every_s):
+            return
+        if not final and now - state["last"] < every_s:
+            return
+        state["shown"], state["last"] = True, now
+        pct = 100.0 * done / total if total else 100.0
+        sys.stderr.write(f"{label}: {pct:5.1f}% ({done >> 20} MiB, {spans} spans){chr(10) if final else chr(13)}")
+        sys.stderr.flush()
+
+    return report

@@ -1,0 +1,113 @@
+"""Per-request summaries of a span file, and the distribution of per-transfer throughput.
+
+The figures are those of `requests.Request.figures` (the request span's aggregates, or `aggregate` applied to its
+children); quantiles are `aggregate.quantile`. Text output escapes control characters of every value from the
+file; JSON output is always valid JSON (a figure that cannot be computed is null, never NaN).
+
+    otel-kvtransfer summarize spans.jsonl          # table + throughput distribution
+    otel-kvtransfer summarize spans.jsonl --json   # the same, machine-readable
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional, Sequence
+
+from otel_kvtransfer import aggregate
+from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, label
+
+QUANTILES = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+
+
+def distribution(values: Sequence[float], bins: int = 10) -> dict:
+    """Count, mean, quantiles and a log-spaced histogram of the positive finite values."""
+    values = sorted(v for v in values if v > 0 and math.isfinite(v))
+    if not values:
+        return {"count": 0}
+    result = {"count": len(values), "min": values[0]}
+    result.update({name: aggregate.quantile(values, q) for name, q in QUANTILES})
+    result.update({"max": values[-1], "mean": math.fsum(values) / len(values)})
+    lo, hi = math.log10(values[0]), math.log10(values[-1])
+    if hi - lo < 1e-9:
+        edges, counts = [values[0], values[-1]], [len(values)]
+    else:
+        edges = [10 ** (lo + (hi - lo) * i / bins) for i in range(bins + 1)]
+        edges[0], edges[-1] = values[0], values[-1]
+        counts = [0] * bins
+        for v in values:
+            counts[min(int((math.log10(v) - lo) / (hi - lo) * bins), bins - 1)] += 1
+    result["histogram"] = [{"low": edges[i], "high": edges[i + 1], "count": counts[i]} for i in range(len(counts))]
+    return result
+
+
+def summary_dict(path: str, span_count: int, requests: Sequence, throughputs: Sequence[float]) -> dict:
+    return {
+        "file": str(path),
+        "span_count": span_count,
+        "request_count": len(requests),
+        "requests": [r.to_dict() for r in requests],
+        "transfer_throughput": distribution(throughputs),
+        "units": {"bytes": "By", "throughput": "By/s", "time": "s"},
+    }
+
+
+def format_text(summary: dict, limit: Optional[int] = None) -> str:
+    reqs = summary["requests"]
+    lines = [f"{label(summary['file'], 200)}: {summary['span_count']} spans, {summary['request_count']} requests",
+             ""]
+    header = ("key", "framework/backend", "status", "wire", "logical", "xfers", "chunks", "repl", "busy",
+              "true tput", "last-chunk*", "overlap", "span")
+    rows = []
+    for r in reqs if limit is None else reqs[:limit]:
+        status = r["status"] if not r["error_type"] else f"ERROR:{label(r['error_type'], 30)}"
+        rows.append((
+            label(r["request_key"], 24),
+            f"{label(r['framework'], 12)}/{label(r['backend'], 12)}",
+            status,
+            fmt_bytes(r["bytes"]),
+            fmt_bytes(r["logical_bytes"]),
+            label(r["transfer_count"]),
+            label(r["chunk_count"]),
+            label(r["replica_factor"]),
+            fmt_ms(r["busy_s"]),
+            fmt_rate(r["throughput"]),
+            fmt_rate(r["last_chunk_rate"]),
+            fmt_ratio(r["compute_overlap_ratio"]),
+            fmt_ms(r["duration_s"]),
+        ))
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+    if limit is not None and len(reqs) > limit:
+        lines.append(f"... {len(reqs) - limit} more requests (use --limit 0 for all, or --json)")
+    lines += ["",
+              "* last-chunk: all bytes over the latency of the last chunk only, as engines report it today;",
+              "  true tput: bytes over the union of the actual transfer intervals (busy time).",
+              ""]
+    dist = summary["transfer_throughput"]
+    lines.append(f"per-transfer throughput ({dist['count']} successful transfers)")
+    if dist["count"]:
+        lines.append("  " + "  ".join(
+            f"{k} {fmt_rate(dist[k])}" for k in ("min", "p10", "p50", "p90", "p99", "max", "mean")))
+        top = max(b["count"] for b in dist["histogram"]) or 1
+        for b in dist["histogram"]:
+            bar = "#" * int(round(40 * b["count"] / top))
+            lines.append(f"  {fmt_rate(b['low']):>10} - {fmt_rate(b['high']):<10} {b['count']:>6}  {bar}")
+    return "\n".join(lines) + "\n"
+
+
+def _finite(value):
+    """JSON has no NaN or Infinity: such a figure is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(summary: dict) -> str:
+    return json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n"
