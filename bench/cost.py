@@ -127,7 +127,7 @@ def _real_cost(engine, receiver, base, sizes, rounds, calls, instrumentor, pipel
 def run(quick: bool = False) -> dict:
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
 
     ours_pipeline, naive_pipeline = Pipeline(), Pipeline()
     naive = Naive(naive_pipeline)

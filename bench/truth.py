@@ -71,7 +71,7 @@ def _seed(engine, src, receivers, fanout, requests, cfg_factory, exporter) -> di
     # pylint: disable=import-outside-toplevel
     from otel_kvtransfer import demo
     from otel_kvtransfer import integration as kvt
-    from otel_kvtransfer.loopback import digest
+    from otel_kvtransfer.demo.loopback import digest
 
     cfg = cfg_factory(fanout)
     destinations = [demo._Destination(r, i) for i, r in enumerate(receivers[:fanout])]  # pylint: disable=protected-access
@@ -113,7 +113,7 @@ def run(quick: bool = False) -> dict:
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer import demo  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
 
     def cfg_factory(fanout):
         return demo.DemoConfig(requests=3, fanout=fanout, prefix_tokens=2048, chunk_tokens=[8192, 1655])

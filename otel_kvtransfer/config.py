@@ -1,10 +1,11 @@
 """Settings read from OTEL_KVTRANSFER_* environment variables.
 
 Garbage never stops the engine: a value that does not parse, or lies outside its range, is logged once and the
-default is used instead.
+default is used instead. The ranges bound memory: at ~540 B a queued record, the largest queue is ~140 MiB.
 """
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ _logger = logging.getLogger(__name__)
 QUEUE_SIZE = "OTEL_KVTRANSFER_QUEUE_SIZE"
 FLUSH_INTERVAL_MS = "OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"
 REQUEST_TTL_S = "OTEL_KVTRANSFER_REQUEST_TTL_S"
+MAX_OPEN_REQUESTS = "OTEL_KVTRANSFER_MAX_OPEN_REQUESTS"
 MAX_PENDING_ASYNC = "OTEL_KVTRANSFER_MAX_PENDING_ASYNC"
 
 
@@ -21,6 +23,7 @@ class Settings:
     queue_size: int = 65536  # transfer records waiting for the span builder
     flush_interval_s: float = 0.2  # how often the background thread turns records into spans
     request_ttl_s: float = 600.0  # a request open this long without activity is ended and counted as evicted
+    max_open_requests: int = 65536  # open request + peer spans; beyond it the least recently active is evicted
     max_pending_async: int = 16384  # async submissions waiting for their completion to be observed
 
 
@@ -30,18 +33,21 @@ def _read(name, parse, default, low, high):
         return default
     try:
         value = parse(raw.strip())
-        if not (low <= value <= high):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("not a finite number")
+        if not low <= value <= high:
             raise ValueError(f"outside [{low}, {high}]")
     except (ValueError, OverflowError) as exc:
-        _logger.warning("otel_kvtransfer: ignoring %s=%r (%s); using %r", name, raw, exc, default)
+        _logger.warning("otel_kvtransfer: ignoring %s=%r (%s); using %r", name, raw[:64], exc, default)
         return default
     return value
 
 
 def load() -> Settings:
     return Settings(
-        queue_size=_read(QUEUE_SIZE, int, Settings.queue_size, 1, 1 << 26),
+        queue_size=_read(QUEUE_SIZE, int, Settings.queue_size, 1, 1 << 18),
         flush_interval_s=_read(FLUSH_INTERVAL_MS, float, Settings.flush_interval_s * 1000, 1, 60_000) / 1000,
         request_ttl_s=_read(REQUEST_TTL_S, float, Settings.request_ttl_s, 0.001, 86_400 * 7),
-        max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 24),
+        max_open_requests=_read(MAX_OPEN_REQUESTS, int, Settings.max_open_requests, 1, 1 << 20),
+        max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 20),
     )

@@ -3,99 +3,115 @@
     from otel_kvtransfer import KVTransferInstrumentor
     KVTransferInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
 
-On instrument it wraps the engines that are importable (Mooncake; sglang through its own module), starts the
-recorder's background thread, and attaches to an SDK TracerProvider the two processors this package needs:
-`FlushFirstSpanProcessor` in front (so `force_flush()`/`shutdown()` deliver every recorded transfer) and
-`KVTransferMetricsProcessor` (metrics from spans). The package's own tracer gets `RecordUnsampledSampler`, so
-metrics count transfers that trace sampling leaves out. `uninstrument()` restores the original methods; the
-processors stay attached (the SDK cannot detach them) but go quiet, and a later instrument() reuses them.
+instrument() and uninstrument() mirror each other step for step:
+1. the package's tracer gets `RecordUnsampledSampler` (metrics count what sampling leaves out) / gets its own back;
+2. the SDK TracerProvider gets `FlushFirstSpanProcessor` in front (flush and shutdown deliver every recorded
+   transfer) and `KVTransferMetricsProcessor` / both are detached;
+3. the recorder's thread starts with a fresh `SpanBuilder` / is drained (bounded), stopped and joined;
+4. every registered engine module and framework package patches what is importable / undoes every patch.
+When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
+recorder's thread as soon as one is set.
+
+Backends are a registry: a new transfer engine is one module in `engines/` and a line in ENGINES, a new serving
+framework one package in `frameworks/` and a line in FRAMEWORKS.
 """
 
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.util
-import weakref
 from typing import Collection
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_kvtransfer import config, mooncake, semconv
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer.builder import SpanBuilder
 from otel_kvtransfer.package import _instruments
 from otel_kvtransfer.processor import KVTransferMetricsProcessor
 from otel_kvtransfer.recorder import RECORDER, FlushFirstSpanProcessor
 from otel_kvtransfer.sampler import RecordUnsampledSampler
-from otel_kvtransfer.spans import SpanBuilder
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
 
-# provider -> its metrics processor, so instrument/uninstrument cycles never attach a second one.
-_attached = weakref.WeakKeyDictionary()
+# The registry. Each engine module exposes BACKEND, instrument() -> bool, uninstrument(), peer_attributes(peer);
+# each framework package FRAMEWORK, instrument() -> bool, uninstrument().
+ENGINES = ("otel_kvtransfer.engines.mooncake", "otel_kvtransfer.engines.nixl")
+FRAMEWORKS = ("otel_kvtransfer.frameworks.sglang", "otel_kvtransfer.frameworks.vllm")
 
 
-def _attach_processors(tracer_provider, meter_provider):
-    if not hasattr(tracer_provider, "add_span_processor"):
-        _logger.warning(
-            "otel_kvtransfer: the tracer provider is not the OpenTelemetry SDK's; spans are built but no metrics "
-            "are derived from them")
-        return None
-    processor = _attached.get(tracer_provider)
-    if processor is not None:
-        processor.enabled = True
-        return processor
-    flush_first = FlushFirstSpanProcessor(RECORDER)
-    processor = KVTransferMetricsProcessor(meter_provider)
-    tracer_provider.add_span_processor(flush_first)
-    tracer_provider.add_span_processor(processor)
-    _move_to_front(tracer_provider, flush_first)
-    _attached[tracer_provider] = processor
-    return processor
+def _load(names):
+    loaded = []
+    for name in names:
+        try:
+            loaded.append(importlib.import_module(name))
+        except Exception:  # pylint: disable=broad-except
+            _logger.warning("otel_kvtransfer: could not load %s", name, exc_info=True)
+    return loaded
 
 
-def _move_to_front(tracer_provider, processor):
-    # The SDK offers no "insert first"; reorder its tuple of processors so draining precedes exporting.
-    multi = getattr(tracer_provider, "_active_span_processor", None)
-    with getattr(multi, "_lock"):
-        current = getattr(multi, "_span_processors", None)
-        if isinstance(current, tuple):
-            multi._span_processors = (processor,) + tuple(p for p in current if p is not processor)
+class _Attachment:
+    """What instrument() attached to an SDK (sampler, processors), so uninstrument() can detach exactly that."""
 
+    def __init__(self, meter_provider):
+        self._meter_provider = meter_provider
+        self.tracer = None
+        self._provider = None
+        self._original_sampler = None
+        self._processors = ()
 
-def _attach(tracer, tracer_provider, meter_provider):
-    _record_unsampled(tracer)
-    try:
-        _attach_processors(tracer_provider, meter_provider)
-    except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer could not attach its span processors", exc_info=True)
+    def attach(self, tracer, provider) -> None:
+        self.tracer = tracer
+        if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
+            self._original_sampler = tracer.sampler
+            tracer.sampler = RecordUnsampledSampler(tracer.sampler)
+        if not hasattr(provider, "add_span_processor"):
+            _logger.warning("otel_kvtransfer: the tracer provider is not the OpenTelemetry SDK's; spans are built "
+                            "but no metrics are derived from them")
+            return
+        flush_first = FlushFirstSpanProcessor(RECORDER)
+        self._processors = (flush_first, KVTransferMetricsProcessor(self._meter_provider))
+        self._provider = provider
+        provider.add_span_processor(flush_first)
+        provider.add_span_processor(self._processors[1])
+        # The SDK offers no "insert first" and no "remove": reorder its tuple so draining precedes exporting
+        # (tests/test_sdk_canary.py checks these private attributes on every SDK release we allow).
+        self._replace_processors(lambda current: (flush_first,) + tuple(p for p in current if p is not flush_first))
+
+    def detach(self) -> None:
+        if self._processors and self._provider is not None:
+            ours = self._processors
+            self._replace_processors(lambda current: tuple(p for p in current if p not in ours))
+            ours[1].enabled = False
+        if self._original_sampler is not None and self.tracer is not None:
+            self.tracer.sampler = self._original_sampler
+        self._processors, self._provider, self._original_sampler, self.tracer = (), None, None, None
+
+    def _replace_processors(self, change) -> None:
+        multi = self._provider._active_span_processor  # pylint: disable=protected-access
+        with multi._lock:  # pylint: disable=protected-access
+            multi._span_processors = change(multi._span_processors)  # pylint: disable=protected-access
 
 
 class _LateAttach:
-    """The recorder's tick while instrument() ran before any SDK TracerProvider was set globally.
+    """The recorder's tick while instrument() ran before any SDK TracerProvider was set globally: each tick looks
+    for the real provider and, once there, attaches exactly as instrument() does with a provider at hand."""
 
-    Each tick (on the background thread) looks for the real provider; once there, the builder gets a tracer
-    from it and the processors are attached, exactly as instrument() does with a provider at hand.
-    """
-
-    def __init__(self, builder, meter_provider):
+    def __init__(self, builder, attachment):
         self._builder = builder
-        self._meter_provider = meter_provider
-        self._attached = False
+        self._attachment = attachment
+        self._done = False
 
     def __call__(self):
-        if not self._attached:
+        if not self._done:
             provider = trace.get_tracer_provider()
             if not isinstance(provider, trace.ProxyTracerProvider):
                 tracer = provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
-                _attach(tracer, provider, self._meter_provider)
+                self._attachment.attach(tracer, provider)
                 self._builder.set_tracer(tracer)
-                self._attached = True
+                self._done = True
         self._builder.evict_stale()
-
-
-def _record_unsampled(tracer):
-    if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
-        tracer.sampler = RecordUnsampledSampler(tracer.sampler)
 
 
 class KVTransferInstrumentor(BaseInstrumentor):
@@ -106,48 +122,55 @@ class KVTransferInstrumentor(BaseInstrumentor):
         tracer_provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
         meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
         settings = config.load()
+        engines, frameworks = _load(ENGINES), _load(FRAMEWORKS)
+
+        # 1-2. Sampler and processors (now, or once an SDK appears).
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
-        # No SDK yet (a plugin or an engine that sets its provider later): attach once one appears.
+        self._attachment = _Attachment(meter_provider)
         waiting_for_sdk = isinstance(tracer_provider, trace.ProxyTracerProvider)
         if not waiting_for_sdk:
-            _attach(tracer, tracer_provider, meter_provider)
-        meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)
-        dropped = meter.create_counter(
+            self._attachment.attach(tracer, tracer_provider)
+
+        # 3. The recorder's thread and a fresh builder.
+        dropped = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
             semconv.METRIC_DROPPED, unit="{record}",
-            description="Records the instrumentation had to drop (queue full, evicted rooms, own errors)")
+            description="Records the instrumentation had to drop (queue full, evicted requests, own errors)")
         builder = SpanBuilder(
-            tracer, settings.request_ttl_s,
-            on_evicted=lambda reason, n: RECORDER.drop(reason, n),
-            on_error=lambda n: RECORDER.drop("builder_error", n))
-        tick = builder.evict_stale
-        if waiting_for_sdk:
-            tick = _LateAttach(builder, meter_provider)
-        RECORDER.start(
-            settings,
-            sink=builder.consume,
-            tick=tick,
-            on_drops=lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}),
-            on_fork=builder.reset,
-        )
-        self._builder = builder
-        mooncake.instrument()
-        _sglang("instrument")
+            tracer, settings.request_ttl_s, settings.max_open_requests,
+            peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
+            on_drop=RECORDER.drop)
+        tick = _LateAttach(builder, self._attachment) if waiting_for_sdk else builder.evict_stale
+        RECORDER.start(settings, handle=builder.handle, tick=tick,
+                       on_drops=lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}),
+                       on_fork=builder.reset)
+
+        # 4. Engines, then frameworks (which build on them).
+        self._backends = engines + frameworks
+        for backend in self._backends:
+            try:
+                backend.instrument()
+            except Exception:  # pylint: disable=broad-except
+                _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
+
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out.
-        # (The main process has the providers' own atexit shutdown.)
         self._finalizer = None
         if multiprocessing.parent_process() is not None:
             self._finalizer = multiprocessing.util.Finalize(
                 None, _flush_providers, args=(tracer_provider, meter_provider), exitpriority=100)
 
     def _uninstrument(self, **kwargs):
-        _sglang("uninstrument")
-        mooncake.uninstrument()
+        if self._finalizer is not None:
+            self._finalizer.cancel()
+        # 4.
+        for backend in reversed(self._backends):
+            try:
+                backend.uninstrument()
+            except Exception:  # pylint: disable=broad-except
+                _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
+        # 3.
         RECORDER.stop()
-        for processor in list(_attached.values()):
-            processor.enabled = False
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer.cancel()
+        # 1-2.
+        self._attachment.detach()
 
 
 def _flush_providers(tracer_provider, meter_provider):
@@ -159,15 +182,3 @@ def _flush_providers(tracer_provider, meter_provider):
                 flush(timeout_millis=5000)
             except Exception:  # pylint: disable=broad-except
                 _logger.debug("otel_kvtransfer: flush at exit failed", exc_info=True)
-
-
-def _sglang(action: str):
-    """Run instrument/uninstrument of the sglang module when it is part of this install."""
-    try:
-        from otel_kvtransfer import sglang as sglang_integration  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return
-    try:
-        getattr(sglang_integration, action)()
-    except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer could not %s sglang", action, exc_info=True)

@@ -1,24 +1,31 @@
-"""The engine-integration API: how an engine module (sglang, ...) tells what its transfers are for.
+"""The integration API: how a framework package tells what its transfers are for, and how an engine module hands
+over the calls it timed.
 
-Every function here is cheap (it appends one tuple to the recorder's queue) and never raises into the engine.
+Every function here is cheap (it appends one tuple to the recorder's queue) and never raises into the caller:
+bad input is counted as dropped (`api_error`) and ignored.
 
     from otel_kvtransfer import integration as kvt
 
-    kvt.begin_request(room)                       # prefill: the request's first enqueue or bootstrap
-    scope = kvt.transfer_scope(room, chunk_index=0, payload="kv", destination_index=0, replica_factor=2)
+    kvt.begin_request(key, backend="<engine>", framework="<framework>")   # initiator: first enqueue/bootstrap
+    scope = kvt.transfer_scope(key, chunk_index=0, payload="kv", destination_index=0, replica_factor=2)
     with scope:                                   # engine calls on this thread now belong to that transfer
-        engine.batch_transfer_sync_write(...)     # one or many calls -> one kv_transfer.send span
-    kvt.record_compute([room], start_ns, end_ns)  # a forward pass of the room, for the overlap figures
-    kvt.end_request(room)                         # Success; end_request(room, error_type="...") on failure
+        engine.write(...)                         # one or many calls -> one kv_transfer.send span
+    kvt.record_compute([key], start_ns, end_ns)   # a forward pass of the request, for the overlap figures
+    kvt.end_request(key)                          # success; end_request(key, error_type="...") on failure
 
-    kvt.begin_receive(room); ...; kvt.end_receive(room)   # decode side
+    kvt.begin_receive(key, ...); kvt.end_receive(key)   # the peer of a push (decode) waits
+    kvt.begin_serve(key, ...);   kvt.end_serve(key)     # the peer of a pull (prefill) waits
 
-Engine calls made on another thread (an executor running per-layer copies) join a scope through
-`with scope.bind():` inside the function that runs there.
+The key is what both sides of one request share (an int bootstrap room, a str transfer id). A scope may be
+entered on several threads (an executor running per-layer copies enters it too, or uses `scope.bind()`), and
+nested: it becomes one send when the last thread leaves it. One engine call that carries blocks of several
+requests goes in a `split_transfer_scope`, which makes one send per request with the bytes the framework's own
+bookkeeping assigns to it.
 """
 
 import functools
 import logging
+import math
 import threading
 from time import time_ns
 from typing import Iterable, Optional
@@ -26,21 +33,14 @@ from typing import Iterable, Optional
 from opentelemetry.context import Context, get_current
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recorder import (
-    BEGIN_RECEIVE,
-    BEGIN_REQUEST,
-    COMPUTE,
-    END_RECEIVE,
-    END_REQUEST,
-    RECORDER,
-    SEND,
-)
+from otel_kvtransfer.records import BEGIN_PEER, BEGIN_REQUEST, COMPUTE, END_PEER, END_REQUEST, SEND
+from otel_kvtransfer.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
 
 
 def _never_raises(function):
-    """Bad input from an engine module is counted as dropped, never raised into the engine."""
+    """Bad input from a framework is counted as dropped, never raised into the engine."""
 
     @functools.wraps(function)
     def guarded(*args, **kwargs):
@@ -54,7 +54,26 @@ def _never_raises(function):
     return guarded
 
 
-# Which TransferScope the engine calls of this thread belong to (read by the engine wrappers).
+def _key(key):
+    """A request key as the builder keeps it: an int, or a bounded str. Anything else raises (-> api_error)."""
+    if isinstance(key, bool):
+        raise TypeError("a request key is an int or a str")
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str):
+        return key[:256]
+    if isinstance(key, float) and math.isfinite(key) and key.is_integer():
+        return int(key)
+    raise TypeError(f"a request key is an int or a str, not {type(key).__name__}")
+
+
+def _time(ns) -> int:
+    return time_ns() if ns is None else int(ns)
+
+
+# --- what engine modules use -----------------------------------------------------------------------------------
+
+# Per thread: .scope, the TransferScope the engine calls of this thread belong to; .saved, the scopes it hides.
 _thread = threading.local()
 
 
@@ -66,131 +85,196 @@ def current_scope():
 capture_context = get_current
 
 
+def deliver(call: tuple) -> None:
+    """A finished engine call (records.CALL_*): joins this thread's scope, else it is a raw send of its own."""
+    scope = getattr(_thread, "scope", None)
+    if scope is not None:
+        scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
+    else:
+        RECORDER.record((SEND, None, [call], get_current(), None, None))
+
+
 def is_active() -> bool:
     return RECORDER.active
+
+
+# --- transfer scopes -------------------------------------------------------------------------------------------
 
 
 class TransferScope:
     """One actual transfer: one payload of one chunk to one destination, made of one or more engine calls.
 
-    `info` is (room, chunk_index, payload, destination_index, replica_factor, is_last_chunk, prefix_early_send,
-    backend); `calls` collects one tuple per engine call, appended from any bound thread (list.append is atomic).
+    `info` is the records.INFO_* tuple (None after bad input: the calls are then recorded as raw sends). Entered
+    on any number of threads, or nested, it is recorded once, when the last of them leaves it.
     """
 
-    __slots__ = ("info", "calls", "error_type", "_previous")
+    __slots__ = ("info", "calls", "error_type", "_depth", "_entered_ns", "_lock")
 
-    def __init__(self, info: tuple):
+    def __init__(self, info: Optional[tuple]):
         self.info = info
         self.calls: list = []
         self.error_type: Optional[str] = None
-        self._previous = None
+        self._depth = 0
+        self._entered_ns = None
+        self._lock = threading.Lock()
 
     def set_error(self, error_type: str) -> None:
         """Mark the transfer failed without (or besides) an engine error, e.g. an unreachable session."""
         if self.error_type is None:
-            self.error_type = str(error_type)
+            self.error_type = str(error_type)[:128]
+
+    def bind(self) -> "TransferScope":
+        """For `with scope.bind():` on another thread (an executor): the same as entering the scope there."""
+        return self
 
     def __enter__(self) -> "TransferScope":
-        self._previous = getattr(_thread, "scope", None)
+        saved = getattr(_thread, "saved", None)
+        if saved is None:
+            saved = _thread.saved = []
+        saved.append(getattr(_thread, "scope", None))
         _thread.scope = self
+        with self._lock:
+            if self._depth == 0:
+                self._entered_ns = time_ns()
+            self._depth += 1
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        _thread.scope = self._previous
-        self._previous = None
-        if exc_type is not None and self.error_type is None:
-            self.error_type = exc_type.__qualname__
-        if (self.calls or self.error_type) and RECORDER.active:
-            RECORDER.record((SEND, self.info, self.calls, None, self.error_type))
+        try:
+            saved = getattr(_thread, "saved", None)
+            _thread.scope = saved.pop() if saved else None
+            if exc_type is not None and self.error_type is None:
+                self.error_type = exc_type.__qualname__
+            with self._lock:
+                self._depth -= 1
+                if self._depth > 0:
+                    return False
+                calls, self.calls = self.calls, []
+                error, self.error_type = self.error_type, None
+                span = (self._entered_ns, time_ns())
+            if (calls or error) and RECORDER.active:
+                self._emit(calls, error, span)
+        except Exception:  # pylint: disable=broad-except
+            RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
-    def bind(self) -> "_Binding":
-        """Attach this scope to the current (other) thread for the duration of a `with` block."""
-        return _Binding(self)
+    def _emit(self, calls, error, span) -> None:
+        RECORDER.record((SEND, self.info, calls, None, error, span))
 
 
-class _Binding:
-    __slots__ = ("_scope", "_previous")
+class SplitTransferScope(TransferScope):
+    """Engine calls that carry blocks of several requests: one send per request, with that request's share."""
 
-    def __init__(self, scope: TransferScope):
-        self._scope = scope
-        self._previous = None
+    __slots__ = ("shares",)
 
-    def __enter__(self) -> TransferScope:
-        self._previous = getattr(_thread, "scope", None)
-        _thread.scope = self._scope
-        return self._scope
+    def __init__(self, shares: list):
+        super().__init__(None)
+        self.shares = shares  # [(info, bytes, descriptors)]
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        _thread.scope = self._previous
-        return False
+    def _emit(self, calls, error, span) -> None:
+        for info, nbytes, descriptors in self.shares:
+            # The share's bytes ride on the first call; every call keeps its own times, peer and outcome.
+            share_calls = [call[:2] + ((nbytes, descriptors) if i == 0 else (0, 0)) + call[4:]
+                           for i, call in enumerate(calls)]
+            RECORDER.record((SEND, info, share_calls, None, error, span))
 
 
-def transfer_scope(
-    room,
-    *,
-    chunk_index: int,
-    payload: str,
-    destination_index: int = 0,
-    replica_factor: int = 1,
-    is_last_chunk: bool = False,
-    prefix_early_send: bool = False,
-    backend: str = semconv.BACKEND_MOONCAKE,
-) -> TransferScope:
+def _info(key, chunk_index=0, payload=semconv.PAYLOAD_KV, destination_index=0, replica_factor=1,
+          is_last_chunk=False, prefix_early_send=False, attributes=None) -> tuple:
+    return (_key(key), int(chunk_index), str(payload)[:32], int(destination_index), max(int(replica_factor), 1),
+            bool(is_last_chunk), bool(prefix_early_send), dict(attributes) if attributes else None)
+
+
+def transfer_scope(key=None, **keywords) -> TransferScope:
+    """A scope for one transfer of request `key`: keywords chunk_index, payload, destination_index,
+    replica_factor, is_last_chunk, prefix_early_send, attributes. Always returns a usable context manager."""
     try:
-        info = (int(room), int(chunk_index), str(payload), int(destination_index), int(replica_factor),
-                bool(is_last_chunk), bool(prefix_early_send), str(backend))
-    except (TypeError, ValueError):
+        return TransferScope(_info(key, **keywords))
+    except Exception:  # pylint: disable=broad-except
         RECORDER.drop("api_error")
-        info = None  # still a usable context manager; its calls are recorded as raw engine calls
-    return TransferScope(info)
+        return TransferScope(None)
+
+
+def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
+    """A scope for engine calls carrying several requests: each share is a dict with "key", "bytes",
+    "descriptors" and optional transfer_scope keywords. Always returns a usable context manager."""
+    try:
+        parts = []
+        for share in shares:
+            keywords = dict(share)
+            nbytes, descriptors = int(keywords.pop("bytes")), int(keywords.pop("descriptors", 0))
+            parts.append((_info(**keywords), nbytes, descriptors))
+        return SplitTransferScope(parts)
+    except Exception:  # pylint: disable=broad-except
+        RECORDER.drop("api_error")
+        return TransferScope(None)
+
+
+# --- requests, compute, peers ----------------------------------------------------------------------------------
 
 
 @_never_raises
-def begin_request(
-    room: int,
-    *,
-    backend: str = semconv.BACKEND_MOONCAKE,
-    rid: Optional[str] = None,
-    parent: Optional[Context] = None,
-    start_ns: Optional[int] = None,
-    attributes: Optional[dict] = None,
-) -> None:
-    """Open the prefill-side `kv_transfer.request` of a room (no-op while one is open for it)."""
+def begin_request(key, *, backend: str, framework: Optional[str] = None, role: str = semconv.ROLE_PREFILL,
+                  attributes: Optional[dict] = None, parent: Optional[Context] = None,
+                  start_ns: Optional[int] = None) -> None:
+    """Open the initiator's `kv_transfer.request` of a request (no-op while one is open for it)."""
     if RECORDER.active:
-        RECORDER.record((BEGIN_REQUEST, int(room), start_ns or time_ns(), backend, rid, parent, attributes))
+        RECORDER.record((BEGIN_REQUEST, _key(key), _time(start_ns), str(role), str(backend),
+                         framework and str(framework), dict(attributes) if attributes else None, parent))
 
 
 @_never_raises
-def end_request(room: int, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
-    """Conclude the room's request: success, or failure with `error_type`."""
+def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
+    """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:
-        RECORDER.record((END_REQUEST, int(room), end_ns or time_ns(), error_type))
+        RECORDER.record((END_REQUEST, _key(key), _time(end_ns), error_type and str(error_type)[:128]))
 
 
 @_never_raises
-def record_compute(rooms: Iterable[int], start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
-    """A compute interval (time.time_ns clock) that served these rooms."""
+def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
+    """A compute interval (time.time_ns clock) that served these requests."""
     if RECORDER.active:
-        RECORDER.record((COMPUTE, tuple(int(r) for r in rooms), int(start_ns), int(end_ns), chunk_index))
+        RECORDER.record((COMPUTE, tuple(_key(k) for k in keys), int(start_ns), int(end_ns),
+                         None if chunk_index is None else int(chunk_index)))
+
+
+def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes, parent, start_ns) -> None:
+    if RECORDER.active:
+        attrs = dict(attributes) if attributes else {}
+        if expected_bytes is not None:
+            attrs[semconv.EXPECTED_BYTES] = max(int(expected_bytes), 0)
+        RECORDER.record((BEGIN_PEER, _key(key), _time(start_ns), name, role, str(backend),
+                         framework and str(framework), attrs or None, parent))
+
+
+def _end_peer(key, error_type, end_ns) -> None:
+    if RECORDER.active:
+        RECORDER.record((END_PEER, _key(key), _time(end_ns), error_type and str(error_type)[:128]))
 
 
 @_never_raises
-def begin_receive(
-    room: int,
-    *,
-    backend: str = semconv.BACKEND_MOONCAKE,
-    expected_bytes: Optional[int] = None,
-    parent: Optional[Context] = None,
-    start_ns: Optional[int] = None,
-    attributes: Optional[dict] = None,
-) -> None:
-    """Open the decode-side `kv_transfer.receive` of a room (no-op while one is open for it)."""
-    if RECORDER.active:
-        RECORDER.record((BEGIN_RECEIVE, int(room), start_ns or time_ns(), backend, expected_bytes, parent, attributes))
+def begin_receive(key, *, backend: str, framework: Optional[str] = None, expected_bytes: Optional[int] = None,
+                  attributes: Optional[dict] = None, parent: Optional[Context] = None,
+                  start_ns: Optional[int] = None) -> None:
+    """Open the `kv_transfer.receive` of the peer of a push (decode): no-op while one is open for the key."""
+    _begin_peer(semconv.SPAN_RECEIVE, semconv.ROLE_DECODE, key, backend, framework, expected_bytes, attributes,
+                parent, start_ns)
 
 
 @_never_raises
-def end_receive(room: int, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
-    if RECORDER.active:
-        RECORDER.record((END_RECEIVE, int(room), end_ns or time_ns(), error_type))
+def end_receive(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
+    _end_peer(key, error_type, end_ns)
+
+
+@_never_raises
+def begin_serve(key, *, backend: str, framework: Optional[str] = None, expected_bytes: Optional[int] = None,
+                attributes: Optional[dict] = None, parent: Optional[Context] = None,
+                start_ns: Optional[int] = None) -> None:
+    """Open the `kv_transfer.serve` of the peer of a pull (prefill), from the KV being ready to be read."""
+    _begin_peer(semconv.SPAN_SERVE, semconv.ROLE_PREFILL, key, backend, framework, expected_bytes, attributes,
+                parent, start_ns)
+
+
+@_never_raises
+def end_serve(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
+    _end_peer(key, error_type, end_ns)

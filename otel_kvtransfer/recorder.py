@@ -1,13 +1,15 @@
-"""The hot path: engine wrappers append plain tuples to a bounded queue; a background thread turns them into spans.
+"""The hot path's hand-off: engine threads append plain tuples (`records`) to a bounded queue; one background
+thread hands them to the span builder.
 
-Nothing on the calling thread touches the SDK. A record is a tuple whose first item is one of the kinds below;
-`spans.SpanBuilder` gives them meaning. The queue is a `collections.deque` (append and popleft are atomic under
-the GIL, so no lock on the hot path); when it is full the record is dropped and counted, and the first drop is
-logged.
+Nothing on an engine thread touches the SDK. The queue is a `collections.deque` (append and popleft are atomic
+under the GIL, so no lock on the hot path); when it is full the record is dropped and counted, and the first drop
+of each reason is logged.
 
-Delivery: the background thread drains every `flush_interval_s`; `drain()` does it at once, and is called by
+Delivery: the background thread drains every `flush_interval_s`; `drain()` does it at once and is called by
 `FlushFirstSpanProcessor` before the other processors flush or shut down, at interpreter exit, and when a
-multiprocessing child exits (which skips atexit).
+multiprocessing child exits (which skips atexit). A drain that cannot finish in time at exit (a hung exporter
+holding the builder) counts everything it did not deliver, including records already taken from the queue, as
+dropped (`flush_timeout`): nothing vanishes uncounted.
 """
 
 import atexit
@@ -15,7 +17,7 @@ import logging
 import os
 import threading
 from collections import deque
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 from opentelemetry.sdk.trace import SpanProcessor
 
@@ -23,43 +25,39 @@ from otel_kvtransfer import config
 
 _logger = logging.getLogger(__name__)
 
-# Record kinds (first item of every record tuple).
-SEND = 1  # one transfer: engine call, or a scope's aggregate of engine calls
-BEGIN_REQUEST = 2
-END_REQUEST = 3
-COMPUTE = 4
-BEGIN_RECEIVE = 5
-END_RECEIVE = 6
-
-Sink = Callable[[List[tuple]], None]
-
 # How long flushing at shutdown or exit may wait for a drain in progress (a hung synchronous exporter).
 EXIT_DRAIN_TIMEOUT_S = 5.0
+# How long stop() waits for the background thread to end.
+JOIN_TIMEOUT_S = 5.0
 
 
 class Recorder:
-    """Bounded, lock-free-on-append hand-off from engine threads to one background span-building thread."""
+    """Bounded hand-off from engine threads to one background span-building thread."""
 
     def __init__(self, settings: config.Settings):
         self.settings = settings
         self.active = False  # read on the hot path: the wrappers call straight through when False
         self._queue: deque = deque()
         self._capacity = settings.queue_size
-        self._sink: Optional[Sink] = None
+        self._handle: Optional[Callable[[tuple], None]] = None
         self._tick: Optional[Callable[[], None]] = None
+        self._on_drops: Optional[Callable[[str, int], None]] = None
+        self._on_fork: Optional[Callable[[], None]] = None
+        self._fresh_locks()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._batch: list = []  # records taken from the queue by the drain in progress
+        self._done = 0  # how many of them it has handled
+        self._abandoned = False  # an exit drain gave up on the drain in progress and counted its rest
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _fresh_locks(self) -> None:
         self._drain_lock = threading.Lock()
         self._drop_lock = threading.Lock()
         self._pending_drops = {}  # reason -> count, reported by the background thread
         self._drops_logged = set()
-        self._on_drops: Optional[Callable[[str, int], None]] = None
-        self._on_fork: Optional[Callable[[], None]] = None
         self._wake = threading.Event()
-        self._stalled = False
-        self._thread: Optional[threading.Thread] = None
-        self.sink_errors = 0
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork_in_child)
-        atexit.register(self.final_drain)
 
     # --- hot path -----------------------------------------------------------------------------------------
     def record(self, rec: tuple) -> None:
@@ -76,93 +74,103 @@ class Recorder:
             self._drops_logged.add(reason)
             _logger.warning(
                 "otel_kvtransfer dropped a record (%s); counted in kv_transfer.instrumentation.dropped, "
-                "further drops are counted without logging",
-                reason,
-            )
+                "further drops are counted without logging", reason)
 
-    # --- control ------------------------------------------------------------------------------------------
-    def start(
-        self,
-        settings: config.Settings,
-        sink: Sink,
-        tick: Callable[[], None],
-        on_drops: Callable[[str, int], None],
-        on_fork: Optional[Callable[[], None]] = None,
-    ) -> None:
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    def start(self, settings: config.Settings, handle: Callable[[tuple], None], tick: Callable[[], None],
+              on_drops: Callable[[str, int], None], on_fork: Optional[Callable[[], None]] = None) -> None:
         self.settings = settings
         self._capacity = settings.queue_size
-        self._sink, self._tick, self._on_drops, self._on_fork = sink, tick, on_drops, on_fork
-        self.active = True
+        self._handle, self._tick, self._on_drops, self._on_fork = handle, tick, on_drops, on_fork
+        self._stopping = False
+        self._abandoned = False
         # Drain at exit before the providers shut down: their atexit handlers were registered before this one
         # (they exist before instrument()), and atexit runs the latest first.
-        atexit.unregister(self.final_drain)
         atexit.register(self.final_drain)
-        self._wake.set()  # a waiting thread picks up the new interval now
-        self._ensure_thread()
+        self._start_thread()
+        self.active = True
 
     def stop(self) -> None:
-        """Stop recording new transfers; what is queued is still delivered."""
+        """Stop recording; deliver what is queued (bounded wait), then end and join the background thread."""
         self.active = False
-        self.drain(EXIT_DRAIN_TIMEOUT_S)  # bounded: a hung exporter must not hang uninstrument()
+        self.final_drain()
+        self._stopping = True
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                _logger.warning("otel_kvtransfer: the recorder thread did not end in %ss (a hung exporter?)",
+                                JOIN_TIMEOUT_S)
+        atexit.unregister(self.final_drain)
+        self._report_drops()
+        self._handle = self._tick = self._on_drops = self._on_fork = None
 
-    def _ensure_thread(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-recorder", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while True:  # a daemon thread: it ends with the process
+        while not self._stopping:
             self._wake.wait(self.settings.flush_interval_s)
             self._wake.clear()
-            self.drain()
+            if not self._stopping:
+                self.drain()
 
+    # --- delivery -----------------------------------------------------------------------------------------
     def drain(self, timeout_s: Optional[float] = None) -> bool:
-        """Turn everything queued so far into spans, on the calling thread.
+        """Hand everything queued so far to the builder, on the calling thread.
 
-        False when another drain (the background thread, held up by a hung synchronous exporter) did not let go
-        within `timeout_s`; nothing is lost then, the records stay queued.
+        False when another drain (held up by a hung synchronous exporter) did not let go within `timeout_s`;
+        nothing is lost then, the records stay queued.
         """
-        if self._sink is None:
+        handle = self._handle
+        if handle is None:
             return True
-        if self._stalled:  # a final drain already waited its time out: don't wait again on the way out
-            timeout_s = 0
         if not self._drain_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             return False
-        self._stalled = False
         try:
-            batch = []
-            pop = self._queue.popleft
+            queue, pop = self._queue, self._queue.popleft
+            batch = self._batch = []
+            self._done = 0
             try:
-                while True:
+                for _ in range(len(queue)):
                     batch.append(pop())
             except IndexError:
                 pass
-            try:
-                if batch:
-                    self._sink(batch)
-                if self._tick is not None:
+            for rec in batch:
+                if self._abandoned:
+                    return True  # an exit drain counted the rest of this batch; stop delivering it
+                try:
+                    handle(rec)
+                except Exception:  # pylint: disable=broad-except
+                    # A bug of ours loses only this record, and is counted.
+                    self.drop("builder_error")
+                    _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                self._done += 1
+            self._batch = []
+            if self._tick is not None:
+                try:
                     self._tick()
-            except Exception:  # pylint: disable=broad-except
-                # A bug of ours must not kill the thread; the records of this batch are reported lost.
-                self.sink_errors += 1
-                self.drop("builder_error", len(batch))
-                _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                except Exception:  # pylint: disable=broad-except
+                    _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
             self._report_drops()
         finally:
             self._drain_lock.release()
         return True
 
     def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S) -> bool:
-        """Drain for a process that is about to end: never waits longer than `timeout_s`.
+        """Drain for a process that is about to end (or an uninstrument): never waits longer than `timeout_s`.
 
-        Records that could not be turned into spans in time are counted as dropped (`flush_timeout`), since
-        nothing will deliver them after the process is gone.
+        What could not be delivered in time is counted as dropped (`flush_timeout`): the queue, and the part of
+        the batch the stuck drain had taken but not handled (it will not be handled: nothing runs after exit).
         """
+        if self._abandoned:
+            timeout_s = 0  # already gave up once on the way out: don't wait again
         if self.drain(timeout_s):
             return True
-        self._stalled = True
-        lost = 0
+        self._abandoned = True
+        lost = max(len(self._batch) - self._done, 0)
         try:
             while True:
                 self._queue.popleft()
@@ -177,12 +185,17 @@ class Recorder:
     def _report_drops(self) -> None:
         with self._drop_lock:
             drops, self._pending_drops = self._pending_drops, {}
-        if self._on_drops is not None:
-            for reason, count in drops.items():
-                try:
-                    self._on_drops(reason, count)
-                except Exception:  # pylint: disable=broad-except
-                    _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
+        on_drops = self._on_drops
+        if on_drops is None:
+            with self._drop_lock:  # nobody to report to yet: keep them for later
+                for reason, count in drops.items():
+                    self._pending_drops[reason] = self._pending_drops.get(reason, 0) + count
+            return
+        for reason, count in drops.items():
+            try:
+                on_drops(reason, count)
+            except Exception:  # pylint: disable=broad-except
+                _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
 
     def pending(self) -> int:
         return len(self._queue)
@@ -190,15 +203,13 @@ class Recorder:
     def _after_fork_in_child(self) -> None:
         # The parent delivers what it queued; the child starts empty with fresh locks and its own thread.
         self._queue = deque()
-        self._drain_lock = threading.Lock()
-        self._drop_lock = threading.Lock()
-        self._pending_drops = {}
-        self._wake = threading.Event()
+        self._fresh_locks()
+        self._batch, self._done = [], 0
         self._thread = None
         if self._on_fork is not None:
             self._on_fork()
         if self.active:
-            self._ensure_thread()
+            self._start_thread()
 
 
 class FlushFirstSpanProcessor(SpanProcessor):

@@ -1,11 +1,22 @@
-"""`RecordUnsampledSampler`: keeps every span recording, exports only what the wrapped sampler samples.
+"""`RecordUnsampledSampler`: keeps every span of this package recording; exports only what the wrapped sampler
+samples; and never lets the synthetic stitching parent decide.
 
-Where the wrapped sampler says DROP, this one says RECORD_ONLY: the span is built and reaches the span
-processors' `on_end` (so the metrics processor counts it), but its sampled flag stays off and the exporting
-processors skip it. Applied only to this package's tracer, so the application's own spans are unaffected.
+- Where the wrapped sampler says DROP, this one says RECORD_ONLY: the span is built and reaches the span
+  processors' `on_end` (so the metrics processor counts it), but its sampled flag stays off and the exporting
+  processors skip it.
+- Under the synthetic parent (`stitching`), the wrapped sampler is asked as for a root span with the same trace
+  id: `parentbased_traceidratio(0.01)` then keeps 1% of requests, and prefill and decode, which derive the same
+  trace id, agree.
+Applied only to this package's tracer, so the application's own spans are unaffected.
 """
 
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import get_current_span
+
+from otel_kvtransfer.stitching import is_synthetic
+
+_ROOT = Context()
 
 
 class RecordUnsampledSampler(Sampler):
@@ -14,6 +25,8 @@ class RecordUnsampledSampler(Sampler):
 
     def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
                       trace_state=None) -> SamplingResult:
+        if parent_context is not None and is_synthetic(get_current_span(parent_context).get_span_context()):
+            parent_context = _ROOT
         result = self.delegate.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
         if result.decision is Decision.DROP:
             return SamplingResult(Decision.RECORD_ONLY, attributes, result.trace_state)

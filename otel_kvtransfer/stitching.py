@@ -1,32 +1,49 @@
-"""The synthetic parent that puts prefill and decode spans of one bootstrap room into one trace.
+"""The synthetic parent that puts both sides' spans of one request into one trace, with no propagation.
 
-Both sides derive the same remote parent from the room alone (DESIGN "Trace stitching"), so no context has to
-travel between the engines.
+Both sides derive the same remote parent from the request key alone (DESIGN "Trace stitching"): an int key (a
+bootstrap room) hashes its 8 big-endian bytes, a str key (a transfer id, a request id) its UTF-8 bytes. The
+parent carries a trace-state marker so `RecordUnsampledSampler` can keep it from deciding sampling: a trace under
+it is sampled as a root span with that trace id would be, identically on both sides.
 """
 
 from hashlib import blake2b
+from typing import Union
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+Key = Union[int, str]
+MARKER = ("kvt", "synthetic")  # trace-state entry of the synthetic parent only
+_MARKED = TraceState([MARKER])
 
 
-def room_trace_id(room: int) -> int:
-    key = (room & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
-    return int.from_bytes(blake2b(key, digest_size=16, person=b"kv_transfer").digest(), "big")
+def _key_bytes(key: Key) -> bytes:
+    if isinstance(key, int):
+        return (key & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+    return str(key).encode("utf-8", "surrogatepass")
 
 
-def room_span_id(room: int) -> int:
-    key = (room & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
-    return int.from_bytes(blake2b(key, digest_size=8, person=b"kv_transfer.req").digest(), "big")
+def key_trace_id(key: Key) -> int:
+    return int.from_bytes(blake2b(_key_bytes(key), digest_size=16, person=b"kv_transfer").digest(), "big")
 
 
-def room_parent_context(room: int) -> Context:
-    """A context whose current span is the room's synthetic remote parent (sampled)."""
+def key_span_id(key: Key) -> int:
+    return int.from_bytes(blake2b(_key_bytes(key), digest_size=8, person=b"kv_transfer.req").digest(), "big")
+
+
+def is_synthetic(span_context) -> bool:
+    state = getattr(span_context, "trace_state", None)
+    return bool(state) and state.get(MARKER[0]) == MARKER[1]
+
+
+def key_parent_context(key: Key) -> Context:
+    """A context whose current span is the request's synthetic remote parent."""
     parent = SpanContext(
-        trace_id=room_trace_id(room),
-        span_id=room_span_id(room),
+        trace_id=key_trace_id(key),
+        span_id=key_span_id(key),
         is_remote=True,
-        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        trace_flags=TraceFlags(TraceFlags.DEFAULT),
+        trace_state=_MARKED,
     )
     return trace.set_span_in_context(NonRecordingSpan(parent), Context())

@@ -92,7 +92,7 @@ def telemetry():
 @pytest.fixture(scope="module")
 def receiver():
     require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
-    from otel_kvtransfer.loopback import Receiver  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver  # pylint: disable=import-outside-toplevel
 
     r = Receiver(64 << 20, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"})
     yield r
@@ -104,7 +104,7 @@ def engine():
     require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer.loopback import open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
 
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
     e = open_engine()

@@ -25,7 +25,7 @@ from opentelemetry.trace import StatusCode
 from conftest import metric_points
 from otel_kvtransfer import KVTransferInstrumentor, config, mooncake, semconv
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer.loopback import digest
+from otel_kvtransfer.demo.loopback import digest
 from otel_kvtransfer.recorder import RECORDER
 
 

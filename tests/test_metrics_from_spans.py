@@ -5,7 +5,9 @@ from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 from conftest import Telemetry
+from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
+from otel_kvtransfer.engines.mooncake import BACKEND
 
 
 def _point(points):
@@ -29,7 +31,37 @@ def test_send_metrics_equal_span_values(telemetry, engine, receiver):
     assert throughput.count == 3
     assert throughput.sum == pytest.approx(sum(expected))
     assert throughput.max == pytest.approx(max(expected))
-    assert dict(size.attributes) == {semconv.BACKEND: semconv.BACKEND_MOONCAKE}
+    assert dict(size.attributes) == {semconv.BACKEND: BACKEND}
+    descriptors = _point(metrics[semconv.METRIC_DESCRIPTORS])
+    assert (descriptors.count, descriptors.sum) == (3, 3)
+
+
+def test_failed_and_empty_sends_have_no_speed(telemetry, engine, receiver):
+    assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 4096) == 0
+    with kvt.transfer_scope(8, chunk_index=0, payload="kv") as scope:
+        scope.set_error("session_unreachable")  # a 0-byte failed send
+    with kvt.transfer_scope(8, chunk_index=1, payload="aux"):
+        engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 0)  # no speed either way
+    kvt.end_request(8, error_type="session_unreachable")
+    sends = telemetry.spans(semconv.SPAN_SEND)
+    assert len(sends) == 3
+    metrics = telemetry.metrics()
+    assert sum(p.count for p in metrics[semconv.METRIC_SIZE]) == 3
+    assert sum(p.count for p in metrics[semconv.METRIC_THROUGHPUT]) == 1  # only the successful 4096 B send
+    assert sum(p.value for p in metrics[semconv.METRIC_FAILURES]) == 1
+    assert semconv.METRIC_REQUEST_THROUGHPUT not in metrics  # the failed request has no speed either
+    assert sum(p.count for p in metrics[semconv.METRIC_REQUEST_SIZE]) == 1
+
+
+def test_the_peer_wait_is_a_metric(telemetry):
+    kvt.begin_receive(9, backend=BACKEND, framework="fw", start_ns=1_000_000_000)
+    kvt.end_receive(9, end_ns=1_250_000_000)
+    kvt.begin_serve("r-9", backend=BACKEND, framework="fw", start_ns=2_000_000_000)
+    kvt.end_serve("r-9", error_type="expired", end_ns=2_500_000_000)
+    points = {dict(p.attributes)[semconv.ROLE]: p for p in telemetry.metrics()[semconv.METRIC_RECEIVE_DURATION]}
+    assert {role: (p.count, p.sum) for role, p in points.items()} == {"decode": (1, 0.25), "prefill": (1, 0.5)}
+    assert dict(points["prefill"].attributes) == {semconv.BACKEND: BACKEND, semconv.FRAMEWORK: "fw",
+                                                  semconv.ROLE: "prefill", semconv.ERROR_TYPE: "expired"}
 
 
 def test_exemplars_point_at_the_send_span(telemetry, engine, receiver):
@@ -46,9 +78,7 @@ def test_exemplars_point_at_the_send_span(telemetry, engine, receiver):
 
 
 def test_request_metrics(telemetry, engine, receiver):
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-
-    kvt.begin_request(5)
+    kvt.begin_request(5, backend=BACKEND, attributes={semconv.GEN_AI_REQUEST_MODEL: "tiny-llama"})
     with kvt.transfer_scope(5, chunk_index=0, payload="kv", replica_factor=1):
         assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8192) == 0
     kvt.record_compute([5], 0, 1)
@@ -61,7 +91,11 @@ def test_request_metrics(telemetry, engine, receiver):
     assert _point(metrics[semconv.METRIC_REQUEST_COMPUTE_OVERLAP]).sum == 0.0
     assert _point(metrics[semconv.METRIC_REQUEST_DURATION]).sum == (request.end_time - request.start_time) / 1e9
     assert dict(size.attributes) == {semconv.BACKEND: "mooncake", semconv.ROLE: "prefill",
-                                     semconv.REPLICA_FACTOR: 1}
+                                     semconv.REPLICA_FACTOR: 1, semconv.GEN_AI_REQUEST_MODEL: "tiny-llama"}
+    (send_size,) = metrics[semconv.METRIC_SIZE]  # the send carries the request's model and role too
+    assert dict(send_size.attributes) == {semconv.BACKEND: "mooncake", semconv.ROLE: "prefill",
+                                          semconv.PAYLOAD: "kv", semconv.REPLICA_FACTOR: 1,
+                                          semconv.GEN_AI_REQUEST_MODEL: "tiny-llama"}
 
 
 class _SeeAll(SpanProcessor):

@@ -8,7 +8,8 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.loopback import Receiver, digest
+from otel_kvtransfer.engines import mooncake
+from otel_kvtransfer.demo.loopback import Receiver, digest
 
 
 def _only(spans):
@@ -35,7 +36,8 @@ def test_sync_write_span_has_exact_bytes_and_the_bytes_arrive(telemetry, engine,
         semconv.NETWORK_TRANSPORT: "tcp",
         semconv.SERVER_ADDRESS: host,
         semconv.SERVER_PORT: int(port),
-        semconv.BACKEND: semconv.BACKEND_MOONCAKE,
+        semconv.BACKEND: mooncake.BACKEND,
+        semconv.PROTOCOL: "tcp",
     }
 
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 from opentelemetry.instrumentation.utils import suppress_instrumentation
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
 
 from conftest import Telemetry
@@ -63,8 +64,8 @@ def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):
     monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "10")
     telemetry = Telemetry().instrument()
     try:
-        kvt.begin_request(91)
-        kvt.begin_receive(92)
+        kvt.begin_request(91, backend="test")
+        kvt.begin_receive(92, backend="test")
         deadline = time.monotonic() + 10
         while len(telemetry.exporter.get_finished_spans()) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -74,13 +75,13 @@ def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):
             assert span.status.status_code is StatusCode.ERROR
             assert span.attributes[semconv.EVICTED] is True
             assert span.attributes[semconv.ERROR_TYPE] == "evicted"
-        assert _dropped(telemetry) == {"request_evicted": 1, "receive_evicted": 1}
+        assert _dropped(telemetry) == {"request_evicted": 1, "peer_evicted": 1}
     finally:
         telemetry.uninstrument()
 
 
 @pytest.mark.parametrize("name", [config.QUEUE_SIZE, config.FLUSH_INTERVAL_MS, config.REQUEST_TTL_S,
-                                  config.MAX_PENDING_ASYNC])
+                                  config.MAX_OPEN_REQUESTS, config.MAX_PENDING_ASYNC])
 @pytest.mark.parametrize("garbage", ["", "abc", "-5", "0", "1e999", "nan", "9" * 40, "\x01\u00fc", "12abc"])
 def test_garbage_settings_fall_back_to_defaults(monkeypatch, name, garbage):
     monkeypatch.setenv(name, garbage)
@@ -110,24 +111,29 @@ def test_suppress_instrumentation_calls_straight_through(telemetry, engine, rece
     assert telemetry.spans() == []
 
 
-def test_a_failing_span_builder_never_reaches_the_engine(telemetry, engine, receiver, monkeypatch):
-    def broken(batch):
-        raise RuntimeError("bug in the builder")
+class _RaisingOnStart(SpanProcessor):
+    """A span processor with a bug: span building raises inside the SDK."""
 
-    monkeypatch.setattr(RECORDER, "_sink", broken)
+    def on_start(self, span, parent_context=None):
+        raise RuntimeError("bug in a span processor")
+
+
+def test_a_failing_span_builder_never_reaches_the_engine(telemetry, engine, receiver):
+    telemetry.tracer_provider.add_span_processor(_RaisingOnStart())
     assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
-    RECORDER.drain()
+    assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+    telemetry.tracer_provider.force_flush()
     assert RECORDER.pending() == 0
-    assert _dropped(telemetry) == {"builder_error": 1}
+    assert _dropped(telemetry) == {"builder_error": 2}
 
 
 def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
-    kvt.begin_request(77)  # open in the parent: the child must not end it twice
+    kvt.begin_request(77, backend="test")  # open in the parent: the child must not end it twice
     pid = os.fork()
     if pid == 0:  # child: new engine connection, same instrumentation
         code = 1
         try:
-            from otel_kvtransfer.loopback import open_engine  # pylint: disable=import-outside-toplevel
+            from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
             import numpy as np  # pylint: disable=import-outside-toplevel
 
             child_engine = open_engine()
@@ -161,7 +167,7 @@ meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
     ConsoleMetricExporter(formatter=lambda data: data.to_json(indent=None) + "\n"), export_interval_millis=600000)])
 KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 for room in range(25):
-    kvt.begin_request(room)
+    kvt.begin_request(room, backend="test")
     kvt.end_request(room)
 """
 
@@ -201,7 +207,7 @@ trace.set_tracer_provider(provider)
 metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
 RECORDER.drain()  # the tick finds the SDK
 for room in range(3):
-    kvt.begin_request(room)
+    kvt.begin_request(room, backend="test")
     kvt.end_request(room)
 provider.force_flush()
 points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics

@@ -7,18 +7,15 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer import intervals, semconv
-from otel_kvtransfer.loopback import digest
-from otel_kvtransfer.stitching import room_span_id, room_trace_id
-
-
-def _by_room(spans, room):
-    return [s for s in spans if s.attributes.get(semconv.BOOTSTRAP_ROOM) == room]
+from otel_kvtransfer import aggregate, semconv
+from otel_kvtransfer.demo.loopback import digest
+from otel_kvtransfer.engines.mooncake import BACKEND
+from otel_kvtransfer.stitching import key_span_id, key_trace_id
 
 
 def test_scope_aggregates_engine_calls_into_one_send(telemetry, engine, receiver):
     room = 41
-    kvt.begin_request(room)
+    kvt.begin_request(room, backend=BACKEND)
     with kvt.transfer_scope(room, chunk_index=0, payload="kv", destination_index=1, replica_factor=2,
                             prefix_early_send=True):
         assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 1000) == 0
@@ -37,10 +34,10 @@ def test_scope_aggregates_engine_calls_into_one_send(telemetry, engine, receiver
     assert attrs[semconv.BYTES] == 3500
     assert attrs[semconv.ENGINE_CALLS] == 2
     assert attrs[semconv.DESCRIPTOR_COUNT] == 3
-    assert {k: attrs[k] for k in (semconv.BOOTSTRAP_ROOM, semconv.CHUNK_INDEX, semconv.PAYLOAD,
+    assert {k: attrs[k] for k in (semconv.REQUEST_KEY, semconv.CHUNK_INDEX, semconv.PAYLOAD,
                                   semconv.DESTINATION_INDEX, semconv.REPLICA_FACTOR, semconv.IS_LAST_CHUNK,
                                   semconv.PREFIX_EARLY_SEND)} == {
-        semconv.BOOTSTRAP_ROOM: room, semconv.CHUNK_INDEX: 0, semconv.PAYLOAD: "kv",
+        semconv.REQUEST_KEY: str(room), semconv.CHUNK_INDEX: 0, semconv.PAYLOAD: "kv",
         semconv.DESTINATION_INDEX: 1, semconv.REPLICA_FACTOR: 2, semconv.IS_LAST_CHUNK: False,
         semconv.PREFIX_EARLY_SEND: True}
 
@@ -67,7 +64,7 @@ def test_calls_from_an_executor_thread_join_the_scope(telemetry, engine, receive
 
 def test_request_aggregates_busy_union_throughput_and_overlap(telemetry, engine, receiver):
     room = 43
-    kvt.begin_request(room)
+    kvt.begin_request(room, backend=BACKEND)
     compute_start = time.time_ns()
     for chunk, (offset, length) in enumerate([(0, 4 << 20), (4 << 20, 2 << 20), (6 << 20, 1 << 20)]):
         for dest in range(2):
@@ -86,9 +83,9 @@ def test_request_aggregates_busy_union_throughput_and_overlap(telemetry, engine,
     (compute,) = telemetry.spans(semconv.SPAN_COMPUTE)
     wire = sum(s.attributes[semconv.BYTES] for s in sends)
     assert wire == 2 * (7 << 20) + 100
-    busy = intervals.union((s.start_time, s.end_time) for s in sends)
-    busy_ns = intervals.length(busy)
-    overlap_ns = intervals.intersection_length(busy, [(compute_start, compute_end)])
+    busy = aggregate.union((s.start_time, s.end_time) for s in sends)
+    busy_ns = aggregate.length(busy)
+    overlap_ns = aggregate.intersection_length(busy, [(compute_start, compute_end)])
     attrs = dict(request.attributes)
     assert attrs[semconv.BYTES] == wire
     assert attrs[semconv.LOGICAL_BYTES] == (7 << 20) + 50
@@ -104,37 +101,45 @@ def test_request_aggregates_busy_union_throughput_and_overlap(telemetry, engine,
     assert (compute.start_time, compute.end_time) == (compute_start, compute_end)
 
 
-def test_request_without_parent_is_stitched_to_the_room(telemetry):
-    room = 0x1234_5678_9ABC
-    kvt.begin_request(room)
-    kvt.end_request(room)
-    kvt.begin_receive(room, expected_bytes=99)
-    kvt.end_receive(room)
-    (request,) = telemetry.spans(semconv.SPAN_REQUEST)
-    (receive,) = telemetry.spans(semconv.SPAN_RECEIVE)
-    for span in (request, receive):
-        assert span.context.trace_id == room_trace_id(room)
-        assert span.parent.span_id == room_span_id(room)
-        assert span.parent.is_remote
-    assert receive.attributes[semconv.ROLE] == semconv.ROLE_DECODE
-    assert receive.attributes[semconv.EXPECTED_BYTES] == 99
-    assert receive.attributes[semconv.NETWORK_IO_DIRECTION] == semconv.DIRECTION_RECEIVE
+def test_request_without_parent_is_stitched_to_the_key(telemetry):
+    for key, peer in ((0x1234_5678_9ABC, semconv.SPAN_RECEIVE), ("xfer-7f3a", semconv.SPAN_SERVE)):
+        kvt.begin_request(key, backend=BACKEND, framework="fw")
+        kvt.end_request(key)
+        if peer == semconv.SPAN_RECEIVE:
+            kvt.begin_receive(key, backend=BACKEND, framework="fw", expected_bytes=99)
+            kvt.end_receive(key)
+        else:
+            kvt.begin_serve(key, backend=BACKEND, framework="fw", expected_bytes=99)
+            kvt.end_serve(key)
+        (request,) = [s for s in telemetry.spans(semconv.SPAN_REQUEST)
+                      if s.attributes[semconv.REQUEST_KEY] == str(key)]
+        (waiting,) = telemetry.spans(peer)
+        for span in (request, waiting):
+            assert span.context.trace_id == key_trace_id(key)
+            assert span.parent.span_id == key_span_id(key)
+            assert span.parent.is_remote
+        assert waiting.kind is SpanKind.INTERNAL
+        assert dict(waiting.attributes) == {
+            semconv.REQUEST_KEY: str(key), semconv.BACKEND: BACKEND, semconv.FRAMEWORK: "fw",
+            semconv.ROLE: semconv.ROLE_DECODE if peer == semconv.SPAN_RECEIVE else semconv.ROLE_PREFILL,
+            semconv.EXPECTED_BYTES: 99}
 
 
 def test_explicit_parent_wins_over_stitching(telemetry):
     tracer = telemetry.tracer_provider.get_tracer("engine")
     with tracer.start_as_current_span("engine request") as parent:
-        kvt.begin_request(7, parent=trace.set_span_in_context(parent), rid="rid-7")
+        kvt.begin_request(7, backend=BACKEND, parent=trace.set_span_in_context(parent),
+                          attributes={"engine.rid": "rid-7"})
     kvt.end_request(7)
     request = telemetry.spans(semconv.SPAN_REQUEST)[0]
     assert request.parent.span_id == parent.get_span_context().span_id
     assert request.context.trace_id == parent.get_span_context().trace_id
-    assert request.attributes[semconv.SGLANG_RID] == "rid-7"
+    assert request.attributes["engine.rid"] == "rid-7"
 
 
 def test_failed_request_and_scope_error(telemetry):
     room = 44
-    kvt.begin_request(room)
+    kvt.begin_request(room, backend=BACKEND)
     with kvt.transfer_scope(room, chunk_index=0, payload="kv") as scope:
         scope.set_error("session_unreachable")
     with kvt.transfer_scope(room, chunk_index=1, payload="kv"):
@@ -154,7 +159,7 @@ def test_failed_request_and_scope_error(telemetry):
 def test_reused_room_starts_a_fresh_request(telemetry, engine, receiver):
     room = 45
     for length in (100, 200):
-        kvt.begin_request(room)
+        kvt.begin_request(room, backend=BACKEND)
         with kvt.transfer_scope(room, chunk_index=0, payload="kv"):
             assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, length) == 0
         kvt.end_request(room)
@@ -164,7 +169,7 @@ def test_reused_room_starts_a_fresh_request(telemetry, engine, receiver):
 
 
 def test_bad_input_to_the_api_is_counted_never_raised(telemetry, engine, receiver):
-    kvt.begin_request("not a room")
+    kvt.begin_request(object(), backend=BACKEND)
     kvt.end_request(None)
     kvt.record_compute([object()], 0, 1)
     with kvt.transfer_scope("x", chunk_index="y", payload="kv"):

@@ -96,7 +96,7 @@ def test_sglang_plugin_loader_activates_instrumentation():
 
 @pytest.mark.parametrize("value", ["kv_transfer", "foo, kv_transfer"])
 def test_plugin_respects_disabled_instrumentations(monkeypatch, value):
-    from otel_kvtransfer.sglang import plugin
+    from otel_kvtransfer.frameworks.sglang import plugin
 
     monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", value)
     assert plugin.is_disabled()

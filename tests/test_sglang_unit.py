@@ -13,10 +13,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer import sglang as kvt_sglang
+from otel_kvtransfer.frameworks import sglang as kvt_sglang
 from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+from otel_kvtransfer.patching import is_ours
 from otel_kvtransfer.recorder import RECORDER
-from otel_kvtransfer.sglang import prefill
+from otel_kvtransfer.frameworks.sglang import common, prefill
 
 
 def _require_sglang():
@@ -24,7 +25,7 @@ def _require_sglang():
 
 
 def _wrapped(owner, attr) -> bool:
-    return hasattr(owner.__dict__.get(attr), "__wrapped__")
+    return is_ours(owner.__dict__.get(attr))
 
 
 def _targets():
@@ -33,6 +34,7 @@ def _targets():
     from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
     from sglang.srt.disaggregation import decode as sg_decode
     from sglang.srt.disaggregation import prefill as sg_prefill
+    from sglang.srt.managers import scheduler as sg_scheduler
 
     return [
         (common_utils.FastQueue, "put"),
@@ -49,18 +51,26 @@ def _targets():
         (sg_prefill.SchedulerDisaggregationPrefillMixin, "maybe_send_cached_prefix_chunk"),
         (sg_prefill.PrefillBootstrapQueue, "create_sender"),
         (sg_decode.DecodePreallocQueue, "_create_receiver_and_enqueue"),
+        # sglang decorates run_batch with functools.wraps: it has __wrapped__ before we touch it.
+        (sg_scheduler.Scheduler, "run_batch"),
     ]
 
 
 @pytest.fixture
 def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instrumentor = KVTransferInstrumentor()
-    instrumentor.instrument(tracer_provider=provider)
-    yield lambda: (RECORDER.drain(), exporter.get_finished_spans())[1]
-    instrumentor.uninstrument()
+    """Finished spans so far; with dropped=True the drop counts by reason instead."""
+    from conftest import Telemetry  # pylint: disable=import-outside-toplevel
+
+    telemetry = Telemetry().instrument()
+
+    def read(dropped=False):
+        if dropped:
+            return {dict(p.attributes)[sc.DROP_REASON]: p.value
+                    for p in telemetry.metrics().get(sc.METRIC_DROPPED, [])}
+        return telemetry.spans()
+
+    yield read
+    telemetry.uninstrument()
 
 
 def test_version_range():
@@ -87,7 +97,7 @@ def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog)
     targets = _targets()
     monkeypatch.setattr(kvt_sglang, "installed_version", lambda: "0.4.9")
     monkeypatch.setitem(kvt_sglang._state, "warned", False)
-    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.sglang"):
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.frameworks.sglang"):
         assert kvt_sglang.instrument() is False
         assert kvt_sglang.instrument() is False
     assert not any(_wrapped(owner, attr) for owner, attr in targets)
@@ -108,7 +118,7 @@ def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog)
     ],
 )
 def test_error_type_of_sglang_failure_reasons(reason, kind):
-    assert prefill.error_type_of(reason) == kind
+    assert common.error_type_of(reason) == kind
 
 
 def test_prefill_batch_compute_becomes_compute_spans_and_overlap(spans):
@@ -121,16 +131,17 @@ def test_prefill_batch_compute_becomes_compute_spans_and_overlap(spans):
     class Batch:
         reqs = [Req(11), Req(12), Req(None)]
 
-    integration.begin_request(11, start_ns=1_000)
-    prefill.record_batch_compute(Batch(), 2_000, 5_000)
+    integration.begin_request(11, backend="mooncake", start_ns=1_000)
+    prefill.record_batch_compute(Batch(), 2_000, 5_000)  # room 12 never transfers (a warm-up): no span
     with integration.transfer_scope(11, chunk_index=0, payload="kv"):
         pass  # no engine call: no span
     integration.end_request(11, end_ns=9_000)
     integration.end_request(12, end_ns=9_000)
     got = spans()
-    compute = sorted(s.attributes[sc.BOOTSTRAP_ROOM] for s in got if s.name == sc.SPAN_COMPUTE)
-    assert compute == [11, 12]
+    compute = sorted(s.attributes[sc.REQUEST_KEY] for s in got if s.name == sc.SPAN_COMPUTE)
+    assert compute == ["11"]
     assert not [s for s in got if s.name == sc.SPAN_SEND]
+    assert [s.attributes[sc.REQUEST_KEY] for s in got if s.name == sc.SPAN_REQUEST] == ["11"]
 
 
 def test_run_batch_wrapper_only_times_prefill_schedulers(spans):
@@ -145,13 +156,14 @@ def test_run_batch_wrapper_only_times_prefill_schedulers(spans):
     batch = SimpleNamespace(reqs=[SimpleNamespace(bootstrap_room=21)])
     decode_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="DECODE"))
     prefill_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="PREFILL"))
-    assert prefill._run_batch_wrapper(run_batch, decode_sched, (batch,), {}) == "result"
-    assert prefill._run_batch_wrapper(run_batch, prefill_sched, (batch,), {}) == "result"
     from otel_kvtransfer import integration
 
+    integration.begin_request(21, backend="mooncake")
+    assert prefill._run_batch_wrapper(run_batch, decode_sched, (batch,), {}) == "result"
+    assert prefill._run_batch_wrapper(run_batch, prefill_sched, (batch,), {}) == "result"
     integration.end_request(21)
     got = spans()
-    assert [s.attributes[sc.BOOTSTRAP_ROOM] for s in got if s.name == sc.SPAN_COMPUTE] == [21]
+    assert [s.attributes[sc.REQUEST_KEY] for s in got if s.name == sc.SPAN_COMPUTE] == ["21"]
     assert len(calls) == 2
 
 
@@ -169,9 +181,10 @@ def test_wrapper_errors_are_swallowed_and_counted(spans):
             raise RuntimeError("boom")
 
     manager = Broken.__new__(Broken)  # a manager whose state our wrapper cannot read
-    before = prefill.ERRORS["count"]
+    before = RECORDER.pending()
     assert prefill._update_status_wrapper(lambda *a, **k: "original", manager, (5, 4), {}) == "original"
-    assert prefill.ERRORS["count"] == before + 1
+    assert RECORDER.pending() == before  # nothing recorded for it ...
+    assert spans(dropped=True) == {"wrapper_error": 1}  # ... and the failure is counted
 
     def raising(*a, **k):
         raise ValueError("sglang's own error")
@@ -186,7 +199,7 @@ def test_decode_receiver_takes_sglangs_request_span_as_parent(spans):
     from opentelemetry import trace
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-    from otel_kvtransfer.sglang import decode
+    from otel_kvtransfer.frameworks.sglang import decode
 
     sglang_ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
         trace_id=0xABC, span_id=0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))))

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from otel_kvtransfer.loopback import Receiver, open_engine
+from otel_kvtransfer.demo.loopback import Receiver, open_engine
 
 
 def send(session, address, length, times):

@@ -6,6 +6,7 @@ sglang.launch_server ...` pays nothing at start-up and the spawned scheduler pro
 their disaggregation code. On an sglang outside `SUPPORTED` a warning is logged once and nothing is patched.
 
 What is wrapped, and why there (sglang 0.5.23):
+- common.py here: names, the one Patcher, poll states and failure kinds both sides share.
 - prefill.py here: the Mooncake manager's transfer worker (chunk dequeue, one transfer scope per
   (chunk x destination x payload) around `send_kvcache*` / `maybe_send_extra` / `send_aux`), the sender
   (request begin, conclusion through `update_status`), the scheduler's early cached-prefix send and its
@@ -17,6 +18,9 @@ What is wrapped, and why there (sglang 0.5.23):
 
 import logging
 from typing import Optional, Tuple
+
+from otel_kvtransfer.frameworks.sglang.common import FRAMEWORK, patcher
+from otel_kvtransfer.patching import own_error
 
 _logger = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ def is_supported(text: Optional[str]) -> bool:
 
 
 def _patches():
-    from otel_kvtransfer.sglang import decode, prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import decode, prefill  # pylint: disable=import-outside-toplevel
 
     return {
         "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
@@ -82,9 +86,7 @@ def _hook(name, patch):
         try:
             patch(module)
         except Exception:  # pylint: disable=broad-except
-            from otel_kvtransfer.sglang import prefill  # pylint: disable=import-outside-toplevel
-
-            prefill.ERRORS["count"] += 1
+            own_error(f"patch {name}")
             _logger.warning("otel_kvtransfer could not patch %s", name, exc_info=True)
 
     return on_import
@@ -129,11 +131,10 @@ def uninstrument() -> None:
     if not _state["on"]:
         return
     _state["on"] = False
-    from otel_kvtransfer.sglang import decode, prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import prefill  # pylint: disable=import-outside-toplevel
 
-    decode.unpatch()
-    prefill.unpatch()
+    patcher.unwrap_all()
+    prefill.forget_rooms()
 
 
-def is_instrumented() -> bool:
-    return _state["on"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "instrument", "uninstrument", "is_supported", "installed_version"]

@@ -60,11 +60,11 @@ def _decode_side_tracing(span_file: str, service_name: str):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
     from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-    from otel_kvtransfer.spanfile import JsonLinesSpanExporter
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(span_file)))
+    provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(span_file)))
     KVTransferInstrumentor().instrument(tracer_provider=provider)
     return provider
 
@@ -74,6 +74,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines.mooncake import BACKEND  # pylint: disable=import-outside-toplevel
 
     provider = _decode_side_tracing(span_file, service_name) if span_file else None
     try:
@@ -99,7 +100,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
             buffer[:] = message[1]
             conn.send("ok")
         elif message[0] == "receive_begin":  # the decode engine asks for a room's KV
-            integration.begin_receive(message[1], expected_bytes=message[2])
+            integration.begin_receive(message[1], backend=BACKEND, expected_bytes=message[2])
             conn.send("ok")
         elif message[0] == "receive_end":  # ... and sees it arrive (or fail)
             integration.end_receive(message[1], error_type=message[2])

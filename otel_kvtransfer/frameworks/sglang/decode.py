@@ -7,28 +7,24 @@ by room (DESIGN), or goes under sglang's own request span when sglang's tracing 
 
 import threading
 
-import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
-
 from otel_kvtransfer import integration
-from otel_kvtransfer.sglang import prefill
-from otel_kvtransfer.sglang.prefill import _own_error, _sglang_parent, error_type_of
+from otel_kvtransfer.frameworks.sglang.common import (
+    BACKEND,
+    FRAMEWORK,
+    classes,
+    error_type_of,
+    is_instance,
+    learn_poll_states,
+    patcher,
+    poll_name,
+    room_attributes,
+    sglang_parent,
+)
+from otel_kvtransfer.patching import active, own_error, remember_argument
 
-_patched = []
-_classes = {}
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
 _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sglang's tracing is on
 _tls = threading.local()  # .req: the Req whose receiver DecodePreallocQueue is creating
-_POLL = {}  # KVPoll value -> "Success" | "Failed"
-
-
-def _active() -> bool:
-    return integration.is_active() and is_instrumentation_enabled()
-
-
-def _is_mooncake(receiver) -> bool:
-    cls = _classes.get("receiver")
-    return cls is not None and isinstance(receiver, cls)
 
 
 def _expected_bytes(receiver, kv_indices, aux_index):
@@ -40,43 +36,35 @@ def _expected_bytes(receiver, kv_indices, aux_index):
 
 
 def _send_metadata_wrapper(wrapped, instance, args, kwargs):
-    if not _active() or not _is_mooncake(instance):
+    if not active() or not is_instance(instance, "receiver"):
         return wrapped(*args, **kwargs)
     try:
         kv_indices = args[0] if args else kwargs.get("kv_indices")
         aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
+        room = instance.bootstrap_room
         integration.begin_receive(
-            instance.bootstrap_room,
+            room, backend=BACKEND, framework=FRAMEWORK,
             expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
-            parent=getattr(instance, _PARENT, None),
-        )
+            attributes=room_attributes(room), parent=getattr(instance, _PARENT, None))
     except Exception:  # pylint: disable=broad-except
-        _own_error("send_metadata")
+        own_error("send_metadata")
     return wrapped(*args, **kwargs)
 
 
-def _create_receiver_wrapper(wrapped, instance, args, kwargs):
-    """DecodePreallocQueue._create_receiver_and_enqueue(req): the receiver made inside belongs to this Req."""
-    if not _active():
-        return wrapped(*args, **kwargs)
-    previous = getattr(_tls, "req", None)
-    _tls.req = args[0] if args else kwargs.get("req")
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _tls.req = previous
+# DecodePreallocQueue._create_receiver_and_enqueue(req): the receiver made inside belongs to this Req.
+_create_receiver_wrapper = remember_argument(_tls, "req", 0, "req")
 
 
 def _receiver_init_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     req = getattr(_tls, "req", None)
-    if req is not None and _active():
+    if req is not None and active():
         try:
-            parent = _sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
+            parent = sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
             if parent is not None:
                 setattr(instance, _PARENT, parent)
         except Exception:  # pylint: disable=broad-except
-            _own_error("receiver init")
+            own_error("receiver init")
     return result
 
 
@@ -86,63 +74,45 @@ def _end(instance, status_name) -> None:
     setattr(instance, _DONE, True)
     error = None
     if status_name != "Success":
-        with_records = getattr(instance.kv_mgr, "failure_records", {})
-        error = error_type_of(with_records.get(instance.bootstrap_room)) if status_name == "Failed" else status_name
+        records = getattr(instance.kv_mgr, "failure_records", {})
+        error = error_type_of(records.get(instance.bootstrap_room)) if status_name == "Failed" else status_name
     integration.end_receive(instance.bootstrap_room, error_type=error)
 
 
 def _poll_wrapper(wrapped, instance, args, kwargs):
     status = wrapped(*args, **kwargs)
-    name = _POLL.get(status)
-    if name is not None and not getattr(instance, _DONE, False) and _active():
+    name = poll_name(status)
+    if name is not None and not getattr(instance, _DONE, False) and active():
         try:
-            if _is_mooncake(instance):
+            if is_instance(instance, "receiver"):
                 _end(instance, name)
         except Exception:  # pylint: disable=broad-except
-            _own_error("receiver poll")
+            own_error("receiver poll")
     return status
 
 
 def _abort_wrapper(wrapped, instance, args, kwargs):
-    if _active() and not getattr(instance, _DONE, False):
+    if active() and not getattr(instance, _DONE, False):
         try:
-            if _is_mooncake(instance):
+            if is_instance(instance, "receiver"):
                 _end(instance, "aborted")
         except Exception:  # pylint: disable=broad-except
-            _own_error("receiver abort")
+            own_error("receiver abort")
     return wrapped(*args, **kwargs)
 
 
 def patch_common_conn(module) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
 
-    _POLL.update({KVPoll.Success: "Success", KVPoll.Failed: "Failed"})
+    learn_poll_states(KVPoll)
     for attr, wrapper in (("__init__", _receiver_init_wrapper), ("send_metadata", _send_metadata_wrapper),
                           ("poll", _poll_wrapper), ("abort", _abort_wrapper)):
-        _wrap(module, "CommonKVReceiver", attr, wrapper)
+        patcher.wrap(module.CommonKVReceiver, attr, wrapper)
 
 
 def patch_decode(module) -> None:
-    _wrap(module, "DecodePreallocQueue", "_create_receiver_and_enqueue", _create_receiver_wrapper)
-
-
-def _wrap(module, owner_name, attr, wrapper) -> None:
-    owner = getattr(module, owner_name)
-    current = owner.__dict__.get(attr)
-    if current is None or hasattr(current, "__wrapped__"):
-        return
-    wrapt.wrap_function_wrapper(module, f"{owner_name}.{attr}", wrapper)
-    _patched.append((owner, attr))
+    patcher.wrap(module.DecodePreallocQueue, "_create_receiver_and_enqueue", _create_receiver_wrapper)
 
 
 def patch_mooncake_conn(module) -> None:
-    _classes["receiver"] = module.MooncakeKVReceiver
-
-
-def unpatch() -> None:
-    while _patched:
-        owner, attr = _patched.pop()
-        try:
-            unwrap(owner, attr)
-        except Exception:  # pylint: disable=broad-except
-            prefill.ERRORS["count"] += 1
+    classes["receiver"] = module.MooncakeKVReceiver

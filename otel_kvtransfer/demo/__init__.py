@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from otel_kvtransfer import semconv
+
 GIB = float(1 << 30)
 
 
@@ -101,11 +103,11 @@ def _setup_tracing(cfg: DemoConfig, span_file: str):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    from otel_kvtransfer.spanfile import JsonLinesSpanExporter
+    from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
 
     resource = Resource.create({"service.name": "kv-prefill"})
     tracer_provider = TracerProvider(resource=resource)
-    tracer_provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(span_file)))
+    tracer_provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(span_file)))
     readers = []
     if cfg.console:
         tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
@@ -159,7 +161,7 @@ def measure_link_capacity(engine, receiver, src_base: int, nbytes: int, rounds: 
     return best
 
 
-def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt):
+def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt, backend: str):
     """One request: early prefix send, chunked compute overlapping the previous chunk's send, aux on the last."""
     work: "queue.Queue" = queue.Queue()
     result = {"error": None}
@@ -184,15 +186,17 @@ def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt):
                 if is_last:
                     with kvt.transfer_scope(room, chunk_index=index, payload="aux", destination_index=dest.index,
                                             replica_factor=len(destinations), is_last_chunk=True):
-                        engine.transfer_sync_write(dest.receiver.session, src.ctypes.data + aux_offset,
-                                                   dest.receiver.base_address + aux_offset, cfg.aux_bytes)
+                        rc = engine.transfer_sync_write(dest.receiver.session, src.ctypes.data + aux_offset,
+                                                        dest.receiver.base_address + aux_offset, cfg.aux_bytes)
+                    if rc != 0:
+                        result["error"] = "aux_send_failed"
             if is_last:
                 result["done_ns"] = time.time_ns()
 
     for dest in destinations:
         dest.receiver.begin_receive(room, expected_bytes=cfg.kv_bytes + cfg.aux_bytes)
     started = time.time_ns()
-    kvt.begin_request(room, start_ns=started)
+    kvt.begin_request(room, backend=backend, start_ns=started)
     worker = threading.Thread(target=transfer_worker, name="transfer-worker", daemon=True)
     worker.start()
     token = 0
@@ -223,13 +227,11 @@ def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt):
 
 
 def _request_spans(span_file: str) -> dict:
-    rooms = {}
-    with open(span_file, encoding="utf-8") as handle:
-        for line in handle:
-            span = json.loads(line)
-            if span["name"] == "kv_transfer.request":
-                rooms[span["attributes"]["kv_transfer.bootstrap_room"]] = span["attributes"]
-    return rooms
+    """request key -> attributes of its kv_transfer.request span, read back from the span file."""
+    from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+
+    return {span.attributes[semconv.REQUEST_KEY]: span.attributes for span in read_spans(span_file)
+            if span.name == semconv.SPAN_REQUEST}
 
 
 def format_table(rows, capacity_bps: float) -> str:
@@ -253,7 +255,8 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
 
     from otel_kvtransfer import integration as kvt
     from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-    from otel_kvtransfer.loopback import Receiver, open_engine
+    from otel_kvtransfer.demo.loopback import Receiver, digest, open_engine
+    from otel_kvtransfer.engines.mooncake import BACKEND
 
     # Mooncake logs every connection at INFO through glog; keep the demo's terminal for the demo's own output.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -284,13 +287,17 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
         destinations = [_Destination(r, i) for i, r in enumerate(receivers)]
         legacy = []
+        expected = digest(src)
+        verified = True
         for n in range(cfg.requests):
             room = 1000 + n
-            legacy.append(run_request(room, engine, src, destinations, cfg, kvt))
-            print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done", file=progress)
-        from otel_kvtransfer.loopback import digest
-
-        verified = all(r.digest(0, size) == digest(src) for r in receivers)
+            for receiver in receivers:  # wipe the decode buffers, so each request's bytes are checked on their own
+                receiver.fill(0)
+            legacy.append(run_request(room, engine, src, destinations, cfg, kvt, BACKEND))
+            ok = legacy[-1]["error"] is None and all(r.digest(0, size) == expected for r in receivers)
+            verified = verified and ok
+            print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done, bytes verified on "
+                  f"{len(receivers)} decode engine(s): {'yes' if ok else 'NO'}", file=progress)
     finally:
         instrumentor.uninstrument()
         tracer_provider.shutdown()
@@ -300,7 +307,7 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     spans = _request_spans(span_file)
     rows = []
     for item in legacy:
-        attrs = spans.get(item["room"], {})
+        attrs = spans.get(str(item["room"]), {})
         rows.append({
             "room": item["room"],
             "chunks": attrs.get("kv_transfer.chunk_count", 0),
@@ -329,7 +336,7 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
 def _timeline_pointer(span_file: str, progress) -> List[str]:
     """Render the timeline of this run beside the span file and say where it is."""
     try:
-        from otel_kvtransfer.timeline import timeline_from_file  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.tools.timeline import timeline_from_file  # pylint: disable=import-outside-toplevel
 
         print("demo: rendering the timeline ...", file=progress)
         paths = timeline_from_file(span_file)

@@ -13,66 +13,44 @@ wrapped itself); what it calls is:
 - `update_status`: Success / Failed of a room ends its `kv_transfer.request`.
 The request begins at `MooncakeKVSender.__init__` (bootstrap), under sglang's own request span when sglang's
 tracing is on (`create_sender` hands us the Req). `Scheduler.run_batch` of a prefill scheduler gives the compute
-intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted in
-ERRORS and logged at debug level.
+intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted
+(`wrapper_error` drops) and logged at debug level.
 """
 
-import logging
 import threading
 from time import time_ns
 
-import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled, unwrap
-
 from otel_kvtransfer import integration, semconv
+from otel_kvtransfer.frameworks.sglang.common import (
+    BACKEND,
+    FRAMEWORK,
+    classes,
+    error_type_of,
+    is_instance,
+    learn_poll_states,
+    patcher,
+    poll_name,
+    room_attributes,
+    sglang_parent,
+)
+from otel_kvtransfer.patching import active, own_error, remember_argument
 from otel_kvtransfer.recorder import RECORDER
 
-_logger = logging.getLogger(__name__)
-
-ERRORS = {"count": 0}  # the wrappers' own failures (swallowed, never raised into sglang)
 _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
-_patched = []  # (owner class, attribute) to unwrap
 _TAG = "_otel_kvt"  # attribute set on a TransferKVChunk: (chunk_index, prefix_early_send)
 
 # room -> next chunk index; bounded: entries of concluded rooms are removed, the rest capped.
 _next_chunk = {}
 _MAX_ROOMS = 65536
-_classes = {}  # name -> sglang class, filled as modules are patched
 
 
-def _own_error(what: str) -> None:
-    ERRORS["count"] += 1
-    RECORDER.drop("wrapper_error")
-    _logger.debug("otel_kvtransfer sglang wrapper failed: %s", what, exc_info=True)
-
-
-def _active() -> bool:
-    return integration.is_active() and is_instrumentation_enabled()
-
-
-def _wrap(module, owner_name: str, attr: str, wrapper) -> None:
-    owner = getattr(module, owner_name)
-    current = owner.__dict__.get(attr)
-    if current is None or hasattr(current, "__wrapped__"):
-        return
-    wrapt.wrap_function_wrapper(module, f"{owner_name}.{attr}", wrapper)
-    _patched.append((owner, attr))
-
-
-def unpatch() -> None:
-    while _patched:
-        owner, attr = _patched.pop()
-        try:
-            unwrap(owner, attr)
-        except Exception:  # pylint: disable=broad-except
-            _own_error(f"unwrap {owner}.{attr}")
+def forget_rooms() -> None:
     _next_chunk.clear()
 
 
 def _is_mooncake(obj) -> bool:
     """A Mooncake manager or sender (the Common* methods we wrap serve every backend)."""
-    cls = _classes.get("sender" if hasattr(obj, "kv_mgr") else "manager")
-    return cls is not None and isinstance(obj, cls)
+    return is_instance(obj, "sender" if hasattr(obj, "kv_mgr") else "manager")
 
 
 def _is_prefill(mgr) -> bool:
@@ -83,29 +61,13 @@ def _is_prefill(mgr) -> bool:
 # --- request lifecycle ----------------------------------------------------------------------------------------
 
 
-def _sglang_parent(trace_ctx):
-    """sglang's own request span context (`--enable-trace`), or None."""
-    if trace_ctx is None or not getattr(trace_ctx, "tracing_enable", False):
-        return None
-    return getattr(trace_ctx, "root_span_context", None)
-
-
-def _create_sender_wrapper(wrapped, instance, args, kwargs):
-    """PrefillBootstrapQueue.create_sender(req, ...): remember the Req so the sender's request gets rid/parent."""
-    if not _active():
-        return wrapped(*args, **kwargs)
-    req = args[0] if args else kwargs.get("req")
-    previous = getattr(_tls, "req", None)
-    _tls.req = req
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _tls.req = previous
+# PrefillBootstrapQueue.create_sender(req, ...): the Req, so the sender's request gets its rid and parent.
+_create_sender_wrapper = remember_argument(_tls, "req", 0, "req")
 
 
 def _sender_init_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
-    if _active():
+    if active():
         try:
             if _is_mooncake(instance) and instance.conclude_state is None and _is_prefill(instance.kv_mgr):
                 mgr = instance.kv_mgr
@@ -113,50 +75,30 @@ def _sender_init_wrapper(wrapped, instance, args, kwargs):
                     req = getattr(_tls, "req", None)
                     rid = getattr(req, "rid", None) if req is not None else None
                     stats = getattr(req, "time_stats", None) if req is not None else None
-                    parent = _sglang_parent(getattr(stats, "trace_ctx", None)) or _sglang_parent(
+                    parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(
                         getattr(instance, "trace_ctx", None))
-                    integration.begin_request(instance.bootstrap_room, rid=rid, parent=parent)
+                    room = instance.bootstrap_room
+                    integration.begin_request(room, backend=BACKEND, framework=FRAMEWORK,
+                                              attributes=room_attributes(room, rid), parent=parent)
         except Exception:  # pylint: disable=broad-except
-            _own_error("sender init")
+            own_error("sender init")
     return result
-
-
-_FAILURE_TYPES = (
-    ("timed out", "bootstrap_timeout"),
-    ("Aborted", "aborted"),
-    ("is not alive", "decode_session_failed"),
-    ("Failed to send kv chunk", "kv_send_failed"),
-    ("Failed to send state", "state_send_failed"),
-    ("Failed to send aux", "aux_send_failed"),
-    ("layout", "state_layout_rejected"),
-    ("Duplicate or cancelled", "bootstrap_failed"),
-    ("Decode instance could be dead", "decode_session_failed"),
-)
-
-
-def error_type_of(reason) -> str:
-    """A low-cardinality error.type from sglang's free-text failure reason."""
-    text = str(reason or "")
-    for needle, kind in _FAILURE_TYPES:
-        if needle in text:
-            return kind
-    return "transfer_failed"
 
 
 def _update_status_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
-    if _active():
+    if active():
         try:
             if _is_mooncake(instance) and _is_prefill(instance):
                 room = args[0] if args else kwargs.get("bootstrap_room")
                 status = instance.request_status.get(room)
-                name = _poll_name(status)
+                name = poll_name(status)
                 if name == "Success":
                     _conclude(room, None)
                 elif name == "Failed":
                     _conclude(room, error_type_of(instance.failure_records.get(room)))
         except Exception:  # pylint: disable=broad-except
-            _own_error("update_status")
+            own_error("update_status")
     return result
 
 
@@ -165,23 +107,16 @@ def _conclude(room, error_type) -> None:
     integration.end_request(room, error_type=error_type)
 
 
-_POLL_NAMES = {}
-
-
-def _poll_name(status):
-    return _POLL_NAMES.get(status)
-
-
 def _sender_clear_wrapper(wrapped, instance, args, kwargs):
     """A sender cleared before its room concluded (scheduler abort paths): end the request as failed."""
-    if _active():
+    if active():
         try:
             if _is_mooncake(instance) and _is_prefill(instance.kv_mgr):
-                status = _poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
+                status = poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
                 if status not in ("Success", "Failed"):
                     _conclude(instance.bootstrap_room, "cleared")
         except Exception:  # pylint: disable=broad-except
-            _own_error("sender clear")
+            own_error("sender clear")
     return wrapped(*args, **kwargs)
 
 
@@ -189,13 +124,13 @@ def _sender_clear_wrapper(wrapped, instance, args, kwargs):
 
 
 def _add_transfer_request_wrapper(wrapped, instance, args, kwargs):
-    if not _active():
+    if not active():
         return wrapped(*args, **kwargs)
     try:
         is_last = args[3] if len(args) > 3 else kwargs.get("is_last_chunk", False)
         _tls.enqueue = (bool(getattr(_tls, "early", False)) and not is_last,)
     except Exception:  # pylint: disable=broad-except
-        _own_error("add_transfer_request")
+        own_error("add_transfer_request")
     try:
         return wrapped(*args, **kwargs)
     finally:
@@ -207,7 +142,7 @@ def _tag(chunk, early: bool) -> None:
     index = _next_chunk.get(room, 0)
     if index == 0 and len(_next_chunk) >= _MAX_ROOMS:
         _next_chunk.pop(next(iter(_next_chunk)))  # oldest room: its later chunks restart at 0 (counted)
-        ERRORS["count"] += 1
+        RECORDER.drop("chunk_index_evicted")
     _next_chunk[room] = index + 1
     setattr(chunk, _TAG, (index, early))
 
@@ -217,17 +152,17 @@ def _queue_put_wrapper(wrapped, instance, args, kwargs):
     if enqueue is not None:
         try:
             item = args[0] if args else kwargs.get("item")
-            if isinstance(item, _classes["chunk"]) and not hasattr(item, _TAG):
+            if isinstance(item, classes["chunk"]) and not hasattr(item, _TAG):
                 _tag(item, enqueue[0])
         except Exception:  # pylint: disable=broad-except
-            _own_error("queue put")
+            own_error("queue put")
     return wrapped(*args, **kwargs)
 
 
 def _queue_get_wrapper(wrapped, instance, args, kwargs):
     item = wrapped(*args, **kwargs)
     try:
-        cls = _classes.get("chunk")
+        cls = classes.get("chunk")
         if cls is not None and isinstance(item, cls):
             if not hasattr(item, _TAG):  # enqueued before we were instrumented
                 _tag(item, False)
@@ -235,7 +170,7 @@ def _queue_get_wrapper(wrapped, instance, args, kwargs):
         elif item is None:
             _tls.chunk = None
     except Exception:  # pylint: disable=broad-except
-        _own_error("queue get")
+        own_error("queue get")
     return item
 
 
@@ -292,7 +227,7 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
 
     def wrapper(wrapped, instance, args, kwargs):
         chunk = getattr(_tls, "chunk", None)
-        if chunk is None or not _active() or integration.current_scope() is not None:
+        if chunk is None or not active() or integration.current_scope() is not None:
             return wrapped(*args, **kwargs)
         scope = None
         try:
@@ -307,6 +242,7 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
                 replica_factor=replica,
                 is_last_chunk=bool(chunk.is_last_chunk),
                 prefix_early_send=early,
+                attributes=room_attributes(chunk.room),
             )
             if executor_pos is not None:
                 if len(args) > executor_pos:
@@ -315,7 +251,7 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
                 elif kwargs.get("executor") is not None:
                     kwargs = dict(kwargs, executor=_ScopedExecutor(kwargs["executor"], scope))
         except Exception:  # pylint: disable=broad-except
-            _own_error(f"transfer scope {payload}")
+            own_error(f"transfer scope {payload}")
             scope = None
         if scope is None:
             return wrapped(*args, **kwargs)
@@ -326,7 +262,7 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
                 if isinstance(rc, int) and rc != 0 and not scope.calls:
                     scope.set_error(f"{payload}_send_failed")
             except Exception:  # pylint: disable=broad-except
-                _own_error("transfer result")
+                own_error("transfer result")
             return result
 
     return wrapper
@@ -335,11 +271,11 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
 def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
     """A destination skipped because its session is known dead: a 0-byte ERROR send for it."""
     chunk = getattr(_tls, "chunk", None)
-    if chunk is not None and _active() and integration.current_scope() is None:
+    if chunk is not None and active() and integration.current_scope() is None:
         try:
             room = kwargs.get("bootstrap_room")
             reason = str(kwargs.get("failure_reason") or "")
-            if (_is_mooncake(instance) and room == chunk.room and _poll_name(kwargs.get("status")) == "Failed"
+            if (_is_mooncake(instance) and room == chunk.room and poll_name(kwargs.get("status")) == "Failed"
                     and ("is not alive" in reason or "layout" in reason)):
                 failed = set(getattr(instance, "failed_sessions", ())) | set(
                     getattr(instance, "state_layout_rejections", {}))
@@ -348,12 +284,13 @@ def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
                 index, early = getattr(chunk, _TAG, (0, False))
                 scope = integration.transfer_scope(
                     room, chunk_index=index, payload=semconv.PAYLOAD_KV, destination_index=destination,
-                    replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early)
+                    replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early,
+                    attributes=room_attributes(room))
                 scope.set_error(error_type_of(reason))
                 with scope:
                     pass
         except Exception:  # pylint: disable=broad-except
-            _own_error("conclude_transfer")
+            own_error("conclude_transfer")
     return wrapped(*args, **kwargs)
 
 
@@ -372,14 +309,14 @@ def _early_send_wrapper(wrapped, instance, args, kwargs):
 
 def _run_batch_wrapper(wrapped, instance, args, kwargs):
     """Scheduler.run_batch of a prefill scheduler: one compute interval for every room in the batch."""
-    if not _active() or getattr(getattr(instance, "disaggregation_mode", None), "name", None) != "PREFILL":
+    if not active() or getattr(getattr(instance, "disaggregation_mode", None), "name", None) != "PREFILL":
         return wrapped(*args, **kwargs)
     start = time_ns()
     result = wrapped(*args, **kwargs)
     try:
         record_batch_compute(args[0] if args else kwargs.get("batch"), start, time_ns())
     except Exception:  # pylint: disable=broad-except
-        _own_error("run_batch")
+        own_error("run_batch")
     return result
 
 
@@ -394,19 +331,19 @@ def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:
 
 
 def patch_common_utils(module) -> None:
-    _classes["chunk"] = module.TransferKVChunk
-    _wrap(module, "FastQueue", "put", _queue_put_wrapper)
-    _wrap(module, "FastQueue", "get", _queue_get_wrapper)
+    classes["chunk"] = module.TransferKVChunk
+    patcher.wrap(module.FastQueue, "put", _queue_put_wrapper)
+    patcher.wrap(module.FastQueue, "get", _queue_get_wrapper)
 
 
 def patch_common_conn(module) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
 
-    _POLL_NAMES.update({KVPoll.Success: "Success", KVPoll.Failed: "Failed"})
-    _wrap(module, "CommonKVManager", "update_status", _update_status_wrapper)
-    _wrap(module, "CommonKVManager", "conclude_transfer", _conclude_transfer_wrapper)
-    _wrap(module, "CommonKVSender", "__init__", _sender_init_wrapper)
-    _wrap(module, "CommonKVSender", "clear", _sender_clear_wrapper)
+    learn_poll_states(KVPoll)
+    patcher.wrap(module.CommonKVManager, "update_status", _update_status_wrapper)
+    patcher.wrap(module.CommonKVManager, "conclude_transfer", _conclude_transfer_wrapper)
+    patcher.wrap(module.CommonKVSender, "__init__", _sender_init_wrapper)
+    patcher.wrap(module.CommonKVSender, "clear", _sender_clear_wrapper)
 
 
 # method -> (payload, position of mooncake_session_id, position of req, position of executor); positions
@@ -422,8 +359,8 @@ TRANSFER_METHODS = {
 
 
 def patch_mooncake_conn(module) -> None:
-    _classes["manager"] = module.MooncakeKVManager
-    _classes["sender"] = module.MooncakeKVSender
+    classes["manager"] = module.MooncakeKVManager
+    classes["sender"] = module.MooncakeKVSender
     import inspect  # pylint: disable=import-outside-toplevel
 
     for name, (payload, session_pos, req_pos, executor_pos) in TRANSFER_METHODS.items():
@@ -433,14 +370,14 @@ def patch_mooncake_conn(module) -> None:
         params = list(inspect.signature(method).parameters)[1:]
         if "executor" in params:
             executor_pos = params.index("executor")
-        _wrap(module, "MooncakeKVManager", name, _transfer_wrapper(payload, session_pos, req_pos, executor_pos))
-    _wrap(module, "MooncakeKVManager", "add_transfer_request", _add_transfer_request_wrapper)
+        patcher.wrap(module.MooncakeKVManager, name, _transfer_wrapper(payload, session_pos, req_pos, executor_pos))
+    patcher.wrap(module.MooncakeKVManager, "add_transfer_request", _add_transfer_request_wrapper)
 
 
 def patch_prefill(module) -> None:
-    _wrap(module, "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk", _early_send_wrapper)
-    _wrap(module, "PrefillBootstrapQueue", "create_sender", _create_sender_wrapper)
+    patcher.wrap(module.SchedulerDisaggregationPrefillMixin, "maybe_send_cached_prefix_chunk", _early_send_wrapper)
+    patcher.wrap(module.PrefillBootstrapQueue, "create_sender", _create_sender_wrapper)
 
 
 def patch_scheduler(module) -> None:
-    _wrap(module, "Scheduler", "run_batch", _run_batch_wrapper)
+    patcher.wrap(module.Scheduler, "run_batch", _run_batch_wrapper)

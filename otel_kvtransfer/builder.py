@@ -1,0 +1,294 @@
+"""The one place where records become spans: `SpanBuilder.handle` runs on the recorder's background thread.
+
+It keeps the open request spans (initiator side) and peer spans (receive / serve) per request key, starts every
+span with the exact timestamps taken on the engine thread, and when a request ends, sets its aggregates from its
+children with `aggregate.RequestAggregate`: wire and logical bytes, busy time (the union of the transfer
+intervals), true throughput and compute overlap. Open spans are bounded by time (TTL without activity) and by
+number (the least recently active goes first); both end as evicted and are counted, and both cost O(evicted),
+not O(open), because the open tables are kept in order of last activity.
+"""
+
+import time
+from collections import OrderedDict
+from typing import Callable, Dict, Optional
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from otel_kvtransfer import records as r
+from otel_kvtransfer import semconv
+from otel_kvtransfer.aggregate import NS_PER_S, RequestAggregate, throughput
+from otel_kvtransfer.stitching import key_parent_context
+
+# backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
+PeerParser = Callable[[object], dict]
+
+
+class _OpenRequest:
+    __slots__ = ("span", "aggregate", "failure", "touched", "labels")
+
+    def __init__(self, span, now: float, labels: dict):
+        self.span = span
+        self.aggregate = RequestAggregate()
+        self.failure: Optional[str] = None
+        self.touched = now
+        self.labels = labels  # attributes every send of the request repeats (framework, role, model)
+
+
+class _OpenPeer:
+    __slots__ = ("span", "touched")
+
+    def __init__(self, span, now: float):
+        self.span = span
+        self.touched = now
+
+
+def _error(span, error_type: str) -> None:
+    span.set_attribute(semconv.ERROR_TYPE, error_type)
+    span.set_status(Status(StatusCode.ERROR, error_type))
+
+
+class SpanBuilder:
+    def __init__(self, tracer, request_ttl_s: float, max_open: int = 65536,
+                 peer_parsers: Optional[Dict[str, PeerParser]] = None,
+                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic):
+        self._tracer = tracer
+        self._ttl = request_ttl_s
+        self._max_open = max_open
+        self._peer_parsers = peer_parsers if peer_parsers is not None else {}
+        self._on_drop = on_drop or (lambda reason, n: None)
+        self._clock = clock
+        self._requests: "OrderedDict[object, _OpenRequest]" = OrderedDict()
+        self._peers: "OrderedDict[object, _OpenPeer]" = OrderedDict()
+        self._handlers = {
+            r.SEND: self._send,
+            r.BEGIN_REQUEST: self._begin_request,
+            r.END_REQUEST: self._end_request,
+            r.COMPUTE: self._compute,
+            r.BEGIN_PEER: self._begin_peer,
+            r.END_PEER: self._end_peer,
+        }
+
+    def handle(self, rec: tuple) -> None:
+        """One record, in the order it was recorded. Raises only on a bug (the recorder counts it)."""
+        self._handlers[rec[r.KIND]](rec, self._clock())
+
+    def set_tracer(self, tracer) -> None:
+        self._tracer = tracer
+
+    def open_count(self) -> int:
+        return len(self._requests) + len(self._peers)
+
+    def reset(self) -> None:
+        """Forget open spans without ending them (a forked child must not end its parent's spans)."""
+        self._requests.clear()
+        self._peers.clear()
+
+    # --- top spans -------------------------------------------------------------------------------------------
+    def _start_top(self, name, key, role, backend, framework, attributes, parent, start_ns):
+        """A request's or peer's top span: under the real parent given, else under the key's synthetic parent."""
+        attrs = {semconv.REQUEST_KEY: str(key), semconv.ROLE: role, semconv.BACKEND: backend}
+        if framework:
+            attrs[semconv.FRAMEWORK] = framework
+        if attributes:
+            attrs.update(attributes)
+        return self._tracer.start_span(
+            name, context=parent if parent is not None else key_parent_context(key), kind=SpanKind.INTERNAL,
+            attributes=attrs, start_time=start_ns)
+
+    def _make_room(self, table: OrderedDict, reason: str, end) -> None:
+        while len(self._requests) + len(self._peers) >= self._max_open and table:
+            _, state = table.popitem(last=False)
+            end(state)
+            self._on_drop(reason, 1)
+
+    def _open_request(self, key, start_ns, now, role=semconv.ROLE_PREFILL, backend=None, framework=None,
+                      attributes=None, parent=None) -> _OpenRequest:
+        self._make_room(self._requests, "request_limit", self._end_evicted_request)
+        span = self._start_top(semconv.SPAN_REQUEST, key, role, backend, framework, attributes, parent, start_ns)
+        labels = {semconv.ROLE: role}
+        if framework:
+            labels[semconv.FRAMEWORK] = framework
+        model = (attributes or {}).get(semconv.GEN_AI_REQUEST_MODEL)
+        if model is not None:
+            labels[semconv.GEN_AI_REQUEST_MODEL] = model
+        state = self._requests[key] = _OpenRequest(span, now, labels)
+        return state
+
+    def _touch_request(self, key, now) -> Optional[_OpenRequest]:
+        state = self._requests.get(key)
+        if state is not None:
+            state.touched = now
+            self._requests.move_to_end(key)
+        return state
+
+    def _begin_request(self, rec, now):
+        key = rec[r.KEY]
+        if key not in self._requests:
+            self._open_request(key, rec[r.TIME], now, rec[r.REQ_ROLE], rec[r.REQ_BACKEND], rec[r.REQ_FRAMEWORK],
+                               rec[r.REQ_ATTRIBUTES], rec[r.REQ_PARENT])
+
+    def _end_request(self, rec, now):
+        state = self._requests.pop(rec[r.KEY], None)
+        if state is not None:
+            self._finish_request(state, rec[r.TIME], rec[r.END_ERROR])
+
+    def _finish_request(self, state: _OpenRequest, end_ns: int, error_type: Optional[str], evicted=False):
+        span = state.span
+        figures = state.aggregate.figures()
+        attrs = {
+            semconv.BYTES: figures["bytes"],
+            semconv.LOGICAL_BYTES: figures["logical_bytes"],
+            semconv.TRANSFER_COUNT: figures["transfer_count"],
+            semconv.CHUNK_COUNT: figures["chunk_count"],
+            semconv.REPLICA_FACTOR: figures["replica_factor"],
+            semconv.BUSY_S: figures["busy_ns"] / NS_PER_S,
+            semconv.THROUGHPUT: figures["throughput"],
+        }
+        if "overlap_ns" in figures:
+            attrs[semconv.COMPUTE_OVERLAP_S] = figures["overlap_ns"] / NS_PER_S
+            attrs[semconv.COMPUTE_OVERLAP_RATIO] = figures["overlap_ratio"]
+        if evicted:
+            attrs[semconv.EVICTED] = True
+        span.set_attributes(attrs)
+        failure = error_type or state.failure
+        if failure:
+            _error(span, failure)
+        span.end(end_time=max(end_ns, span.start_time or end_ns))
+
+    def _end_evicted_request(self, state: _OpenRequest) -> None:
+        self._finish_request(state, time.time_ns(), semconv.EVICTED_ERROR, evicted=True)
+
+    # --- transfers -------------------------------------------------------------------------------------------
+    def _send(self, rec, now):
+        info, calls, scope_error = rec[r.SEND_INFO], rec[r.SEND_CALLS], rec[r.SEND_ERROR]
+        if calls:
+            start = min(c[r.CALL_START] for c in calls)
+            end = max(c[r.CALL_END] for c in calls)
+            first = calls[0]
+        else:  # a scope that failed before any engine call: its own time, taken on the engine thread
+            start, end = rec[r.SEND_SCOPE_SPAN]
+            first = None
+        nbytes = descriptors = 0
+        for call in calls:
+            nbytes += call[r.CALL_BYTES]
+            descriptors += call[r.CALL_DESCRIPTORS]
+        if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
+            self._on_drop("invalid_length", 1)
+            nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
+        failure, return_code = scope_error, None
+        for call in calls:
+            if call[r.CALL_ERROR] is not None:  # the first failing engine call names the failure
+                failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
+                break
+        attrs = {
+            semconv.BYTES: nbytes,
+            semconv.DESCRIPTOR_COUNT: descriptors,
+            semconv.ENGINE_CALLS: len(calls),
+            semconv.THROUGHPUT: throughput(nbytes, end - start),
+        }
+        backend = None
+        if first is not None:
+            backend = first[r.CALL_BACKEND]
+            op = first[r.CALL_OP]
+            attrs[semconv.OP] = op
+            attrs[semconv.NETWORK_IO_DIRECTION] = semconv.DIRECTION_OF_OP.get(op, semconv.DIRECTION_TRANSMIT)
+            parse = self._peer_parsers.get(backend)
+            if parse is not None and first[r.CALL_PEER] is not None:
+                attrs.update(parse(first[r.CALL_PEER]))
+            protocol = first[r.CALL_PROTOCOL]
+            if protocol:
+                attrs[semconv.PROTOCOL] = protocol
+                if protocol in semconv.WELL_KNOWN_TRANSPORTS:
+                    attrs[semconv.NETWORK_TRANSPORT] = protocol
+            if first[r.CALL_EXTRA]:
+                attrs.update(first[r.CALL_EXTRA])
+        if backend:
+            attrs[semconv.BACKEND] = backend
+        context = rec[r.SEND_CONTEXT]
+        if info is not None:
+            key, chunk, replica = info[r.INFO_KEY], info[r.INFO_CHUNK], info[r.INFO_REPLICA]
+            attrs.update({
+                semconv.REQUEST_KEY: str(key),
+                semconv.CHUNK_INDEX: chunk,
+                semconv.PAYLOAD: info[r.INFO_PAYLOAD],
+                semconv.DESTINATION_INDEX: info[r.INFO_DESTINATION],
+                semconv.REPLICA_FACTOR: replica,
+                semconv.IS_LAST_CHUNK: info[r.INFO_IS_LAST],
+                semconv.PREFIX_EARLY_SEND: info[r.INFO_EARLY],
+            })
+            if info[r.INFO_ATTRIBUTES]:
+                attrs.update(info[r.INFO_ATTRIBUTES])
+            state = self._touch_request(key, now) or self._open_request(key, start, now, backend=backend)
+            attrs.update(state.labels)
+            state.aggregate.add_send(start, end, nbytes, replica, chunk)
+            if failure and state.failure is None:
+                state.failure = failure
+            context = trace.set_span_in_context(state.span)
+        if failure:
+            attrs[semconv.ERROR_TYPE] = failure
+            if return_code is not None:
+                attrs[semconv.RETURN_CODE] = return_code
+        span = self._tracer.start_span(semconv.SPAN_SEND, context=context, kind=SpanKind.CLIENT, attributes=attrs,
+                                       start_time=start)
+        if failure:
+            span.set_status(Status(StatusCode.ERROR, failure))
+        span.end(end_time=end)
+
+    # --- compute ---------------------------------------------------------------------------------------------
+    def _compute(self, rec, now):
+        start_ns, end_ns, chunk = rec[r.COMPUTE_START], rec[r.COMPUTE_END], rec[r.COMPUTE_CHUNK]
+        for key in rec[r.COMPUTE_KEYS]:
+            # Compute of a request with no open request span (warm-up, health checks, requests that never
+            # transfer) makes no span: it would be an orphan trace.
+            state = self._touch_request(key, now)
+            if state is None:
+                continue
+            state.aggregate.add_compute(start_ns, end_ns)
+            attrs = {semconv.REQUEST_KEY: str(key)}
+            if chunk is not None:
+                attrs[semconv.CHUNK_INDEX] = chunk
+            self._tracer.start_span(semconv.SPAN_COMPUTE, context=trace.set_span_in_context(state.span),
+                                    kind=SpanKind.INTERNAL, attributes=attrs, start_time=start_ns).end(end_ns)
+
+    # --- peers (receive / serve) -----------------------------------------------------------------------------
+    def _begin_peer(self, rec, now):
+        key = rec[r.KEY]
+        if key in self._peers:
+            return
+        self._make_room(self._peers, "peer_limit", self._end_evicted_peer)
+        span = self._start_top(rec[r.PEER_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
+                               rec[r.PEER_FRAMEWORK], rec[r.PEER_ATTRIBUTES], rec[r.PEER_PARENT], rec[r.TIME])
+        self._peers[key] = _OpenPeer(span, now)
+
+    def _end_peer(self, rec, now):
+        state = self._peers.pop(rec[r.KEY], None)
+        if state is None:
+            return
+        if rec[r.END_ERROR]:
+            _error(state.span, rec[r.END_ERROR])
+        state.span.end(end_time=max(rec[r.TIME], state.span.start_time or 0))
+
+    @staticmethod
+    def _end_evicted_peer(state: _OpenPeer) -> None:
+        state.span.set_attribute(semconv.EVICTED, True)
+        _error(state.span, semconv.EVICTED_ERROR)
+        state.span.end()
+
+    # --- eviction --------------------------------------------------------------------------------------------
+    def evict_stale(self) -> None:
+        """End, as evicted, what has had no activity for longer than the TTL (oldest first, stops at the first
+        fresh one)."""
+        deadline = self._clock() - self._ttl
+        for table, end, reason in ((self._requests, self._end_evicted_request, "request_evicted"),
+                                   (self._peers, self._end_evicted_peer, "peer_evicted")):
+            evicted = 0
+            while table:
+                key, state = next(iter(table.items()))
+                if state.touched >= deadline:
+                    break
+                del table[key]
+                end(state)
+                evicted += 1
+            if evicted:
+                self._on_drop(reason, evicted)

@@ -1,0 +1,208 @@
+"""The Mooncake transfer engine (`mooncake.engine.TransferEngine`): time each transfer call, count its bytes.
+
+Sync calls are one transfer each. An async submission is one transfer from submit until its completion is
+observed through `transfer_check_status` or `get_batch_transfer_status` (`pending.PendingTransfers`), so its
+duration is the real transfer time. Each wrapper is a plain function set on the pybind class (the cheapest call
+path Python has); instrument() patches at once when `mooncake.engine` is already imported, else when it is.
+"""
+
+import logging
+import os
+import sys
+from time import time_ns
+
+import wrapt
+
+from otel_kvtransfer import integration, semconv
+from otel_kvtransfer.patching import Patcher, active, own_error
+from otel_kvtransfer.pending import PendingTransfers
+from otel_kvtransfer.recorder import RECORDER
+
+_logger = logging.getLogger(__name__)
+
+BACKEND = "mooncake"
+MODULE = "mooncake.engine"
+DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+WRITE, READ = semconv.OP_WRITE, semconv.OP_READ
+
+# method -> (op, or None when the opcode argument decides; batch call?)
+SYNC_METHODS = {
+    "transfer_sync_write": (WRITE, False),
+    "transfer_sync_read": (READ, False),
+    "transfer_sync": (None, False),
+    "batch_transfer_sync_write": (WRITE, True),
+    "batch_transfer_sync_read": (READ, True),
+    "batch_transfer_sync": (None, True),
+}
+ASYNC_METHODS = {
+    "transfer_submit_write": (WRITE, False),
+    "batch_transfer_async_write": (WRITE, True),
+    "batch_transfer_async_read": (READ, True),
+    "batch_transfer_async": (None, True),
+}
+# Every transfer method takes (target_hostname, buffer(s), peer address(es), length(s)[, opcode]).
+_LENGTH_KW = {False: "length", True: "lengths"}
+
+_patcher = Patcher(BACKEND)
+_pending = PendingTransfers(BACKEND)
+_transports = {}  # id(engine) -> protocol given to initialize()
+_state = {"on": False, "hooked": False, "fallback_transport": None}
+
+
+def peer_attributes(session) -> dict:
+    """Mooncake's session name 'host:port' -> server.address / server.port."""
+    if not isinstance(session, str):
+        return {}
+    host, sep, port = session.rpartition(":")
+    if sep and port.isdigit():
+        return {semconv.SERVER_ADDRESS: host.strip("[]")[:256], semconv.SERVER_PORT: int(port)}
+    return {semconv.SERVER_ADDRESS: session[:256]}
+
+
+def _op_of(opcode) -> str:
+    name = getattr(opcode, "name", str(opcode))
+    return READ if "read" in name.lower() else WRITE
+
+
+def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
+    """The records.CALL_* tuple of one transfer call, from its arguments."""
+    session = args[0] if args else kwargs.get("target_hostname")
+    lengths = args[3] if len(args) > 3 else kwargs.get(_LENGTH_KW[batch], 0)
+    if batch:
+        nbytes, descriptors = sum(lengths), len(lengths)
+    else:
+        nbytes, descriptors = int(lengths), 1
+    if op is None:
+        op = _op_of(args[4] if len(args) > 4 else kwargs.get("opcode"))
+    transport = _transports.get(id(engine), _state["fallback_transport"])
+    return (start, end, nbytes, descriptors, op, session, transport, rc, error_type, BACKEND, None)
+
+
+def _sync(original, op, batch):
+    def transfer(self, *args, **kwargs):
+        if not active():
+            return original(self, *args, **kwargs)
+        start = time_ns()
+        try:
+            rc = original(self, *args, **kwargs)
+        except BaseException as exc:
+            _deliver(self, args, kwargs, op, batch, start, None, type(exc).__qualname__)
+            raise
+        _deliver(self, args, kwargs, op, batch, start, rc, None if rc == 0 else "transfer_failed")
+        return rc
+
+    return transfer
+
+
+def _deliver(engine, args, kwargs, op, batch, start, rc, error_type) -> None:
+    end = time_ns()
+    try:
+        integration.deliver(_call(engine, args, kwargs, op, batch, start, end, rc, error_type))
+    except Exception:  # pylint: disable=broad-except
+        own_error("record a Mooncake call")
+
+
+def _async(original, op, batch):
+    def submit(self, *args, **kwargs):
+        if not active():
+            return original(self, *args, **kwargs)
+        start = time_ns()
+        batch_id = original(self, *args, **kwargs)
+        try:
+            if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
+                _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed")
+            else:
+                call = _call(self, args, kwargs, op, batch, start, start, None, None)
+                _pending.submit((id(self), batch_id), start, call[2], call[3], call[4], call[5], call[6])
+        except Exception:  # pylint: disable=broad-except
+            own_error("record a Mooncake submission")
+        return batch_id
+
+    return submit
+
+
+def _check_status(original):
+    def transfer_check_status(self, *args, **kwargs):
+        rc = original(self, *args, **kwargs)
+        if len(_pending):
+            try:
+                batch_id = args[0] if args else next(iter(kwargs.values()))
+                # 1 completed, -1 failed (both free the batch id), -2 timed out, 0 still running.
+                if rc == 1:
+                    _pending.complete((id(self), batch_id), rc, None)
+                elif rc < 0:
+                    _pending.complete((id(self), batch_id), rc, "timeout" if rc == -2 else "transfer_failed")
+            except Exception:  # pylint: disable=broad-except
+                own_error("observe a Mooncake completion")
+        return rc
+
+    return transfer_check_status
+
+
+def _batch_status(original):
+    def get_batch_transfer_status(self, *args, **kwargs):
+        rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
+        if len(_pending):
+            try:
+                batch_ids = args[0] if args else next(iter(kwargs.values()))
+                for batch_id in batch_ids:
+                    _pending.complete((id(self), batch_id), rc, None if rc == 0 else "transfer_failed")
+            except Exception:  # pylint: disable=broad-except
+                own_error("observe a Mooncake completion")
+        return rc
+
+    return get_batch_transfer_status
+
+
+def _initialize(original):
+    def initialize(self, *args, **kwargs):
+        rc = original(self, *args, **kwargs)
+        try:
+            protocol = _forced_transport() or (args[2] if len(args) > 2 else kwargs.get("protocol"))
+            if protocol:
+                _transports[id(self)] = str(protocol)[:32]
+        except Exception:  # pylint: disable=broad-except
+            own_error("read the transport of initialize()")
+        return rc
+
+    return initialize
+
+
+def _forced_transport():
+    if os.environ.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "tcp"
+    return (os.environ.get("MOONCAKE_PROTOCOL") or "")[:32] or None
+
+
+def _patch(module) -> None:
+    if not _state["on"]:
+        return
+    engine = module.TransferEngine
+    for name, (op, batch) in SYNC_METHODS.items():
+        _patcher.replace(engine, name, lambda original, op=op, batch=batch: _sync(original, op, batch))
+    for name, (op, batch) in ASYNC_METHODS.items():
+        _patcher.replace(engine, name, lambda original, op=op, batch=batch: _async(original, op, batch))
+    _patcher.replace(engine, "transfer_check_status", _check_status)
+    _patcher.replace(engine, "get_batch_transfer_status", _batch_status)
+    _patcher.replace(engine, "initialize", _initialize)
+    _patcher.replace(engine, "initialize_ext", _initialize)
+
+
+def instrument() -> bool:
+    """Patch the engine now if `mooncake.engine` is imported, else as soon as it is."""
+    _state["on"] = True
+    _state["fallback_transport"] = _forced_transport()  # for engines initialised before instrument()
+    module = sys.modules.get(MODULE)
+    if module is not None:
+        _patch(module)
+    elif not _state["hooked"]:  # wrapt keeps import hooks forever: register once, gated by _state["on"]
+        _state["hooked"] = True
+        wrapt.register_post_import_hook(_patch, MODULE)
+    return True
+
+
+def uninstrument() -> None:
+    _state["on"] = False
+    _patcher.unwrap_all()
+    _pending.abandon()  # completions that will now never be observed: counted, not silently lost
+    _transports.clear()

@@ -1,0 +1,101 @@
+"""Patching shared by every engine module and framework package: wrap, unwrap, count our own failures.
+
+"Already patched" means patched by us (a marker on our wrapper, and our own list), never "has `__wrapped__`":
+any functools.wraps decorator sets that (sglang's `Scheduler.run_batch` has one), and a check on it would
+silently skip the patch. Unwrapping puts back the exact class `__dict__` entry that was replaced (a pybind11
+instancemethod, a staticmethod, a plain function), so the class is left as it was found.
+"""
+
+import logging
+import threading
+from typing import Any, Callable, List, Tuple
+
+import wrapt
+from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+
+from otel_kvtransfer.recorder import RECORDER
+
+_logger = logging.getLogger(__name__)
+_MARK = "__otel_kvtransfer__"
+
+
+def active() -> bool:
+    """Record now? (instrumented, and not inside `suppress_instrumentation()`)."""
+    return RECORDER.active and is_instrumentation_enabled()
+
+
+def own_error(what: str) -> None:
+    """A failure of a wrapper itself: counted (`wrapper_error` drops), logged at debug, never raised."""
+    RECORDER.drop("wrapper_error")
+    _logger.debug("otel_kvtransfer could not %s", what, exc_info=True)
+
+
+def is_ours(entry: Any) -> bool:
+    return bool(getattr(entry, _MARK, False) or getattr(getattr(entry, "_self_wrapper", None), _MARK, False))
+
+
+class Patcher:
+    """The patches of one engine or framework: `wrap` them one by one, `unwrap_all` in reverse order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._patched: List[Tuple[type, str, Any]] = []  # (owner, attribute, the original __dict__ entry)
+
+    def wrap(self, owner: type, attr: str, wrapper: Callable) -> bool:
+        """Wrap `owner.attr` (defined on owner itself) with a wrapt wrapper; False when there is none."""
+        current = owner.__dict__.get(attr)
+        if current is None:
+            return False
+        if is_ours(current) or any(o is owner and a == attr for o, a, _ in self._patched):
+            return True
+        setattr(wrapper, _MARK, True)
+        wrapt.wrap_function_wrapper(owner, attr, wrapper)
+        self._patched.append((owner, attr, current))
+        return True
+
+    def replace(self, owner: type, attr: str, make: Callable[[Callable], Callable]) -> bool:
+        """Replace `owner.attr` by the plain function `make(original)` that calls `original(self, ...)`.
+
+        For the engine hot path: a plain function binds as cheaply as any method, where a wrapt wrapper builds a
+        bound-wrapper object on every call.
+        """
+        current = owner.__dict__.get(attr)
+        if current is None:
+            return False
+        if is_ours(current) or any(o is owner and a == attr for o, a, _ in self._patched):
+            return True
+        function = make(getattr(owner, attr))
+        setattr(function, _MARK, True)
+        setattr(owner, attr, function)
+        self._patched.append((owner, attr, current))
+        return True
+
+    def patched(self) -> List[Tuple[type, str]]:
+        return [(owner, attr) for owner, attr, _ in self._patched]
+
+    def unwrap_all(self) -> None:
+        while self._patched:
+            owner, attr, original = self._patched.pop()
+            try:
+                setattr(owner, attr, original)
+            except Exception:  # pylint: disable=broad-except
+                own_error(f"restore {owner.__name__}.{attr}")
+
+
+def remember_argument(tls: threading.local, name: str, position: int, keyword: str) -> Callable:
+    """A wrapper that makes one argument of the call visible as `tls.<name>` for the duration of the call.
+
+    Used where an outer call knows something (the request being served) that an inner, wrapped call needs.
+    """
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if not active():
+            return wrapped(*args, **kwargs)
+        previous = getattr(tls, name, None)
+        setattr(tls, name, args[position] if len(args) > position else kwargs.get(keyword))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            setattr(tls, name, previous)
+
+    return wrapper

@@ -1,0 +1,56 @@
+"""Asynchronous engine submissions waiting for their completion to be observed.
+
+An async transfer is one `kv_transfer.send` from its submission until the engine reports it done or failed, so
+its duration is the real transfer time. At submission the engine module stores what the call knows (and the
+transfer scope or context current on the submitting thread); at completion it hands the finished call to the
+builder. The table is bounded (`max_pending_async`): a submission beyond it, or still pending at uninstrument,
+is counted as dropped, never lost silently.
+"""
+
+from time import time_ns
+from typing import Any, Hashable, Optional
+
+from otel_kvtransfer import integration
+from otel_kvtransfer.records import SEND
+from otel_kvtransfer.recorder import RECORDER
+
+
+class PendingTransfers:
+    def __init__(self, backend: str):
+        self.backend = backend
+        self._pending = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, handle: Hashable, start_ns: int, nbytes: int, descriptors: int, op: str, peer: Any,
+               protocol: Optional[str], extra: Optional[dict] = None) -> None:
+        if len(self._pending) >= RECORDER.settings.max_pending_async:
+            RECORDER.drop("async_pending_full")
+            return
+        scope = integration.current_scope()
+        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra,
+                                 scope.info if scope is not None else None,
+                                 None if scope is not None else integration.capture_context())
+
+    def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str]) -> bool:
+        """The submission ended (error_type None: success); False when it was not pending."""
+        entry = self._pending.pop(handle, None)
+        if entry is None:
+            return False
+        start, nbytes, descriptors, op, peer, protocol, extra, info, context = entry
+        call = (start, time_ns(), nbytes, descriptors, op, peer, protocol, return_code, error_type, self.backend,
+                extra)
+        RECORDER.record((SEND, info, [call], context, None, None))
+        return True
+
+    def forget(self, handle: Hashable) -> None:
+        """The handle was released without its completion being observed: counted as dropped."""
+        if self._pending.pop(handle, None) is not None:
+            RECORDER.drop("async_released")
+
+    def abandon(self) -> None:
+        """Uninstrument: completions of what is pending will never be observed; count them."""
+        if self._pending:
+            RECORDER.drop("async_uninstrumented", len(self._pending))
+        self._pending.clear()
