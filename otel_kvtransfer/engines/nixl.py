@@ -1,0 +1,255 @@
+"""Instrumentation of NIXL's `nixl_agent` (the transfer library under vLLM's NIXL connector and NVIDIA Dynamo).
+
+Every posted transfer handle is one `kv_transfer.send`, from `transfer()` until its completion is observed:
+`check_xfer_state` answering DONE or ERR, or the handle being released (a release while still in progress is
+a cancelled transfer). Bytes and descriptor count come from the descriptor lists the handle was made from
+(remembered when `prep_xfer_dlist` prepared them, or read from `initialize_xfer`'s lists); op is the handle's
+READ or WRITE; the peer is the remote agent's name; the notification message travels as an attribute. These
+wrappers only time and count: the call tuple goes to the transfer scope current when the handle was posted
+(or becomes a raw send), through `PendingTransfers`, which bounds the handles waiting for completion and
+counts what it has to drop.
+"""
+
+import logging
+from time import time_ns
+from typing import Optional
+
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer import semconv
+from otel_kvtransfer.patching import Patcher, active, own_error
+from otel_kvtransfer.pending import PendingTransfers
+
+_logger = logging.getLogger(__name__)
+
+BACKEND = "nixl"
+PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
+INSTRUMENTS = "nixl >= 1.5"
+
+_LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")
+_OPS = {"WRITE": semconv.OP_WRITE, "READ": semconv.OP_READ}
+_MAX_DLISTS = 4096  # prepared descriptor lists remembered (vLLM prepares a handful per peer engine)
+_MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
+
+_patcher = Patcher(BACKEND)
+_pending = PendingTransfers(BACKEND)
+_dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
+_handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer, notification)
+
+
+def _key(handle):
+    """Handles are plain ints inside their Python wrappers; the bound agent keeps them apart across agents."""
+    return (id(handle._agent), handle._handle)  # pylint: disable=protected-access
+
+
+def _lengths(xfer_list) -> Optional[list]:
+    """Byte length of each descriptor of a transfer list in any form NIXL accepts; None when unknown."""
+    shape = getattr(xfer_list, "shape", None)
+    if shape is not None and len(shape) == 2 and shape[1] in (3, 5):  # numpy (addr, len, dev[, stride, count])
+        lengths = xfer_list[:, 1]
+        if shape[1] == 5:
+            return [int(n) for n, count in zip(lengths, xfer_list[:, 4]) for _ in range(int(count))]
+        return [int(n) for n in lengths]
+    if hasattr(xfer_list, "descCount"):  # nixlXferDList: indexable (addr, len, dev) tuples
+        return [int(xfer_list[i][1]) for i in range(xfer_list.descCount())]
+    if hasattr(xfer_list, "element_size"):  # one contiguous tensor
+        return [int(xfer_list.numel() * xfer_list.element_size())]
+    if isinstance(xfer_list, (list, tuple)):
+        return [int(d.numel() * d.element_size()) if hasattr(d, "element_size") else int(d[1]) for d in xfer_list]
+    return None
+
+
+def _text(value) -> Optional[str]:
+    """A notification message or agent name (NIXL hands out both as bytes or str), bounded."""
+    if not value:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value[:256]).decode("utf-8", "replace")
+    return str(value)[:256]
+
+
+def _remember(table: dict, limit: int, key, value) -> None:
+    if len(table) >= limit:
+        table.pop(next(iter(table)))  # oldest first: dicts keep insertion order
+    table[key] = value
+
+
+# --- wrappers --------------------------------------------------------------------------------------------------
+
+
+def _prep_dlist_wrapper(wrapped, instance, args, kwargs):
+    dlist = wrapped(*args, **kwargs)
+    if active():
+        try:
+            agent_name = args[0] if args else kwargs.get("agent_name", "")
+            xfer_list = args[1] if len(args) > 1 else kwargs.get("xfer_list")
+            peer = None if agent_name in _LOCAL_AGENTS else _text(agent_name)
+            _remember(_dlists, _MAX_DLISTS, _key(dlist), (_lengths(xfer_list), peer))
+        except Exception:  # pylint: disable=broad-except
+            own_error("read a NIXL descriptor list")
+    return dlist
+
+
+def _release_dlist_wrapper(wrapped, instance, args, kwargs):
+    try:
+        _dlists.pop(_key(instance), None)
+    except Exception:  # pylint: disable=broad-except
+        own_error("forget a NIXL descriptor list")
+    return wrapped(*args, **kwargs)
+
+
+def _make_prepped_wrapper(wrapped, instance, args, kwargs):
+    handle = wrapped(*args, **kwargs)
+    if active():
+        try:
+            params = _bind(("operation", "local_xfer_side", "local_indices", "remote_xfer_side", "remote_indices",
+                            "notif_msg"), args, kwargs)
+            lengths, _ = _dlists.get(_key(params["local_xfer_side"]), (None, None))
+            _, peer = _dlists.get(_key(params["remote_xfer_side"]), (None, None))
+            indices = params["local_indices"]
+            nbytes = sum(lengths[int(i)] for i in indices) if lengths is not None else 0
+            _describe(handle, params["operation"], nbytes, len(indices), peer, params.get("notif_msg"))
+        except Exception:  # pylint: disable=broad-except
+            own_error("read a NIXL prepared transfer")
+    return handle
+
+
+def _initialize_wrapper(wrapped, instance, args, kwargs):
+    handle = wrapped(*args, **kwargs)
+    if active():
+        try:
+            params = _bind(("operation", "local_descs", "remote_descs", "remote_agent", "notif_msg"), args, kwargs)
+            lengths = _lengths(params["local_descs"]) or []
+            _describe(handle, params["operation"], sum(lengths), len(lengths), params["remote_agent"],
+                      params.get("notif_msg"))
+        except Exception:  # pylint: disable=broad-except
+            own_error("read a NIXL transfer")
+    return handle
+
+
+def _bind(names, args, kwargs) -> dict:
+    params = dict(zip(names, args))
+    params.update((name, kwargs[name]) for name in names if name in kwargs)
+    return params
+
+
+def _describe(handle, operation, nbytes, descriptors, peer, notif_msg) -> None:
+    op = _OPS.get(str(operation).upper(), semconv.OP_WRITE)
+    _remember(_handles, _MAX_HANDLES, _key(handle),
+              (int(nbytes), int(descriptors), op, _text(peer), _text(notif_msg)))
+
+
+def _transfer_wrapper(wrapped, instance, args, kwargs):
+    if not active():
+        return wrapped(*args, **kwargs)
+    start = time_ns()
+    try:
+        state = wrapped(*args, **kwargs)
+    except Exception as exc:  # the post itself failed (e.g. the peer is gone): one failed send, then re-raised
+        _posted(instance, args, kwargs, start, "ERR", type(exc).__qualname__)
+        raise
+    _posted(instance, args, kwargs, start, state, None if state in ("DONE", "PROC") else "transfer_failed")
+    return state
+
+
+def _posted(agent, args, kwargs, start, state, error_type) -> None:
+    try:
+        handle = args[0] if args else kwargs["handle"]
+        key = _key(handle)
+        nbytes, descriptors, op, peer, notification = _handles.get(key, (0, 0, semconv.OP_WRITE, None, None))
+        notification = _text(args[1] if len(args) > 1 else kwargs.get("notif_msg")) or notification
+        extra = {semconv.NOTIFICATION: notification} if notification else None
+        protocol = _protocol(agent)
+        if state == "PROC":
+            _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra)
+        else:  # finished (or failed) within the call itself
+            kvt.deliver((start, time_ns(), nbytes, descriptors, op, peer, protocol, state, error_type, BACKEND,
+                         extra))
+    except Exception:  # pylint: disable=broad-except
+        own_error("record a NIXL transfer")
+
+
+def _check_state_wrapper(wrapped, instance, args, kwargs):
+    state = wrapped(*args, **kwargs)
+    if state != "PROC" and len(_pending):
+        try:
+            handle = args[0] if args else kwargs["handle"]
+            _pending.complete(_key(handle), state, None if state == "DONE" else "transfer_failed")
+        except Exception:  # pylint: disable=broad-except
+            own_error("observe a NIXL completion")
+    return state
+
+
+def _release_handle_wrapper(wrapped, instance, args, kwargs):
+    """`nixl_xfer_handle.release()` (also behind `nixl_agent.release_xfer_handle`): the last chance to observe."""
+    try:
+        key = _key(instance)
+        _handles.pop(key, None)
+        if len(_pending) and not instance._released:  # pylint: disable=protected-access
+            state = _state_of(instance)
+            # Releasing a handle still in progress makes NIXL cancel it.
+            _pending.complete(key, state, {"DONE": None, "PROC": "cancelled"}.get(state, "transfer_failed"))
+    except Exception:  # pylint: disable=broad-except
+        own_error("observe a released NIXL handle")
+    return wrapped(*args, **kwargs)
+
+
+def _state_of(handle) -> str:
+    bindings = _api_module().nixlBind
+    status = handle._agent.getXferStatus(handle._handle)  # pylint: disable=protected-access
+    if status == bindings.NIXL_SUCCESS:
+        return "DONE"
+    return "PROC" if status == bindings.NIXL_IN_PROG else "ERR"
+
+
+def _protocol(agent) -> Optional[str]:
+    """The backend NIXL moves bytes with (ucx, ...) when the agent has exactly one."""
+    backends = getattr(agent, "backends", None)
+    if backends and len(backends) == 1:
+        return str(next(iter(backends))).lower()
+    return None
+
+
+# --- the engine-module interface ------------------------------------------------------------------------------
+
+
+def peer_attributes(peer) -> dict:
+    return {PEER_AGENT: str(peer)[:256]} if peer else {}
+
+
+def _api_module():
+    import nixl._api  # pylint: disable=import-outside-toplevel
+
+    return nixl._api  # pylint: disable=protected-access
+
+
+def available() -> bool:
+    try:
+        _api_module()
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def instrument() -> bool:
+    """Wrap `nixl_agent` and its transfer handles; False when NIXL is not importable."""
+    try:
+        api = _api_module()
+    except Exception as exc:  # pylint: disable=broad-except
+        _logger.debug("otel_kvtransfer: NIXL not importable (%s); not instrumented", exc)
+        return False
+    agent = api.nixl_agent
+    _patcher.wrap(agent, "prep_xfer_dlist", _prep_dlist_wrapper)
+    _patcher.wrap(agent, "make_prepped_xfer", _make_prepped_wrapper)
+    _patcher.wrap(agent, "initialize_xfer", _initialize_wrapper)
+    _patcher.wrap(agent, "transfer", _transfer_wrapper)
+    _patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
+    _patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
+    _patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
+    return True
+
+
+def uninstrument() -> None:
+    _patcher.unwrap_all()
+    _pending.abandon()
+    _dlists.clear()
+    _handles.clear()

@@ -1,0 +1,126 @@
+"""vLLM's NixlConnector in pull mode (decode reads prefill's KV), request key = the prefill request id.
+
+Decode side (initiator), in `NixlPullConnectorWorker`:
+- `start_load_kv(metadata)`: each request in `metadata.reqs_to_recv` with local blocks opens
+  `kv_transfer.request` (role decode, op read) under the prefill request id it reads from (`meta.remote.request_id`,
+  the id the prefill side knows it by); `vllm.request_id` is decode's own id.
+- `_read_blocks(...)` posts one READ from one prefill rank (`make_prepped_xfer` + `transfer`): it runs inside a
+  transfer scope of that request (destination index = the rank's position among the ranks read from), so the
+  NIXL engine module's handle, completed when vLLM polls it, becomes a `kv_transfer.send` of the request.
+- `get_transfer_results()`: requests in `finished_recving` end (ERROR `transfer_failed` when also in
+  `failed_recving`).
+Prefill side (peer), same class:
+- `start_load_kv(metadata)`: a request in `metadata.reqs_to_send` has its KV ready to be read: `kv_transfer.serve`
+  opens; `get_transfer_results()` ends it when decode's completion notification arrived (`finished_sending`),
+  ERROR `expired` when `_reap_expired_send_leases` freed it unread.
+Push mode (`NixlPushConnectorWorker`, prefill writes) is not instrumented at the framework level; its handles
+still become raw `kv_transfer.send` spans through the NIXL engine module.
+"""
+
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer import semconv
+from otel_kvtransfer.frameworks.vllm.common import (
+    EXPIRED,
+    FRAMEWORK,
+    TRANSFER_FAILED,
+    BoundedMap,
+    has_blocks,
+    patcher,
+    request_attributes,
+)
+from otel_kvtransfer.patching import active, own_error
+
+BACKEND = "nixl"
+PULL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+
+_key_of_decode = BoundedMap()  # decode request id -> prefill request id (request span open)
+_serving = BoundedMap()  # prefill request id -> True (serve span open)
+_expired = BoundedMap()  # prefill request id -> True: its lease expired unread
+
+
+def _is_pull(worker) -> bool:
+    return getattr(worker, "_TRANSFER_MODE", "pull") == "pull"
+
+
+def _start_load_kv_wrapper(wrapped, instance, args, kwargs):
+    if active() and _is_pull(instance):
+        try:
+            metadata = args[0] if args else kwargs["metadata"]
+            for req_id, meta in metadata.reqs_to_recv.items():
+                remote = getattr(meta, "remote", None)
+                if remote is None or not has_blocks(meta.local_block_ids) or req_id in _key_of_decode:
+                    continue
+                _key_of_decode[req_id] = remote.request_id
+                kvt.begin_request(remote.request_id, backend=BACKEND, framework=FRAMEWORK,
+                                  role=semconv.ROLE_DECODE,
+                                  attributes=request_attributes(instance, req_id, with_model=True))
+            for req_id in metadata.reqs_to_send:
+                if req_id not in _serving:
+                    _serving[req_id] = True
+                    kvt.begin_serve(req_id, backend=BACKEND, framework=FRAMEWORK,
+                                    attributes=request_attributes(instance, req_id, with_model=True))
+        except Exception:  # pylint: disable=broad-except
+            own_error("read vLLM NIXL connector metadata")
+    return wrapped(*args, **kwargs)
+
+
+def _read_blocks_wrapper(wrapped, instance, args, kwargs):
+    if not active():
+        return wrapped(*args, **kwargs)
+    scope = None
+    try:
+        key = kwargs["remote_request_id"]
+        rank = kwargs["read_spec"].remote_rank
+        ranks = list(instance.tp_mappings[kwargs["dst_engine_id"]].all_source_ranks)
+        scope = kvt.transfer_scope(key, chunk_index=0, is_last_chunk=True,
+                                   destination_index=ranks.index(rank) if rank in ranks else 0)
+    except Exception:  # pylint: disable=broad-except
+        own_error("scope a vLLM NIXL read")
+    if scope is None:
+        return wrapped(*args, **kwargs)
+    with scope:
+        return wrapped(*args, **kwargs)
+
+
+def _reap_expired_wrapper(wrapped, instance, args, kwargs):
+    done_sending = args[0] if args else kwargs.get("done_sending")
+    before = set(done_sending) if done_sending is not None else set()
+    result = wrapped(*args, **kwargs)
+    try:
+        for req_id in set(done_sending) - before:
+            _expired[req_id] = True
+    except Exception:  # pylint: disable=broad-except
+        own_error("read vLLM NIXL expiries")
+    return result
+
+
+def _transfer_results_wrapper(wrapped, instance, args, kwargs):
+    results = wrapped(*args, **kwargs)
+    if not _is_pull(instance):
+        return results
+    try:
+        failed = results.failed_recving or ()
+        for req_id in results.finished_recving or ():
+            key = _key_of_decode.pop(req_id, None)
+            if key is not None:
+                kvt.end_request(key, error_type=TRANSFER_FAILED if req_id in failed else None)
+        for req_id in results.finished_sending or ():
+            if _serving.pop(req_id, None):
+                kvt.end_serve(req_id, error_type=EXPIRED if _expired.pop(req_id, None) else None)
+    except Exception:  # pylint: disable=broad-except
+        own_error("end vLLM NIXL requests")
+    return results
+
+
+def patch(module) -> None:
+    worker = module.NixlPullConnectorWorker
+    base = getattr(module, "NixlBaseConnectorWorker", worker.__mro__[1])  # owns the completion bookkeeping
+    patcher.wrap(worker, "start_load_kv", _start_load_kv_wrapper)
+    patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
+    patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)
+    patcher.wrap(base, "get_transfer_results", _transfer_results_wrapper)
+
+
+def forget() -> None:
+    for table in (_key_of_decode, _serving, _expired):
+        table.clear()
