@@ -12,6 +12,7 @@ or in code: `BatchSpanProcessor(OtlpJsonFileSpanExporter("spans.jsonl"))`.
 
 import base64
 import json
+import logging
 import os
 import threading
 from typing import Optional, Sequence
@@ -22,6 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 ENV_SPAN_FILE = "OTEL_KVTRANSFER_SPAN_FILE"
+_LOG = logging.getLogger(__name__)
 
 # Fields that hold ids: bytes in protobuf (base64 in proto3 JSON), hex strings in OTLP/JSON.
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -72,13 +74,17 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
 
 
 class OtlpJsonFileSpanExporter(SpanExporter):
-    """Appends each export batch to `path` (default: $OTEL_KVTRANSFER_SPAN_FILE) as one OTLP-JSON line."""
+    """Appends each export batch to `path` (default: $OTEL_KVTRANSFER_SPAN_FILE) as one OTLP-JSON line.
+
+    With neither, it says so in one logged line and every export fails: a missing setting must not stop the
+    process it was configured into (`opentelemetry-instrument` would print a traceback for an exception)."""
 
     def __init__(self, path: Optional[str] = None):
         path = path or os.environ.get(ENV_SPAN_FILE)
         if not path:
-            raise ValueError(f"OtlpJsonFileSpanExporter needs a file: set {ENV_SPAN_FILE}=PATH (or pass path)")
-        self.path = os.fspath(path)
+            _LOG.error("kvtransfer_file span exporter: no file to write: set %s=PATH; no spans will be written",
+                       ENV_SPAN_FILE)
+        self.path = os.fspath(path) if path else None
         self._lock = threading.Lock()
         self._fd = None
         self._pid = os.getpid()
@@ -96,6 +102,8 @@ class OtlpJsonFileSpanExporter(SpanExporter):
             self._pid = os.getpid()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.path is None:
+            return SpanExportResult.FAILURE
         if not spans:
             return SpanExportResult.SUCCESS
         self._after_fork()

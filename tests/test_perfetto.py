@@ -6,18 +6,14 @@ naming every process and thread; no two events of one thread overlap; each durat
 import json
 import numbers
 
-import pytest
 from test_spanfile_reader import demo_span_file, synthetic_records, write_jsonl
+from test_timeline import overlapping_sends
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.perfetto import trace_events
-from otel_kvtransfer.report_cli import main as report_main
-from otel_kvtransfer.spanfile_reader import read_spans
-
-
-@pytest.fixture(scope="session")
-def demo_spans():
-    return demo_span_file()
+from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.tools.lanes import pack
+from otel_kvtransfer.tools.perfetto import trace_events
+from otel_kvtransfer.tools.spanfile import read_spans
 
 
 def validate_trace_events(data: dict) -> list:
@@ -68,37 +64,52 @@ def _check_durations(spans, complete, origin):
         assert event["args"]["span.name"] == span.name
 
 
-def test_demo_perfetto_json_validates(tmp_path, demo_spans):
+def _perfetto(tmp_path, src, *extra):
     out = tmp_path / "trace.json"
-    assert report_main(["timeline", demo_spans, "--no-html", "--no-png", "--perfetto", str(out)]) == 0
-    data = json.loads(out.read_text())
+    assert cli_main(["timeline", str(src), "--no-html", "--no-png", "--perfetto", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_demo_perfetto_json_validates(tmp_path):
+    src = demo_span_file()
+    data = _perfetto(tmp_path, src)
     complete = validate_trace_events(data)
-    spans = read_spans(demo_spans)
+    spans = [s for s in read_spans(src) if s.name.startswith("kv_transfer.")]
     _check_durations(spans, complete, data["otherData"]["origin_unix_nano"])
-    # Processes = engines: the prefill engine and each decode engine; threads = lanes.
     names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    services = {s.resource.get("service.name") for s in spans}
-    assert all(any(str(svc) in n for n in names) for svc in services)
+    assert all(any(str(s.resource.get("service.name")) in n for n in names) for s in spans)
     lanes = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"requests", "compute", "receive"} <= {lane.split(" · ")[0] for lane in lanes}
     assert any(lane.startswith("dest 0") for lane in lanes) and any(lane.startswith("dest 1") for lane in lanes)
 
 
 def test_overlapping_requests_get_their_own_threads(tmp_path):
-    records = synthetic_records(requests=30, fail_room=1003)
-    spans = read_spans(write_jsonl(tmp_path / "s.jsonl", records))
-    data = trace_events(spans)
+    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=30, fail_key="1003"))
+    data = _perfetto(tmp_path, src)
     complete = validate_trace_events(data)
-    _check_durations(spans, complete, data["otherData"]["origin_unix_nano"])
+    _check_durations(read_spans(src), complete, data["otherData"]["origin_unix_nano"])
     failed = [e for e in complete if e["args"]["status"] == "ERROR"]
     assert failed and all(e.get("cname") == "terrible" for e in failed)
-    sends = [e for e in complete if e["args"]["span.name"] == sc.SPAN_SEND]
-    assert {e["cat"] for e in sends} == {"kv", "aux"}
+    assert {e["cat"] for e in complete if e["args"]["span.name"] == sc.SPAN_SEND} == {"kv", "aux"}
 
 
-def test_room_filter_limits_the_trace(tmp_path):
-    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=4))
-    out = tmp_path / "t.json"
-    assert report_main(["timeline", src, "--no-html", "--no-png", "--room", "1001", "--perfetto", str(out)]) == 0
-    complete = validate_trace_events(json.loads(out.read_text()))
-    assert complete and {e["args"].get(sc.BOOTSTRAP_ROOM) for e in complete} <= {1001, None}
+def test_five_thousand_overlapping_sends_pack_into_as_many_threads(tmp_path):
+    spans = read_spans(write_jsonl(tmp_path / "o.jsonl", overlapping_sends(5000)))
+    complete = validate_trace_events(trace_events(spans))
+    assert len({e["tid"] for e in complete if e["args"]["span.name"] == sc.SPAN_SEND}) == 5000
+
+
+def test_key_filter_limits_the_trace(tmp_path):
+    data = _perfetto(tmp_path, write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=4)), "--key", "1001")
+    complete = validate_trace_events(data)
+    assert complete and {e["args"].get(sc.REQUEST_KEY) for e in complete} == {"1001"}
+
+
+def test_pack_uses_the_fewest_rows_and_the_lowest_free_row():
+    items = [(0, 10), (1, 3), (2, 4), (3, 5), (4, 6), (10, 11), (11, 12)]
+    rows = pack(items, lambda i: i[0], lambda i: i[1])
+    # Greatest overlap is 3 ([0,10), [2,4), [3,5) at t=3.5), so 3 rows; a freed row is reused lowest first.
+    assert rows == [0, 1, 2, 1, 2, 0, 0]
+    for row in set(rows):
+        mine = sorted(i for i, r in zip(items, rows) if r == row)
+        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:]))

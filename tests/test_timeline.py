@@ -1,5 +1,6 @@
-"""`otel-kvtransfer timeline`: the HTML page rendered by real headless Chromium, the PNG drawn by Pillow, filters,
-pagination for 1,000 requests, and bad input as one line on stderr with exit code 2."""
+"""`otel-kvtransfer timeline`: the HTML page rendered by real headless Chromium (and hostile span files that
+must not run script in it), the PNG drawn by Pillow, caps on lanes and picture size, filters, pagination, and bad
+input as one line on stderr with exit code 2 and no output file left behind."""
 
 import os
 import re
@@ -10,24 +11,18 @@ import tempfile
 
 import pytest
 from conftest import require_part
-from test_spanfile_reader import demo_span_file, synthetic_records, write_jsonl
+from test_spanfile_reader import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.report_cli import main as report_main
-from otel_kvtransfer.spanfile_reader import read_spans
-from otel_kvtransfer.summarize import build_requests
-from otel_kvtransfer.timeline import render_html, render_png
+from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.tools.spanfile import read_spans
+from otel_kvtransfer.tools.timeline import CONTENT_SECURITY_POLICY, MAX_PNG_HEIGHT, MAX_ROWS
 
 PIL = pytest.importorskip("PIL.Image")
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars"]
-
-
-@pytest.fixture(scope="session")
-def demo_spans():
-    return demo_span_file()
 
 
 def _chromium():
@@ -40,6 +35,7 @@ def _chromium():
 
 def _run_chromium(args, timeout=90):
     """Run headless Chromium once with a fresh profile; kill its whole process group if it hangs."""
+    require_part(_chromium() is not None, "Debian chromium (bash scripts/setup-timeline.sh)")
     profile = tempfile.mkdtemp(prefix="kvt-chromium-")
     proc = subprocess.Popen([_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -60,19 +56,16 @@ def _run_chromium(args, timeout=90):
 
 def _timeline(tmp_path, src, *extra):
     html_path, png_path = tmp_path / "t.html", tmp_path / "t.png"
-    rc = report_main(["timeline", str(src), "--html", str(html_path), "--png", str(png_path), *extra])
-    assert rc == 0
+    assert cli_main(["timeline", str(src), "--html", str(html_path), "--png", str(png_path), *extra]) == 0
     return html_path, png_path
 
 
-def test_demo_timeline_renders_in_headless_chromium(tmp_path, demo_spans):
-    require_part(_chromium() is not None, "Debian chromium (bash scripts/setup-timeline.sh)")
-    html_path, _png_path = _timeline(tmp_path, demo_spans)
-    spans = read_spans(demo_spans)
-    requests = build_requests(spans)
+def test_demo_timeline_renders_in_headless_chromium(tmp_path):
+    src = demo_span_file()
+    html_path, _png_path = _timeline(tmp_path, src)
+    spans = read_spans(src)
+    keys = {s.attributes[sc.REQUEST_KEY] for s in spans if s.name == sc.SPAN_REQUEST}
     sends = [s for s in spans if s.name == sc.SPAN_SEND]
-
-    # Screenshot of the expected size.
     shot = tmp_path / "shot.png"
     rc, _out, err = _run_chromium(["--window-size=1280,1600", f"--screenshot={shot}", html_path.as_uri()])
     assert rc == 0, err[-2000:]
@@ -80,87 +73,141 @@ def test_demo_timeline_renders_in_headless_chromium(tmp_path, demo_spans):
         assert image.size == (1280, 1600)
         colors = image.convert("RGB").getcolors(1 << 20)
     assert colors and len(colors) > 50, "the screenshot is (nearly) blank"
-    kv_blue = (0x4E, 0x79, 0xA7)
-    assert any(c == kv_blue and n > 200 for n, c in colors), "no kv transfer bar was painted"
-
-    # The DOM after the page's script ran: the expected elements are there.
+    assert any(c == (0x4E, 0x79, 0xA7) and n > 200 for n, c in colors), "no kv transfer bar was painted"
     rc, dom, err = _run_chromium(["--dump-dom", html_path.as_uri()])
     assert rc == 0, err[-2000:]
-    assert 'data-ready="1"' in dom, "the page's script did not run to the end"
-    sections = re.findall(r'<section class="request[^"]*" data-room="(\d*)"', dom)
-    assert sorted(int(r) for r in sections) == sorted(r.room for r in requests)
+    assert 'data-ready="1"' in dom, "the page's own script did not run under its policy"
+    assert sorted(re.findall(r'<section class="request[^"]*" data-key="([^"]*)"', dom)) == sorted(keys)
     assert len(re.findall(r'<rect [^>]*class="send payload-', dom)) == len(sends)
-    for request in requests:
-        assert f"room {request.room}" in dom
-    assert dom.count("busy ") >= len(requests) and "true " in dom and "overlap " in dom
-    assert "page 1 of 1" in dom
-    assert re.search(r'class="lane-label"[^>]*>compute<', dom)
-    assert re.search(r'class="lane-label"[^>]*>dest 0', dom)
+    assert "page 1 of 1" in dom and re.search(r'class="lane-label"[^>]*>dest 0', dom)
 
 
-def test_demo_png_exists_with_sane_size(tmp_path, demo_spans):
-    _html, png_path = _timeline(tmp_path, demo_spans)
-    with PIL.open(png_path) as image:
-        width, height = image.size
-        assert image.format == "PNG"
-        colors = image.convert("RGB").getcolors(1 << 20)
-    assert 1000 <= width <= 1600
-    assert 400 <= height <= 6000
-    assert colors and len(colors) > 20
+HOSTILE = ["\"><script>document.title='PWNED'</script>", "<img src=x onerror=\"document.title='PWNED'\">",
+           "'><svg onload=document.title='PWNED'>"]
 
 
-def test_header_shows_busy_true_throughput_and_overlap(tmp_path):
-    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=2))
-    requests = build_requests(read_spans(src))
-    page = render_html(requests)
-    for request in requests:
-        assert f"room {request.room}" in page
-    assert page.count('class="req-figures"') == 2
-    figures = re.findall(r'class="req-figures">([^<]*)<', page)
-    for text in figures:
+def hostile_records():
+    """A request whose every free-text value (payload, key, peer, error, service name, lane labels) is a payload
+    that runs script if written unescaped into an HTML text node or attribute."""
+    records = []
+    for number, payload in enumerate(HOSTILE):
+        trace, req = f"{number + 1:032x}", f"{number + 1:016x}"
+        ident = {sc.REQUEST_KEY: payload, sc.FRAMEWORK: payload, sc.BACKEND: payload}
+        resource = {"service.name": payload, "service.instance.id": payload}
+        attrs = {**ident, sc.BYTES: 4096, sc.PAYLOAD: payload, sc.CHUNK_INDEX: 0, sc.DESTINATION_INDEX: 0,
+                 sc.SERVER_ADDRESS: payload, sc.SERVER_PORT: 1, sc.ERROR_TYPE: payload}
+        t = 1_700_000_000_000_000_000 + number * 10_000_000
+        records.append(span_record(sc.SPAN_SEND, trace, f"{number + 1:015x}a", req, t, t + 1_000_000, attrs,
+                                   resource=resource, status="ERROR", kind="CLIENT", description=payload))
+        records.append(span_record(sc.SPAN_COMPUTE, trace, f"{number + 1:015x}b", req, t, t + 2_000_000,
+                                   {sc.REQUEST_KEY: payload}, resource=resource))
+        records.append(span_record(sc.SPAN_REQUEST, trace, req, None, t, t + 3_000_000,
+                                   {**ident, sc.ERROR_TYPE: payload}, resource=resource, status="ERROR"))
+        records.append(span_record(sc.SPAN_RECEIVE, trace, f"{number + 1:015x}c", None, t, t + 3_000_000,
+                                   {sc.REQUEST_KEY: payload}, resource=resource))
+    return records
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "otlp"])
+def test_hostile_span_file_runs_no_script_in_chromium(tmp_path, fmt):
+    write = write_jsonl if fmt == "jsonl" else write_otlp
+    src = write(tmp_path / f"hostile.{fmt}", hostile_records())
+    html_path, _png = _timeline(tmp_path, src)
+    page = html_path.read_text()
+    # Escaped in text and attributes: no tag from the file survives.
+    assert "<script>document" not in page and "<img src=x" not in page and "<svg onload" not in page
+    assert page.count("<script>") == 1
+    rc, dom, err = _run_chromium(["--dump-dom", html_path.as_uri()])
+    assert rc == 0, err[-2000:]
+    assert "PWNED" not in re.search(r"<title>(.*?)</title>", dom, re.S).group(1)
+    assert 'data-ready="1"' in dom  # the page's own script still runs (allowed by its hash)
+    assert "&lt;script&gt;document.title" in dom  # the value is shown, as text
+
+
+def test_policy_forbids_inline_script_but_the_pages_own():
+    policy = dict(part.strip().split(" ", 1) for part in CONTENT_SECURITY_POLICY.split(";"))
+    assert policy["default-src"] == "'none'"
+    assert re.fullmatch(r"'sha256-[A-Za-z0-9+/]{43}='", policy["script-src"])
+    assert "unsafe-inline" not in CONTENT_SECURITY_POLICY and "unsafe-eval" not in CONTENT_SECURITY_POLICY
+
+
+def test_header_shows_key_framework_busy_true_throughput_and_overlap(tmp_path):
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=2)))
+    page = html_path.read_text()
+    titles = re.findall(r'class="req-title">([^<]*)<', page)
+    assert [t.split("  ·  ")[:2] for t in titles] == [["key 1000", "sglang/mooncake"], ["key 1001", "sglang/mooncake"]]
+    for text in re.findall(r'class="req-figures">([^<]*)<', page):
         assert "busy " in text and "true " in text and "overlap " in text
-    # Self-contained: nothing fetched from anywhere.
-    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
-    assert "<script src" not in page and "<link" not in page
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page) and "<link" not in page
 
 
-def test_thousand_requests_are_paginated_not_a_wall(tmp_path):
-    src = write_jsonl(tmp_path / "big.jsonl", synthetic_records(requests=1000))
-    html_path, png_path = _timeline(tmp_path, src, "--page-size", "25")
+def test_serve_spans_get_a_peer_lane(tmp_path):
+    records = synthetic_records(requests=1)
+    for record in records:
+        if record["name"] == sc.SPAN_RECEIVE:
+            record["name"] = sc.SPAN_SERVE
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "s.jsonl", records))
+    assert re.search(r'class="lane-label"[^>]*>serve decode<', html_path.read_text())
+
+
+def overlapping_sends(count):
+    """One request with `count` sends that all overlap (each starts 1 us after the previous, lasts 1 s)."""
+    trace, req, t = "ab" * 16, "cd" * 8, 1_700_000_000_000_000_000
+    records = [span_record(sc.SPAN_SEND, trace, f"{i + 1:016x}", req, t + i * 1000, t + i * 1000 + 10**9,
+                           {sc.REQUEST_KEY: "big", sc.BYTES: 1 << 20, sc.PAYLOAD: "kv", sc.DESTINATION_INDEX: 0},
+                           kind="CLIENT") for i in range(count)]
+    records.append(span_record(sc.SPAN_REQUEST, trace, req, None, t, t + 2 * 10**9, {sc.REQUEST_KEY: "big"}))
+    return records
+
+
+def test_overlapping_sends_are_capped_with_a_more_row(tmp_path):
+    count = 5000
+    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "o.jsonl", overlapping_sends(count)))
+    page = html_path.read_text()
+    assert len(re.findall(r'<rect [^>]*class="send payload-kv', page)) == MAX_ROWS
+    assert f"+{count - MAX_ROWS} more overlapping" in page
+    with PIL.open(png_path) as image:
+        assert image.size[1] <= MAX_PNG_HEIGHT
+    assert html_path.stat().st_size < 2 << 20
+
+
+def test_thousand_requests_are_paginated_and_the_png_bounded(tmp_path):
+    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "big.jsonl", synthetic_records(requests=1000)),
+                                    "--page-size", "25", "--png-requests", "1000")
     page = html_path.read_text()
     sections = re.findall(r'<section class="request[^"]*"[^>]*>', page)
-    assert len(sections) == 1000
-    assert sum(1 for s in sections if " hidden" not in s) == 25
+    assert len(sections) == 1000 and sum(1 for s in sections if " hidden" not in s) == 25
     assert 'class="overview-title">1000 requests' in page
     with PIL.open(png_path) as image:
-        assert image.size[1] < 3000  # the PNG shows the overview and a few blocks, not 1,000
+        assert image.size[1] <= MAX_PNG_HEIGHT
 
 
-def test_filters_by_room_and_time_window(tmp_path, capsys):
-    records = synthetic_records(requests=6)
-    src = write_jsonl(tmp_path / "s.jsonl", records)
-    html_path, _png = _timeline(tmp_path, src, "--room", "1002", "--room", "1004")
-    rooms = re.findall(r'<section class="request[^"]*" data-room="(\d+)"', html_path.read_text())
-    assert rooms == ["1002", "1004"]
-    requests = build_requests(read_spans(src))
-    origin = requests[0].start_ns
-    # A window that holds only the third request's start.
-    since = (requests[2].start_ns - origin) / 1e9 + 1e-6
-    until = since + 1e-6
-    html_path, _png = _timeline(tmp_path, src, "--since", f"{since:.9f}", "--until", f"{until:.9f}")
-    rooms = [int(r) for r in re.findall(r'data-room="(\d+)"', html_path.read_text())]
-    expected = [r.room for r in requests if r.end_ns >= origin + int(since * 1e9)
-                and r.start_ns <= origin + int(until * 1e9)]
-    assert rooms == expected and 1 <= len(rooms) < 6
-    assert "filtered" in capsys.readouterr().out
+def test_max_requests_caps_the_page(tmp_path, capsys):
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=30)),
+                                "--max-requests", "10")
+    assert len(re.findall(r"<section class=\"request", html_path.read_text())) == 10
+    assert "drawing the first 10 of 30 requests" in capsys.readouterr().out
 
 
-def test_png_is_drawn_without_a_browser(tmp_path):
-    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=3, fail_room=1001))
-    requests = build_requests(read_spans(src))
-    size = render_png(requests, str(tmp_path / "x.png"), max_requests=3)
-    with PIL.open(tmp_path / "x.png") as image:
-        assert image.size == size
+def test_filters_by_key_and_time_window(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=6))
+    html_path, _png = _timeline(tmp_path, src, "--key", "1002", "--room", "1004")
+    assert re.findall(r'<section class="request[^"]*" data-key="(\d+)"', html_path.read_text()) == ["1002", "1004"]
+    requests = [s for s in read_spans(src) if s.name == sc.SPAN_REQUEST]
+    origin = min(r.start_time_unix_nano for r in requests)
+    since = (requests[2].start_time_unix_nano - origin) / 1e9 + 1e-6
+    html_path, _png = _timeline(tmp_path, src, "--since", f"{since:.9f}", "--until", f"{since + 1e-6:.9f}")
+    keys = re.findall(r'data-key="(\d+)"', html_path.read_text())
+    lo, hi = origin + int(since * 1e9), origin + int((since + 1e-6) * 1e9)
+    assert keys == [r.attributes[sc.REQUEST_KEY] for r in requests
+                    if r.end_time_unix_nano >= lo and r.start_time_unix_nano <= hi]
+    assert 1 <= len(keys) < 6 and "filtered" in capsys.readouterr().out
+
+
+def test_png_marks_failures_and_payloads(tmp_path):
+    src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=3, fail_key="1001"))
+    _html, png_path = _timeline(tmp_path, src, "--no-html")
+    with PIL.open(png_path) as image:
         pixels = {color for _count, color in image.convert("RGB").getcolors(1 << 20)}
     assert (0xE1, 0x57, 0x59) in pixels  # the failed transfer is outlined red
     assert (0xF2, 0x8E, 0x2B) in pixels  # aux payload colour
@@ -170,21 +217,28 @@ def test_png_is_drawn_without_a_browser(tmp_path):
     (b"", "empty"),
     (b'{"name": "kv_transfer.send", "trace_id": "ab', ":1: "),
     (b'{"hello": 1}\n', ":1: not a span"),
-])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, content, expect):
+    (b'{"name":"kv_transfer.send","trace_id":"' + b"ab" * 16 + b'","span_id":"' + b"cd" * 8
+     + b'","start_time_unix_nano":1,"end_time_unix_nano":2,"attributes":{"kv_transfer.bootstrap_room":NaN}}\n',
+     ":1: NaN"),
+    (b'{"name":"x","trace_id":"' + b"ab" * 16 + b'","span_id":"' + b"cd" * 8
+     + b'","start_time_unix_nano":1,"end_time_unix_nano":2,"attributes":{"k":"\\udc00"}}\n', "surrogate"),
+], ids=["empty", "cut", "foreign", "nan room", "lone surrogate"])
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, content, expect):
     src = tmp_path / "bad.jsonl"
     src.write_bytes(content)
-    proc = subprocess.run([sys.executable, "-m", "otel_kvtransfer", "timeline", str(src)], capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "otel_kvtransfer", "timeline", str(src), "--perfetto",
+                           str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and expect in lines[0] and str(src) in lines[0]
-    assert not (tmp_path / "bad.timeline.html").exists()
+    assert len(lines) == 1 and expect in lines[0] and str(src) in lines[0], proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
-def test_unwritable_output_is_exit_2(tmp_path, capsys):
+def test_failed_render_leaves_no_partial_file(tmp_path, capsys):
     src = write_jsonl(tmp_path / "s.jsonl", synthetic_records(requests=1))
-    rc = report_main(["timeline", src, "--html", str(tmp_path / "no" / "such" / "dir.html"), "--no-png"])
-    assert rc == 2
+    assert cli_main(["timeline", src, "--html", str(tmp_path / "no" / "dir.html"), "--no-png"]) == 2
     assert "cannot write" in capsys.readouterr().err
+    target = tmp_path / "t.html"
+    assert cli_main(["timeline", src, "--html", str(target), "--png", str(tmp_path / "no" / "x.png")]) == 2
+    leftovers = [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+    assert not leftovers
