@@ -97,7 +97,16 @@ class SpanBuilder:
             attributes=attrs, start_time=start_ns)
 
     def _make_room(self, table: OrderedDict, reason: str, end) -> None:
-        while len(self._requests) + len(self._peers) >= self._max_open and table:
+        """Below max_open before opening one more: the least recently active of `table` goes; when `table` has
+        none open, the least recently active of the other kind (max_open bounds both kinds together)."""
+        while len(self._requests) + len(self._peers) >= self._max_open:
+            if not table:
+                if table is self._requests:
+                    table, reason, end = self._peers, "peer_limit", self._end_evicted_peer
+                else:
+                    table, reason, end = self._requests, "request_limit", self._end_evicted_request
+                if not table:
+                    return
             _, state = table.popitem(last=False)
             end(state)
             self._on_drop(reason, 1)
@@ -154,7 +163,8 @@ class SpanBuilder:
         failure = error_type or state.failure
         if failure:
             _error(span, failure)
-        span.end(end_time=max(end_ns, span.start_time or end_ns))
+        # A non-recording span (a no-op or disabled SDK) has no start_time: end it all the same, without a bug drop.
+        span.end(end_time=max(end_ns, getattr(span, "start_time", None) or end_ns))
 
     def _end_evicted_request(self, state: _OpenRequest) -> None:
         self._finish_request(state, time.time_ns(), semconv.EVICTED_ERROR, evicted=True)
@@ -267,7 +277,7 @@ class SpanBuilder:
             return
         if rec[r.END_ERROR]:
             _error(state.span, rec[r.END_ERROR])
-        state.span.end(end_time=max(rec[r.TIME], state.span.start_time or 0))
+        state.span.end(end_time=max(rec[r.TIME], getattr(state.span, "start_time", None) or 0))
 
     @staticmethod
     def _end_evicted_peer(state: _OpenPeer) -> None:
