@@ -58,7 +58,10 @@ def _count(text: str) -> int:
     return value
 
 
-def _add_filters(parser: argparse.ArgumentParser) -> None:
+def _span_file_command(sub, name: str, handler, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that reads one span file, with the request filters every such command has."""
+    parser = sub.add_parser(name, help=summary, description=description)
+    parser.set_defaults(handler=handler)
     parser.add_argument("file", help="span file: OTLP-JSON (kvtransfer_file exporter, Collector file exporter) or "
                                      "the older JSON-lines spans")
     parser.add_argument("--key", "--room", dest="keys", action="append", metavar="KEY",
@@ -67,6 +70,7 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
                         help="only requests active after S seconds from the file's first request")
     parser.add_argument("--until", type=_finite, metavar="S",
                         help="only requests active before S seconds from the file's first request")
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,11 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  add_help=False)
     demo_parser.set_defaults(handler=_demo)
 
-    timeline = sub.add_parser(
-        "timeline", help="HTML page + PNG of a span file (and Perfetto JSON)",
-        description="Render a span file as a self-contained HTML timeline and a PNG: one block per request, a "
-                    "lane for compute and one per destination, transfers coloured by payload.")
-    _add_filters(timeline)
+    timeline = _span_file_command(
+        sub, "timeline", run_timeline, "HTML page + PNG of a span file (and Perfetto JSON)",
+        "Render a span file as a self-contained HTML timeline and a PNG: one block per request, a lane for "
+        "compute and one per destination, transfers coloured by payload.")
     timeline.add_argument("--html", metavar="OUT.html", help="HTML page (default: FILE stem + .timeline.html)")
     timeline.add_argument("--png", metavar="OUT.png", help="PNG picture (default: FILE stem + .timeline.png)")
     timeline.add_argument("--no-html", action="store_true", help="do not write the HTML page")
@@ -92,16 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="request blocks drawn in the PNG after the overview (6)")
     timeline.add_argument("--max-requests", type=_count, default=2000, metavar="N",
                           help="request blocks in the page and the Perfetto file, the first N by start (2000)")
-    timeline.set_defaults(handler=run_timeline)
 
-    summarize = sub.add_parser(
-        "summarize", help="per-request table and per-transfer throughput distribution of a span file",
-        description="Summarize a span file: one row per request (bytes, busy time, true throughput, overlap) and "
-                    "the distribution of per-transfer throughput.")
-    _add_filters(summarize)
+    summarize = _span_file_command(
+        sub, "summarize", run_summarize, "per-request table and per-transfer throughput distribution of a span file",
+        "Summarize a span file: one row per request (bytes, busy time, true throughput, overlap) and the "
+        "distribution of per-transfer throughput.")
     summarize.add_argument("--json", action="store_true", help="machine-readable output")
     summarize.add_argument("--limit", type=_count, default=50, metavar="N", help="rows of the text table (50; 0 = all)")
-    summarize.set_defaults(handler=run_summarize)
     return parser
 
 

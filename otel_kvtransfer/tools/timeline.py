@@ -24,6 +24,7 @@ import hashlib
 import html
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -107,14 +108,8 @@ class Line:
     width: float = 1.0
 
 
-@dataclass
-class Circle:
-    x: float
-    y: float
-    r: float
-    fill: str
-    stroke: Optional[str] = None
-    title: str = ""
+# A point of the overview's scatter plot.
+Circle = namedtuple("Circle", "x y r fill stroke title", defaults=(None, ""))
 
 
 @dataclass
@@ -125,7 +120,6 @@ class Panel:
     height: int
     ops: list
     cls: str = ""
-    data: dict = field(default_factory=dict)
 
 
 def _fits(text: str, width: float, size: int = FONT) -> bool:
@@ -313,8 +307,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
         grid.append(Line(x, grid_top, x, y, GRID))
         grid.append(Text(x, y + 13, _fmt_axis_s(tick, step), FONT - 1, MUTED, anchor="middle", cls="tick"))
     grid.append(Line(LEFT, y, LEFT + plot_w, y, "#bbbbbb"))
-    return Panel(width, int(y + 22), ops + grid + body, cls="request",
-                 data={"key": req.key, "status": req.final_status, "start": t0})
+    return Panel(width, int(y + 22), ops + grid + body, cls="request")
 
 
 def _dest(span):
