@@ -3,18 +3,22 @@
 Run as a script by tests/test_prometheus_dashboard.py and tests/test_trace_store.py (never imported by pytest):
 
     python tests/_observability_workload.py metrics --seconds 6 --linger 60
-        prefill engine (this process) pushes rooms to a decode engine (a spawned process) for ~6 s; the package's
-        metrics are served on 127.0.0.1:<port>/metrics in the Collector's exposition (_observability_exposition)
-        until stdin closes or --linger seconds pass.
+        prefill engine (this process) pushes rooms to a decode engine (a spawned process) for ~6 s; each process
+        serves the package's metrics (prefill on --metrics-port, decode on --decode-metrics-port) at
+        127.0.0.1:<port>/metrics in the Collector's exposition (_observability_exposition) until stdin closes or
+        --linger seconds pass.
     python tests/_observability_workload.py traces --protocol grpc --endpoint 127.0.0.1:4317 --project p
         a few rooms; both engines export their spans over OTLP (gRPC or HTTP/protobuf) to that endpoint.
 
 Protocol on stdout: one line `READY {json}` when serving / about to run, one line `DONE {json}` with a summary.
+The workload plays the serving framework through the integration API (framework name `test_workload`, a model
+name on every request and receive), the way frameworks/ packages do; the engines are real Mooncake engines.
 Every room: decode begins to receive, prefill opens the request, pushes 3 chunks x 2 destinations (replica
-factor 2) of KV plus one aux payload, while a "forward pass" of the next chunk runs on another thread (real
-compute overlap), then ends the request; decode ends its receive. Every 4th room has one failing transfer (a
-destination outside the peer's registered memory: Mooncake answers -1 at once). One room is opened and never
-ended, so the TTL evicts it and the instrumentation's dropped counter moves.
+factor 2) of KV, each chunk one `batch_transfer_sync_write` of DESCRIPTORS blocks (so descriptors per transfer
+is more than one), plus one aux payload (a single `transfer_sync_write`), while a "forward pass" of the next chunk
+runs on another thread (real compute overlap), then ends the request; decode ends its receive. Every 4th room has
+one failing transfer (a destination outside the peer's registered memory: Mooncake answers -1 at once). One room is
+opened and never ended, so the TTL evicts it and the instrumentation's dropped counter moves.
 """
 
 import argparse
@@ -38,6 +42,11 @@ CHUNK_BYTES = 4 << 20
 CHUNKS = 3
 REPLICAS = 2
 AUX_BYTES = 64 << 10
+DESCRIPTORS = 4  # blocks per KV chunk (one batch call)
+MIN_ROOMS = 4
+BACKEND = "mooncake"
+FRAMEWORK = "test_workload"
+MODEL = "tiny-test-model"
 RECV_BYTES = REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES
 
 
@@ -86,9 +95,17 @@ def _decode_main(conn, args_dict):
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     args = argparse.Namespace(**args_dict)
-    tracer_provider, meter_provider, _ = _providers(args, "kvt-decode", "decode-0", False)
+    # A receive sees no activity between its begin and its end: the short TTL the prefill side uses (to evict its
+    # forgotten room) would evict receives of a slow room here. Decode evicts nothing in this workload.
+    os.environ["OTEL_KVTRANSFER_REQUEST_TTL_S"] = "120"
+    tracer_provider, meter_provider, reader = _providers(args, "kvt-decode", "decode-0", args.mode == "metrics")
     from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
 
+    endpoint = None
+    if reader is not None:
+        from _observability_exposition import ScrapeEndpoint  # pylint: disable=import-outside-toplevel
+
+        endpoint = ScrapeEndpoint(reader, port=args.decode_metrics_port)
     engine = _engine()
     buffer = np.zeros(RECV_BYTES, dtype=np.uint8)
     rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
@@ -99,15 +116,21 @@ def _decode_main(conn, args_dict):
             continue
         message = conn.recv()
         if message[0] == "begin":
-            integration.begin_receive(message[1], expected_bytes=message[2])
+            integration.begin_receive(message[1], backend=BACKEND, framework=FRAMEWORK, expected_bytes=message[2],
+                                      attributes={"gen_ai.request.model": MODEL})
         elif message[0] == "end":
             integration.end_receive(message[1], error_type=message[2])
         elif message[0] == "stop":
             break
+    # every receive span ended -> its metrics are in the reader; keep serving them until told to exit
     tracer_provider.force_flush(10_000)
+    conn.send("stopped")
+    if endpoint is not None and conn.poll(args.linger + 30):
+        conn.recv()
+    if endpoint is not None:
+        endpoint.close()
     tracer_provider.shutdown()
     meter_provider.shutdown()
-    conn.send("stopped")
 
 
 def _forward_pass(size=192):
@@ -138,7 +161,7 @@ def run(args) -> dict:
     decode = ctx.Process(target=_decode_main, args=(child_conn, vars(args)), daemon=True)
     decode.start()
     summary = {"decode_pid": decode.pid, "rooms": [], "failed_rooms": [], "transfers": 0, "failed_transfers": 0,
-               "bytes": 0}
+               "bytes": 0, "descriptors": 0}
     try:
         if not parent_conn.poll(60):
             raise RuntimeError("decode engine did not start within 60 s")
@@ -151,21 +174,26 @@ def run(args) -> dict:
         rc = engine.register_memory(source.ctypes.data, source.nbytes)
         if rc != 0:
             raise RuntimeError(f"prefill register_memory returned {rc}")
-        print("READY " + json.dumps({"metrics_port": endpoint.port if endpoint else None, "pid": os.getpid()}),
+        print("READY " + json.dumps({"metrics_port": endpoint.port if endpoint else None, "pid": os.getpid(),
+                                     "decode_pid": decode.pid}),
               flush=True)
 
         # A room the engine forgets: the TTL (OTEL_KVTRANSFER_REQUEST_TTL_S) evicts it -> dropped counter.
         stale_room = args.room_base + 999_999
-        integration.begin_request(stale_room, rid="forgotten")
+        integration.begin_request(stale_room, backend=BACKEND, framework=FRAMEWORK,
+                                  attributes={"gen_ai.request.model": MODEL})
 
         pool = ThreadPoolExecutor(1, thread_name_prefix="forward")
         stop_at = time.monotonic() + args.seconds
         index = 0
-        while (args.mode == "metrics" and time.monotonic() < stop_at) or (args.mode == "traces" and index < args.rooms):
+        # metrics mode: --seconds of rooms, and at least MIN_ROOMS (one of which fails) however slow the machine is
+        while (args.mode == "metrics" and (time.monotonic() < stop_at or index < MIN_ROOMS)) or \
+                (args.mode == "traces" and index < args.rooms):
             room = args.room_base + index
             fail = index % 4 == 3
             parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES))
-            integration.begin_request(room, rid=f"rid-{room}")
+            integration.begin_request(room, backend=BACKEND, framework=FRAMEWORK,
+                                      attributes={"gen_ai.request.model": MODEL})
             compute = pool.submit(_forward_pass)
             error = None
             for chunk in range(CHUNKS):
@@ -179,11 +207,15 @@ def run(args) -> dict:
                     target = remote + offset
                     if fail and chunk == CHUNKS - 1 and dest == REPLICAS - 1:
                         target = remote + (1 << 40)  # outside every registered buffer of the peer
+                    block = CHUNK_BYTES // DESCRIPTORS
                     with integration.transfer_scope(room, chunk_index=chunk, payload="kv", destination_index=dest,
                                                     replica_factor=REPLICAS, is_last_chunk=chunk == CHUNKS - 1):
-                        rc = engine.transfer_sync_write(session, source.ctypes.data + offset, target, CHUNK_BYTES)
+                        rc = engine.batch_transfer_sync_write(
+                            session, [source.ctypes.data + offset + i * block for i in range(DESCRIPTORS)],
+                            [target + i * block for i in range(DESCRIPTORS)], [block] * DESCRIPTORS)
                     summary["transfers"] += 1
                     summary["bytes"] += CHUNK_BYTES
+                    summary["descriptors"] += DESCRIPTORS
                     if rc != 0:
                         summary["failed_transfers"] += 1
                         error = "transfer_failed"
@@ -192,6 +224,7 @@ def run(args) -> dict:
                 rc = engine.transfer_sync_write(session, source.ctypes.data + offset, remote + offset, AUX_BYTES)
             summary["transfers"] += 1
             summary["bytes"] += AUX_BYTES
+            summary["descriptors"] += 1
             if rc != 0:
                 summary["failed_transfers"] += 1
                 error = error or "transfer_failed"
@@ -214,20 +247,30 @@ def run(args) -> dict:
                 parent_conn.recv()
         except (OSError, EOFError):
             pass
-        decode.join(15)
-        if decode.is_alive():
-            decode.kill()
-            decode.join(5)
+        if endpoint is None:
+            _join(decode)
     print("DONE " + json.dumps(summary), flush=True)
     if endpoint is not None:
-        # keep serving /metrics until the test closes stdin (or the linger bound passes)
+        # keep serving /metrics (here and in the decode process) until the test closes stdin or --linger passes
         done = threading.Event()
         threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
         done.wait(args.linger)
         endpoint.close()
+        try:
+            parent_conn.send(("exit",))
+        except (OSError, EOFError):
+            pass
+        _join(decode)
     tracer_provider.shutdown()
     meter_provider.shutdown()
     return summary
+
+
+def _join(process) -> None:
+    process.join(15)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def main(argv=None) -> int:
@@ -240,6 +283,7 @@ def main(argv=None) -> int:
     parser.add_argument("--evict-wait", type=float, default=2.5)
     parser.add_argument("--linger", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--decode-metrics-port", type=int, default=0)
     parser.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     parser.add_argument("--endpoint", default=None)
     parser.add_argument("--project", default=None)

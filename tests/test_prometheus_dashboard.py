@@ -1,9 +1,10 @@
 """Every PromQL expression of the dashboard, evaluated by a real Prometheus that scraped the package's metrics
 while real Mooncake transfers ran; and the scraped names are exactly the Collector's translation of the OTel names.
 
-Set-up: a Prometheus (Debian `prometheus`, exemplar storage on) on 127.0.0.1 scrapes, every second, a workload
-process (tests/_observability_workload.py) in which KVTransferInstrumentor derives the metrics from real
-Mooncake transfers to a second engine process. The workload exposes them the way the Collector's prometheus
+Set-up: a Prometheus (Debian `prometheus`, exemplar storage on) on 127.0.0.1 scrapes, every second, the two
+processes of a workload (tests/_observability_workload.py) in which KVTransferInstrumentor derives the metrics:
+the prefill process from real Mooncake transfers to the decode process, the decode process from its receives.
+Both expose them the way the Collector's prometheus
 exporter does (tests/_observability_exposition.py; names through tests/_observability_promnames.py, which
 ports the Collector's translation and is unit-tested below against the translator's own cases and against
 opentelemetry-exporter-prometheus).
@@ -146,13 +147,13 @@ def run():
     require_part(bool(binary), f"Debian prometheus ({SETUP})")
     require_part(mooncake_available(), "mooncake-transfer-engine-non-cuda + libibverbs1 (bash scripts/setup.sh)")
     workdir = tempfile.mkdtemp(prefix="kvt-prom-")
-    prom_port, metrics_port = free_port(), free_port()
+    prom_port, metrics_port, decode_port = free_port(), free_port(), free_port()
     config = os.path.join(workdir, "prometheus.yml")
     with open(config, "w", encoding="utf-8") as handle:
         handle.write(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
             "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
-            f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
+            f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}', '127.0.0.1:{decode_port}']\n")
     prometheus = workload = None
     log = open(os.path.join(workdir, "prometheus.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
     err = open(os.path.join(workdir, "workload.err"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
@@ -166,15 +167,19 @@ def run():
         started = time.time()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
         workload = start([sys.executable, WORKLOAD, "metrics", "--seconds", "6", "--linger", "90",
-                          "--metrics-port", str(metrics_port)],
+                          "--metrics-port", str(metrics_port), "--decode-metrics-port", str(decode_port)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
         json.loads(read_line_with_prefix(workload, "READY ", 90))
         summary = json.loads(read_line_with_prefix(workload, "DONE ", 90))
         done = time.time()
 
         def scraped_everything():
-            result = http_json(f"{base}/api/v1/query", {"query": "sum(kv_transfer_size_bytes_count)"})["data"]
-            return result["result"] and int(float(result["result"][0]["value"][1])) == summary["transfers"]
+            def total(expr):
+                result = http_json(f"{base}/api/v1/query", {"query": expr})["data"]["result"]
+                return int(float(result[0]["value"][1])) if result else -1
+
+            return total("sum(kv_transfer_size_bytes_count)") == summary["transfers"] and \
+                total("sum(kv_transfer_receive_duration_seconds_count)") == len(summary["rooms"])
 
         wait_until(scraped_everything, 20, what="Prometheus holding every transfer of the run")
         time.sleep(1.5)  # one more scrape, so every series has its final sample
@@ -199,8 +204,8 @@ def test_scraped_names_are_the_collector_names(run):
     expected = {series for metric in DESIGN_METRICS for series in series_names(*metric)}
     assert ours == expected
     labels = set(http_json(f"{run['base']}/api/v1/labels", {"match[]": "kv_transfer_size_bytes_count"})["data"])
-    assert {"job", "instance", "kv_transfer_backend", "kv_transfer_role", "kv_transfer_payload",
-            "kv_transfer_replica_factor", "otel_scope_name"} <= labels
+    assert {"job", "instance", "kv_transfer_backend", "kv_transfer_framework", "gen_ai_request_model",
+            "kv_transfer_role", "kv_transfer_payload", "kv_transfer_replica_factor", "otel_scope_name"} <= labels
     series = http_json(f"{run['base']}/api/v1/series", {"match[]": "kv_transfer_size_bytes_count"})["data"]
     assert {(s["job"], s["instance"]) for s in series} == {("kvt-prefill", "prefill-0")}
 
@@ -215,6 +220,11 @@ def test_metrics_count_every_transfer(run):
     assert value("sum(kv_transfer_size_bytes_count)") == summary["transfers"]
     assert value("sum(kv_transfer_size_bytes_sum)") == summary["bytes"]
     assert value("sum(kv_transfer_failures_total)") == summary["failed_transfers"] > 0
+    assert value("sum(kv_transfer_descriptors_sum)") == summary["descriptors"] > summary["transfers"]
+    assert value("sum(kv_transfer_descriptors_count)") == summary["transfers"]
+    # the decode side: one receive per room, failed where the room failed, all with role decode
+    assert value('sum(kv_transfer_receive_duration_seconds_count{kv_transfer_role="decode"})') == len(summary["rooms"])
+    assert value('sum(kv_transfer_receive_duration_seconds_count{error_type!=""})') == len(summary["failed_rooms"]) > 0
     # every room concluded (plus the forgotten one the TTL evicted), and the eviction was counted as a drop
     assert value('sum(kv_transfer_request_duration_seconds_count{error_type!="evicted"})') == len(summary["rooms"])
     assert value('sum(kv_transfer_instrumentation_dropped_total{kv_transfer_drop_reason="request_evicted"})') == 1
@@ -313,7 +323,9 @@ def test_alert_rules_use_the_collector_names():
     assert {a["alert"] for a in alerts} >= {"KVTransferFailureRatioHigh", "KVTransferInstrumentationDropping",
                                             "KVTransferRequestThroughputFarBelowLink", "KVTransferPeerWaitP99High"}
     for rule in rules:
-        names = set(re.findall(r"\b(kv_transfer[a-z_:]*)\s*(?:\{|\[|\))", rule["expr"]))
+        # metric names: before a selector or a range; recording rules: the names with a colon
+        names = set(re.findall(r"\b(kv_transfer[a-z_]*)\s*(?:\{|\[)", rule["expr"])) | \
+            set(re.findall(r"\b(kv_transfer[a-z_]*:[a-z_:]+)", rule["expr"]))
         assert names <= known | recorded, (rule.get("alert") or rule["record"], names - known - recorded)
     for alert in alerts:
         assert alert["labels"]["severity"] in ("critical", "warning", "info"), alert["alert"]

@@ -19,12 +19,12 @@ import time
 import pytest
 
 from _observability_parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
+from _observability_workload import AUX_BYTES, CHUNK_BYTES, CHUNKS, DESCRIPTORS, FRAMEWORK, MODEL, RECV_BYTES, REPLICAS
 from conftest import require_part
 from otel_kvtransfer import semconv
 
 WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")
 HTTP_PORT, GRPC_PORT = 6006, 4317  # inside Phoenix's own network namespace, where nothing else listens
-CHUNK_BYTES, CHUNKS, REPLICAS, AUX_BYTES = 4 << 20, 3, 2, 64 << 10
 ROOMS = 4
 
 READBACK = r"""
@@ -165,9 +165,9 @@ def test_trace_store_holds_the_transfer_traces(phoenix, protocol, room_base):
             assert int(send["end_time_unix_nano"]) <= int(request["end_time_unix_nano"])
 
         req = _attributes(request)
-        assert req["kv_transfer.bootstrap_room"] == room
+        assert req["kv_transfer.request_key"] == str(room)
         assert req["kv_transfer.role"] == "prefill" and req["kv_transfer.backend"] == "mooncake"
-        assert req["sglang.rid"] == f"rid-{room}"
+        assert req["kv_transfer.framework"] == FRAMEWORK and req["gen_ai.request.model"] == MODEL
         assert req["kv_transfer.transfer_count"] == sends_per_room
         assert req["kv_transfer.chunk_count"] == CHUNKS
         assert req["kv_transfer.replica_factor"] == REPLICAS
@@ -177,8 +177,9 @@ def test_trace_store_holds_the_transfer_traces(phoenix, protocol, room_base):
         assert 0.0 <= req["kv_transfer.compute_overlap_ratio"] <= 1.0
 
         rec = _attributes(receive)
-        assert rec["kv_transfer.role"] == "decode" and rec["kv_transfer.bootstrap_room"] == room
-        assert rec["network.io.direction"] == "receive"
+        assert rec["kv_transfer.role"] == "decode" and rec["kv_transfer.request_key"] == str(room)
+        assert rec["kv_transfer.backend"] == "mooncake" and rec["kv_transfer.framework"] == FRAMEWORK
+        assert rec["kv_transfer.expected_bytes"] == RECV_BYTES
 
         kv = [_attributes(s) for s in sends if _attributes(s)["kv_transfer.payload"] == "kv"]
         aux = [_attributes(s) for s in sends if _attributes(s)["kv_transfer.payload"] == "aux"]
@@ -186,15 +187,17 @@ def test_trace_store_holds_the_transfer_traces(phoenix, protocol, room_base):
         assert sorted((a["kv_transfer.chunk_index"], a["kv_transfer.destination_index"]) for a in kv) == \
             [(c, d) for c in range(CHUNKS) for d in range(REPLICAS)]
         for attrs in kv + aux:
-            assert attrs["kv_transfer.bootstrap_room"] == room
+            assert attrs["kv_transfer.request_key"] == str(room)
+            assert attrs["kv_transfer.framework"] == FRAMEWORK and attrs["gen_ai.request.model"] == MODEL
             assert attrs["kv_transfer.op"] == "write"
             assert attrs["server.address"] == "127.0.0.1" and isinstance(attrs["server.port"], int)
             assert attrs["network.transport"] == "tcp"
             assert attrs["network.io.direction"] == "transmit"
-            assert attrs["kv_transfer.descriptor_count"] == 1 and attrs["kv_transfer.engine_calls"] == 1
+            assert attrs["kv_transfer.engine_calls"] == 1
             assert attrs["kv_transfer.throughput"] >= 0
         assert all(a["kv_transfer.bytes"] == CHUNK_BYTES and a["kv_transfer.replica_factor"] == REPLICAS for a in kv)
-        assert aux[0]["kv_transfer.bytes"] == AUX_BYTES
+        assert all(a["kv_transfer.descriptor_count"] == DESCRIPTORS for a in kv)  # one batch call of blocks
+        assert aux[0]["kv_transfer.bytes"] == AUX_BYTES and aux[0]["kv_transfer.descriptor_count"] == 1
         assert [a["kv_transfer.is_last_chunk"] for a in kv].count(True) == REPLICAS
 
         failed = room in summary["failed_rooms"]
