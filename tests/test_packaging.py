@@ -252,3 +252,52 @@ def test_instruments_any_is_satisfied_where_an_engine_is_installed(wheel_metadat
     declared = [r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])
                 if re.search(r'extra\s*==\s*"instruments-any"', r)]
     assert get_dependency_conflicts([], declared) is None
+
+
+# --- docs/faults.md says what the fault tests show ---------------------------------------------------------------
+
+FAULTS_DOC = os.path.join(ROOT, "docs", "faults.md")
+
+
+def _fault_rows():
+    with open(FAULTS_DOC, encoding="utf-8") as handle:
+        return [line for line in handle if line.startswith("| ") and not line.startswith("| fault")
+                and not line.startswith("|---")]
+
+
+def test_faults_doc_names_only_tests_that_exist():
+    """Every test a row names exists in the file it names (a bare name is in tests/test_faults.py)."""
+    rows = _fault_rows()
+    assert len(rows) >= 20
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        for ref in re.findall(r"`([^`]+)`", cells[-1]):
+            path, _, name = ref.rpartition("::") if "::" in ref else ("test_faults.py", "", ref)
+            if path.startswith("bench/") or not name.startswith("test_") or name.endswith(".py"):
+                continue
+            with open(os.path.join(ROOT, "tests", path), encoding="utf-8") as handle:
+                source = handle.read()
+            assert re.search(rf"^def {re.escape(name.split('[', 1)[0])}\(", source, re.M), (path, name)
+
+
+def test_faults_doc_claims_no_timing_the_tests_do_not_assert():
+    """Timing is never a pass/fail criterion in tests: a row that speaks of speed must say it is not asserted."""
+    for row in _fault_rows():
+        if "bench/" in row:
+            continue
+        if re.search(r"slowed|full speed|per-call time|speed", row, re.I):
+            assert re.search(r"not asserted", row, re.I), row[:120]
+
+
+def test_faults_doc_poisoned_span_row_matches_the_test():
+    """The test exports ten spans of 10..19 bytes with one processor raising: the doc must not say nine."""
+    with open(os.path.join(ROOT, "tests", "test_faults.py"), encoding="utf-8") as handle:
+        source = handle.read()
+    body = source[source.index("def test_one_poisoned_span_loses_only_itself"):]
+    body = body[:body.index("\ndef ", 1)]
+    exported = re.search(r"== list\(range\((\d+), (\d+)\)\)", body)
+    assert exported, "the poisoned-span test no longer asserts the exported spans: update docs/faults.md"
+    count = int(exported.group(2)) - int(exported.group(1))
+    (row,) = [r for r in _fault_rows() if "test_one_poisoned_span_loses_only_itself" in r]
+    words = {9: "nine", 10: "ten"}
+    assert words.get(count, str(count)) in row and "nine" not in row.replace(words.get(count, ""), "")
