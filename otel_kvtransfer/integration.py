@@ -90,7 +90,7 @@ def deliver(call: tuple) -> None:
     scope = getattr(_thread, "scope", None)
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
-    else:
+    elif RECORDER.active:  # a call that ends after uninstrument must not sit in a queue nobody drains
         RECORDER.record((SEND, None, [call], get_current(), None, None))
 
 

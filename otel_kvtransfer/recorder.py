@@ -169,8 +169,9 @@ class Recorder:
             timeout_s = 0  # already gave up once on the way out: don't wait again
         if self.drain(timeout_s):
             return True
+        # The stuck batch's rest is counted once: the providers' shutdown calls this again after the atexit drain.
+        lost = 0 if self._abandoned else max(len(self._batch) - self._done, 0)
         self._abandoned = True
-        lost = max(len(self._batch) - self._done, 0)
         try:
             while True:
                 self._queue.popleft()

@@ -1,0 +1,268 @@
+"""The recorder's own paths, with no engine: drain under contention, process exit with a hung exporter,
+stop()/join, instrument/uninstrument as exact mirrors, fork.
+
+Transfers are handed over the way engine modules do it (`integration.deliver` with a records.CALL_* tuple).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from conftest import Telemetry, metric_points
+from otel_kvtransfer import KVTransferInstrumentor, RecordUnsampledSampler, config, semconv
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.version import __version__
+
+THREAD_NAME = "otel-kvtransfer-recorder"
+CALL = (1, 2, 8, 1, semconv.OP_WRITE, None, "tcp", 0, None, "test-engine", None)  # records.CALL_* order
+
+
+def recorder_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
+
+
+def dropped(reader):
+    RECORDER.drain()
+    return {dict(p.attributes)[semconv.DROP_REASON]: p.value
+            for p in metric_points(reader).get(semconv.METRIC_DROPPED, [])}
+
+
+class _Hanging(SpanExporter):
+    """export() blocks until released: a collector that accepts the connection and never answers."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.exported = 0
+
+    def export(self, spans):
+        self.entered.set()
+        self.release.wait(60)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.release.set()
+
+
+# --- drain ----------------------------------------------------------------------------------------------------------
+
+def test_a_drain_blocked_by_a_hung_exporter_gives_up_in_time_and_loses_nothing(monkeypatch):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")  # only explicit drains deliver
+    exporter = _Hanging()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    instrumentor = KVTransferInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[reader]))
+    try:
+        kvt.deliver(CALL)
+        stuck = threading.Thread(target=RECORDER.drain)
+        stuck.start()  # this drain hangs in the exporter, holding the builder
+        assert exporter.entered.wait(10)
+        for _ in range(10):
+            kvt.deliver(CALL)
+        assert RECORDER.drain(timeout_s=0.05) is False  # the other drain did not let go
+        assert provider.force_flush(timeout_millis=50) is False
+        assert RECORDER.pending() == 10  # still queued, not lost
+        exporter.release.set()
+        stuck.join(10)
+        assert RECORDER.drain() is True
+        assert RECORDER.pending() == 0
+        assert exporter.exported == 11
+        assert sum(p.count for p in metric_points(reader)[semconv.METRIC_DURATION]) == 11
+        assert dropped(reader) == {}
+    finally:
+        exporter.release.set()
+        instrumentor.uninstrument()
+
+
+def test_the_background_thread_delivers_without_any_flush(monkeypatch):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "5")
+    telemetry = Telemetry().instrument()
+    try:
+        for _ in range(20):
+            kvt.deliver(CALL)
+        deadline = time.monotonic() + 30
+        while len(telemetry.exporter.get_finished_spans()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(telemetry.exporter.get_finished_spans()) == 20
+    finally:
+        telemetry.uninstrument()
+
+
+# --- process exit with a hung exporter (issue 9) --------------------------------------------------------------------
+
+_EXIT = r"""
+import atexit, json, os, threading
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from otel_kvtransfer import KVTransferInstrumentor, semconv
+from otel_kvtransfer import integration as kvt
+
+TRANSFERS, HANG_AT = 5000, 2500
+state = {"exports": 0}
+hung = threading.Event()
+reader = InMemoryMetricReader()
+
+def report():  # registered first, so it runs last: after the package's exit drain and the providers' shutdown
+    points = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                points.setdefault(m.name, []).extend(m.data.data_points)
+    print(json.dumps({
+        "completed_exports": state["exports"] - 1,
+        "in_metrics": sum(p.count for p in points.get(semconv.METRIC_DURATION, [])),
+        "dropped": {dict(p.attributes)[semconv.DROP_REASON]: p.value
+                    for p in points.get(semconv.METRIC_DROPPED, [])},
+    }), flush=True)
+
+atexit.register(report)
+
+class Hung(SpanExporter):
+    def export(self, spans):
+        state["exports"] += 1
+        if state["exports"] == HANG_AT:
+            hung.set()
+            threading.Event().wait()  # a collector that never answers, from here on
+        return SpanExportResult.SUCCESS
+    def shutdown(self):
+        pass
+
+os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"] = "10"
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(Hung()))
+meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+KVTransferInstrumentor().instrument(tracer_provider=provider, meter_provider=meter_provider)
+for _ in range(TRANSFERS):
+    kvt.deliver((1, 2, 8, 1, "write", None, "tcp", 0, None, "test-engine", None))
+assert hung.wait(120)  # the recorder's thread is stuck inside a batch it took from the queue
+"""
+
+
+def test_at_exit_with_a_hung_exporter_every_transfer_is_delivered_or_counted(tmp_path):
+    """Issue 9: records the builder thread had already taken from the queue were in no span, no metric and no
+    drop count (5,000 transfers: 2,499 counted, 2,501 vanished)."""
+    script = tmp_path / "exit_hung.py"
+    script.write_text(_EXIT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["completed_exports"] == result["in_metrics"] == 2_499
+    assert result["dropped"] == {"flush_timeout": 5_000 - 2_499}
+    assert result["in_metrics"] + result["dropped"]["flush_timeout"] == 5_000
+
+
+# --- stop and join; instrument/uninstrument mirror ------------------------------------------------------------------
+
+def test_uninstrument_stops_and_joins_the_recorder_thread():
+    assert recorder_threads() == []
+    for _ in range(3):
+        telemetry = Telemetry().instrument()
+        assert len(recorder_threads()) == 1
+        kvt.deliver(CALL)
+        telemetry.uninstrument()
+        assert recorder_threads() == []  # ended and joined, not left evicting in the background
+        assert len(telemetry.exporter.get_finished_spans()) == 1  # what was queued was delivered first
+        assert not RECORDER.active
+
+
+def test_uninstrument_restores_the_package_tracers_sampler():
+    telemetry = Telemetry()
+    tracer = telemetry.tracer_provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)  # the SDK caches it
+    original = tracer.sampler
+    telemetry.instrument()
+    try:
+        assert isinstance(tracer.sampler, RecordUnsampledSampler)
+        assert tracer.sampler.delegate is original
+    finally:
+        telemetry.uninstrument()
+    assert tracer.sampler is original
+    assert telemetry.tracer_provider.sampler is original  # the provider's own sampler is never touched
+
+
+def _our_span():
+    context = SpanContext(trace_id=1, span_id=2, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return ReadableSpan(name=semconv.SPAN_SEND, context=context, attributes={semconv.BYTES: 8}, start_time=1,
+                        end_time=2, instrumentation_scope=InstrumentationScope(semconv.INSTRUMENTATION_NAME, "0"))
+
+
+def test_after_uninstrument_the_provider_derives_no_metrics_and_flushes_no_recorder(monkeypatch):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    telemetry = Telemetry().instrument()
+    telemetry.tracer_provider._active_span_processor.on_end(_our_span())  # pylint: disable=protected-access
+    assert sum(p.count for p in telemetry.metrics()[semconv.METRIC_SIZE]) == 1
+    telemetry.uninstrument()
+    telemetry.tracer_provider._active_span_processor.on_end(_our_span())  # pylint: disable=protected-access
+    assert sum(p.count for p in telemetry.metrics()[semconv.METRIC_SIZE]) == 1  # the processor is detached
+    exported = len(telemetry.spans())  # the two spans ended by hand above
+    kvt.deliver(CALL)  # not recording: nothing queued (it sat in the queue until the next instrument before)
+    assert RECORDER.pending() == 0
+    assert len(telemetry.spans()) == exported == 2
+
+
+def test_uninstrument_leaves_exactly_the_span_processors_it_found_private_sdk_attributes():
+    """The one test that reads the SDK's private processor tuple (tests/test_sdk_canary.py pins it)."""
+    telemetry = Telemetry()
+    before = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+    for _ in range(2):
+        telemetry.instrument()
+        during = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+        assert len(during) == len(before) + 2
+        assert type(during[0]).__name__ == "FlushFirstSpanProcessor"  # drains before anything exports
+        telemetry.uninstrument()
+        after = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+        assert after == before
+
+
+# --- fork -------------------------------------------------------------------------------------------------------
+
+def test_a_forked_child_records_with_its_own_thread_and_leaves_the_parents_spans_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "5")
+    telemetry = Telemetry().instrument()
+    try:
+        kvt.begin_request("parent-open", backend="test-engine")
+        for _ in range(5):
+            kvt.deliver(CALL)  # queued in the parent: the parent delivers them, never the child
+        report = tmp_path / "child.json"
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 1
+            try:
+                kvt.begin_request("child", backend="test-engine")
+                kvt.end_request("child")
+                deadline = time.monotonic() + 30  # no flush: the child's own thread must deliver
+                while not telemetry.exporter.get_finished_spans() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.05)
+                report.write_text(json.dumps({
+                    "threads": len(recorder_threads()),
+                    "spans": [(s.name, s.attributes[semconv.REQUEST_KEY]) if semconv.REQUEST_KEY in s.attributes
+                              else (s.name, None) for s in telemetry.exporter.get_finished_spans()]}))
+                code = 0
+            finally:
+                os._exit(code)  # pylint: disable=protected-access
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        child = json.loads(report.read_text())
+        assert child["threads"] == 1
+        assert [tuple(s) for s in child["spans"] if s[0] == semconv.SPAN_REQUEST] == [(semconv.SPAN_REQUEST, "child")]
+        kvt.end_request("parent-open")
+        spans = telemetry.spans()
+        assert [s.attributes[semconv.REQUEST_KEY] for s in spans if s.name == semconv.SPAN_REQUEST] == ["parent-open"]
+        assert len([s for s in spans if s.name == semconv.SPAN_SEND]) == 5
+    finally:
+        telemetry.uninstrument()
