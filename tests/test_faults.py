@@ -10,7 +10,6 @@ instrumentation, and every transfer is either in the spans/metrics or counted as
 them all.
 """
 
-import statistics
 import threading
 import time
 
@@ -23,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from conftest import metric_points
-from otel_kvtransfer import KVTransferInstrumentor, config, mooncake, semconv
+from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.demo.loopback import digest
 from otel_kvtransfer.recorder import RECORDER
@@ -115,15 +114,7 @@ def _write(engine, receiver, nbytes=8, offset=0):
         receiver.session, engine.base + offset, receiver.base_address + offset, nbytes)
 
 
-def _timed_writes(engine, receiver, n):
-    """Per-call wall time (s) of n 8-byte writes; every return code must be 0."""
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        rc = _write(engine, receiver)
-        times.append(time.perf_counter() - start)
-        assert rc == 0
-    return times
+BACKEND = "test"  # requests opened through the integration API in these tests
 
 
 # --- exporters --------------------------------------------------------------------------------------------------
@@ -161,8 +152,9 @@ def test_collector_down_with_the_real_otlp_exporter(engine, receiver):
         setup.close()
 
 
-def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, receiver, record_property):
-    baseline = _timed_writes(engine, receiver, 200)  # uninstrumented, same process, same peer
+def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, receiver):
+    """While the exporter is stuck, every engine call returns, the builder keeps building, and every transfer is
+    accounted for. (Its cost per call is a benchmark figure, bench/pipeline.py, never a pass/fail criterion.)"""
     exporter = _HangingExporter()
     batch = BatchSpanProcessor(exporter, max_queue_size=64, max_export_batch_size=8, schedule_delay_millis=5)
     setup = _Setup(batch)
@@ -170,7 +162,8 @@ def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, re
         assert _write(engine, receiver) == 0
         RECORDER.drain()
         assert exporter.entered.wait(10)  # the exporter is now stuck inside export()
-        hung = _timed_writes(engine, receiver, 400)
+        assert [_write(engine, receiver) for _ in range(400)] == [0] * 400  # each call returned, unchanged
+        assert not exporter.release.is_set() and exporter.exported == []  # ... all while the export was stuck
         drained = threading.Thread(target=RECORDER.drain)
         drained.start()
         drained.join(10)
@@ -178,8 +171,6 @@ def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, re
         # The SDK's queue overflowed (its own logged drop), but metrics still count every transfer.
         assert setup.transfers_in_metrics() == 401
         assert setup.dropped() == {}
-        record_property("median_us_uninstrumented", statistics.median(baseline) * 1e6)
-        record_property("median_us_exporter_hung", statistics.median(hung) * 1e6)
     finally:
         exporter.release.set()
         setup.close()
@@ -224,7 +215,7 @@ def test_processor_that_raises_on_every_span_is_counted_not_raised(monkeypatch, 
     try:
         for n in range(20):
             assert _write(engine, receiver, 100 + n) == 0
-        kvt.begin_request(5)
+        kvt.begin_request(5, backend=BACKEND)
         kvt.end_request(5)
         RECORDER.drain()
         assert bad.raised >= 1
@@ -297,7 +288,7 @@ def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine,
         try:
             for r in range(ROUNDS):
                 room = ROOMS[(t + r) % THREADS]
-                kvt.begin_request(room)
+                kvt.begin_request(room, backend=BACKEND)
                 for chunk in range(CHUNKS):
                     offset = (t * CHUNKS + chunk) * 8192
                     with kvt.transfer_scope(room, chunk_index=chunk, payload="kv", is_last_chunk=chunk == CHUNKS - 1):
@@ -326,7 +317,7 @@ def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine,
         setup.close()
 
     requests = sorted((s for s in spans if s.name == semconv.SPAN_REQUEST),
-                      key=lambda s: (s.attributes[semconv.BOOTSTRAP_ROOM], s.start_time))
+                      key=lambda s: (int(s.attributes[semconv.REQUEST_KEY]), s.start_time))
     sends = [s for s in spans if s.name == semconv.SPAN_SEND]
     assert len(requests) == THREADS * ROUNDS
     assert len(sends) == THREADS * ROUNDS * CHUNKS
@@ -334,12 +325,12 @@ def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine,
     for send in sends:
         children.setdefault(send.parent.span_id, []).append(send)
     for i, request in enumerate(requests):
-        room, r = request.attributes[semconv.BOOTSTRAP_ROOM], i % ROUNDS
+        room, r = int(request.attributes[semconv.REQUEST_KEY]), i % ROUNDS
         t = (ROOMS.index(room) - r) % THREADS  # the thread that served this room in round r
         kids = children[request.context.span_id]
         assert sorted(k.attributes[semconv.CHUNK_INDEX] for k in kids) == list(range(CHUNKS))
         assert {k.attributes[semconv.BYTES] for k in kids} == {_size_of(t)}
-        assert {k.attributes[semconv.BOOTSTRAP_ROOM] for k in kids} == {room}
+        assert {k.attributes[semconv.REQUEST_KEY] for k in kids} == {str(room)}
         assert request.attributes[semconv.BYTES] == CHUNKS * _size_of(t)
         assert request.attributes[semconv.TRANSFER_COUNT] == CHUNKS
         assert request.attributes[semconv.CHUNK_COUNT] == CHUNKS
@@ -350,6 +341,9 @@ def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine,
 
 
 def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
+    """Instrument and uninstrument while 4 threads write continuously. Besides every call returning 0 and the
+    engine being restored, the test checks its own premise: engine calls were in flight across the switches
+    (a call started before an instrument()/uninstrument() returned and ended after it began)."""
     from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
 
     original = TransferEngine.__dict__["transfer_sync_write"]
@@ -357,12 +351,15 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
     tracer_provider = TracerProvider(shutdown_on_exit=False)
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
     stop = threading.Event()
-    rcs, errors = [], []
+    rcs, errors, calls = [], [], []  # calls: (start_ns, end_ns) of every engine call
+    switches = []  # (start_ns, end_ns) of every instrument() / uninstrument()
 
     def worker(t):
         try:
             while not stop.is_set():
+                start = time.time_ns()
                 rcs.append(_write(engine, receiver, 300 + t, t * 4096))
+                calls.append((start, time.time_ns()))
         except Exception as exc:  # pylint: disable=broad-except
             errors.append(exc)
 
@@ -372,10 +369,16 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
     try:
         for _ in range(20):
             instrumentor = KVTransferInstrumentor()
+            before = len(rcs)
+            start = time.time_ns()
             instrumentor.instrument(tracer_provider=tracer_provider)
-            time.sleep(0.01)
+            switches.append((start, time.time_ns()))
+            _wait_for(lambda n=before: len(rcs) >= n + 8)  # some calls run while instrumented
+            before = len(rcs)
+            start = time.time_ns()
             instrumentor.uninstrument()
-            time.sleep(0.005)
+            switches.append((start, time.time_ns()))
+            _wait_for(lambda n=before: len(rcs) >= n + 8)  # and some while not
     finally:
         stop.set()
         for thread in threads:
@@ -383,13 +386,33 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
     assert not errors
     assert rcs and set(rcs) == {0}
     assert TransferEngine.__dict__["transfer_sync_write"] is original
+    overlapping = [s for s in switches if any(c0 < s[1] and c1 > s[0] for c0, c1 in calls)]
+    assert overlapping  # the switches really happened with calls in flight
     spans = exporter.get_finished_spans()
-    assert spans  # some calls were recorded, and each one completely
-    assert {s.attributes[semconv.BYTES] for s in spans} <= {300 + t for t in range(4)}
+    assert 0 < len(spans) < len(rcs)  # calls while instrumented were recorded, calls while not were not
+    assert {s.attributes[semconv.BYTES] for s in spans} <= {300 + t for t in range(4)}  # each one whole
+    assert all(s.attributes[semconv.ENGINE_CALLS] == 1 for s in spans)
     tracer_provider.shutdown()
 
 
+def _wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert condition()
+
+
 # --- bounded memory -------------------------------------------------------------------------------------------
+
+def _complete_all(engine, ids):
+    """Observe every completion (the counted ones included); each must be 'done' (1)."""
+    deadline = time.monotonic() + 30
+    for batch_id in ids:
+        status = 0
+        while status == 0 and time.monotonic() < deadline:
+            status = engine.engine.transfer_check_status(batch_id)
+        assert status == 1
+
 
 def test_async_submissions_never_observed_are_bounded_and_counted(monkeypatch, engine, receiver):
     monkeypatch.setenv(config.MAX_PENDING_ASYNC, "4")
@@ -399,17 +422,13 @@ def test_async_submissions_never_observed_are_bounded_and_counted(monkeypatch, e
         ids = [engine.engine.transfer_submit_write(
             receiver.session, engine.base + i * 4096, receiver.base_address + i * 4096, 4096) for i in range(10)]
         assert all(i > 0 for i in ids)
-        assert len(mooncake._pending) == 4  # pylint: disable=protected-access
-        deadline = time.monotonic() + 30
-        for batch_id in ids:  # observe every completion, the counted ones included
-            status = 0
-            while status == 0 and time.monotonic() < deadline:
-                status = engine.engine.transfer_check_status(batch_id)
-            assert status == 1
+        assert setup.dropped() == {"async_pending_full": 6}  # 4 kept pending, the rest counted at once
+        _complete_all(engine, ids)
         RECORDER.drain()
-        assert len(exporter.get_finished_spans()) == 4
+        assert [s.attributes[semconv.BYTES] for s in exporter.get_finished_spans()] == [4096] * 4
+        setup.instrumentor.uninstrument()
+        # Nothing was left pending: uninstrument counted no async_uninstrumented.
         assert setup.dropped() == {"async_pending_full": 6}
-        assert not mooncake._pending  # pylint: disable=protected-access
     finally:
         setup.close()
 
@@ -424,7 +443,7 @@ def test_uninstrument_with_async_submissions_in_flight_counts_them(engine, recei
         assert all(i > 0 for i in ids)
         setup.instrumentor.uninstrument()
         assert not exporter.get_finished_spans()
-        assert sum(setup.dropped().values()) == 3
+        assert setup.dropped() == {"async_uninstrumented": 3}
     finally:
         deadline = time.monotonic() + 30
         for batch_id in ids:  # let the engine finish and free the batches
@@ -434,23 +453,26 @@ def test_uninstrument_with_async_submissions_in_flight_counts_them(engine, recei
 
 
 def test_ten_thousand_rooms_that_never_conclude_are_all_evicted_and_counted(monkeypatch):
-    monkeypatch.setenv(config.REQUEST_TTL_S, "0.5")
-    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
+    """No engine. The count bound (max_open 1,000) ends the oldest as evicted while they open; the TTL ends the
+    rest. The TTL test on a controlled clock is tests/test_builder.py's; here the real recorder thread does it."""
+    monkeypatch.setenv(config.MAX_OPEN_REQUESTS, "1000")
+    monkeypatch.setenv(config.REQUEST_TTL_S, "0.2")
+    monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "20")
     exporter = InMemorySpanExporter()
     setup = _Setup(SimpleSpanProcessor(exporter))
-    builder = setup.instrumentor._builder  # pylint: disable=protected-access
-    now = [0.0]
-    builder._clock = lambda: now[0]  # pylint: disable=protected-access  # the TTL runs on our clock, not on load
     try:
         for room in range(10_000):
-            kvt.begin_request(room)
-        RECORDER.drain()
-        assert builder.open_rooms() == 10_000
-        now[0] = 1.0  # past the TTL
-        RECORDER.drain()  # the tick evicts
-        assert builder.open_rooms() == 0
-        assert setup.dropped() == {"request_evicted": 10_000}
-        assert len(exporter.get_finished_spans()) == 10_000
+            kvt.begin_request(room, backend=BACKEND)
+        _wait_for(lambda: len(exporter.get_finished_spans()) == 10_000, timeout_s=120)
+        spans = exporter.get_finished_spans()
+        assert sorted(int(s.attributes[semconv.REQUEST_KEY]) for s in spans) == list(range(10_000))
+        assert all(s.attributes[semconv.EVICTED] is True for s in spans)
+        assert all(s.status.status_code is StatusCode.ERROR for s in spans)
+        dropped = setup.dropped()
+        # Which bound ends which request depends on how fast the builder runs; together they count each once.
+        assert set(dropped) <= {"request_limit", "request_evicted"}
+        assert sum(dropped.values()) == 10_000
+        assert dropped.get("request_limit", 0) <= 9_000
     finally:
         setup.close()
 
@@ -461,11 +483,11 @@ def test_integration_api_never_raises_on_a_bad_room(engine, receiver):
     exporter = InMemorySpanExporter()
     setup = _Setup(SimpleSpanProcessor(exporter))
     try:
-        for bad in (None, "not-a-room", object()):
-            kvt.begin_request(bad)
+        for bad in (None, 1.5, object()):
+            kvt.begin_request(bad, backend=BACKEND)
             kvt.record_compute([bad], 1, 2)
             kvt.end_request(bad)
-            kvt.begin_receive(bad)
+            kvt.begin_receive(bad, backend=BACKEND)
             kvt.end_receive(bad)
             with kvt.transfer_scope(bad, chunk_index=0, payload="kv"):
                 assert _write(engine, receiver, 55) == 0  # still recorded, as a raw engine call
@@ -497,10 +519,10 @@ class Hung(SpanExporter):
 provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(Hung()))
 KVTransferInstrumentor().instrument(tracer_provider=provider)
-kvt.begin_request(1)
+kvt.begin_request(1, backend="test")
 kvt.end_request(1)
 assert entered.wait(10)  # the recorder's thread is now stuck in export()
-kvt.begin_request(2)     # ... and this record waits in the queue
+kvt.begin_request(2, backend="test")     # ... and this record waits in the queue
 print("exiting", flush=True)
 """
 
@@ -513,9 +535,11 @@ def test_a_hung_synchronous_exporter_does_not_stop_the_engine_process_from_exiti
     script.write_text(_EXIT_WITH_HUNG_EXPORTER)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        out, _ = proc.communicate(timeout=8)
+        # The exit drain waits at most 5 s; 60 s only tells a slow machine from a process that never exits.
+        out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        pytest.fail(f"the process did not exit within 8 s after its main thread ended: {out.decode()[-500:]}")
+        pytest.fail(f"the process did not exit after its main thread ended: {out.decode()[-500:]}")
     assert b"exiting" in out
+    assert proc.returncode == 0
