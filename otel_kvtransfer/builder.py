@@ -302,3 +302,14 @@ class SpanBuilder:
                 evicted += 1
             if evicted:
                 self._on_drop(reason, evicted)
+
+    def end_all(self, on_drop: Optional[Callable[[str, int], None]] = None) -> None:
+        """Uninstrument: end every open span as evicted (nothing would ever end it) and count them."""
+        on_drop = on_drop or self._on_drop
+        for table, end, reason in ((self._requests, self._end_evicted_request, "request_evicted"),
+                                   (self._peers, self._end_evicted_peer, "peer_evicted")):
+            count = len(table)
+            while table:
+                end(table.popitem(last=False)[1])
+            if count:
+                on_drop(reason, count)

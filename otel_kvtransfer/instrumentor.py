@@ -7,7 +7,8 @@ instrument() and uninstrument() mirror each other step for step:
 1. the package's tracer gets `RecordUnsampledSampler` (metrics count what sampling leaves out) / gets its own back;
 2. the SDK TracerProvider gets `FlushFirstSpanProcessor` in front (flush and shutdown deliver every recorded
    transfer) and `KVTransferMetricsProcessor` / both are detached;
-3. the recorder's thread starts with a fresh `SpanBuilder` / is drained (bounded), stopped and joined;
+3. the recorder's thread starts with a fresh `SpanBuilder` / is drained (bounded), stopped and joined, and the
+   spans the builder still holds open are ended as evicted and counted;
 4. every registered engine module and framework package patches what is importable / undoes every patch.
 When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
 recorder's thread as soon as one is set.
@@ -143,6 +144,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         RECORDER.start(settings, handle=builder.handle, tick=tick,
                        on_drops=lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}),
                        on_fork=builder.reset)
+        self._end_open = lambda: builder.end_all(lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}))
 
         # 4. Engines, then frameworks (which build on them).
         self._backends = engines + frameworks
@@ -169,6 +171,10 @@ class KVTransferInstrumentor(BaseInstrumentor):
                 _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
         # 3.
         RECORDER.stop()
+        try:  # what is still open would never end: end it as evicted, counted (before the processors go)
+            self._end_open()
+        except Exception:  # pylint: disable=broad-except
+            _logger.warning("otel_kvtransfer could not end the open spans", exc_info=True)
         # 1-2.
         self._attachment.detach()
 

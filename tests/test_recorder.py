@@ -266,3 +266,26 @@ def test_a_forked_child_records_with_its_own_thread_and_leaves_the_parents_spans
         assert len([s for s in spans if s.name == semconv.SPAN_SEND]) == 5
     finally:
         telemetry.uninstrument()
+
+
+# --- uninstrument with spans still open ---------------------------------------------------------------------------
+
+def test_uninstrument_ends_what_is_still_open_as_evicted_and_counts_it():
+    """Requests and peer waits still open at uninstrument used to vanish: no span, no metric, no drop count."""
+    telemetry = Telemetry().instrument()
+    kvt.begin_request(1, backend="test-engine")
+    with kvt.transfer_scope(1, chunk_index=0):
+        kvt.deliver(CALL)
+    kvt.begin_receive("r", backend="test-engine")
+    kvt.begin_serve("s", backend="test-engine")
+    telemetry.uninstrument()
+    spans = {s.name: s for s in telemetry.exporter.get_finished_spans()}
+    assert set(spans) == {semconv.SPAN_REQUEST, semconv.SPAN_SEND, semconv.SPAN_RECEIVE, semconv.SPAN_SERVE}
+    for name in (semconv.SPAN_REQUEST, semconv.SPAN_RECEIVE, semconv.SPAN_SERVE):
+        assert spans[name].attributes[semconv.EVICTED] is True
+        assert spans[name].attributes[semconv.ERROR_TYPE] == semconv.EVICTED_ERROR
+    assert spans[semconv.SPAN_REQUEST].attributes[semconv.BYTES] == 8  # its aggregates up to that point
+    assert dropped(telemetry.reader) == {"request_evicted": 1, "peer_evicted": 2}
+    # The metrics processor saw them before it was detached.
+    assert sum(p.count for p in metric_points(telemetry.reader)[semconv.METRIC_REQUEST_SIZE]) == 1
+    assert sum(p.count for p in metric_points(telemetry.reader)[semconv.METRIC_RECEIVE_DURATION]) == 2
