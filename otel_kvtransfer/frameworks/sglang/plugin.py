@@ -10,6 +10,8 @@ patches are idempotent). `OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=kv_transfer` swi
 When no SDK is configured yet (no `opentelemetry-instrument`), it configures one from the standard OTEL_*
 variables (OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...), through opentelemetry-distro's configurator
 when it is installed, else through the SDK's own. Exporting nothing stays possible: OTEL_TRACES_EXPORTER=none.
+With no OTEL_TRACES_EXPORTER and no SDK set up by anyone, it logs one warning saying the spans go nowhere and how
+to send them (activate() runs once per process: sglang's plugin loader is idempotent).
 """
 
 import logging
@@ -40,6 +42,20 @@ def _configure_sdk_if_absent() -> None:
     Configurator().configure()
 
 
+NOWHERE = ("otel_kvtransfer: sglang is instrumented but no OpenTelemetry SDK is configured, so kv_transfer spans "
+           "and metrics go nowhere; to send them set OTEL_TRACES_EXPORTER=otlp (OTEL_EXPORTER_OTLP_ENDPOINT=...) or "
+           "OTEL_TRACES_EXPORTER=kvtransfer_file (OTEL_KVTRANSFER_SPAN_FILE=...), or launch under "
+           "opentelemetry-instrument")
+
+
+def _say_if_nothing_exports() -> None:
+    """ONE line (per process) when the spans would go to the API's no-op provider: work done, nothing delivered."""
+    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
+
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        _logger.warning(NOWHERE)
+
+
 def activate() -> None:
     """Entry point function (`sglang.srt.plugins`); never raises into sglang."""
     if is_disabled():
@@ -52,5 +68,6 @@ def activate() -> None:
             return
         _configure_sdk_if_absent()
         instrumentor.instrument()
+        _say_if_nothing_exports()
     except Exception:  # pylint: disable=broad-except
         _logger.warning("otel_kvtransfer: the sglang plugin could not activate the instrumentation", exc_info=True)

@@ -9,8 +9,10 @@ wrapped itself); what it calls is:
   `maybe_send_extra` (state), `send_aux` (aux): each runs inside one transfer scope for (chunk x destination x
   payload); the executor it is handed is swapped for one that binds the scope on the executor's threads, so the
   per-layer engine calls of the sliced path join it too.
+- `send_aux_data_to_endpoint` (aux over ZMQ/TCP instead of the engine): one call of the aux scope per buffer.
 - `conclude_transfer`: a destination skipped because its session already failed gets a 0-byte ERROR send.
 - `update_status`: Success / Failed of a room ends its `kv_transfer.request`.
+A staging chunk deferred by back-pressure (`_do_staging_transfer` -> (-1, True), re-queued) is not an error.
 The request begins at `MooncakeKVSender.__init__` (bootstrap), under sglang's own request span when sglang's
 tracing is on (`create_sender` hands us the Req). `Scheduler.run_batch` of a prefill scheduler gives the compute
 intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted
@@ -258,14 +260,47 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
         with scope:
             result = wrapped(*args, **kwargs)
             try:
-                rc = result[0] if isinstance(result, tuple) else result
-                if isinstance(rc, int) and rc != 0 and not scope.calls:
-                    scope.set_error(f"{payload}_send_failed")
+                if not is_deferred(result):
+                    rc = result[0] if isinstance(result, tuple) else result
+                    if isinstance(rc, int) and rc != 0 and not scope.calls:
+                        scope.set_error(f"{payload}_send_failed")
             except Exception:  # pylint: disable=broad-except
                 own_error("transfer result")
             return result
 
     return wrapper
+
+
+def is_deferred(result) -> bool:
+    """`_do_staging_transfer` answering (-1, True): the staging buffer is not ready, sglang re-queued the chunk
+    (normal back-pressure). Nothing moved and nothing failed: no span now, the retry gets its own."""
+    return isinstance(result, tuple) and len(result) == 2 and result[1] is True
+
+
+# Aux over ZMQ/TCP (SGLANG_MOONCAKE_SEND_AUX_TCP=1, or a Mooncake NVLink pool): sglang sends each aux buffer with
+# send_aux_data_to_endpoint, not through the engine, so the engine wrapper never sees it. Each such message is
+# delivered as one call of the send_aux transfer scope, with the exact bytes of the buffer it carries.
+AUX_TCP_PROTOCOL = "tcp"
+
+
+def _aux_tcp_wrapper(wrapped, instance, args, kwargs):
+    if integration.current_scope() is None or not active():
+        return wrapped(*args, **kwargs)
+    start, rc, error = time_ns(), 0, None
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException as exc:
+        rc, error = -1, type(exc).__qualname__
+        raise
+    finally:
+        try:
+            data = args[5] if len(args) > 5 else kwargs.get("data")
+            remote = args[0] if args else kwargs.get("remote")
+            port = args[1] if len(args) > 1 else kwargs.get("dst_port")
+            integration.deliver((start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
+                                 f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error, BACKEND, None))
+        except Exception:  # pylint: disable=broad-except
+            own_error("aux over tcp")
 
 
 def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
@@ -321,10 +356,26 @@ def _run_batch_wrapper(wrapped, instance, args, kwargs):
 
 
 def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:
-    rooms = [r.bootstrap_room for r in (getattr(batch, "reqs", None) or ()) if
-             getattr(r, "bootstrap_room", None) is not None]
+    """Rooms of the batch that really transfer. sglang's warm-up and health requests carry its fake bootstrap
+    host (room 0, or the DP rank) and a fake sender: they make no compute record, whatever their room number."""
+    fake = _fake_host()
+    rooms = [r.bootstrap_room for r in (getattr(batch, "reqs", None) or ())
+             if getattr(r, "bootstrap_room", None) is not None
+             and (fake is None or getattr(r, "bootstrap_host", None) != fake)]
     if rooms:
         integration.record_compute(rooms, start_ns, end_ns)
+
+
+_FAKE_HOST = {"host": None}  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST, once sglang has loaded it
+
+
+def _fake_host():
+    if _FAKE_HOST["host"] is None:
+        import sys  # pylint: disable=import-outside-toplevel
+
+        module = sys.modules.get("sglang.srt.disaggregation.utils")  # loaded by every disaggregation scheduler
+        _FAKE_HOST["host"] = getattr(module, "FAKE_BOOTSTRAP_HOST", None)
+    return _FAKE_HOST["host"]
 
 
 # --- patching, module by module (called by the post-import hooks of otel_kvtransfer.sglang) -----------------
@@ -372,6 +423,7 @@ def patch_mooncake_conn(module) -> None:
             executor_pos = params.index("executor")
         patcher.wrap(module.MooncakeKVManager, name, _transfer_wrapper(payload, session_pos, req_pos, executor_pos))
     patcher.wrap(module.MooncakeKVManager, "add_transfer_request", _add_transfer_request_wrapper)
+    patcher.wrap(module.MooncakeKVManager, "send_aux_data_to_endpoint", _aux_tcp_wrapper)
 
 
 def patch_prefill(module) -> None:

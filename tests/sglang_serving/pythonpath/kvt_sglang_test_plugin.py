@@ -38,7 +38,8 @@ def _prometheus_port():
     import gc  # pylint: disable=import-outside-toplevel
     from wsgiref.simple_server import WSGIServer  # pylint: disable=import-outside-toplevel
 
-    ports = [o.server_address[1] for o in gc.get_objects() if isinstance(o, WSGIServer)]
+    # type(o), not isinstance(o): no __class__ look-up on lazy modules (torch warns on those)
+    ports = [o.server_address[1] for o in gc.get_objects() if issubclass(type(o), WSGIServer)]
     return ports[0] if len(ports) == 1 else None
 
 

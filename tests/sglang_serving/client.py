@@ -1,0 +1,87 @@
+"""HTTP client run INSIDE the deployment's network namespace (stdlib only; loopback addresses only).
+
+    client.py ok URL                 -> {"ok": bool}    (a 200 answer within 5 s)
+    client.py get URL PARAMS_JSON    -> the JSON body
+    client.py generate URL < REQUESTS_JSON
+        requests: [{"rid", "input_ids", "max_new_tokens"}]; sent one after another as streaming /generate calls;
+        answers [{"rid", "ttft_s", "total_s", "tokens", "meta"}] (ttft_s: first streamed chunk with a token)
+"""
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+
+def _loopback(url: str) -> str:
+    if not url.startswith("http://127.0.0.1:"):
+        raise SystemExit(f"client: only http://127.0.0.1 URLs, not {url[:80]!r}")
+    return url
+
+
+def ok(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(_loopback(url), timeout=5) as response:
+            return {"ok": response.status == 200}
+    except (urllib.error.URLError, OSError):
+        return {"ok": False}
+
+
+def get(url: str, params: dict):
+    if params:
+        url += "?" + urllib.parse.urlencode(params, doseq=True)
+    with urllib.request.urlopen(_loopback(url), timeout=20) as response:
+        return json.loads(response.read().decode())
+
+
+def generate_one(url: str, request: dict) -> dict:
+    body = json.dumps({
+        "rid": request["rid"], "input_ids": request["input_ids"], "stream": True,
+        "sampling_params": {"max_new_tokens": request["max_new_tokens"], "temperature": 0, "ignore_eos": True},
+    }).encode()
+    http = urllib.request.Request(_loopback(url), data=body, headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    ttft, tokens, meta = None, 0, {}
+    with urllib.request.urlopen(http, timeout=300) as response:
+        for raw in response:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"request {request['rid']}: {str(chunk['error'])[:300]}")
+            ids = chunk.get("output_ids") or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - start
+            tokens = max(tokens, len(ids), int((chunk.get("meta_info") or {}).get("completion_tokens") or 0))
+            meta = chunk.get("meta_info") or meta
+    total = time.perf_counter() - start
+    return {"rid": request["rid"], "ttft_s": ttft if ttft is not None else total, "total_s": total,
+            "tokens": tokens, "meta": meta}
+
+
+def main(argv) -> int:
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, url = argv[0], argv[1]
+    if command == "ok":
+        answer = ok(url)
+    elif command == "get":
+        answer = get(url, json.loads(argv[2]) if len(argv) > 2 else {})
+    elif command == "generate":
+        answer = [generate_one(url, r) for r in json.load(sys.stdin)]
+    else:
+        print(f"client: unknown command {command!r}", file=sys.stderr)
+        return 2
+    json.dump(answer, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,361 @@
+"""A real sglang PD deployment on one CPU machine, instrumented at launch: prefill server + decode server (each
+under `opentelemetry-instrument`), sglang-router in PD mode, optionally Phoenix (OTLP trace store) and Prometheus
+(scraping every engine process), all inside ONE private network namespace (`unshare --net`, loopback up).
+
+Used by the serving tests (tests/test_sglang_serving*.py, one deployment per pytest session) and by
+scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What cannot run here has a stand-in,
+named as such: an import-only `sgl_kernel` and a test-only sglang plugin (pythonpath/ beside this file).
+
+Every process is started in its own session, inside the namespace through `nsenter --net` (which execs, so the
+PID we hold is the process itself), and stopped by its PID's process group. Every wait is bounded. Nothing
+listens or sends outside 127.0.0.1 of the namespace, so the fixed ports below collide with nothing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: the observability parts
+from _observability_parts import phoenix_binary, prometheus_binary, start, stop, wait_until  # noqa: E402
+
+MODEL_DIR = os.path.join(HERE, "model")
+STAND_INS = os.path.join(HERE, "pythonpath")
+CLIENT = os.path.join(HERE, "client.py")
+
+# Inside the deployment's own network namespace: nothing else listens there.
+PREFILL_PORT, BOOTSTRAP_PORT, DECODE_PORT, ROUTER_PORT = 30000, 8998, 30001, 8000
+PHOENIX_HTTP_PORT, PHOENIX_GRPC_PORT, PROMETHEUS_PORT = 6006, 4317, 9090
+SERVER_START_S = 420  # 60-130 s on an idle 2-core machine; more when it is shared
+
+COMMON_FLAGS = [
+    "--load-format", "dummy", "--skip-tokenizer-init", "--device", "cpu", "--attention-backend", "torch_native",
+    "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--max-total-tokens", "16384", "--dtype", "bfloat16",
+    "--host", "127.0.0.1", "--disaggregation-transfer-backend", "mooncake",
+]
+PREFILL_FLAGS = ["--disaggregation-mode", "prefill", "--port", str(PREFILL_PORT),
+                 "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT),
+                 # the early cached-prefix send records a CUDA event on the forward stream under overlap scheduling
+                 "--disable-overlap-schedule"]
+DECODE_FLAGS = ["--disaggregation-mode", "decode", "--port", str(DECODE_PORT),
+                "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+
+
+def model_config(model_dir: str = MODEL_DIR) -> dict:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def expected_kv_bytes(tokens: int, config: dict) -> int:
+    """tokens x layers x 2 (K and V) x KV heads x head_dim x dtype bytes, from the model's config."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[config.get("torch_dtype", "bfloat16")]
+    return tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def _tool(name: str) -> str:
+    """A console script of the interpreter's own environment (the venv's opentelemetry-instrument)."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} (run `bash scripts/setup.sh`)")
+    return path
+
+
+class ProcessDied(RuntimeError):
+    """A process of the deployment exited while we waited for it."""
+
+
+def wait_for(check, timeout: float, interval: float, what: str):
+    """wait_until, except that a dead process ends the wait at once instead of at the time-out."""
+
+    def guarded():
+        try:
+            return check()
+        except ProcessDied as died:
+            return died
+
+    result = wait_until(guarded, timeout, interval, what=what)
+    if isinstance(result, ProcessDied):
+        raise result
+    return result
+
+
+class Deployment:
+    """One deployment; `start()` brings it up (or stops everything it started and raises), `stop()` ends it."""
+
+    def __init__(self, workdir=None, *, phoenix=False, prometheus=False, enable_trace=False, instrument=True,
+                 prefill_env=None, extra_env=None, exporters=None):
+        self.workdir = workdir or tempfile.mkdtemp(prefix="kvt-sglang-")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.phoenix, self.prometheus, self.enable_trace = phoenix, prometheus, enable_trace
+        self.instrument = instrument
+        self.prefill_env = dict(prefill_env or {})
+        self.extra_env = dict(extra_env or {})
+        self.exporters = exporters
+        self.procs = {}  # name -> Popen, in start order
+        self._logs = []
+        self.holder = None
+        self.nsenter = None
+        self.sd_dir = os.path.join(self.workdir, "prometheus-targets")
+
+    # --- paths of what the run writes -------------------------------------------------------------------------
+    def span_file(self, role: str) -> str:
+        return os.path.join(self.workdir, f"spans-{role}.jsonl")
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.workdir, f"{name}.log")
+
+    # --- processes -----------------------------------------------------------------------------------------------
+    def _start(self, name, argv, env=None):
+        log = open(self.log_path(name), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+        self._logs.append(log)
+        proc = start(self.nsenter + list(argv), env=env or os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
+                     cwd=ROOT)
+        self.procs[name] = proc
+        return proc
+
+    def _alive(self, name):
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            raise ProcessDied(f"{name} exited with {proc.returncode}; last log lines:\n{self.tail(name)}")
+
+    def tail(self, name, lines=40) -> str:
+        try:
+            with open(self.log_path(name), encoding="utf-8", errors="replace") as handle:
+                return "".join(handle.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def run_in_namespace(self, argv, timeout=60, input_text=None):
+        """Run argv inside the deployment's namespace; (returncode, stdout, stderr)."""
+        result = subprocess.run(self.nsenter + list(argv), capture_output=True, text=True, timeout=timeout,
+                                input=input_text, cwd=ROOT, check=False)
+        return result.returncode, result.stdout, result.stderr
+
+    def client(self, *args, timeout=120, input_text=None):
+        """tests/sglang_serving/client.py inside the namespace; its JSON answer."""
+        code, out, err = self.run_in_namespace([sys.executable, CLIENT, *args], timeout=timeout,
+                                               input_text=input_text)
+        if code != 0:
+            raise RuntimeError(f"client {args[0]} failed ({code}): {err[-2000:]}")
+        return json.loads(out)
+
+    def http_get(self, url, params=None, timeout=30):
+        return self.client("get", url, json.dumps(params or {}), timeout=timeout)
+
+    def _healthy(self, name, url):
+        self._alive(name)
+        return self.client("ok", url, timeout=30)["ok"]
+
+    # --- environment of the two servers ---------------------------------------------------------------------------
+    def server_env(self, role: str) -> dict:
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": os.pathsep.join(p for p in [STAND_INS, ROOT, env.get("PYTHONPATH", "")] if p),
+            "SGLANG_USE_CPU_ENGINE": "1", "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp",
+            "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": env.get("MC_LOG_LEVEL", "ERROR"),
+            "OTEL_SERVICE_NAME": f"sglang-{role}", "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_BSP_SCHEDULE_DELAY": "500",
+            "OTEL_KVTRANSFER_SPAN_FILE": self.span_file(role),
+        })
+        if not self.instrument:  # the baseline: not even the package's sglang plugin may switch it on
+            env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "kv_transfer"
+            env["OTEL_TRACES_EXPORTER"] = env["OTEL_METRICS_EXPORTER"] = "none"
+            return self._own_env(env, role)
+        exporters = self.exporters or (["otlp", "kvtransfer_file"] if self.phoenix else ["kvtransfer_file"])
+        env["OTEL_TRACES_EXPORTER"] = ",".join(exporters)
+        if "otlp" in exporters:
+            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{PHOENIX_GRPC_PORT}",
+                        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+        if self.prometheus:
+            # sglang's processes share one environment: port 0 gives each its own, and the test plugin publishes it
+            env.update({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                        "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "KVT_TEST_PROMETHEUS_SD_DIR": self.sd_dir})
+        else:
+            env["OTEL_METRICS_EXPORTER"] = "none"
+        return self._own_env(env, role)
+
+    def _own_env(self, env, role):
+        env.update(self.extra_env)
+        if role == "prefill":
+            env.update(self.prefill_env)
+        return env
+
+    def server_argv(self, role: str):
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL_DIR] + COMMON_FLAGS
+        argv += PREFILL_FLAGS if role == "prefill" else DECODE_FLAGS
+        if self.enable_trace:
+            argv += ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{PHOENIX_GRPC_PORT}"]
+        if self.instrument:
+            argv = [_tool("opentelemetry-instrument")] + argv
+        return argv
+
+    # --- bring-up ------------------------------------------------------------------------------------------------
+    def start(self):
+        try:
+            self._start_namespace()
+            if self.phoenix:
+                self._start_phoenix()
+            if self.prometheus:
+                shutil.rmtree(self.sd_dir, ignore_errors=True)
+                os.makedirs(self.sd_dir)
+                self._start_prometheus()
+            self._start("prefill", self.server_argv("prefill"), self.server_env("prefill"))
+            self._start("decode", self.server_argv("decode"), self.server_env("decode"))
+            # The router's launcher imports sglang (20-60 s here): it starts beside the servers and waits for them.
+            self._start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                   "--prefill", f"http://127.0.0.1:{PREFILL_PORT}", str(BOOTSTRAP_PORT),
+                                   "--decode", f"http://127.0.0.1:{DECODE_PORT}",
+                                   "--host", "127.0.0.1", "--port", str(ROUTER_PORT)])
+            for name, port in (("prefill", PREFILL_PORT), ("decode", DECODE_PORT), ("router", ROUTER_PORT)):
+                wait_for(lambda n=name, p=port: self._healthy(n, f"http://127.0.0.1:{p}/health"),
+                         SERVER_START_S, 2.0, what=f"sglang {name} healthy")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_namespace(self):
+        # The holder owns the namespace for the deployment's lifetime; unshare without --fork becomes `sleep`.
+        self.holder = start(["unshare", "--net", "sh", "-c", "ip link set lo up && exec sleep 86400"])
+        own = os.readlink(f"/proc/{os.getpid()}/ns/net")
+
+        def ready():
+            if self.holder.poll() is not None:
+                raise RuntimeError(f"unshare --net exited with {self.holder.returncode}")
+            return os.readlink(f"/proc/{self.holder.pid}/ns/net") != own and subprocess.run(
+                ["nsenter", f"--net=/proc/{self.holder.pid}/ns/net", "ip", "-o", "link", "show", "lo"],
+                capture_output=True, text=True, check=False).stdout.find("UP") >= 0
+
+        wait_until(ready, 10, 0.05, what="a network namespace with loopback up")
+        self.nsenter = ["nsenter", f"--net=/proc/{self.holder.pid}/ns/net"]
+
+    def _start_phoenix(self):
+        binary = phoenix_binary()
+        if not binary:
+            raise FileNotFoundError("arize-phoenix is not installed (bash scripts/setup-observability.sh)")
+        env = {**os.environ, "PHOENIX_WORKING_DIR": os.path.join(self.workdir, "phoenix"),
+               "PHOENIX_HOST": "127.0.0.1", "PHOENIX_PORT": str(PHOENIX_HTTP_PORT),
+               "PHOENIX_GRPC_PORT": str(PHOENIX_GRPC_PORT), "PHOENIX_TELEMETRY_ENABLED": "false",
+               "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false"}
+        self._start("phoenix", [binary, "serve"], env)
+        wait_for(lambda: self._healthy("phoenix", f"http://127.0.0.1:{PHOENIX_HTTP_PORT}/healthz"), 120, 1.0,
+                   what="phoenix healthy")
+
+    def _start_prometheus(self):
+        binary = prometheus_binary()
+        if not binary:
+            raise FileNotFoundError("Debian prometheus is not installed (bash scripts/setup-observability.sh)")
+        config = os.path.join(self.workdir, "prometheus.yml")
+        with open(config, "w", encoding="utf-8") as out:
+            out.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\nscrape_configs:\n"
+                      "  - job_name: sglang\n    file_sd_configs:\n"
+                      f"      - files: ['{self.sd_dir}/*.json']\n        refresh_interval: 1s\n")
+        self._start("prometheus", [binary, f"--config.file={config}",
+                                   f"--storage.tsdb.path={os.path.join(self.workdir, 'prometheus-data')}",
+                                   f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}"])
+        wait_for(lambda: self._healthy("prometheus", f"http://127.0.0.1:{PROMETHEUS_PORT}/-/ready"), 60, 0.5,
+                   what="prometheus ready")
+
+    # --- requests ------------------------------------------------------------------------------------------------
+    def generate(self, requests, timeout=600):
+        """Send requests (dicts with input_ids, max_new_tokens, rid) one after another through the router,
+        streaming; per request: rid, ttft_s, total_s, tokens (output token count), meta."""
+        return self.client("generate", f"http://127.0.0.1:{ROUTER_PORT}/generate", timeout=timeout,
+                           input_text=json.dumps(requests))
+
+    def prometheus_query(self, expr):
+        body = self.http_get(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query", {"query": expr})
+        return body["data"]["result"]
+
+    def prometheus_targets(self):
+        return self.http_get(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/targets")["data"]["activeTargets"]
+
+    def server_pids(self, name):
+        """PID of the server process and of everything it spawned (schedulers, detokenizer)."""
+        import psutil  # pylint: disable=import-outside-toplevel
+
+        root = psutil.Process(self.procs[name].pid)
+        return [root.pid] + [c.pid for c in root.children(recursive=True)]
+
+    # --- tear-down -----------------------------------------------------------------------------------------------
+    def stop(self):
+        """Stop every process by its PID (process group), servers first so their exporters flush on SIGTERM."""
+        for name in ("router", "prefill", "decode", "prometheus", "phoenix"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                stop(proc, timeout=30)
+        for proc in self.procs.values():
+            stop(proc)
+        if self.holder is not None:
+            stop(self.holder)
+        for log in self._logs:
+            log.close()
+        self._logs = []
+
+
+def _sigterm_as_exit(*_):
+    raise SystemExit(143)
+
+
+def main(argv=None) -> int:
+    """`run`: start a deployment, send N requests through the router, write span files, stop everything."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--out", required=True, help="folder for span files, logs and the request results")
+    run.add_argument("--requests", type=int, default=8)
+    run.add_argument("--tokens", type=int, default=300, help="prompt tokens per request")
+    run.add_argument("--max-new-tokens", type=int, default=16)
+    run.add_argument("--repeat-every", type=int, default=2,
+                     help="every k-th request repeats the previous prompt (cached prefix sent early); 0: never")
+    run.add_argument("--no-instrument", action="store_true", help="without opentelemetry-instrument")
+    args = parser.parse_args(argv)
+    if not 1 <= args.requests <= 1000 or not 1 <= args.tokens <= 8000 or not 1 <= args.max_new_tokens <= 512:
+        print("sglang-pd: --requests 1..1000, --tokens 1..8000, --max-new-tokens 1..512", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _sigterm_as_exit)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    deployment = Deployment(out, instrument=not args.no_instrument)
+    print(f"sglang-pd: starting prefill + decode + router in a private network namespace (logs in {out}) ...",
+          file=sys.stderr)
+    try:
+        deployment.start()
+        requests = prompts(args.requests, args.tokens, args.max_new_tokens, args.repeat_every)
+        results = deployment.generate(requests)
+    finally:
+        deployment.stop()
+    with open(os.path.join(out, "requests.json"), "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=1)
+    print(json.dumps({"requests": len(results), "span_files": [deployment.span_file(r) for r in ("prefill", "decode")],
+                      "ttft_s": [round(r["ttft_s"], 4) for r in results]}))
+    return 0
+
+
+def prompts(count, tokens, max_new_tokens, repeat_every=2, seed=7, rid_prefix="kvt"):
+    """`count` requests of `tokens` token ids each; every `repeat_every`-th one repeats the previous prompt."""
+    import random  # pylint: disable=import-outside-toplevel
+
+    rng = random.Random(seed)
+    vocab = model_config()["vocab_size"]
+    out, previous = [], None
+    for i in range(count):
+        if previous is not None and repeat_every and i % repeat_every == repeat_every - 1:
+            ids = previous
+        else:
+            ids = [rng.randrange(3, vocab) for _ in range(tokens)]
+        previous = ids
+        out.append({"rid": f"{rid_prefix}-{i}", "input_ids": ids, "max_new_tokens": max_new_tokens})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
