@@ -214,3 +214,26 @@ def test_uninstrument_restores_the_agent(receiver):
     assert init.wait(init.agent.initialize_xfer("WRITE", local, remote, init.peer)) == "DONE"
     assert tel.spans() == []
 
+
+
+def test_instrument_never_imports_nixl_and_patches_it_on_import():
+    """vLLM sets UCX variables before its first NIXL import; instrumenting first must not import NIXL early."""
+    require_part(_nixl_importable(), "NIXL (pip install --no-deps -r scripts/requirements-nixl.txt)")
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    probe = (
+        "import sys\n"
+        "from otel_kvtransfer.engines import nixl as engine\n"
+        "from otel_kvtransfer.patching import is_ours\n"
+        "assert engine.instrument()\n"
+        "assert 'nixl' not in sys.modules, 'imported too early'\n"
+        "import nixl._api as api\n"
+        "assert is_ours(api.nixl_agent.__dict__['transfer'])\n"
+        "assert is_ours(api.nixl_xfer_handle.__dict__['release'])\n"
+        "engine.uninstrument()\n"
+        "assert not is_ours(api.nixl_agent.__dict__['transfer'])\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

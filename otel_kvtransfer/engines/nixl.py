@@ -10,9 +10,13 @@ wrappers only time and count: the call tuple goes to the transfer scope current 
 counts what it has to drop.
 """
 
+import importlib.util
 import logging
+import sys
 from time import time_ns
 from typing import Optional
+
+import wrapt
 
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
@@ -23,13 +27,13 @@ _logger = logging.getLogger(__name__)
 
 BACKEND = "nixl"
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
-INSTRUMENTS = "nixl >= 1.5"
 
 _LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")
 _OPS = {"WRITE": semconv.OP_WRITE, "READ": semconv.OP_READ}
 _MAX_DLISTS = 4096  # prepared descriptor lists remembered (vLLM prepares a handful per peer engine)
 _MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
 
+_state = {"on": False, "hooked": False}
 _patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
@@ -224,31 +228,50 @@ def _api_module():
 
 def available() -> bool:
     try:
-        _api_module()
-    except Exception:  # pylint: disable=broad-except
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):
         return False
-    return True
+
+
+def _patch(_module=None) -> None:
+    """Wrap `nixl_agent` and its handles (run when `nixl` has been imported, by whoever imports it)."""
+    if not _state["on"]:
+        return
+    try:
+        api = sys.modules.get("nixl._api") or _api_module()
+        agent = api.nixl_agent
+        _patcher.wrap(agent, "prep_xfer_dlist", _prep_dlist_wrapper)
+        _patcher.wrap(agent, "make_prepped_xfer", _make_prepped_wrapper)
+        _patcher.wrap(agent, "initialize_xfer", _initialize_wrapper)
+        _patcher.wrap(agent, "transfer", _transfer_wrapper)
+        _patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
+        _patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
+        _patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
+    except Exception:  # pylint: disable=broad-except
+        own_error("patch NIXL")
+        _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
 
 
 def instrument() -> bool:
-    """Wrap `nixl_agent` and its transfer handles; False when NIXL is not importable."""
-    try:
-        api = _api_module()
-    except Exception as exc:  # pylint: disable=broad-except
-        _logger.debug("otel_kvtransfer: NIXL not importable (%s); not instrumented", exc)
+    """Patch NIXL now if it is imported, else when it is; False when NIXL is not installed.
+
+    NIXL is never imported here: vLLM sets UCX variables (UCX_RCACHE_MAX_UNRELEASED) before its own first
+    import of NIXL, and an earlier import by us would keep them from applying.
+    """
+    if not available():
         return False
-    agent = api.nixl_agent
-    _patcher.wrap(agent, "prep_xfer_dlist", _prep_dlist_wrapper)
-    _patcher.wrap(agent, "make_prepped_xfer", _make_prepped_wrapper)
-    _patcher.wrap(agent, "initialize_xfer", _initialize_wrapper)
-    _patcher.wrap(agent, "transfer", _transfer_wrapper)
-    _patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
-    _patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
-    _patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
+    _state["on"] = True
+    if "nixl" in sys.modules:
+        _patch()
+    elif not _state["hooked"]:
+        # wrapt keeps hooks forever: registered once per process, they consult _state["on"].
+        wrapt.register_post_import_hook(_patch, "nixl")
+        _state["hooked"] = True
     return True
 
 
 def uninstrument() -> None:
+    _state["on"] = False
     _patcher.unwrap_all()
     _pending.abandon()
     _dlists.clear()
