@@ -153,7 +153,7 @@ class PlainStandIn:
 
 
 class WrappedStandIn:
-    """The same no-op method, wrapped by the package's own Mooncake wrapper (`mooncake._sync_wrapper`)."""
+    """The same no-op method, wrapped by the package's own Mooncake hot-path function (`mooncake._sync`)."""
 
     transfer_sync_write = _no_op_write
 
@@ -165,22 +165,21 @@ class NaiveStandIn:
 
 
 def wrap_stand_ins(naive):
-    """Wrap the stand-in classes once: ours with the package's wrapper factory, the naive one with `naive`."""
+    """Wrap the stand-in classes once: ours with the package's own hot-path function, the naive one with `naive`."""
     import wrapt  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer import mooncake  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines import mooncake  # pylint: disable=import-outside-toplevel
 
     # pylint: disable=protected-access
-    if not hasattr(WrappedStandIn.__dict__["transfer_sync_write"], "__wrapped__"):
-        wrapt.wrap_function_wrapper(WrappedStandIn, "transfer_sync_write",
-                                    mooncake._sync_wrapper(mooncake.WRITE, False))
+    if WrappedStandIn.__dict__["transfer_sync_write"] is _no_op_write:
+        WrappedStandIn.transfer_sync_write = mooncake._sync(_no_op_write, mooncake.WRITE, False)
     if not hasattr(NaiveStandIn.__dict__["transfer_sync_write"], "__wrapped__"):
         wrapt.wrap_function_wrapper(NaiveStandIn, "transfer_sync_write", naive)
 
 
 def register_transport(engine, transport="tcp"):
     """What the package's initialize() wrapper notes for a real engine, for a stand-in that has no initialize."""
-    from otel_kvtransfer import mooncake  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines import mooncake  # pylint: disable=import-outside-toplevel
 
     mooncake._transports[id(engine)] = transport  # pylint: disable=protected-access
 
@@ -212,8 +211,8 @@ class Naive:
                 semconv.OP: semconv.OP_WRITE, semconv.THROUGHPUT: throughput,
                 semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_TRANSMIT, semconv.NETWORK_TRANSPORT: "tcp",
                 semconv.SERVER_ADDRESS: host, semconv.SERVER_PORT: int(port) if port.isdigit() else 0,
-                semconv.BACKEND: semconv.BACKEND_MOONCAKE})
-            labels = {semconv.BACKEND: semconv.BACKEND_MOONCAKE}
+                semconv.BACKEND: "mooncake"})
+            labels = {semconv.BACKEND: "mooncake"}
             self.duration.record(elapsed / 1e9, labels)
             self.size.record(nbytes, labels)
             self.throughput.record(throughput, labels)

@@ -45,7 +45,7 @@ def _sdk_span_floor(n: int) -> float:
     attrs = {semconv.BYTES: 8, semconv.DESCRIPTOR_COUNT: 1, semconv.ENGINE_CALLS: 1, semconv.THROUGHPUT: 1e9,
              semconv.NETWORK_IO_DIRECTION: semconv.DIRECTION_TRANSMIT, semconv.OP: semconv.OP_WRITE,
              semconv.SERVER_ADDRESS: "127.0.0.1", semconv.SERVER_PORT: 12345, semconv.NETWORK_TRANSPORT: "tcp",
-             semconv.BACKEND: semconv.BACKEND_MOONCAKE}
+             semconv.BACKEND: "mooncake"}
     start = time.perf_counter()
     for i in range(n):
         span = tracer.start_span(semconv.SPAN_SEND, kind=SpanKind.CLIENT, attributes=attrs, start_time=i)

@@ -79,14 +79,15 @@ def _seed(engine, src, receivers, fanout, requests, cfg_factory, exporter) -> di
     rows, legacy = [], []
     try:
         for n in range(requests):
-            legacy.append(demo.run_request(20_000 + 100 * fanout + n, engine, src, destinations, cfg, kvt))
+            legacy.append(demo.run_request(20_000 + 100 * fanout + n, engine, src, destinations, cfg, kvt,
+                                           "mooncake"))
     finally:
         RECORDER.drain()
     after = demo.measure_link_capacity(engine, receivers[0], src.ctypes.data, cfg.kv_bytes)
     capacity = max(before, after)
     size = cfg.kv_bytes + cfg.aux_bytes
     verified = all(r.digest(0, size) == digest(src[:size]) for r in receivers[:fanout])
-    spans = {s.attributes[semconv.BOOTSTRAP_ROOM]: s for s in exporter.get_finished_spans()
+    spans = {int(s.attributes[semconv.REQUEST_KEY]): s for s in exporter.get_finished_spans()
              if s.name == semconv.SPAN_REQUEST}
     for item in legacy:
         attrs = spans[item["room"]].attributes

@@ -181,7 +181,8 @@ class SpanBuilder:
             first = None
         nbytes = descriptors = 0
         for call in calls:
-            nbytes += call[r.CALL_BYTES]
+            moved = call[r.CALL_BYTES]
+            nbytes += moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
             descriptors += call[r.CALL_DESCRIPTORS]
         if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
             self._on_drop("invalid_length", 1)

@@ -35,7 +35,7 @@ INFO_ATTRIBUTES = 7  # dict of extra span attributes (framework ids), or None
 # One engine call, as an engine wrapper times it.
 CALL_START = 0  # time_ns()
 CALL_END = 1
-CALL_BYTES = 2
+CALL_BYTES = 2  # an int, or the list of lengths the engine was given (summed on the builder thread)
 CALL_DESCRIPTORS = 3
 CALL_OP = 4  # semconv.OP_WRITE | OP_READ
 CALL_PEER = 5  # the engine's own peer name, parsed later by the engine's peer_attributes()

@@ -50,6 +50,7 @@ DEFAULTS: Dict[str, Any] = {
     "fail": None,  # "decode_gone": decode killed after its metadata reached prefill; "no_decode": see below
     "room": None,
     "timeout_s": 60.0,
+    "startup_timeout_s": 300.0,  # importing sglang takes ~3 s on a quiet machine, minutes on a loaded one
     "sglang_trace": False,  # sglang's own tracing (--enable-trace), exporting to a closed port
 }
 
@@ -334,7 +335,7 @@ def prefill_main(cfg, events, go) -> None:
                     raise TimeoutError("sender stayed in Bootstrapping")
                 time.sleep(0.01)
         events.put(("prefill_bootstrapped", None))
-        if not _wait_flag(go, cfg["timeout_s"]):
+        if not _wait_flag(go, cfg["startup_timeout_s"]):
             raise TimeoutError("no go from the parent")
 
         pages = np.asarray(_src_pages(cfg), dtype=np.int32)
@@ -553,13 +554,13 @@ def run_scenario(**overrides) -> Dict[str, Any]:
     result: Dict[str, Any] = {"prefill": None, "decodes": [], "cfg": cfg}
     try:
         procs[0].start()
-        if not _wait_event(events, "prefill_ready", cfg["timeout_s"], result):
+        if not _wait_event(events, "prefill_ready", cfg["startup_timeout_s"], result):
             raise TimeoutError(f"prefill not ready: {result}")
         for p in procs[1:]:
             p.start()
         metadata, bootstrapped = 0, cfg["fail"] == "no_decode"
         while metadata < cfg["decodes"] or not bootstrapped:
-            kind = _next_event(events, cfg["timeout_s"], result)
+            kind = _next_event(events, cfg["startup_timeout_s"], result)  # decode processes import sglang too
             if kind == "decode_metadata_sent":
                 metadata += 1
             elif kind == "prefill_bootstrapped":

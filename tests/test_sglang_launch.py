@@ -47,7 +47,7 @@ def _console_spans(stdout: str):
 
 def _harness(argv_prefix, scenario, env):
     cmd = list(argv_prefix) + [str(HERE / "sglang_harness.py"), json.dumps(scenario)]
-    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HARNESS_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1][len("HARNESS_RESULT "):])
