@@ -363,3 +363,14 @@ def test_demo_span_file_reads():
         if span.name in (sc.SPAN_REQUEST, sc.SPAN_SEND):
             assert isinstance(span.attributes[sc.REQUEST_KEY], str)
     assert len([s for s in spans if s.name == sc.SPAN_REQUEST]) >= 3
+
+
+def test_repeated_otlp_attribute_values_keep_their_types(tmp_path):
+    records = synthetic_records(requests=1)[:4]
+    values = ["1", 1, 1.0, True]
+    for record, value in zip(records, values):
+        record["attributes"]["x.same"] = value
+    spans = read_spans(write_otlp(tmp_path / "t.jsonl", records + records, per_line=4))
+    got = [s.attributes["x.same"] for s in spans]
+    assert got == values + values
+    assert [type(v) for v in got] == [type(v) for v in values + values]

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.file_exporter import ids_from_hex
@@ -251,10 +252,59 @@ def _check_shape(value: dict, descriptor) -> None:
                 stack.append((element, child))
 
 
+# Span attributes repeat (keys always; most values: payload, framework, chunk and destination indexes, the
+# request key across a request's spans), and json_format costs far more per field than the rest of the read:
+# each distinct scalar attribute is parsed once with json_format into a KeyValue and remembered.
+_KEY_VALUES: dict = {}
+_KEY_VALUES_MAX = 1 << 16
+_SCALARS = (str, int, float, bool)
+
+
+def _span_attributes(items) -> dict:
+    """The attributes of one span from its OTLP-JSON list, each KeyValue parsed by json_format (or remembered)."""
+    if items is None:
+        return {}
+    if not isinstance(items, list):
+        raise _LineError(f"attributes must be a list, got {type(items).__name__}")
+    out = {}
+    for item in items:
+        memo = None
+        if type(item) is dict and len(item) == 2 and type(item.get("key")) is str:  # pylint: disable=unidiomatic-typecheck
+            value = item.get("value")
+            if type(value) is dict and len(value) == 1:  # pylint: disable=unidiomatic-typecheck
+                ((kind, scalar),) = value.items()
+                if isinstance(scalar, _SCALARS):
+                    memo = (item["key"], kind, type(scalar), scalar)
+        parsed = _KEY_VALUES.get(memo) if memo is not None else None
+        if parsed is None:
+            if not isinstance(item, dict):
+                raise _LineError(f"an attribute must be an object, got {type(item).__name__}")
+            key_value = KeyValue()
+            json_format.ParseDict(item, key_value, ignore_unknown_fields=True)
+            parsed = (key_value.key, _any_value(key_value.value))
+            if memo is not None:
+                if len(_KEY_VALUES) >= _KEY_VALUES_MAX:
+                    _KEY_VALUES.clear()
+                _KEY_VALUES[memo] = parsed
+        out[parsed[0]] = parsed[1]
+    return out
+
+
+def _span_dicts(obj: dict) -> Iterator[dict]:
+    """The span objects of an export request, in the order json_format fills the message (either field name)."""
+    for resource_spans in obj.get("resourceSpans") or obj.get("resource_spans") or ():
+        if isinstance(resource_spans, dict):
+            for scope_spans in resource_spans.get("scopeSpans") or resource_spans.get("scope_spans") or ():
+                if isinstance(scope_spans, dict):
+                    yield from (s for s in scope_spans.get("spans") or () if isinstance(s, dict))
+
+
 def _otlp_spans(obj: dict) -> Iterator[Span]:
+    attribute_lists = [span.pop("attributes", None) for span in _span_dicts(obj)]
     _check_shape(obj, ExportTraceServiceRequest.DESCRIPTOR)
     message = ExportTraceServiceRequest()
     json_format.ParseDict(ids_from_hex(obj), message, ignore_unknown_fields=True)
+    attribute_lists = iter(attribute_lists)
     for resource_spans in message.resource_spans:
         resource = _otlp_attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
@@ -273,7 +323,7 @@ def _otlp_spans(obj: dict) -> Iterator[Span]:
                     end_time_unix_nano=end,
                     status_code=STATUS_CODES[raw.status.code] if 0 <= raw.status.code < 3 else "UNSET",
                     status_description=raw.status.message or None,
-                    attributes=_checked_attributes(_otlp_attributes(raw.attributes)),
+                    attributes=_checked_attributes(_span_attributes(next(attribute_lists))),
                     resource=resource,
                     scope_name=scope,
                 )
