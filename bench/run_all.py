@@ -21,8 +21,8 @@ sys.path.insert(0, HERE)
 
 from common import machine, write_json  # noqa: E402
 
-BENCHES = ["engine_cost", "pipeline", "memory", "truth"]
-GOALS = {"thread_added_us": 2.0, "process_added_cpu_us": 15.0, "builder_per_s": 60_000, "neighbour_slowdown": 0.01,
+BENCHES = ["engine_cost", "pipeline", "memory", "truth", "eviction"]
+GOALS = {"eviction_ratio": 2.0, "thread_added_us": 2.0, "process_added_cpu_us": 15.0, "builder_per_s": 60_000, "neighbour_slowdown": 0.01,
          "capacity_per_s": 20_000, "truth_error": 0.02}
 
 
@@ -60,7 +60,7 @@ def _verdict(ok: bool) -> str:
 
 
 def summary(results: dict) -> dict:
-    cost, pipe, mem, truth = (results[k] for k in BENCHES)
+    cost, pipe, mem, truth, evict = (results[k] for k in BENCHES)
     thread = cost["thread"]
     growth = mem["rss_after_warmup_mib"]["growth"]
     return {
@@ -83,6 +83,10 @@ def summary(results: dict) -> dict:
         "truth_worst_error": truth["per_transfer_worst_abs_error"],
         "truth_goal_met": truth["per_transfer_worst_median_abs_error"] <= GOALS["truth_error"],
         "truth_median_error_by_bytes": {size: v["median_error"] for size, v in truth["per_transfer"].items()},
+        "eviction_tick_ratio": evict["tick_ratio_100k_over_1k"],
+        "eviction_open_ratio": evict["open_when_full_ratio_100k_over_1k"],
+        "eviction_goal_met": max(evict["tick_ratio_100k_over_1k"],
+                                 evict["open_when_full_ratio_100k_over_1k"]) <= GOALS["eviction_ratio"],
     }
 
 
@@ -115,7 +119,7 @@ def _cost_section(cost: dict, s: dict) -> list:
 
 def render(results: dict) -> str:
     m = results["machine"]
-    cost, pipe, mem, truth = (results[k] for k in BENCHES)
+    cost, pipe, mem, truth, _ = (results[k] for k in BENCHES)
     s = results["summary"]
     lines = ["# Benchmark results", "",
              f"Written by `python bench/run_all.py{' --quick' if results['quick'] else ''}` on {results['date']} "
@@ -154,7 +158,10 @@ def render(results: dict) -> str:
               f"| per-transfer throughput within 2% of an independent timer | median error by size: "
               + ", ".join(f"{int(size) >> 20} MiB {err:+.2%}" for size, err in s["truth_median_error_by_bytes"].items())
               + f" (worst single {s['truth_worst_error']:.2%}) "
-              f"| {_verdict(s['truth_goal_met'])} |", ""]
+              f"| {_verdict(s['truth_goal_met'])} |",
+              f"| eviction cost independent of the number of open requests (100,000 vs 1,000 open) | TTL tick "
+              f"x{s['eviction_tick_ratio']:.2f}, opening one when full x{s['eviction_open_ratio']:.2f} "
+              f"| {_verdict(s['eviction_goal_met'])} |", ""]
     lines += _cost_section(cost, s)
 
     # 2. pipeline

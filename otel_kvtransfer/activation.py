@@ -1,0 +1,156 @@
+"""How a framework package is switched on: a version gate, lazy patching, and the framework's own plugin hook.
+
+Every framework package does the same three things, so they live here once:
+- `FrameworkHooks.instrument()` checks the installed version against the range the package's wrappers were
+  written for (outside it: one warning, nothing patched), then patches each of the framework's modules now if it
+  is imported, else the moment it is (wrapt post-import hooks, registered once per process because wrapt keeps
+  them forever; they consult the on/off state).
+- `activate_plugin()` is what a framework's plugin entry point calls in every process the framework starts: it
+  respects OTEL_PYTHON_DISABLED_INSTRUMENTATIONS, sets up the SDK from the standard OTEL_* variables when nobody
+  has (saying in one log line where spans go when no exporter is configured), and instruments once.
+"""
+
+import logging
+import os
+import sys
+from importlib import metadata
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+from otel_kvtransfer.patching import own_error
+
+_logger = logging.getLogger(__name__)
+
+ENTRY_POINT_NAME = "kv_transfer"  # the opentelemetry_instrumentor entry point, also the name to disable
+
+
+def version_tuple(text: str) -> Tuple[int, ...]:
+    """'0.5.23.post1' -> (0, 5, 23); stops at the first part that is not a plain number."""
+    parts = []
+    for piece in str(text).split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:
+            break
+    return tuple(parts)
+
+
+class FrameworkHooks:
+    """Version gate + lazy patching of one framework's modules."""
+
+    def __init__(self, name: str, distributions: Iterable[str], minimum: Tuple[int, ...], below: Tuple[int, ...],
+                 patches: Callable[[], Dict[str, Callable]]):
+        self.name = name
+        self.distributions = tuple(distributions)
+        self.minimum, self.below = minimum, below
+        self.supported = (f">={'.'.join(map(str, minimum))}, <{'.'.join(map(str, below))}")
+        self._patches = patches  # module name (optionally '#tag' for a second patch of it) -> patch(module)
+        self.on = False
+        self._hooked = False
+        self._warned = False
+
+    def installed_version(self) -> Optional[str]:
+        for distribution in self.distributions:
+            try:
+                return metadata.version(distribution)
+            except metadata.PackageNotFoundError:
+                continue
+            except Exception:  # pylint: disable=broad-except
+                return None
+        return None
+
+    def is_supported(self, text: Optional[str]) -> bool:
+        return bool(text) and self.minimum <= version_tuple(text) < self.below
+
+    def _hook(self, key: str, patch: Callable) -> Callable:
+        def on_import(module):
+            if not self.on:
+                return
+            try:
+                patch(module)
+            except Exception:  # pylint: disable=broad-except
+                own_error(f"patch {key}")
+                _logger.warning("otel_kvtransfer could not patch %s", key, exc_info=True)
+
+        return on_import
+
+    def instrument(self) -> bool:
+        """Patch now or on import; False when the framework is absent, or (one warning) unsupported."""
+        version = self.installed_version()
+        if version is None:
+            return False
+        if not self.is_supported(version):
+            if not self._warned:
+                self._warned = True
+                _logger.warning("otel_kvtransfer: %s %s is outside the supported range %s; %s is not instrumented",
+                                self.name, version, self.supported, self.name)
+            return False
+        if self.on:
+            return True
+        self.on = True
+        import wrapt  # pylint: disable=import-outside-toplevel
+
+        for key, patch in self._patches().items():
+            module_name = key.split("#", 1)[0]
+            if not self._hooked:
+                wrapt.register_post_import_hook(self._hook(key, patch), module_name)  # runs now if imported
+            elif module_name in sys.modules:
+                self._hook(key, patch)(sys.modules[module_name])
+        self._hooked = True
+        return True
+
+    def uninstrument(self) -> bool:
+        """False when it was not on (nothing to undo)."""
+        was_on, self.on = self.on, False
+        return was_on
+
+
+def is_disabled() -> bool:
+    names = os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    return ENTRY_POINT_NAME in wanted or "*" in wanted
+
+
+NO_EXPORTER_MESSAGE = (
+    "otel_kvtransfer: instrumenting %s, but no OpenTelemetry exporter is configured, so its spans and metrics go "
+    "nowhere; set OTEL_TRACES_EXPORTER=otlp (with OTEL_EXPORTER_OTLP_ENDPOINT) or OTEL_TRACES_EXPORTER=kvtransfer_file "
+    "(with OTEL_KVTRANSFER_SPAN_FILE=PATH), and OTEL_METRICS_EXPORTER, or start the server under "
+    "opentelemetry-instrument")
+
+
+def configure_sdk_if_absent(framework: str) -> None:
+    """Set up the SDK from the standard OTEL_* variables when nobody has; say so when that means 'nowhere'."""
+    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return  # opentelemetry-instrument or the application already set one up
+    if not os.environ.get("OTEL_TRACES_EXPORTER") and not os.environ.get("OTEL_METRICS_EXPORTER"):
+        _logger.warning(NO_EXPORTER_MESSAGE, framework)
+        return  # nothing asked for: do not invent an exporter
+    try:
+        from opentelemetry.distro import OpenTelemetryConfigurator as Configurator  # pylint: disable=C0415
+    except ImportError:
+        from opentelemetry.sdk._configuration import _OTelSDKConfigurator as Configurator  # pylint: disable=C0415
+    Configurator().configure()
+
+
+def activate_plugin(framework: str) -> None:
+    """What a framework's plugin entry point does; never raises into the framework."""
+    if is_disabled():
+        return
+    try:
+        from otel_kvtransfer.instrumentor import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
+
+        instrumentor = KVTransferInstrumentor()
+        if instrumentor.is_instrumented_by_opentelemetry:
+            return
+        configure_sdk_if_absent(framework)
+        instrumentor.instrument()
+    except Exception:  # pylint: disable=broad-except
+        _logger.warning("otel_kvtransfer: the %s plugin could not activate the instrumentation", framework,
+                        exc_info=True)
