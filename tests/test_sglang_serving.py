@@ -102,7 +102,12 @@ def _main_requests():
 def _traced_requests():
     from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
 
-    return dep.prompts(2, 200, 8, repeat_every=0, seed=3, rid_prefix="traced")
+    requests = dep.prompts(2, 200, 8, repeat_every=0, seed=3, rid_prefix="traced")
+    requests[1]["traceparent"] = f"00-{TRACEPARENT_TRACE_ID}-00f067aa0ba902b7-01"  # a client that traces
+    return requests
+
+
+TRACEPARENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 REQUESTS = {"main": _main_requests, "traced": _traced_requests}
@@ -335,6 +340,10 @@ def test_with_sglang_tracing_our_spans_are_children_of_sglang_request_spans(trac
         # the trace shows both: sglang's spans and ours
         names = {s.name for _, s in traced_run.spans if s.trace_id == span.trace_id}
         assert {REQUEST, SEND, COMPUTE} <= names and any(not n.startswith("kv_transfer.") for n in names)
+        if request.get("traceparent"):  # the client's trace holds prefill and decode, sglang's spans and ours
+            assert span.trace_id == receive.trace_id == TRACEPARENT_TRACE_ID
+        else:  # no caller context: sglang roots each side's request span in a trace of its own
+            assert span.trace_id != receive.trace_id
 
 
 def test_aux_over_tcp_gives_an_aux_send_with_its_bytes(traced_run):

@@ -3,7 +3,7 @@
     client.py ok URL                 -> {"ok": bool}    (a 200 answer within 5 s)
     client.py get URL PARAMS_JSON    -> the JSON body
     client.py generate URL < REQUESTS_JSON
-        requests: [{"rid", "input_ids", "max_new_tokens"}]; sent one after another as streaming /generate calls;
+        requests: [{"rid", "input_ids", "max_new_tokens", optional "traceparent"}]; sent one after another as streaming /generate calls;
         answers [{"rid", "ttft_s", "total_s", "tokens", "meta"}] (ttft_s: first streamed chunk with a token)
 """
 
@@ -41,7 +41,10 @@ def generate_one(url: str, request: dict) -> dict:
         "rid": request["rid"], "input_ids": request["input_ids"], "stream": True,
         "sampling_params": {"max_new_tokens": request["max_new_tokens"], "temperature": 0, "ignore_eos": True},
     }).encode()
-    http = urllib.request.Request(_loopback(url), data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if request.get("traceparent"):  # a caller's trace context (W3C), as a traced client would send it
+        headers["traceparent"] = str(request["traceparent"])[:55]
+    http = urllib.request.Request(_loopback(url), data=body, headers=headers)
     start = time.perf_counter()
     ttft, tokens, meta = None, 0, {}
     with urllib.request.urlopen(http, timeout=300) as response:
