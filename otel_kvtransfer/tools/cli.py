@@ -222,7 +222,7 @@ def run_timeline(args) -> int:
 
 def run_summarize(args) -> int:
     # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.tools.summarize import format_text, summary_dict, to_json
+    from otel_kvtransfer.tools.summarize import format_text, summary_dict, write_json
     from otel_kvtransfer.tools.text import label
 
     loaded = load(args.file, args.keys, args.since, args.until)
@@ -233,7 +233,7 @@ def run_summarize(args) -> int:
     if note:
         summary["filter"] = note
     if args.json:
-        sys.stdout.write(to_json(summary))
+        write_json(summary, sys.stdout)
     else:
         if note:
             sys.stdout.write(label(note, 400) + "\n")

@@ -133,6 +133,8 @@ class Request:
         self.error_type = str(error) if error is not None else None
         self.figure_attrs = {name: span.attributes[key] for name, key in FIGURE_ATTRIBUTES.items()
                              if key in span.attributes}
+        if self._has_own_figures():
+            self.aggregate = None  # the span's figures are shown: the children's intervals are not needed
 
     def add_child(self, span: Span) -> None:
         self.note_time(span, own=False)
@@ -140,16 +142,18 @@ class Request:
         lo, hi = span.start_time_unix_nano, span.end_time_unix_nano
         if span.name == sc.SPAN_COMPUTE:
             self.compute_spans += 1
-            self.aggregate.add_compute(lo, hi)
-            if len(self.aggregate.compute) > _COMPACT_AT:
-                self.aggregate.compute = aggregate.union(self.aggregate.compute)
+            if self.aggregate is not None:
+                self.aggregate.add_compute(lo, hi)
+                if len(self.aggregate.compute) > _COMPACT_AT:
+                    self.aggregate.compute = aggregate.union(self.aggregate.compute)
             return
         attrs = span.attributes
         self.send_spans += 1
         chunk = attrs.get(sc.CHUNK_INDEX)
-        self.aggregate.add_send(lo, hi, send_bytes(span), attrs.get(sc.REPLICA_FACTOR) or 1, chunk)
-        if len(self.aggregate.sends) > _COMPACT_AT:
-            self.aggregate.sends = aggregate.union(self.aggregate.sends)
+        if self.aggregate is not None:
+            self.aggregate.add_send(lo, hi, send_bytes(span), attrs.get(sc.REPLICA_FACTOR) or 1, chunk)
+            if len(self.aggregate.sends) > _COMPACT_AT:
+                self.aggregate.sends = aggregate.union(self.aggregate.sends)
         if span.is_error and self.send_error is None:
             self.send_error = str(attrs.get(sc.ERROR_TYPE) or "error")
         if chunk is not None:
@@ -197,7 +201,7 @@ class Request:
     def figures(self) -> dict:
         """The DESIGN aggregates: the request span's own when it carries them, else from its children."""
         out = dict.fromkeys(FIGURE_ATTRIBUTES)
-        if "bytes" in self.figure_attrs and "busy_s" in self.figure_attrs:
+        if self._has_own_figures():
             out.update(self.figure_attrs)
             return out
         if not self.send_spans:
@@ -211,7 +215,13 @@ class Request:
             out["compute_overlap_ratio"] = computed["overlap_ratio"]
         return out
 
+    def _has_own_figures(self) -> bool:
+        return "bytes" in self.figure_attrs and "busy_s" in self.figure_attrs
+
     def busy_intervals(self) -> list:
+        """The union of the send intervals (from the attached sends when drawing)."""
+        if self.sends or self.aggregate is None:
+            return aggregate.union((s.start_time_unix_nano, s.end_time_unix_nano) for s in self.sends)
         return aggregate.union(self.aggregate.sends)
 
     def last_chunk_rate(self, nbytes: Optional[float]) -> Optional[float]:

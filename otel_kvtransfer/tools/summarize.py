@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, TextIO
 
 from otel_kvtransfer import aggregate
 from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, label
@@ -42,11 +42,12 @@ def distribution(values: Sequence[float], bins: int = 10) -> dict:
 
 
 def summary_dict(path: str, span_count: int, requests: Sequence, throughputs: Sequence[float]) -> dict:
+    """The summary; "requests" holds the Request objects, turned into rows only as they are written."""
     return {
         "file": str(path),
         "span_count": span_count,
         "request_count": len(requests),
-        "requests": [r.to_dict() for r in requests],
+        "requests": requests,
         "transfer_throughput": distribution(throughputs),
         "units": {"bytes": "By", "throughput": "By/s", "time": "s"},
     }
@@ -59,7 +60,8 @@ def format_text(summary: dict, limit: Optional[int] = None) -> str:
     header = ("key", "framework/backend", "status", "wire", "logical", "xfers", "chunks", "repl", "busy",
               "true tput", "last-chunk*", "overlap", "span")
     rows = []
-    for r in reqs if limit is None else reqs[:limit]:
+    for request in reqs if limit is None else reqs[:limit]:
+        r = request.to_dict()
         status = r["status"] if not r["error_type"] else f"ERROR:{label(r['error_type'], 30)}"
         rows.append((
             label(r["request_key"], 24),
@@ -109,5 +111,11 @@ def _finite(value):
     return value
 
 
-def to_json(summary: dict) -> str:
-    return json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n"
+def write_json(summary: dict, stream: TextIO) -> None:
+    """The summary as JSON, one request row at a time (a file of 10^6 spans never holds all rows at once)."""
+    head = json.dumps(_finite({k: v for k, v in summary.items() if k != "requests"}), indent=2, allow_nan=False)
+    stream.write(head[:-2] + ',\n  "requests": [')
+    for number, request in enumerate(summary["requests"]):
+        row = json.dumps(_finite(request.to_dict()), allow_nan=False)
+        stream.write(("," if number else "") + "\n    " + row)
+    stream.write("\n  ]\n}\n")
