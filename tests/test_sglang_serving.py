@@ -172,6 +172,13 @@ def serving():
         holder.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _servers_down_after_this_module(serving):
+    """The servers hold ~4 GiB: down as soon as this module's tests are done, not at the end of the session."""
+    yield
+    serving.stop()
+
+
 @pytest.fixture
 def main_run(serving):
     return serving.get("main")

@@ -318,8 +318,10 @@ def main(argv=None) -> int:
                      help="every k-th request repeats the previous prompt (cached prefix sent early); 0: never")
     run.add_argument("--no-instrument", action="store_true", help="without opentelemetry-instrument")
     args = parser.parse_args(argv)
-    if not 1 <= args.requests <= 1000 or not 1 <= args.tokens <= 8000 or not 1 <= args.max_new_tokens <= 512:
-        print("sglang-pd: --requests 1..1000, --tokens 1..8000, --max-new-tokens 1..512", file=sys.stderr)
+    if not (1 <= args.requests <= 1000 and 1 <= args.tokens <= 8000 and 1 <= args.max_new_tokens <= 512
+            and 0 <= args.repeat_every <= 1000):
+        print("sglang-pd: --requests 1..1000, --tokens 1..8000, --max-new-tokens 1..512, --repeat-every 0..1000",
+              file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _sigterm_as_exit)
     out = os.path.abspath(args.out)
