@@ -345,3 +345,16 @@ def test_resource_attributes_become_metric_labels():
     included = exporter["resource_constant_labels"]["included"]
     assert "host.name" in included
     assert not [k for k in included if "*" in k or "?" in k or k.startswith(("process.", "service."))]
+
+
+def test_compose_prometheus_loads_the_alert_rules(compose):
+    """The stack evaluates the alert rules users import: prometheus.yml names the file compose mounts."""
+    rule_files = _load(os.path.join(COLLECTOR, "prometheus.yml"))["rule_files"]
+    mounts = {}  # container path -> host path
+    for volume in compose["services"]["prometheus"]["volumes"]:
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    for path in rule_files:
+        assert path in mounts, path
+        source = os.path.normpath(os.path.join(COLLECTOR, mounts[path]))
+        assert source == os.path.join(ROOT, "dashboards", "alerts.yaml")
