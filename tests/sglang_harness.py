@@ -326,7 +326,7 @@ def prefill_main(cfg, events, go) -> None:
             root = sender.trace_ctx.root_span
             ctx = root.get_span_context()
             out["sglang_span"] = {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
-        deadline = time.monotonic() + cfg["timeout_s"]
+        deadline = time.monotonic() + cfg["startup_timeout_s"]  # until the decode processes have imported sglang
         # decode_gone: a second room to the same decode, sent after the first failed (its session is then known dead)
         second = MooncakeKVSender(mgr, f"{HOST}:{cfg['bootstrap_port']}", room + 1) if cfg["fail"] else None
         for s in (sender, second):
