@@ -1,18 +1,21 @@
 """OpenTelemetry instrumentation for KV-cache transfers in prefill/decode-disaggregated LLM serving.
 
 Every actual KV transfer becomes a `kv_transfer.send` span with its exact bytes, under a `kv_transfer.request`
-span for its request; `KVTransferMetricsProcessor` derives the speed metrics from those spans.
+span for its request; the peer's wait is a `kv_transfer.receive` (push) or `kv_transfer.serve` (pull) span in the
+same trace; `KVTransferMetricsProcessor` derives the speed metrics from those spans.
 
 Usage, with auto-instrumentation (standard OTEL_* variables only):
 
-    opentelemetry-instrument python -m sglang.launch_server ...
+    opentelemetry-instrument python -m sglang.launch_server ...      # or vLLM's api_server, or any engine
 
 or by hand:
 
     from otel_kvtransfer import KVTransferInstrumentor
     KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-Names: `otel_kvtransfer.semconv`. Engine integration API: `otel_kvtransfer.integration`.
+Names: `otel_kvtransfer.semconv`. The API a serving framework calls: `otel_kvtransfer.integration`. Transfer
+engines: `otel_kvtransfer.engines`; serving frameworks: `otel_kvtransfer.frameworks`; offline tools (span files,
+summaries, timelines): `otel_kvtransfer.tools`.
 """
 
 from otel_kvtransfer.instrumentor import KVTransferInstrumentor
