@@ -133,13 +133,17 @@ class Run:
         return spans
 
     def wait_for_spans(self, timeout=60):
-        """Until every request has its request span and a decode receive (the exporters batch every 0.5 s)."""
+        """Until every request has its request span and a decode receive, and with sglang's tracing on, their
+        parents (sglang's request spans end later, when the request finishes; the exporters batch every 0.5 s)."""
         deadline = time.monotonic() + timeout
         while True:
             self.spans = self.read_spans()
-            rids = {s.attributes.get("sglang.rid") for _, s in self.spans if s.name == REQUEST}
-            receives = sum(1 for _, s in self.spans if s.name == RECEIVE)
-            if (all(r["rid"] in rids for r in self.requests) and receives >= len(self.requests)) \
+            tops = [s for _, s in self.spans if s.name in (REQUEST, RECEIVE)]
+            rids = {s.attributes.get("sglang.rid") for s in tops if s.name == REQUEST}
+            receives = sum(1 for s in tops if s.name == RECEIVE)
+            ids = {s.span_id for _, s in self.spans}
+            parents = not self.deployment.enable_trace or all(s.parent_span_id in ids for s in tops)
+            if (all(r["rid"] in rids for r in self.requests) and receives >= len(self.requests) and parents) \
                     or time.monotonic() > deadline:
                 return
             time.sleep(1)
