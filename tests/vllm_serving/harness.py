@@ -6,6 +6,7 @@ The pair runs from the vLLM virtualenv (`bash scripts/setup-vllm.sh` builds it; 
 python, default: the venv that script builds). Everything read back is bounded and parsed defensively.
 """
 
+import functools
 import json
 import math
 import os
@@ -29,10 +30,13 @@ def vllm_python() -> str:
     return os.path.join(venv, "bin", "python")
 
 
+@functools.lru_cache(maxsize=None)
 def vllm_ready(python: str) -> bool:
+    """The venv has vLLM, Mooncake, NIXL and this package (vLLM itself is found, not imported: that takes ~30 s)."""
     if not os.path.isfile(python):
         return False
-    probe = "import vllm.distributed.kv_transfer.kv_connector.v1.nixl, mooncake.engine, nixl._api, otel_kvtransfer"
+    probe = ("import importlib.util, mooncake.engine, nixl._api, otel_kvtransfer\n"
+             "assert importlib.util.find_spec('vllm') is not None")
     try:
         return subprocess.run([python, "-c", probe], capture_output=True, timeout=300, check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
