@@ -9,6 +9,8 @@ Intervals are [start_ns, end_ns) pairs of integers.
 import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from otel_kvtransfer import semconv
+
 Interval = Tuple[int, int]
 NS_PER_S = 1_000_000_000
 
@@ -94,6 +96,11 @@ class RequestAggregate:
     def add_compute(self, start_ns: int, end_ns: int) -> None:
         self.compute.append((start_ns, end_ns))
 
+    def compact(self) -> None:
+        """Merge the intervals kept so far (same figures, less memory for a request with many transfers)."""
+        self.sends = union(self.sends)
+        self.compute = union(self.compute)
+
     def figures(self) -> dict:
         busy = union(self.sends)
         busy_ns = length(busy)
@@ -111,3 +118,24 @@ class RequestAggregate:
             out["overlap_ns"] = overlap_ns
             out["overlap_ratio"] = overlap_ns / busy_ns if busy_ns else 0.0
         return out
+
+
+# A request's figures under the names its span carries them: the builder writes them with this mapping, and the
+# tools read them back with it.
+FIGURE_ATTRIBUTES = {
+    "bytes": semconv.BYTES, "logical_bytes": semconv.LOGICAL_BYTES, "transfer_count": semconv.TRANSFER_COUNT,
+    "chunk_count": semconv.CHUNK_COUNT, "replica_factor": semconv.REPLICA_FACTOR, "busy_s": semconv.BUSY_S,
+    "throughput": semconv.THROUGHPUT, "compute_overlap_s": semconv.COMPUTE_OVERLAP_S,
+    "compute_overlap_ratio": semconv.COMPUTE_OVERLAP_RATIO,
+}
+
+
+def span_figures(figures: dict) -> dict:
+    """`RequestAggregate.figures()` in seconds, keyed as FIGURE_ATTRIBUTES (compute overlap only when known)."""
+    out = {name: figures[name] for name in ("bytes", "logical_bytes", "transfer_count", "chunk_count",
+                                             "replica_factor", "throughput")}
+    out["busy_s"] = figures["busy_ns"] / NS_PER_S
+    if "overlap_ns" in figures:
+        out["compute_overlap_s"] = figures["overlap_ns"] / NS_PER_S
+        out["compute_overlap_ratio"] = figures["overlap_ratio"]
+    return out

@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
-from otel_kvtransfer.aggregate import NS_PER_S, RequestAggregate, throughput
+from otel_kvtransfer.aggregate import FIGURE_ATTRIBUTES, RequestAggregate, span_figures, throughput
 from otel_kvtransfer.stitching import key_parent_context
 
 # backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
@@ -144,19 +144,8 @@ class SpanBuilder:
 
     def _finish_request(self, state: _OpenRequest, end_ns: int, error_type: Optional[str], evicted=False):
         span = state.span
-        figures = state.aggregate.figures()
-        attrs = {
-            semconv.BYTES: figures["bytes"],
-            semconv.LOGICAL_BYTES: figures["logical_bytes"],
-            semconv.TRANSFER_COUNT: figures["transfer_count"],
-            semconv.CHUNK_COUNT: figures["chunk_count"],
-            semconv.REPLICA_FACTOR: figures["replica_factor"],
-            semconv.BUSY_S: figures["busy_ns"] / NS_PER_S,
-            semconv.THROUGHPUT: figures["throughput"],
-        }
-        if "overlap_ns" in figures:
-            attrs[semconv.COMPUTE_OVERLAP_S] = figures["overlap_ns"] / NS_PER_S
-            attrs[semconv.COMPUTE_OVERLAP_RATIO] = figures["overlap_ratio"]
+        attrs = {FIGURE_ATTRIBUTES[name]: value
+                 for name, value in span_figures(state.aggregate.figures()).items()}
         if evicted:
             attrs[semconv.EVICTED] = True
         span.set_attributes(attrs)

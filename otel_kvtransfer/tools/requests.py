@@ -25,12 +25,7 @@ CHILD_SPANS = (sc.SPAN_SEND, sc.SPAN_COMPUTE)
 _COMPACT_AT = 4096  # intervals kept per request before they are merged (busy time needs only their union)
 
 # Request-span attributes shown as they are, and their names in a summary row.
-FIGURE_ATTRIBUTES = {
-    "bytes": sc.BYTES, "logical_bytes": sc.LOGICAL_BYTES, "transfer_count": sc.TRANSFER_COUNT,
-    "chunk_count": sc.CHUNK_COUNT, "replica_factor": sc.REPLICA_FACTOR, "busy_s": sc.BUSY_S,
-    "throughput": sc.THROUGHPUT, "compute_overlap_s": sc.COMPUTE_OVERLAP_S,
-    "compute_overlap_ratio": sc.COMPUTE_OVERLAP_RATIO,
-}
+FIGURE_ATTRIBUTES = aggregate.FIGURE_ATTRIBUTES
 _IDENTITY = (sc.REQUEST_KEY, sc.BOOTSTRAP_ROOM, sc.FRAMEWORK, sc.BACKEND, sc.ROLE, sc.GEN_AI_REQUEST_MODEL)
 
 
@@ -145,7 +140,7 @@ class Request:
             if self.aggregate is not None:
                 self.aggregate.add_compute(lo, hi)
                 if len(self.aggregate.compute) > _COMPACT_AT:
-                    self.aggregate.compute = aggregate.union(self.aggregate.compute)
+                    self.aggregate.compact()
             return
         attrs = span.attributes
         self.send_spans += 1
@@ -153,7 +148,7 @@ class Request:
         if self.aggregate is not None:
             self.aggregate.add_send(lo, hi, send_bytes(span), attrs.get(sc.REPLICA_FACTOR) or 1, chunk)
             if len(self.aggregate.sends) > _COMPACT_AT:
-                self.aggregate.sends = aggregate.union(self.aggregate.sends)
+                self.aggregate.compact()
         if span.is_error and self.send_error is None:
             self.send_error = str(attrs.get(sc.ERROR_TYPE) or "error")
         if chunk is not None:
@@ -206,13 +201,7 @@ class Request:
             return out
         if not self.send_spans:
             return out
-        computed = self.aggregate.figures()
-        out.update({name: computed[name] for name in ("bytes", "logical_bytes", "transfer_count", "chunk_count",
-                                                       "replica_factor", "throughput")})
-        out["busy_s"] = computed["busy_ns"] / aggregate.NS_PER_S
-        if "overlap_ns" in computed:
-            out["compute_overlap_s"] = computed["overlap_ns"] / aggregate.NS_PER_S
-            out["compute_overlap_ratio"] = computed["overlap_ratio"]
+        out.update(aggregate.span_figures(self.aggregate.figures()))
         return out
 
     def _has_own_figures(self) -> bool:
