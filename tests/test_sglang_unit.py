@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.frameworks import sglang as kvt_sglang
 from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+from otel_kvtransfer.activation import FrameworkHooks
 from otel_kvtransfer.patching import is_ours
 from otel_kvtransfer.recorder import RECORDER
 from otel_kvtransfer.frameworks.sglang import common, prefill
@@ -95,9 +96,11 @@ def test_instrument_and_uninstrument_mirror_each_other(spans):
 def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog):
     _require_sglang()
     targets = _targets()
-    monkeypatch.setattr(kvt_sglang, "installed_version", lambda: "0.4.9")
-    monkeypatch.setitem(kvt_sglang._state, "warned", False)
-    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.frameworks.sglang"):
+    hooks = FrameworkHooks("sglang", ("sglang",), kvt_sglang.HOOKS.minimum, kvt_sglang.HOOKS.below,
+                                      kvt_sglang._patches)  # a fresh gate: the process-wide one warned already
+    monkeypatch.setattr(hooks, "installed_version", lambda: "0.4.9")
+    monkeypatch.setattr(kvt_sglang, "HOOKS", hooks)
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
         assert kvt_sglang.instrument() is False
         assert kvt_sglang.instrument() is False
     assert not any(_wrapped(owner, attr) for owner, attr in targets)

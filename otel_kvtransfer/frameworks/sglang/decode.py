@@ -8,18 +8,7 @@ by room (DESIGN), or goes under sglang's own request span when sglang's tracing 
 import threading
 
 from otel_kvtransfer import integration
-from otel_kvtransfer.frameworks.sglang.common import (
-    BACKEND,
-    FRAMEWORK,
-    classes,
-    error_type_of,
-    is_instance,
-    learn_poll_states,
-    patcher,
-    poll_name,
-    room_attributes,
-    sglang_parent,
-)
+from otel_kvtransfer.frameworks.sglang import common
 from otel_kvtransfer.patching import active, own_error, remember_argument
 
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
@@ -36,16 +25,16 @@ def _expected_bytes(receiver, kv_indices, aux_index):
 
 
 def _send_metadata_wrapper(wrapped, instance, args, kwargs):
-    if not active() or not is_instance(instance, "receiver"):
+    if not active() or not common.is_instance(instance, "receiver"):
         return wrapped(*args, **kwargs)
     try:
         kv_indices = args[0] if args else kwargs.get("kv_indices")
         aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
         room = instance.bootstrap_room
         integration.begin_receive(
-            room, backend=BACKEND, framework=FRAMEWORK,
+            room, backend=common.BACKEND, framework=common.FRAMEWORK,
             expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
-            attributes=room_attributes(room), parent=getattr(instance, _PARENT, None))
+            attributes=common.room_attributes(room), parent=getattr(instance, _PARENT, None))
     except Exception:  # pylint: disable=broad-except
         own_error("send_metadata")
     return wrapped(*args, **kwargs)
@@ -60,7 +49,7 @@ def _receiver_init_wrapper(wrapped, instance, args, kwargs):
     req = getattr(_tls, "req", None)
     if req is not None and active():
         try:
-            parent = sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
+            parent = common.sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
             if parent is not None:
                 setattr(instance, _PARENT, parent)
         except Exception:  # pylint: disable=broad-except
@@ -75,16 +64,16 @@ def _end(instance, status_name) -> None:
     error = None
     if status_name != "Success":
         records = getattr(instance.kv_mgr, "failure_records", {})
-        error = error_type_of(records.get(instance.bootstrap_room)) if status_name == "Failed" else status_name
+        error = common.error_type_of(records.get(instance.bootstrap_room)) if status_name == "Failed" else status_name
     integration.end_receive(instance.bootstrap_room, error_type=error)
 
 
 def _poll_wrapper(wrapped, instance, args, kwargs):
     status = wrapped(*args, **kwargs)
-    name = poll_name(status)
+    name = common.poll_name(status)
     if name is not None and not getattr(instance, _DONE, False) and active():
         try:
-            if is_instance(instance, "receiver"):
+            if common.is_instance(instance, "receiver"):
                 _end(instance, name)
         except Exception:  # pylint: disable=broad-except
             own_error("receiver poll")
@@ -94,7 +83,7 @@ def _poll_wrapper(wrapped, instance, args, kwargs):
 def _abort_wrapper(wrapped, instance, args, kwargs):
     if active() and not getattr(instance, _DONE, False):
         try:
-            if is_instance(instance, "receiver"):
+            if common.is_instance(instance, "receiver"):
                 _end(instance, "aborted")
         except Exception:  # pylint: disable=broad-except
             own_error("receiver abort")
@@ -104,15 +93,15 @@ def _abort_wrapper(wrapped, instance, args, kwargs):
 def patch_common_conn(module) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
 
-    learn_poll_states(KVPoll)
+    common.learn_poll_states(KVPoll)
     for attr, wrapper in (("__init__", _receiver_init_wrapper), ("send_metadata", _send_metadata_wrapper),
                           ("poll", _poll_wrapper), ("abort", _abort_wrapper)):
-        patcher.wrap(module.CommonKVReceiver, attr, wrapper)
+        common.patcher.wrap(module.CommonKVReceiver, attr, wrapper)
 
 
 def patch_decode(module) -> None:
-    patcher.wrap(module.DecodePreallocQueue, "_create_receiver_and_enqueue", _create_receiver_wrapper)
+    common.patcher.wrap(module.DecodePreallocQueue, "_create_receiver_and_enqueue", _create_receiver_wrapper)
 
 
 def patch_mooncake_conn(module) -> None:
-    classes["receiver"] = module.MooncakeKVReceiver
+    common.classes["receiver"] = module.MooncakeKVReceiver
