@@ -39,6 +39,7 @@ class DemoConfig:
     out_dir: str = "kvtransfer-demo"
     otlp: bool = False
     console: bool = False
+    engine: str = "mooncake"
 
     @property
     def request_tokens(self) -> int:
@@ -51,6 +52,8 @@ class DemoConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig()
+    parser.add_argument("--engine", choices=("mooncake", "nixl"), default=d.engine,
+                        help="transfer engine: Mooncake over TCP, or NIXL over UCX (default %(default)s)")
     parser.add_argument("--requests", type=int, default=d.requests, help="requests to run (default %(default)s)")
     parser.add_argument("--fanout", type=int, default=d.fanout,
                         help="decode engines receiving the same KV, the replica factor (default %(default)s)")
@@ -77,7 +80,8 @@ def config_from_args(args) -> DemoConfig:
     cfg = DemoConfig(
         requests=args.requests, fanout=args.fanout, prefix_tokens=args.prefix_tokens, chunk_tokens=chunks,
         bytes_per_token=args.bytes_per_token, page_tokens=args.page_tokens,
-        compute_us_per_token=args.compute_us_per_token, out_dir=args.out_dir, otlp=args.otlp, console=args.console)
+        compute_us_per_token=args.compute_us_per_token, out_dir=args.out_dir, otlp=args.otlp, console=args.console,
+        engine=getattr(args, "engine", DemoConfig.engine))
     problems = []
     if cfg.requests < 1:
         problems.append("--requests must be at least 1")
@@ -255,8 +259,14 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
 
     from otel_kvtransfer import integration as kvt
     from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-    from otel_kvtransfer.demo.loopback import Receiver, digest, open_engine
-    from otel_kvtransfer.engines.mooncake import BACKEND
+    from otel_kvtransfer.demo.loopback import digest
+
+    if cfg.engine == "nixl":
+        from otel_kvtransfer.demo.nixl_loopback import Receiver, open_engine
+        from otel_kvtransfer.engines.nixl import BACKEND
+    else:
+        from otel_kvtransfer.demo.loopback import Receiver, open_engine
+        from otel_kvtransfer.engines.mooncake import BACKEND
 
     # Mooncake logs every connection at INFO through glog; keep the demo's terminal for the demo's own output.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -266,9 +276,13 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
         os.remove(span_file)
     size = cfg.kv_bytes + cfg.aux_bytes
     print(f"demo: {cfg.requests} requests of {cfg.request_tokens} tokens ({cfg.kv_bytes / 2**20:.0f} MiB KV), "
-          f"fan-out {cfg.fanout}, over Mooncake TCP on 127.0.0.1", file=progress)
-    print("demo: note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1",
+          f"fan-out {cfg.fanout}, over {'NIXL (UCX)' if cfg.engine == 'nixl' else 'Mooncake TCP'} on 127.0.0.1",
           file=progress)
+    if cfg.engine == "nixl":
+        print("demo: note: UCX is limited to the loopback device (UCX_NET_DEVICES=lo)", file=progress)
+    else:
+        print("demo: note: Mooncake's handshake listener binds all interfaces even when initialised with "
+              "127.0.0.1", file=progress)
     tracer_provider, meter_provider = _setup_tracing(cfg, span_file)
     instrumentor = KVTransferInstrumentor()
     receivers = []
