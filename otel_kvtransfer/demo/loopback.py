@@ -112,24 +112,34 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
             return
 
 
-class Receiver:
-    """A Mooncake engine with `size` registered bytes in its own (spawned) process on 127.0.0.1."""
+class ReceiverProcess:
+    """A decode engine with `size` registered bytes in its own (spawned) process, driven over a pipe.
+
+    `main` runs in the child: it answers ("ready", session, ...) once its buffer is registered, then serves the
+    messages below. Subclasses name the engine (`main`, `unavailable`) and read the rest of the ready reply.
+    """
+
+    main = None  # the child's entry point: main(conn, size, env, span_file, service_name)
+    unavailable = RuntimeError  # raised when the child does not come up
 
     def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0,
                  span_file: Optional[str] = None, service_name: str = "kv-decode"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_receiver_main, args=(child, size, dict(env or {}), span_file, service_name), daemon=True)
+        self.process = ctx.Process(target=type(self).main, args=(child, size, dict(env or {}), span_file,
+                                                                 service_name), daemon=True)
         self.process.start()
         child.close()
         if not self._conn.poll(start_timeout_s):
             self.kill()
-            raise MooncakeUnavailable(f"the receiver process did not start within {start_timeout_s:.0f} s")
+            raise self.unavailable(f"the receiver process did not start within {start_timeout_s:.0f} s")
         reply = self._conn.recv()
         if reply[0] != "ready":
             self.kill()
-            raise MooncakeUnavailable(f"the receiver process failed: {reply[1]}")
+            raise self.unavailable(f"the receiver process failed: {reply[1]}")
+        self._ready(reply)
+
+    def _ready(self, reply) -> None:
         _, self.session, self.base_address, self.size = reply
 
     @property
@@ -175,3 +185,10 @@ class Receiver:
     def __exit__(self, *exc):
         self.stop()
         return False
+
+
+class Receiver(ReceiverProcess):
+    """A Mooncake engine with `size` registered bytes in its own (spawned) process on 127.0.0.1."""
+
+    main = staticmethod(_receiver_main)
+    unavailable = MooncakeUnavailable

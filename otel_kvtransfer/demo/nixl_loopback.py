@@ -12,12 +12,11 @@ every device it may use.
 """
 
 import itertools
-import multiprocessing
 import os
 import time
 from typing import Optional
 
-from otel_kvtransfer.demo.loopback import _decode_side_tracing, digest
+from otel_kvtransfer.demo.loopback import ReceiverProcess, _decode_side_tracing, digest
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 50e-6
@@ -159,73 +158,25 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
     os._exit(0)  # pylint: disable=protected-access
 
 
-class Receiver:
+class Receiver(ReceiverProcess):
     """A NIXL agent with `size` registered bytes in its own (spawned) process."""
+
+    main = staticmethod(_receiver_main)
+    unavailable = NixlUnavailable
 
     def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0,
                  span_file: Optional[str] = None, service_name: str = "kv-decode"):
         _api()  # fail here, with the fix, rather than in the child
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_receiver_main, args=(child, size, dict(env or {}), span_file, service_name), daemon=True)
-        self.process.start()
-        child.close()
-        if not self._conn.poll(start_timeout_s):
-            self.kill()
-            raise NixlUnavailable(f"the NIXL receiver process did not start within {start_timeout_s:.0f} s")
-        reply = self._conn.recv()
-        if reply[0] != "ready":
-            self.kill()
-            raise NixlUnavailable(f"the NIXL receiver process failed: {reply[1]}")
+        super().__init__(size, env, start_timeout_s, span_file, service_name)
+
+    def _ready(self, reply) -> None:
         _, self.session, metadata, self.base_address, self.size = reply
         _peers[self.session] = metadata
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def _ask(self, message, timeout_s: float = 30.0):
-        self._conn.send(message)
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"the receiver (pid {self.pid}) did not answer {message[0]!r}")
-        return self._conn.recv()
-
-    def digest(self, offset: int, length: int) -> str:
-        return self._ask(("digest", offset, length))
-
-    def fill(self, value: int) -> None:
-        self._ask(("fill", value))
 
     def notifications(self) -> list:
         """The notification messages that arrived since the last call (NIXL-only: Mooncake has none)."""
         return self._ask(("notifications",))
 
-    def begin_receive(self, room: int, expected_bytes: Optional[int] = None) -> None:
-        self._ask(("receive_begin", room, expected_bytes))
-
-    def end_receive(self, room: int, error_type: Optional[str] = None) -> None:
-        self._ask(("receive_end", room, error_type))
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.is_alive():
-            try:
-                self._ask(("stop",), timeout_s)
-            except (OSError, EOFError, TimeoutError):
-                pass
-            self.process.join(timeout_s)
-        self.kill()
-
     def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(10)
-        self._conn.close()
+        super().kill()
         _peers.pop(getattr(self, "session", None), None)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-        return False
