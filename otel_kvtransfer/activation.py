@@ -44,8 +44,10 @@ class FrameworkHooks:
     """Version gate + lazy patching of one framework's modules."""
 
     def __init__(self, name: str, distributions: Iterable[str], minimum: Tuple[int, ...], below: Tuple[int, ...],
-                 patches: Callable[[], Dict[str, Callable]]):
+                 patches: Callable[[], Dict[str, Callable]], patcher=None, forget: Callable[[], None] = None):
         self.name = name
+        self._patcher = patcher  # the framework's Patcher: unwrapped on uninstrument
+        self._forget = forget  # drops the framework's own per-request bookkeeping on uninstrument
         self.distributions = tuple(distributions)
         self.minimum, self.below = minimum, below
         self.supported = (f">={'.'.join(map(str, minimum))}, <{'.'.join(map(str, below))}")
@@ -104,10 +106,15 @@ class FrameworkHooks:
         self._hooked = True
         return True
 
-    def uninstrument(self) -> bool:
-        """False when it was not on (nothing to undo)."""
-        was_on, self.on = self.on, False
-        return was_on
+    def uninstrument(self) -> None:
+        """Undo every patch and forget the framework's bookkeeping (nothing when it was not on)."""
+        if not self.on:
+            return
+        self.on = False
+        if self._patcher is not None:
+            self._patcher.unwrap_all()
+        if self._forget is not None:
+            self._forget()
 
 
 def is_disabled() -> bool:

@@ -97,12 +97,11 @@ def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog)
     _require_sglang()
     targets = _targets()
     hooks = FrameworkHooks("sglang", ("sglang",), kvt_sglang.HOOKS.minimum, kvt_sglang.HOOKS.below,
-                                      kvt_sglang._patches)  # a fresh gate: the process-wide one warned already
+                           kvt_sglang._patches)  # a fresh gate like sglang's: the process-wide one warned already
     monkeypatch.setattr(hooks, "installed_version", lambda: "0.4.9")
-    monkeypatch.setattr(kvt_sglang, "HOOKS", hooks)
     with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
-        assert kvt_sglang.instrument() is False
-        assert kvt_sglang.instrument() is False
+        assert hooks.instrument() is False
+        assert hooks.instrument() is False
     assert not any(_wrapped(owner, attr) for owner, attr in targets)
     warnings = [r for r in caplog.records if "outside the supported range" in r.getMessage()]
     assert len(warnings) == 1

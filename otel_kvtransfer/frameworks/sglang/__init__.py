@@ -35,24 +35,18 @@ def _patches():
     }
 
 
-# The sglang releases whose disaggregation internals these wrappers were written against.
-HOOKS = FrameworkHooks(FRAMEWORK, ("sglang",), minimum=(0, 5, 23), below=(0, 6), patches=_patches)
-SUPPORTED = HOOKS.supported
-is_supported = HOOKS.is_supported
-
-
-def instrument() -> bool:
-    """Patch sglang now or when its modules are imported; False (and one warning) on an unsupported sglang."""
-    return HOOKS.instrument()
-
-
-def uninstrument() -> None:
-    if not HOOKS.uninstrument():
-        return
+def _forget():
     from otel_kvtransfer.frameworks.sglang import prefill  # pylint: disable=import-outside-toplevel
 
-    patcher.unwrap_all()
     prefill.forget_rooms()
 
+
+# The sglang releases whose disaggregation internals these wrappers were written against.
+HOOKS = FrameworkHooks(FRAMEWORK, ("sglang",), minimum=(0, 5, 23), below=(0, 6), patches=_patches, patcher=patcher,
+                       forget=_forget)
+SUPPORTED = HOOKS.supported
+is_supported = HOOKS.is_supported
+instrument = HOOKS.instrument  # patch sglang now or when its modules are imported; False on an unsupported one
+uninstrument = HOOKS.uninstrument
 
 __all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported"]

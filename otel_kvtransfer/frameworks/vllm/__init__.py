@@ -27,32 +27,18 @@ def _patches():
     return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch}
 
 
-# The vLLM releases whose connector internals these wrappers were written against: 0.32.x.
-HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 33), _patches)
-SUPPORTED = HOOKS.supported
-
-
-def installed_version():
-    return HOOKS.installed_version()
-
-
-def is_supported(text) -> bool:
-    return HOOKS.is_supported(text)
-
-
-def instrument() -> bool:
-    """Patch vLLM's connectors now or when they are imported; False (one warning) on an unsupported vLLM."""
-    return HOOKS.instrument()
-
-
-def uninstrument() -> None:
-    if not HOOKS.uninstrument():
-        return
+def _forget():
     from otel_kvtransfer.frameworks.vllm import mooncake, nixl  # pylint: disable=import-outside-toplevel
 
-    patcher.unwrap_all()
     mooncake.forget()
     nixl.forget()
 
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "installed_version"]
+# The vLLM releases whose connector internals these wrappers were written against: 0.32.x.
+HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 33), _patches, patcher=patcher, forget=_forget)
+SUPPORTED = HOOKS.supported
+is_supported = HOOKS.is_supported
+instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; False on an unsupported vLLM
+uninstrument = HOOKS.uninstrument
+
+__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported"]
