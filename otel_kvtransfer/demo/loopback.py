@@ -73,7 +73,6 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
     os.environ.update(env)
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.engines.mooncake import BACKEND  # pylint: disable=import-outside-toplevel
 
     provider = _decode_side_tracing(span_file, service_name) if span_file else None
@@ -88,6 +87,14 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", session_of(engine), buffer.ctypes.data, size))
+    serve_requests(conn, buffer, BACKEND, provider)
+
+
+def serve_requests(conn, buffer, backend: str, provider, extra=None) -> None:
+    """A receiver child's message loop, until "stop" or the parent goes away: checksums and fills of its buffer,
+    and the decode side's receive spans. `extra` maps more message names to functions giving the reply."""
+    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+
     while True:
         try:
             message = conn.recv()
@@ -100,11 +107,13 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
             buffer[:] = message[1]
             conn.send("ok")
         elif message[0] == "receive_begin":  # the decode engine asks for a room's KV
-            integration.begin_receive(message[1], backend=BACKEND, expected_bytes=message[2])
+            integration.begin_receive(message[1], backend=backend, expected_bytes=message[2])
             conn.send("ok")
         elif message[0] == "receive_end":  # ... and sees it arrive (or fail)
             integration.end_receive(message[1], error_type=message[2])
             conn.send("ok")
+        elif extra and message[0] in extra:
+            conn.send(extra[message[0]]())
         elif message[0] == "stop":
             if provider is not None:
                 provider.shutdown()

@@ -16,7 +16,7 @@ import os
 import time
 from typing import Optional
 
-from otel_kvtransfer.demo.loopback import ReceiverProcess, _decode_side_tracing, digest
+from otel_kvtransfer.demo.loopback import ReceiverProcess, _decode_side_tracing, serve_requests
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 50e-6
@@ -115,7 +115,6 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
     os.environ.update(env)
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.engines.nixl import BACKEND  # pylint: disable=import-outside-toplevel
 
     provider = _decode_side_tracing(span_file, service_name) if span_file else None
@@ -129,31 +128,12 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         os._exit(0)  # pylint: disable=protected-access
     conn.send(("ready", agent.name, metadata, buffer.ctypes.data, size))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            break
-        if message[0] == "digest":
-            _, offset, length = message
-            conn.send(digest(buffer[offset:offset + length]))
-        elif message[0] == "fill":
-            buffer[:] = message[1]
-            conn.send("ok")
-        elif message[0] == "notifications":  # what initiators attached to their transfers (notif_msg)
-            conn.send([bytes(n[:256]).decode("utf-8", "replace")
-                       for notifs in agent.get_new_notifs().values() for n in notifs])
-        elif message[0] == "receive_begin":
-            integration.begin_receive(message[1], backend=BACKEND, expected_bytes=message[2])
-            conn.send("ok")
-        elif message[0] == "receive_end":
-            integration.end_receive(message[1], error_type=message[2])
-            conn.send("ok")
-        elif message[0] == "stop":
-            if provider is not None:
-                provider.shutdown()
-            conn.send("bye")
-            break
+
+    def notifications():  # what initiators attached to their transfers (notif_msg)
+        return [bytes(n[:256]).decode("utf-8", "replace")
+                for notifs in agent.get_new_notifs().values() for n in notifs]
+
+    serve_requests(conn, buffer, BACKEND, provider, extra={"notifications": notifications})
     # NIXL/UCX teardown at interpreter exit can crash after a transfer; everything is flushed by now.
     os._exit(0)  # pylint: disable=protected-access
 
