@@ -82,6 +82,21 @@ class Patcher:
                 own_error(f"restore {owner.__name__}.{attr}")
 
 
+def observe_call(observe: Callable, what: str) -> Callable:
+    """A wrapper that, while recording, first shows the call's (instance, args, kwargs) to `observe`: a failure of
+    `observe` is counted (`wrapper_error`), never raised, and the call itself always runs unchanged."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if active():
+            try:
+                observe(instance, args, kwargs)
+            except Exception:  # pylint: disable=broad-except
+                own_error(what)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 def remember_argument(tls: threading.local, name: str, position: int, keyword: str) -> Callable:
     """A wrapper that makes one argument of the call visible as `tls.<name>` for the duration of the call.
 

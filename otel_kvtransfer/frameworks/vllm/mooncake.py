@@ -30,7 +30,7 @@ from otel_kvtransfer.frameworks.vllm.common import (
     patcher,
     request_attributes,
 )
-from otel_kvtransfer.patching import active, own_error
+from otel_kvtransfer.patching import active, observe_call, own_error
 
 BACKEND = "mooncake"
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
@@ -47,33 +47,31 @@ def _bytes_per_block(worker) -> int:
     return int(sum(getattr(worker, "block_len_per_layer", None) or ()))
 
 
-def _start_load_kv_wrapper(wrapped, instance, args, kwargs):
-    if active():
-        try:
-            metadata = args[0] if args else kwargs["metadata"]
-            producer = bool(instance.is_kv_producer)
-            consumer = bool(getattr(instance, "is_kv_consumer", not producer))  # kv_both is both
-            if producer:
-                for p_req_id, (transfer_id, block_ids) in metadata.reqs_to_send.items():
-                    if has_blocks(block_ids) and p_req_id not in _transfer_of_prefill:
-                        _transfer_of_prefill[p_req_id] = transfer_id
-                        kvt.begin_request(transfer_id, backend=BACKEND, framework=FRAMEWORK,
-                                          role=semconv.ROLE_PREFILL,
-                                          attributes=request_attributes(instance, p_req_id, with_model=True))
-            if consumer:
-                per_block = _bytes_per_block(instance)
-                for pull_metas in metadata.reqs_to_recv.values():
-                    for d_req_id, pull_meta in pull_metas.items():
-                        if not has_blocks(pull_meta.local_block_ids) or d_req_id in _transfer_of_decode:
-                            continue
-                        _transfer_of_decode[d_req_id] = pull_meta.transfer_id
-                        blocks = sum(len(group) for group in pull_meta.local_block_ids)
-                        kvt.begin_receive(pull_meta.transfer_id, backend=BACKEND, framework=FRAMEWORK,
-                                          expected_bytes=blocks * per_block if per_block else None,
-                                          attributes=request_attributes(instance, d_req_id, with_model=True))
-        except Exception:  # pylint: disable=broad-except
-            own_error("read vLLM Mooncake connector metadata")
-    return wrapped(*args, **kwargs)
+def _on_start_load_kv(instance, args, kwargs) -> None:
+    """The scheduler's metadata for this step: requests whose KV is ready to send (producer) or to receive."""
+    metadata = args[0] if args else kwargs["metadata"]
+    producer = bool(instance.is_kv_producer)
+    consumer = bool(getattr(instance, "is_kv_consumer", not producer))  # kv_both is both
+    if producer:
+        for p_req_id, (transfer_id, block_ids) in metadata.reqs_to_send.items():
+            if has_blocks(block_ids) and p_req_id not in _transfer_of_prefill:
+                _transfer_of_prefill[p_req_id] = transfer_id
+                kvt.begin_request(transfer_id, backend=BACKEND, framework=FRAMEWORK, role=semconv.ROLE_PREFILL,
+                                  attributes=request_attributes(instance, p_req_id, with_model=True))
+    if consumer:
+        per_block = _bytes_per_block(instance)
+        for pull_metas in metadata.reqs_to_recv.values():
+            for d_req_id, pull_meta in pull_metas.items():
+                if not has_blocks(pull_meta.local_block_ids) or d_req_id in _transfer_of_decode:
+                    continue
+                _transfer_of_decode[d_req_id] = pull_meta.transfer_id
+                blocks = sum(len(group) for group in pull_meta.local_block_ids)
+                kvt.begin_receive(pull_meta.transfer_id, backend=BACKEND, framework=FRAMEWORK,
+                                  expected_bytes=blocks * per_block if per_block else None,
+                                  attributes=request_attributes(instance, d_req_id, with_model=True))
+
+
+_start_load_kv_wrapper = observe_call(_on_start_load_kv, "read vLLM Mooncake connector metadata")
 
 
 def _build_transfer_params_wrapper(wrapped, instance, args, kwargs):

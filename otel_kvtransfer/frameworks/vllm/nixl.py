@@ -19,49 +19,41 @@ still become raw `kv_transfer.send` spans through the NIXL engine module.
 
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
-from otel_kvtransfer.frameworks.vllm.common import (
-    EXPIRED,
-    FRAMEWORK,
-    TRANSFER_FAILED,
-    BoundedMap,
-    has_blocks,
-    patcher,
-    request_attributes,
-)
-from otel_kvtransfer.patching import active, own_error
+from otel_kvtransfer.frameworks.vllm import common
+from otel_kvtransfer.patching import active, observe_call, own_error
 
 BACKEND = "nixl"
 PULL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
 
-_key_of_decode = BoundedMap()  # decode request id -> prefill request id (request span open)
-_serving = BoundedMap()  # prefill request id -> True (serve span open)
-_expired = BoundedMap()  # prefill request id -> True: its lease expired unread
+_key_of_decode = common.BoundedMap()  # decode request id -> prefill request id (request span open)
+_serving = common.BoundedMap()  # prefill request id -> True (serve span open)
+_expired = common.BoundedMap()  # prefill request id -> True: its lease expired unread
 
 
 def _is_pull(worker) -> bool:
     return getattr(worker, "_TRANSFER_MODE", "pull") == "pull"
 
 
-def _start_load_kv_wrapper(wrapped, instance, args, kwargs):
-    if active() and _is_pull(instance):
-        try:
-            metadata = args[0] if args else kwargs["metadata"]
-            for req_id, meta in metadata.reqs_to_recv.items():
-                remote = getattr(meta, "remote", None)
-                if remote is None or not has_blocks(meta.local_block_ids) or req_id in _key_of_decode:
-                    continue
-                _key_of_decode[req_id] = remote.request_id
-                kvt.begin_request(remote.request_id, backend=BACKEND, framework=FRAMEWORK,
-                                  role=semconv.ROLE_DECODE,
-                                  attributes=request_attributes(instance, req_id, with_model=True))
-            for req_id in metadata.reqs_to_send:
-                if req_id not in _serving:
-                    _serving[req_id] = True
-                    kvt.begin_serve(req_id, backend=BACKEND, framework=FRAMEWORK,
-                                    attributes=request_attributes(instance, req_id, with_model=True))
-        except Exception:  # pylint: disable=broad-except
-            own_error("read vLLM NIXL connector metadata")
-    return wrapped(*args, **kwargs)
+def _on_start_load_kv(instance, args, kwargs) -> None:
+    """The scheduler's metadata for this step: reads to post (decode) and KV ready to be read (prefill)."""
+    if not _is_pull(instance):
+        return
+    metadata = args[0] if args else kwargs["metadata"]
+    for req_id, meta in metadata.reqs_to_recv.items():
+        remote = getattr(meta, "remote", None)
+        if remote is None or not common.has_blocks(meta.local_block_ids) or req_id in _key_of_decode:
+            continue
+        _key_of_decode[req_id] = remote.request_id
+        kvt.begin_request(remote.request_id, backend=BACKEND, framework=common.FRAMEWORK, role=semconv.ROLE_DECODE,
+                          attributes=common.request_attributes(instance, req_id, with_model=True))
+    for req_id in metadata.reqs_to_send:
+        if req_id not in _serving:
+            _serving[req_id] = True
+            kvt.begin_serve(req_id, backend=BACKEND, framework=common.FRAMEWORK,
+                            attributes=common.request_attributes(instance, req_id, with_model=True))
+
+
+_start_load_kv_wrapper = observe_call(_on_start_load_kv, "read vLLM NIXL connector metadata")
 
 
 def _read_blocks_wrapper(wrapped, instance, args, kwargs):
@@ -103,10 +95,10 @@ def _transfer_results_wrapper(wrapped, instance, args, kwargs):
         for req_id in results.finished_recving or ():
             key = _key_of_decode.pop(req_id, None)
             if key is not None:
-                kvt.end_request(key, error_type=TRANSFER_FAILED if req_id in failed else None)
+                kvt.end_request(key, error_type=common.TRANSFER_FAILED if req_id in failed else None)
         for req_id in results.finished_sending or ():
             if _serving.pop(req_id, None):
-                kvt.end_serve(req_id, error_type=EXPIRED if _expired.pop(req_id, None) else None)
+                kvt.end_serve(req_id, error_type=common.EXPIRED if _expired.pop(req_id, None) else None)
     except Exception:  # pylint: disable=broad-except
         own_error("end vLLM NIXL requests")
     return results
@@ -115,10 +107,10 @@ def _transfer_results_wrapper(wrapped, instance, args, kwargs):
 def patch(module) -> None:
     worker = module.NixlPullConnectorWorker
     base = getattr(module, "NixlBaseConnectorWorker", worker.__mro__[1])  # owns the completion bookkeeping
-    patcher.wrap(worker, "start_load_kv", _start_load_kv_wrapper)
-    patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
-    patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)
-    patcher.wrap(base, "get_transfer_results", _transfer_results_wrapper)
+    common.patcher.wrap(worker, "start_load_kv", _start_load_kv_wrapper)
+    common.patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
+    common.patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)
+    common.patcher.wrap(base, "get_transfer_results", _transfer_results_wrapper)
 
 
 def forget() -> None:
