@@ -241,10 +241,11 @@ def neighbour(b: Bench, rounds: int, seconds: float) -> dict:
             count += 1
         result.append(count)
 
-    def transfers():
+    def transfers(counter):
         nxt = time.perf_counter()
         while not stop.is_set():
             b.call_8b()
+            counter[0] += 1
             nxt += 0.001
             delay = nxt - time.perf_counter()
             if delay > 0:
@@ -255,14 +256,16 @@ def neighbour(b: Bench, rounds: int, seconds: float) -> dict:
     def measure(mode):
         b.mode("on" if mode == "on" else "off")
         stop.clear()
-        result = []
-        threads = [threading.Thread(target=spin, args=(result,)), threading.Thread(target=transfers)]
+        result, counter = [], [0]
+        threads = [threading.Thread(target=spin, args=(result,)), threading.Thread(target=transfers, args=(counter,))]
         for t in threads:
             t.start()
         time.sleep(seconds)
         stop.set()
         for t in threads:
             t.join()
+        if mode == "on":
+            b.transfers_on += counter[0]
         return result[0] / seconds
 
     per = {"off": [], "off2": [], "on": []}
