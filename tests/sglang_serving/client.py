@@ -36,6 +36,9 @@ def get(url: str, params: dict):
         return json.loads(response.read().decode())
 
 
+ROUTER_WARMUP_S = 120  # how long a 503 from a router that is up but has no ready worker pair is retried
+
+
 def generate_one(url: str, request: dict) -> dict:
     body = json.dumps({
         "rid": request["rid"], "input_ids": request["input_ids"], "stream": True,
@@ -45,9 +48,19 @@ def generate_one(url: str, request: dict) -> dict:
     if request.get("traceparent"):  # a caller's trace context (W3C), as a traced client would send it
         headers["traceparent"] = str(request["traceparent"])[:55]
     http = urllib.request.Request(_loopback(url), data=body, headers=headers)
-    start = time.perf_counter()
+    deadline = time.monotonic() + ROUTER_WARMUP_S
+    while True:
+        start = time.perf_counter()
+        try:
+            response = urllib.request.urlopen(http, timeout=300)
+            break
+        except urllib.error.HTTPError as exc:
+            # 503: the router answers /health before it has seen a healthy prefill/decode pair (bounded wait).
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
     ttft, tokens, meta = None, 0, {}
-    with urllib.request.urlopen(http, timeout=300) as response:
+    with response:
         for raw in response:
             line = raw.decode(errors="replace").strip()
             if not line.startswith("data:"):
