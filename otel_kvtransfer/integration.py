@@ -94,10 +94,6 @@ def deliver(call: tuple) -> None:
         RECORDER.record((SEND, None, [call], get_current(), None, None))
 
 
-def is_active() -> bool:
-    return RECORDER.active
-
-
 # --- transfer scopes -------------------------------------------------------------------------------------------
 
 
