@@ -16,6 +16,8 @@ FLUSH_INTERVAL_MS = "OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"
 REQUEST_TTL_S = "OTEL_KVTRANSFER_REQUEST_TTL_S"
 MAX_OPEN_REQUESTS = "OTEL_KVTRANSFER_MAX_OPEN_REQUESTS"
 MAX_PENDING_ASYNC = "OTEL_KVTRANSFER_MAX_PENDING_ASYNC"
+BUILDER = "OTEL_KVTRANSFER_BUILDER"
+BUILDERS = ("thread", "process")  # where spans are built: the engine process's own thread, or a helper process
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Settings:
     request_ttl_s: float = 600.0  # a request open this long without activity is ended and counted as evicted
     max_open_requests: int = 65536  # open request + peer spans; beyond it the least recently active is evicted
     max_pending_async: int = 16384  # async submissions waiting for their completion to be observed
+    builder: str = "thread"  # one of BUILDERS
 
 
 def _read(name, parse, default, low, high):
@@ -43,6 +46,18 @@ def _read(name, parse, default, low, high):
     return value
 
 
+def _read_choice(name, choices, default):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        _logger.warning("otel_kvtransfer: ignoring %s=%r (one of %s); using %r", name, raw[:64], ", ".join(choices),
+                        default)
+        return default
+    return value
+
+
 def load() -> Settings:
     return Settings(
         queue_size=_read(QUEUE_SIZE, int, Settings.queue_size, 1, 1 << 18),
@@ -50,4 +65,5 @@ def load() -> Settings:
         request_ttl_s=_read(REQUEST_TTL_S, float, Settings.request_ttl_s, 0.001, 86_400 * 7),
         max_open_requests=_read(MAX_OPEN_REQUESTS, int, Settings.max_open_requests, 1, 1 << 20),
         max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 20),
+        builder=_read_choice(BUILDER, BUILDERS, Settings.builder),
     )

@@ -21,12 +21,13 @@ import importlib
 import logging
 import multiprocessing
 import multiprocessing.util
+import os
 from typing import Collection
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_kvtransfer import config, semconv
+from otel_kvtransfer import config, offload, semconv
 from otel_kvtransfer.builder import SpanBuilder
 from otel_kvtransfer.package import _instruments
 from otel_kvtransfer.processor import KVTransferMetricsProcessor
@@ -62,7 +63,9 @@ class _Attachment:
         self._original_sampler = None
         self._processors = ()
 
-    def attach(self, tracer, provider) -> None:
+    def attach(self, tracer, provider, flush_first: bool = True) -> None:
+        """`flush_first`: drain this process's recorder when the provider flushes (not in the builder process,
+        whose records arrive on a pipe)."""
         self.tracer = tracer
         if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
             self._original_sampler = tracer.sampler
@@ -71,20 +74,34 @@ class _Attachment:
             _logger.warning("otel_kvtransfer: the tracer provider is not the OpenTelemetry SDK's; spans are built "
                             "but no metrics are derived from them")
             return
-        flush_first = FlushFirstSpanProcessor(RECORDER)
-        self._processors = (flush_first, KVTransferMetricsProcessor(self._meter_provider))
+        metrics_processor = KVTransferMetricsProcessor(self._meter_provider)
         self._provider = provider
+        if not flush_first:
+            self._processors = (metrics_processor,)
+            provider.add_span_processor(metrics_processor)
+            return
+        flush_first = FlushFirstSpanProcessor(RECORDER)
+        self._processors = (flush_first, metrics_processor)
         provider.add_span_processor(flush_first)
-        provider.add_span_processor(self._processors[1])
+        provider.add_span_processor(metrics_processor)
         # The SDK offers no "insert first" and no "remove": reorder its tuple so draining precedes exporting
         # (tests/test_sdk_canary.py checks these private attributes on every SDK release we allow).
         self._replace_processors(lambda current: (flush_first,) + tuple(p for p in current if p is not flush_first))
+
+    def attach_flush_only(self, provider, processor) -> None:
+        """The builder-process mode: this provider only needs its flush and shutdown to reach the helper."""
+        if hasattr(provider, "add_span_processor"):
+            self._provider = provider
+            self._processors = (processor,)
+            provider.add_span_processor(processor)
 
     def detach(self) -> None:
         if self._processors and self._provider is not None:
             ours = self._processors
             self._replace_processors(lambda current: tuple(p for p in current if p not in ours))
-            ours[1].enabled = False
+            for processor in ours:
+                if isinstance(processor, KVTransferMetricsProcessor):
+                    processor.enabled = False
         if self._original_sampler is not None and self.tracer is not None:
             self.tracer.sampler = self._original_sampler
         self._processors, self._provider, self._original_sampler, self.tracer = (), None, None, None
@@ -120,10 +137,26 @@ class KVTransferInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs):
+        self._backends, self._finalizer, self._link = (), None, None
+        self._attachment, self._end_open = _Attachment(None), lambda: None
+        if os.environ.get(offload.HELPER_ENV):
+            return  # this is the builder process itself: it builds, it has nothing to patch
         tracer_provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
         meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
         settings = config.load()
         engines, frameworks = _load(ENGINES), _load(FRAMEWORKS)
+        if settings.builder == "process":
+            why_not = offload.unavailable_reason()
+            if why_not is None:
+                self._link = offload.HelperLink()
+                if not self._link.start():
+                    why_not, self._link = "the builder process could not start", None
+            if why_not is not None:
+                _logger.warning("otel_kvtransfer: %s=process, but %s; building spans in this process instead",
+                                config.BUILDER, why_not)
+        if self._link is not None:
+            self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
+            return
 
         # 1-2. Sampler and processors (now, or once an SDK appears).
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
@@ -134,8 +167,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
 
         # 3. The recorder's thread and a fresh builder.
         dropped = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
-            semconv.METRIC_DROPPED, unit="{record}",
-            description="Records the instrumentation had to drop (queue full, evicted requests, own errors)")
+            semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
         builder = SpanBuilder(
             tracer, settings.request_ttl_s, settings.max_open_requests,
             peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
@@ -146,8 +178,22 @@ class KVTransferInstrumentor(BaseInstrumentor):
                        on_fork=builder.reset)
         self._end_open = lambda: builder.end_all(lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}))
 
+        self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
+
+    def _instrument_offloaded(self, settings, tracer_provider, engines, frameworks, meter_provider):
+        """OTEL_KVTRANSFER_BUILDER=process: records go to the helper; this process builds nothing."""
+        link = self._link
+        # Close the link after the recorder's exit drain: registered first, so atexit runs it after.
+        offload.register_exit(link)
+        self._attachment.attach_flush_only(tracer_provider, offload.HelperFlushProcessor(RECORDER, link))
+        RECORDER.start(settings, handle=None, handle_batch=link.send_batch, tick=link.tick,
+                       on_drops=link.add_drops, on_fork=link.after_fork_in_child)
+        self._end_open = link.end_open
+        self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
+
+    def _patch_and_finalize(self, backends, tracer_provider, meter_provider):
         # 4. Engines, then frameworks (which build on them).
-        self._backends = engines + frameworks
+        self._backends = backends
         for backend in self._backends:
             try:
                 backend.instrument()
@@ -155,10 +201,9 @@ class KVTransferInstrumentor(BaseInstrumentor):
                 _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
 
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out.
-        self._finalizer = None
         if multiprocessing.parent_process() is not None:
             self._finalizer = multiprocessing.util.Finalize(
-                None, _flush_providers, args=(tracer_provider, meter_provider), exitpriority=100)
+                None, _flush_providers, args=(tracer_provider, meter_provider, self._link), exitpriority=100)
 
     def _uninstrument(self, **kwargs):
         if self._finalizer is not None:
@@ -175,12 +220,18 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._end_open()
         except Exception:  # pylint: disable=broad-except
             _logger.warning("otel_kvtransfer could not end the open spans", exc_info=True)
+        if self._link is not None:
+            offload.unregister_exit(self._link)
+            self._link.close()
+            self._link = None
         # 1-2.
         self._attachment.detach()
 
 
-def _flush_providers(tracer_provider, meter_provider):
+def _flush_providers(tracer_provider, meter_provider, link=None):
     RECORDER.final_drain()
+    if link is not None:
+        link.close()
     for provider in (tracer_provider, meter_provider):
         flush = getattr(provider, "force_flush", None)
         if flush is not None:

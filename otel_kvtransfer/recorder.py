@@ -40,6 +40,7 @@ class Recorder:
         self._queue: deque = deque()
         self._capacity = settings.queue_size
         self._handle: Optional[Callable[[tuple], None]] = None
+        self._handle_batch: Optional[Callable[[list], None]] = None
         self._tick: Optional[Callable[[], None]] = None
         self._on_drops: Optional[Callable[[str, int], None]] = None
         self._on_fork: Optional[Callable[[], None]] = None
@@ -77,11 +78,14 @@ class Recorder:
                 "further drops are counted without logging", reason)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
-    def start(self, settings: config.Settings, handle: Callable[[tuple], None], tick: Callable[[], None],
-              on_drops: Callable[[str, int], None], on_fork: Optional[Callable[[], None]] = None) -> None:
+    def start(self, settings: config.Settings, handle: Optional[Callable[[tuple], None]], tick: Callable[[], None],
+              on_drops: Callable[[str, int], None], on_fork: Optional[Callable[[], None]] = None,
+              handle_batch: Optional[Callable[[list], None]] = None) -> None:
+        """`handle` takes one record at a time; or `handle_batch` takes each drain's records in one list."""
         self.settings = settings
         self._capacity = settings.queue_size
         self._handle, self._tick, self._on_drops, self._on_fork = handle, tick, on_drops, on_fork
+        self._handle_batch = handle_batch
         self._stopping = False
         self._abandoned = False
         # Drain at exit before the providers shut down: their atexit handlers were registered before this one
@@ -104,7 +108,7 @@ class Recorder:
                                 JOIN_TIMEOUT_S)
         atexit.unregister(self.final_drain)
         self._report_drops()
-        self._handle = self._tick = self._on_drops = self._on_fork = None
+        self._handle = self._handle_batch = self._tick = self._on_drops = self._on_fork = None
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-recorder", daemon=True)
@@ -124,8 +128,8 @@ class Recorder:
         False when another drain (held up by a hung synchronous exporter) did not let go within `timeout_s`;
         nothing is lost then, the records stay queued.
         """
-        handle = self._handle
-        if handle is None:
+        handle, handle_batch = self._handle, self._handle_batch
+        if handle is None and handle_batch is None:
             return True
         if not self._drain_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             return False
@@ -138,6 +142,14 @@ class Recorder:
                     batch.append(pop())
             except IndexError:
                 pass
+            if handle_batch is not None and batch:
+                try:
+                    handle_batch(batch)
+                except Exception:  # pylint: disable=broad-except
+                    self.drop("builder_error", len(batch))
+                    _logger.debug("otel_kvtransfer batch hand-off failed", exc_info=True)
+                self._done = len(batch)
+                batch = ()
             for rec in batch:
                 if self._abandoned:
                     return True  # an exit drain counted the rest of this batch; stop delivering it

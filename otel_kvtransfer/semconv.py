@@ -81,6 +81,7 @@ METRIC_REQUEST_THROUGHPUT = "kv_transfer.request.throughput"
 METRIC_REQUEST_COMPUTE_OVERLAP = "kv_transfer.request.compute_overlap"
 METRIC_RECEIVE_DURATION = "kv_transfer.receive.duration"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
+DROPPED_DESCRIPTION = "Records the instrumentation had to drop (queue full, evicted requests, own errors)"
 
 # Attributes a metric point may carry: low cardinality only (DESIGN).
 METRIC_ATTRIBUTES = (BACKEND, FRAMEWORK, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR, GEN_AI_REQUEST_MODEL)

@@ -68,3 +68,18 @@ def test_disabled_instrumentation_records_nothing():
     spans, metrics = _run({"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "kv_transfer"})
     assert spans == []
     assert _size_sums(metrics) == (0, 0)
+
+
+def test_builder_process_builds_the_same_spans_and_metrics_outside_the_engine():
+    """OTEL_KVTRANSFER_BUILDER=process: the app and its spawn child each start one helper that builds their spans
+    and metrics; the same bytes and counts arrive, and every span comes from a helper, not from the app."""
+    spans, metrics = _run({"OTEL_KVTRANSFER_BUILDER": "process"})
+    assert sorted(s["attributes"][semconv.BYTES] for s in spans) == [1111] * 3 + [2222] * 2
+    assert all(s["resource"]["attributes"]["service.name"] == "auto-app" for s in spans)
+    builders = {s["resource"]["attributes"]["process.pid"]: s["resource"]["attributes"] for s in spans}
+    assert len(builders) == 2
+    # The process detector describes the process that built the spans. The app's parent is this test; each
+    # builder's parent is the app or its child: two different engine processes, neither of them this test.
+    parents = {attributes["process.parent_pid"] for attributes in builders.values()}
+    assert len(parents) == 2 and os.getpid() not in parents, builders
+    assert _size_sums(metrics) == (5, 3 * 1111 + 2 * 2222)

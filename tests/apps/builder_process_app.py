@@ -1,0 +1,80 @@
+"""An engine process in `OTEL_KVTRANSFER_BUILDER=process` mode, for tests/test_builder_process.py: real Mooncake
+writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
+
+    python builder_process_app.py STEP [STEP ...]
+    steps: send:N (N 4,096 B writes in requests of one write each), flush, kill-helper, uninstrument
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from otel_kvtransfer import KVTransferInstrumentor
+from otel_kvtransfer import integration as kvt
+from otel_kvtransfer.demo.loopback import Receiver, open_engine
+
+SIZE = 4096
+
+
+def main(steps):
+    provider = TracerProvider()  # this process's own SDK: its flush must reach the helper
+    trace.set_tracer_provider(provider)
+    instrumentor = KVTransferInstrumentor()
+    instrumentor.instrument()
+    link = instrumentor._link  # pylint: disable=protected-access
+    print(json.dumps({"step": "start", "pid": os.getpid(), "helper": link and link.pid()}), flush=True)
+    receiver = Receiver(1 << 20, env={"MC_FORCE_TCP": "1"})
+    engine = open_engine()
+    buffer = np.full(1 << 20, 5, dtype=np.uint8)
+    assert engine.register_memory(buffer.ctypes.data, buffer.nbytes) == 0
+    room = 1000
+    try:
+        for step in steps:
+            name, _, arg = step.partition(":")
+            outcome = {"step": step}
+            if name == "send":
+                codes = []
+                for _ in range(int(arg)):
+                    kvt.begin_request(room, backend="mooncake", framework="test")
+                    with kvt.transfer_scope(room):
+                        codes.append(engine.transfer_sync_write(receiver.session, buffer.ctypes.data,
+                                                                receiver.base_address, SIZE))
+                    kvt.end_request(room)
+                    room += 1
+                outcome["return_codes"] = sorted(set(codes))
+            elif name == "flush":
+                started = time.monotonic()
+                outcome["flushed"] = provider.force_flush(30000)
+                outcome["seconds"] = round(time.monotonic() - started, 3)
+            elif name == "kill-helper":
+                pid = link.pid()
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # reaped here: it is gone before the next frame
+                outcome["killed"] = pid
+            elif name == "uninstrument":
+                helper = link.pid()
+                instrumentor.uninstrument()
+                outcome["helper_exited"] = _gone(helper)
+            outcome["helper"] = link.pid()
+            print(json.dumps(outcome), flush=True)
+    finally:
+        receiver.stop()
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        return handle.read().split(") ", 1)[1].startswith("Z")  # ended, waiting to be reaped
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,41 @@
+"""OTEL_KVTRANSFER_HELPER_SETUP for tests/test_builder_process.py: the helper's SDK writes its spans to
+$KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json."""
+
+import atexit
+import json
+import os
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
+
+
+def setup():
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(os.environ["KVT_TEST_SPAN_FILE"])))
+    reader = InMemoryMetricReader()
+    trace.set_tracer_provider(provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    atexit.register(_write_totals, reader)
+
+
+def _write_totals(reader):
+    totals = {"sizes": 0, "dropped": {}}
+    data = reader.get_metrics_data()
+    for resource_metrics in (data.resource_metrics if data else []):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                for point in metric.data.data_points:
+                    if metric.name == semconv.METRIC_SIZE:
+                        totals["sizes"] += point.count
+                    elif metric.name == semconv.METRIC_DROPPED:
+                        reason = point.attributes[semconv.DROP_REASON]
+                        totals["dropped"][reason] = totals["dropped"].get(reason, 0) + point.value
+    path = os.path.join(os.environ["KVT_TEST_METRICS_DIR"], f"{os.getpid()}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(totals, handle)

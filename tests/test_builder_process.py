@@ -1,0 +1,144 @@
+"""OTEL_KVTRANSFER_BUILDER=process with the real Mooncake engine: an engine process (tests/apps/
+builder_process_app.py) makes real writes to a receiver process on 127.0.0.1 while a helper process builds the
+spans and metrics (its SDK from tests/apps/builder_process_setup.py). Asserted: the same spans and bytes as
+in-process, flush semantics across the two processes, nothing lost uncounted when the helper dies, and the helper
+ending with the engine."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import mooncake_importable, require_part
+from otel_kvtransfer import KVTransferInstrumentor, config, semconv, wire
+from otel_kvtransfer.tools.spanfile import read_spans
+
+APPS = os.path.join(os.path.dirname(__file__), "apps")
+SIZE = 4096
+
+
+def _run(tmp_path, *steps, **extra_env):
+    require_part(mooncake_importable(), "the Mooncake engine")
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({
+        "OTEL_KVTRANSFER_BUILDER": "process",
+        "OTEL_KVTRANSFER_HELPER_SETUP": "builder_process_setup:setup",
+        "KVT_TEST_SPAN_FILE": str(tmp_path / "spans.jsonl"),
+        "KVT_TEST_METRICS_DIR": str(metrics_dir),
+        "MC_FORCE_TCP": "1",
+        "MC_LOG_LEVEL": "ERROR",
+        "PYTHONPATH": os.pathsep.join(p for p in [APPS, env.get("PYTHONPATH", "")] if p),
+    })
+    env.update(extra_env)
+    result = subprocess.run([sys.executable, os.path.join(APPS, "builder_process_app.py"), *steps], env=env,
+                            capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    totals = [json.loads(p.read_text()) for p in metrics_dir.iterdir()]
+    return outcomes, totals, result.stderr
+
+
+def _sends(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    return [s for s in read_spans(str(path)) if s.name == semconv.SPAN_SEND] if path.exists() else []
+
+
+def test_spans_built_by_the_helper_have_the_exact_bytes_and_flush_waits_for_them(tmp_path):
+    outcomes, totals, _ = _run(tmp_path, "send:40", "flush", "send:10")
+    start = outcomes[0]
+    assert start["helper"] and start["helper"] != start["pid"]
+    assert outcomes[1]["return_codes"] == [0]
+    assert outcomes[2]["flushed"] is True
+    sends = _sends(tmp_path)
+    assert len(sends) == 50 and {s.attributes[semconv.BYTES] for s in sends} == {SIZE}
+    # Each send sits under its own request, keyed by its room; the request spans carry the bytes.
+    requests = [s for s in read_spans(str(tmp_path / "spans.jsonl")) if s.name == semconv.SPAN_REQUEST]
+    assert sorted(int(r.attributes[semconv.REQUEST_KEY]) for r in requests) == list(range(1000, 1050))
+    by_id = {r.span_id: r for r in requests}
+    assert all(by_id[s.parent_span_id].attributes[semconv.REQUEST_KEY] == s.attributes[semconv.REQUEST_KEY]
+               for s in sends)
+    assert totals == [{"sizes": 50, "dropped": {}}]
+
+
+def test_flush_returns_only_after_the_helper_exported(tmp_path):
+    # After force_flush() returns True the helper's exporter has written every span: the file holds them while
+    # the engine still runs (the app does nothing between the flush and the kill).
+    outcomes, _, _ = _run(tmp_path, "send:25", "flush", "kill-helper")
+    assert outcomes[2]["flushed"] is True
+    assert len(_sends(tmp_path)) == 25  # the killed helper exported nothing after the flush
+
+
+def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_path):
+    # Drains only when flushed: the 15 writes after the kill travel in one frame, to the dead helper.
+    outcomes, totals, stderr = _run(tmp_path, "send:20", "flush", "kill-helper", "send:15", "flush", "send:5",
+                                    OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000")
+    killed = outcomes[3]["killed"]
+    assert outcomes[4]["return_codes"] == [0] and outcomes[6]["return_codes"] == [0]  # the engine never noticed
+    assert outcomes[5]["flushed"] is True
+    assert outcomes[6]["helper"] not in (None, killed)
+    # The first helper built the 20 before the kill, the fresh one the last 5; the frame written to the dead one
+    # is counted: 15 requests of 3 records each (begin, send, end). The killed helper wrote no totals.
+    assert len(_sends(tmp_path)) == 25
+    assert totals == [{"sizes": 5, "dropped": {"builder_process": 45}}]
+    assert "counted as dropped (builder_process)" in stderr
+
+
+def test_uninstrument_ends_the_helper(tmp_path):
+    outcomes, totals, _ = _run(tmp_path, "send:3", "uninstrument", "send:2")
+    assert outcomes[2]["helper_exited"] is True
+    assert len(_sends(tmp_path)) == 3  # the writes after uninstrument are not recorded
+    assert totals == [{"sizes": 3, "dropped": {}}]
+
+
+def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):
+    # A Prometheus exporter serves this process's port: a helper could not serve it too.
+    monkeypatch.setenv(config.BUILDER, "process")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    instrumentor = KVTransferInstrumentor()
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.instrumentor"):
+        instrumentor.instrument()
+    try:
+        assert instrumentor._link is None  # pylint: disable=protected-access
+        assert any("OTEL_METRICS_EXPORTER includes prometheus" in r.getMessage() for r in caplog.records)
+    finally:
+        instrumentor.uninstrument()
+
+
+def test_an_unknown_builder_value_is_one_warning_and_the_default(monkeypatch, caplog):
+    monkeypatch.setenv(config.BUILDER, "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.config"):
+        assert config.load().builder == "thread"
+    assert len(caplog.records) == 1 and "OTEL_KVTRANSFER_BUILDER" in caplog.records[0].getMessage()
+
+
+def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
+    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState  # noqa: E501 pylint: disable=C0415
+    from otel_kvtransfer import records as r  # pylint: disable=import-outside-toplevel
+
+    parent = SpanContext(0xABC, 0xDEF, True, TraceFlags(1), TraceState([("k", "v")]))
+    context = trace.set_span_in_context(NonRecordingSpan(parent))
+    numpy = pytest.importorskip("numpy")
+    records = [(r.SEND, None, [(1, 2, [numpy.int64(7), 9], 2, "write", "p", None, 0, None, "mooncake", None)],
+                context, None, None),
+               (r.BEGIN_REQUEST, 5, 10, "prefill", "mooncake", None, {"n": numpy.float32(1.5)}, None)]
+    frame = wire.encode((wire.BATCH, wire.records_out(records), {}))
+    kind, back, drops = wire.decode(frame[wire.HEADER.size:])
+    assert (kind, drops) == (wire.BATCH, {})
+    back = wire.records_in(back)
+    carried = trace.get_current_span(back[0][r.SEND_CONTEXT]).get_span_context()
+    assert (carried.trace_id, carried.span_id, carried.is_remote, int(carried.trace_flags)) == (0xABC, 0xDEF, True, 1)
+    assert carried.trace_state.get("k") == "v"
+    lengths = back[0][r.SEND_CALLS][0][r.CALL_BYTES]
+    assert lengths == [7, 9] and type(lengths[0]) is numpy.int64  # as the in-process builder would see it
+    assert back[1][r.REQ_ATTRIBUTES] == {"n": 1.5}
+    # What pickle cannot carry travels as a plain value instead of failing the whole frame.
+    odd = (r.BEGIN_REQUEST, 6, 10, "prefill", "mooncake", None, {"lock": __import__("threading").Lock()}, None)
+    frame = wire.encode((wire.BATCH, [odd], {}))
+    assert wire.decode(frame[wire.HEADER.size:])[1][0][r.REQ_ATTRIBUTES]["lock"].startswith("<unlocked")
+    assert wire.HEADER.unpack(frame[:wire.HEADER.size])[0] == len(frame) - wire.HEADER.size
