@@ -219,6 +219,31 @@ class Naive:
         return rc
 
 
+# --- the builder process's pipeline (OTEL_KVTRANSFER_HELPER_SETUP=common:helper_setup) ----------------------
+
+HELPER_TOTALS_DIR = "KVT_BENCH_HELPER_TOTALS_DIR"
+
+
+def helper_setup():
+    """In a builder process: the same Pipeline as the engine process's, set globally; when the helper ends it
+    writes its metric totals to $KVT_BENCH_HELPER_TOTALS_DIR/<pid>.json (nothing else could read them)."""
+    import atexit  # pylint: disable=import-outside-toplevel
+
+    from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+
+    pipeline = Pipeline()
+    trace.set_tracer_provider(pipeline.tracer_provider)
+    metrics.set_meter_provider(pipeline.meter_provider)
+    atexit.register(_write_helper_totals, pipeline)
+
+
+def _write_helper_totals(pipeline):
+    points = pipeline.metric_points().get(semconv.METRIC_SIZE, [])
+    totals = {"transfers_in_metrics": sum(p.count for p in points),
+              "exemplars": sum(len(p.exemplars) for p in points)}
+    write_json(os.path.join(os.environ[HELPER_TOTALS_DIR], f"{os.getpid()}.json"), totals)
+
+
 def write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2, sort_keys=False)

@@ -13,7 +13,11 @@ A/A noise of the same run (the same difference between two uninstrumented rounds
    one drain, on one core).
 3. neighbour: the slowdown of a CPU-bound pure-Python thread while real transfers run at 1,000/s.
 
-    python bench/engine_cost.py [--quick] [--out FILE]
+With `--builder process` the same figures are taken with OTEL_KVTRANSFER_BUILDER=process: the engine process
+only queues and hands records over; the helper process builds them on the same pipeline (`common.helper_setup`).
+Its CPU is measured too (/proc/<helper pid>) and printed beside the engine process's, never folded into it.
+
+    python bench/engine_cost.py [--builder thread|process] [--quick] [--out FILE]
 """
 
 import argparse
@@ -21,13 +25,14 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import Pipeline, machine  # noqa: E402
+from common import HELPER_TOTALS_DIR, Pipeline, machine  # noqa: E402
 
 from otel_kvtransfer import KVTransferInstrumentor  # noqa: E402
 from otel_kvtransfer import integration as kvt  # noqa: E402
@@ -39,9 +44,23 @@ def _spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _process_cpu_ns(pid) -> float:
+    """CPU (user + system) a whole process has used so far, from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1e9 / os.sysconf("SC_CLK_TCK")
+
+
 class Bench:
-    def __init__(self):
+    def __init__(self, builder: str):
         import numpy as np  # pylint: disable=import-outside-toplevel
+
+        self.builder = builder
+        if builder == "process":  # set before the first instrument(): every helper inherits them
+            os.environ["OTEL_KVTRANSFER_BUILDER"] = "process"
+            os.environ["OTEL_KVTRANSFER_HELPER_SETUP"] = "common:helper_setup"
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, os.environ.get("PYTHONPATH")] if p)
+            os.environ[HELPER_TOTALS_DIR] = tempfile.mkdtemp(prefix="kvt-bench-helpers-")
 
         self.receiver = Receiver(8 << 20, env={"MC_FORCE_TCP": "1"})
         self.engine = open_engine()
@@ -56,6 +75,22 @@ class Bench:
         if not self.instrumentor.is_instrumented_by_opentelemetry:
             self.instrumentor.instrument(tracer_provider=self.pipeline.tracer_provider,
                                      meter_provider=self.pipeline.meter_provider)
+            if self.builder == "process":
+                self.settle()  # starts the helper: its start-up (imports, SDK) is over before anything is measured
+                assert self.helper_pid(), "the builder process did not start"
+
+    def helper_pid(self):
+        link = getattr(self.instrumentor, "_link", None)
+        return link.pid() if link is not None else None
+
+    def settle(self):
+        """Everything recorded so far delivered and, with a builder process, built there and flushed."""
+        RECORDER.drain()
+        if self.builder == "process":
+            assert self.pipeline.tracer_provider.force_flush(60000), "the builder process did not flush"
+
+    def helper_cpu_ns(self) -> float:
+        return _process_cpu_ns(self.helper_pid()) if self.builder == "process" else 0.0
 
     def off(self):
         if self.instrumentor.is_instrumented_by_opentelemetry:
@@ -177,28 +212,34 @@ def process_cost(b: Bench, rounds: int, seconds: float) -> dict:
         stop.clear()
         worker = threading.Thread(target=paced, args=(rate, counter), name="transfers")
         before = _task_cpu_ticks()
+        helper_before = b.helper_cpu_ns() if mode == "on" else 0.0
         worker.start()
         time.sleep(seconds)
         stop.set()
         worker.join()
         if mode == "on":
-            RECORDER.drain()  # the round's span building belongs to the round
+            b.settle()  # the round's span building belongs to the round (in the helper too)
             b.transfers_on += counter[0]
+            helper_cpu[0] = (b.helper_cpu_ns() - helper_before) / max(counter[0], 1) / 1e3
         after = _task_cpu_ticks()
         cpu_ns = sum(after[t] - before.get(t, 0) for t in after) * tick_ns
         return cpu_ns / max(counter[0], 1) / 1e3, counter[0] / seconds
 
     per = {"off": [], "off2": [], "on": []}
     rate = {"off": [], "off2": [], "on": []}
+    helper_cpu, helper_per = [0.0], []
     for r in range(rounds):
         order = ["off", "off2", "on"]
         for mode in order[r % 3:] + order[:r % 3]:
             cpu_us, _ = measure(mode, 700)
             per[mode].append(cpu_us)
+            if mode == "on":
+                helper_per.append(helper_cpu[0])
             _, achieved = measure(mode, 1e9)  # unpaced: as fast as the engine goes
             rate[mode].append(achieved)
     b.off()
     return {
+        "helper_cpu_us_per_transfer": _spread(helper_per) if b.builder == "process" else None,
         "paced_rate_per_s": 700,
         "cpu_us_per_transfer_off": _spread(per["off"]),
         "cpu_us_per_transfer_on": _spread(per["on"]),
@@ -212,7 +253,10 @@ def process_cost(b: Bench, rounds: int, seconds: float) -> dict:
 
 
 def builder_alone(b: Bench, n: int) -> dict:
-    """Records already queued (the background thread asleep), one drain timed on this thread's CPU."""
+    """Records already queued (the background thread asleep), one drain timed on this thread's CPU.
+
+    With a builder process the drain only hands the records over (its CPU is the engine process's share); the
+    building is the helper's CPU from that drain until it has flushed them all."""
     os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"] = "60000"
     try:
         b.on()
@@ -220,12 +264,18 @@ def builder_alone(b: Bench, n: int) -> dict:
             b.call_8b()
         b.transfers_on += n
         queued = RECORDER.pending()
+        helper = b.helper_cpu_ns()
         cpu = time.thread_time_ns()
         RECORDER.drain()
         cpu = time.thread_time_ns() - cpu
+        b.settle()
+        helper = b.helper_cpu_ns() - helper
         b.off()
     finally:
         del os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"]
+    if b.builder == "process":
+        return {"records": queued, "records_per_cpu_s": queued / (helper / 1e9),
+                "cpu_us_per_record": helper / queued / 1e3, "handoff_cpu_us_per_record": cpu / queued / 1e3}
     return {"records": queued, "records_per_cpu_s": queued / (cpu / 1e9), "cpu_us_per_record": cpu / queued / 1e3}
 
 
@@ -281,13 +331,16 @@ def neighbour(b: Bench, rounds: int, seconds: float) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--builder", choices=("thread", "process"), default="thread",
+                        help="where spans are built: this process's thread (the default) or a helper process")
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run, not for quoting")
     parser.add_argument("--out", help="write the JSON here as well as to stdout")
     args = parser.parse_args()
     quick = args.quick
-    b = Bench()
+    b = Bench(args.builder)
     try:
         result = {
+            "builder": args.builder,
             "engine": "real Mooncake TransferEngine, TCP on 127.0.0.1, receiver in its own process",
             "machine": machine(),
             "load_average_before": os.getloadavg()[0],
@@ -298,12 +351,14 @@ def main():
             "load_average_after": os.getloadavg()[0],
         }
         b.pipeline.tracer_provider.force_flush()
-        points = b.pipeline.metric_points()
-        result["metrics_complete"] = {
-            "transfers_made_instrumented": b.transfers_on,
-            "transfers_in_metrics": sum(p.count for p in points.get("kv_transfer.size", [])),
-            "exemplars": sum(len(p.exemplars) for p in points.get("kv_transfer.size", [])),
-        }
+        if args.builder == "process":
+            b.off()  # the last helper ends and writes its totals
+            totals = helper_totals()
+        else:
+            points = b.pipeline.metric_points()
+            totals = {"transfers_in_metrics": sum(p.count for p in points.get("kv_transfer.size", [])),
+                      "exemplars": sum(len(p.exemplars) for p in points.get("kv_transfer.size", []))}
+        result["metrics_complete"] = dict(transfers_made_instrumented=b.transfers_on, **totals)
     finally:
         b.stop()
     text = json.dumps(result, indent=2)
@@ -311,6 +366,19 @@ def main():
         with open(args.out, "w", encoding="utf-8") as handle:
             handle.write(text)
     print(text)
+
+
+def helper_totals() -> dict:
+    """The metrics of every builder process of the run (each wrote its totals when it ended)."""
+    folder = os.environ[HELPER_TOTALS_DIR]
+    found = {"transfers_in_metrics": 0, "exemplars": 0, "helpers": 0}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), encoding="utf-8") as handle:
+            one = json.load(handle)
+        found["transfers_in_metrics"] += one["transfers_in_metrics"]
+        found["exemplars"] += one["exemplars"]
+        found["helpers"] += 1
+    return found
 
 
 if __name__ == "__main__":

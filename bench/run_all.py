@@ -21,7 +21,9 @@ sys.path.insert(0, HERE)
 
 from common import machine, write_json  # noqa: E402
 
-BENCHES = ["engine_cost", "pipeline", "memory", "truth", "eviction"]
+BENCHES = ["engine_cost", "engine_cost_process", "pipeline", "memory", "truth", "eviction"]
+# name -> (script, arguments) where they differ from bench/<name>.py
+SCRIPTS = {"engine_cost_process": ("engine_cost", ["--builder", "process"])}
 GOALS = {"eviction_ratio": 2.0, "thread_added_us": 2.0, "process_added_cpu_us": 15.0, "builder_per_s": 60_000, "neighbour_slowdown": 0.01,
          "capacity_per_s": 20_000, "truth_error": 0.02}
 
@@ -29,7 +31,8 @@ GOALS = {"eviction_ratio": 2.0, "thread_added_us": 2.0, "process_added_cpu_us": 
 def _run_one(name: str, quick: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{name}.json")
-        cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--out", out] + (["--quick"] if quick else [])
+        script, extra = SCRIPTS.get(name, (name, []))
+        cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), "--out", out] + extra + (["--quick"] if quick else [])
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         load_before = os.getloadavg()[0]
         start = time.monotonic()
@@ -59,21 +62,30 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
-def summary(results: dict) -> dict:
-    cost, pipe, mem, truth, evict = (results[k] for k in BENCHES)
+def _cost_summary(cost: dict) -> dict:
     thread = cost["thread"]
-    growth = mem["rss_after_warmup_mib"]["growth"]
     return {
         "thread_added_us": {shape: v["added_thread_cpu_us"] for shape, v in thread.items()},
         "thread_goal_met": all(v["added_thread_cpu_us"] <= GOALS["thread_added_us"] for v in thread.values()),
         "process_added_cpu_us": cost["process"]["added_cpu_us_per_transfer"],
         "process_goal_met": cost["process"]["added_cpu_us_per_transfer"] <= GOALS["process_added_cpu_us"],
+        "rate_change": cost["process"]["rate_change"],
+        "rate_change_aa": cost["process"]["rate_change_aa"],
         "builder_per_s": cost["builder_alone"]["records_per_cpu_s"],
         "builder_goal_met": cost["builder_alone"]["records_per_cpu_s"] >= GOALS["builder_per_s"],
         "neighbour_slowdown": cost["neighbour"]["slowdown"]["median"],
         "neighbour_goal_met": cost["neighbour"]["slowdown"]["median"] <= GOALS["neighbour_slowdown"],
         "metrics_complete": cost["metrics_complete"]["transfers_in_metrics"]
         == cost["metrics_complete"]["transfers_made_instrumented"],
+    }
+
+
+def summary(results: dict) -> dict:
+    pipe, mem, truth, evict = (results[k] for k in BENCHES[2:])
+    growth = mem["rss_after_warmup_mib"]["growth"]
+    return {
+        "builder": {"thread": _cost_summary(results["engine_cost"]),
+                    "process": _cost_summary(results["engine_cost_process"])},
         "capacity_per_s": pipe["sustained_capacity_per_s"],
         "capacity_goal_met": pipe["sustained_capacity_per_s"] >= GOALS["capacity_per_s"],
         "overload_accounted": pipe["overload"]["accounted"] and pipe["overload"]["wrong_return_values"] == 0,
@@ -90,9 +102,10 @@ def summary(results: dict) -> dict:
     }
 
 
-def _cost_section(cost: dict, s: dict) -> list:
+def _cost_section(cost: dict, title: str) -> list:
     p, b, n, mc = cost["process"], cost["builder_alone"], cost["neighbour"], cost["metrics_complete"]
-    lines = ["## 1. Cost to the engine (issue 12), real Mooncake engine", "",
+    helper = cost["builder"] == "process"
+    lines = [title, "",
              "instrument() and uninstrument() alternate round by round in one process; each figure is the median of "
              "per-round differences, beside the A/A noise of the same run (two uninstrumented rounds).", "",
              "| engine call | uninstrumented us per call | added on the calling thread: CPU us (A/A) "
@@ -100,26 +113,36 @@ def _cost_section(cost: dict, s: dict) -> list:
     for shape, v in cost["thread"].items():
         lines.append(f"| {shape} | {v['off_us_per_call']:.1f} | {v['added_thread_cpu_us']:+.2f} "
                      f"({v['aa_thread_cpu_us']:+.2f}) | {v['added_wall_us']:+.1f} ({v['aa_wall_us']:+.1f}) |")
-    lines += ["", f"- CPU per transfer, every thread of the process, one thread making paced 64 KiB writes at "
+    lines += ["", f"- CPU per transfer, every thread of the engine process, one thread making paced 64 KiB writes at "
               f"{p['paced_rate_per_s']}/s: off {p['cpu_us_per_transfer_off']['median']:.1f} us, on "
               f"{p['cpu_us_per_transfer_on']['median']:.1f} us: **added {p['added_cpu_us_per_transfer']:+.1f} us** "
-              f"(A/A {p['aa_cpu_us_per_transfer']:+.1f} us).",
-              f"- Unpaced transfers per second: off {p['unpaced_rate_off']['median']:,.0f}, on "
+              f"(A/A {p['aa_cpu_us_per_transfer']:+.1f} us)."]
+    if helper:
+        h = p["helper_cpu_us_per_transfer"]
+        lines.append(f"- The builder process's own CPU per transfer in the same rounds (another process, on the "
+                     f"other core here): {h['median']:.1f} us (rounds {h['min']:.1f} .. {h['max']:.1f}).")
+    lines += [f"- Unpaced transfers per second: off {p['unpaced_rate_off']['median']:,.0f}, on "
               f"{p['unpaced_rate_on']['median']:,.0f}: change {p['rate_change']:+.1%} (A/A {p['rate_change_aa']:+.1%}).",
-              f"- Builder alone ({b['records']:,} queued records, one drain, one core): "
-              f"**{b['records_per_cpu_s']:,.0f} records/s** ({b['cpu_us_per_record']:.1f} us each).",
+              (f"- Builder alone ({b['records']:,} queued records, one drain): the builder process builds "
+               f"**{b['records_per_cpu_s']:,.0f} records/s** on its CPU ({b['cpu_us_per_record']:.1f} us each); "
+               f"handing them over costs the engine process {b['handoff_cpu_us_per_record']:.2f} us each."
+               if helper else
+               f"- Builder alone ({b['records']:,} queued records, one drain, one core): "
+               f"**{b['records_per_cpu_s']:,.0f} records/s** ({b['cpu_us_per_record']:.1f} us each)."),
               f"- A CPU-bound Python thread beside real transfers at 1,000/s slows by **{n['slowdown']['median']:+.1%}** "
               f"(rounds {n['slowdown']['min']:+.1%} .. {n['slowdown']['max']:+.1%}; A/A "
               f"{n['slowdown_aa']['median']:+.1%}, {n['slowdown_aa']['min']:+.1%} .. {n['slowdown_aa']['max']:+.1%}).",
               f"- Metrics complete: {mc['transfers_in_metrics']:,} transfers in the metrics of "
               f"{mc['transfers_made_instrumented']:,} made while instrumented; {mc['exemplars']} exemplars on the "
-              f"size histogram at the last collection.", ""]
+              f"size histogram at the last collection"
+              + (f" (summed over the {mc['helpers']} builder processes of the run: one per instrument())."
+                 if helper else "."), ""]
     return lines
 
 
 def render(results: dict) -> str:
     m = results["machine"]
-    cost, pipe, mem, truth, _ = (results[k] for k in BENCHES)
+    pipe, mem, truth = results["pipeline"], results["memory"], results["truth"]
     s = results["summary"]
     lines = ["# Benchmark results", "",
              f"Written by `python bench/run_all.py{' --quick' if results['quick'] else ''}` on {results['date']} "
@@ -137,17 +160,30 @@ def render(results: dict) -> str:
     lines.append(f"| load average (1 min) before -> after each benchmark | {loads} |")
     lines += ["", "A load average well above the benchmark's own (about 1) means other processes shared the two "
               "cores during the run; their noise is in the figures. Rerun on a quiet machine before quoting."]
-    th = s["thread_added_us"]
-    lines += ["", "## Headline", "", "| goal | figure | verdict |", "|---|---|---|",
+    t, h = s["builder"]["thread"], s["builder"]["process"]
+
+    def both(figure, met):
+        return f"{figure(t)} | {_verdict(t[met])} | {figure(h)} | {_verdict(h[met])} |"
+
+    lines += ["", "## Headline: cost to the engine (issue 12)", "",
+              "Both builders measured in the same run, each in its own process: the default builds spans on a "
+              "thread of the engine process; OTEL_KVTRANSFER_BUILDER=process builds them in a helper process.", "",
+              "| goal | in-process builder (default) | | builder process | |", "|---|---|---|---|---|",
               "| <= 2 us added on the calling thread per real engine call | "
-              + "; ".join(f"{shape}: {v:+.2f} us" for shape, v in th.items()) + f" | {_verdict(s['thread_goal_met'])} |",
-              f"| <= 15 us CPU per transfer, all threads | {s['process_added_cpu_us']:+.1f} us "
-              f"| {_verdict(s['process_goal_met'])} |",
-              f"| builder alone >= 60,000 transfers/s on one core | {s['builder_per_s']:,.0f}/s "
-              f"| {_verdict(s['builder_goal_met'])} |",
-              f"| a CPU-bound Python thread slows <= 1% at 1,000 transfers/s | {s['neighbour_slowdown']:+.1%} "
-              f"| {_verdict(s['neighbour_goal_met'])} |",
-              f"| metrics count every transfer | {s['metrics_complete']} | {_verdict(s['metrics_complete'])} |",
+              + both(lambda x: "; ".join(f"{shape}: {v:+.2f} us" for shape, v in x["thread_added_us"].items()),
+                     "thread_goal_met"),
+              "| <= 15 us CPU per transfer, all threads of the engine process | "
+              + both(lambda x: f"{x['process_added_cpu_us']:+.1f} us", "process_goal_met"),
+              "| engine's unpaced transfer rate unchanged (A/A beside it) | "
+              + f"{t['rate_change']:+.1%} (A/A {t['rate_change_aa']:+.1%}) | - | "
+              + f"{h['rate_change']:+.1%} (A/A {h['rate_change_aa']:+.1%}) | - |",
+              "| builder alone >= 60,000 transfers/s on one core | "
+              + both(lambda x: f"{x['builder_per_s']:,.0f}/s", "builder_goal_met"),
+              "| a CPU-bound Python thread slows <= 1% at 1,000 transfers/s | "
+              + both(lambda x: f"{x['neighbour_slowdown']:+.1%}", "neighbour_goal_met"),
+              "| metrics count every transfer, exemplars kept | "
+              + both(lambda x: str(x["metrics_complete"]), "metrics_complete"),
+              "", "## Headline: capacity, memory, truth", "", "| goal | figure | verdict |", "|---|---|---|",
               f"| >= 20,000 transfers/s into spans + metrics, nothing dropped | sustained: "
               f"{s['capacity_per_s']:,}/s | {_verdict(s['capacity_goal_met'])} |",
               f"| beyond capacity: drops counted, engine unaffected | spans + dropped == calls: "
@@ -162,7 +198,10 @@ def render(results: dict) -> str:
               f"| eviction cost independent of the number of open requests (100,000 vs 1,000 open) | TTL tick "
               f"x{s['eviction_tick_ratio']:.2f}, opening one when full x{s['eviction_open_ratio']:.2f} "
               f"| {_verdict(s['eviction_goal_met'])} |", ""]
-    lines += _cost_section(cost, s)
+    lines += _cost_section(results["engine_cost"], "## 1. Cost to the engine (issue 12): in-process builder "
+                                                    "(default), real Mooncake engine")
+    lines += _cost_section(results["engine_cost_process"], "## 1b. Cost to the engine (issue 12): builder process "
+                                                           "(OTEL_KVTRANSFER_BUILDER=process), real Mooncake engine")
 
     # 2. pipeline
     b = pipe["builder_only"]

@@ -127,8 +127,9 @@ def main() -> None:
     try:
         _set_up_sdk()
         helper = Helper(ack_fd)
-    except Exception:  # pylint: disable=broad-except
-        _logger.warning("otel_kvtransfer builder process: could not set up the SDK", exc_info=True)
+    except Exception as exc:  # pylint: disable=broad-except
+        _logger.warning("otel_kvtransfer builder process: could not set up the SDK (%s: %s); spans and metrics "
+                        "of this engine process are counted as dropped", type(exc).__name__, str(exc)[:200])
         sys.exit(1)
     helper.run(sys.stdin.fileno())
     # The SDK's exit handlers shut the providers down: spans and metrics still held are exported.

@@ -148,10 +148,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
         if settings.builder == "process":
             why_not = offload.unavailable_reason()
             if why_not is None:
-                self._link = offload.HelperLink()
-                if not self._link.start():
-                    why_not, self._link = "the builder process could not start", None
-            if why_not is not None:
+                self._link = offload.HelperLink()  # the helper starts with the first records: none, no helper
+            else:
                 _logger.warning("otel_kvtransfer: %s=process, but %s; building spans in this process instead",
                                 config.BUILDER, why_not)
         if self._link is not None:

@@ -6,7 +6,8 @@ own threads need. With this mode the engine process keeps only the hot path and,
 pickled frame per drain written to a pipe; `python -m otel_kvtransfer.helper_process` reads the frames and runs
 the same builder and metrics processor on an SDK it sets up from the same OTEL_* variables.
 
-Nothing is lost silently: a frame the helper cannot take within WRITE_TIMEOUT_S (hung or dead helper) is counted
+The helper starts with the first frame, so a process that records nothing (sglang's tokenizer, say) never
+starts one. Nothing is lost silently: a frame the helper cannot take within WRITE_TIMEOUT_S (hung or dead helper) is counted
 as dropped (`builder_process`) and the link starts a fresh helper for what follows, at most MAX_STARTS times
 per process. Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its own.
 At exit the helper gets end-of-file, exports what it holds and ends by itself; the engine waits at most
@@ -135,11 +136,6 @@ class HelperLink:
         self._acks = None
         self._starts = 0
         self._drops = {}
-
-    def start(self) -> bool:
-        """Start the helper now, so its SDK is set up before the first frame."""
-        with self._lock:
-            return self._ensure_started()
 
     def pid(self) -> Optional[int]:
         return self._proc.pid if self._proc is not None else None

@@ -50,9 +50,9 @@ def _sends(tmp_path):
 
 def test_spans_built_by_the_helper_have_the_exact_bytes_and_flush_waits_for_them(tmp_path):
     outcomes, totals, _ = _run(tmp_path, "send:40", "flush", "send:10")
-    start = outcomes[0]
-    assert start["helper"] and start["helper"] != start["pid"]
+    assert outcomes[0]["helper"] is None  # nothing recorded yet: no helper
     assert outcomes[1]["return_codes"] == [0]
+    assert outcomes[2]["helper"] not in (None, outcomes[0]["pid"])
     assert outcomes[2]["flushed"] is True
     sends = _sends(tmp_path)
     assert len(sends) == 50 and {s.attributes[semconv.BYTES] for s in sends} == {SIZE}
@@ -89,10 +89,15 @@ def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_
 
 
 def test_uninstrument_ends_the_helper(tmp_path):
-    outcomes, totals, _ = _run(tmp_path, "send:3", "uninstrument", "send:2")
-    assert outcomes[2]["helper_exited"] is True
-    assert len(_sends(tmp_path)) == 3  # the writes after uninstrument are not recorded
-    assert totals == [{"sizes": 3, "dropped": {}}]
+    outcomes, totals, _ = _run(tmp_path, "send:3", "flush", "send:4", "open", "uninstrument", "send:2")
+    assert outcomes[5]["helper_exited"] is True
+    # uninstrument delivered the 5 still queued; the writes after it are not recorded
+    assert len(_sends(tmp_path)) == 8
+    # The request still open at uninstrument was ended by the helper, as evicted, and counted.
+    spans = read_spans(str(tmp_path / "spans.jsonl"))
+    evicted = [s for s in spans if s.name == semconv.SPAN_REQUEST and s.attributes.get(semconv.REQUEST_KEY) == "1007"]
+    assert len(evicted) == 1 and evicted[0].status_code == "ERROR"
+    assert totals == [{"sizes": 8, "dropped": {"request_evicted": 1}}]
 
 
 def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):

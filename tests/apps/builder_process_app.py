@@ -2,7 +2,8 @@
 writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
 
     python builder_process_app.py STEP [STEP ...]
-    steps: send:N (N 4,096 B writes in requests of one write each), flush, kill-helper, uninstrument
+    steps: send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
+    ends), flush, kill-helper, uninstrument
 """
 
 import json
@@ -48,6 +49,12 @@ def main(steps):
                     kvt.end_request(room)
                     room += 1
                 outcome["return_codes"] = sorted(set(codes))
+            elif name == "open":
+                kvt.begin_request(room, backend="mooncake", framework="test")
+                with kvt.transfer_scope(room):
+                    outcome["return_codes"] = [engine.transfer_sync_write(
+                        receiver.session, buffer.ctypes.data, receiver.base_address, SIZE)]
+                room += 1
             elif name == "flush":
                 started = time.monotonic()
                 outcome["flushed"] = provider.force_flush(30000)
