@@ -49,6 +49,7 @@ TESTS=(
   tests/test_sampling.py
   tests/test_file_exporter.py
   tests/test_auto_instrumentation.py
+  tests/test_builder_process.py
   tests/test_mooncake_engine.py
   tests/test_faults.py
 )

@@ -17,6 +17,7 @@ from otel_kvtransfer import KVTransferInstrumentor, config, semconv, wire
 from otel_kvtransfer.tools.spanfile import read_spans
 
 APPS = os.path.join(os.path.dirname(__file__), "apps")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, in every process
 SIZE = 4096
 
 
@@ -32,7 +33,7 @@ def _run(tmp_path, *steps, **extra_env):
         "KVT_TEST_METRICS_DIR": str(metrics_dir),
         "MC_FORCE_TCP": "1",
         "MC_LOG_LEVEL": "ERROR",
-        "PYTHONPATH": os.pathsep.join(p for p in [APPS, env.get("PYTHONPATH", "")] if p),
+        "PYTHONPATH": os.pathsep.join(p for p in [APPS, ROOT, env.get("PYTHONPATH", "")] if p),
     })
     env.update(extra_env)
     result = subprocess.run([sys.executable, os.path.join(APPS, "builder_process_app.py"), *steps], env=env,
