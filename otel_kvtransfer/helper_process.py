@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import select
+import signal
 import sys
 import time
 
@@ -21,6 +22,10 @@ from otel_kvtransfer.builder import SpanBuilder
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.helper_process")
+
+# After SIGINT or SIGTERM, how long the helper waits for its engine's end-of-file (the engine got the signal too:
+# a terminal's Ctrl-C, a service manager's stop) before it lets the signal end it.
+STOP_GRACE_S = 10
 
 
 def _set_up_sdk() -> None:
@@ -114,7 +119,15 @@ class Helper:
                 next_tick = time.monotonic() + interval
 
 
+def _on_stop_signal(signum, frame):  # pylint: disable=unused-argument
+    # Not now: the engine's last frames are on their way. SIGALRM's default action ends the process if the
+    # end-of-file has not come (and the exporters not finished) by then.
+    signal.alarm(STOP_GRACE_S)
+
+
 def main() -> None:
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    signal.signal(signal.SIGTERM, _on_stop_signal)
     os.environ[offload.HELPER_ENV] = "1"
     try:
         ack_fd = int(sys.argv[1])

@@ -89,6 +89,15 @@ def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_
     assert "counted as dropped (builder_process)" in stderr
 
 
+def test_an_interrupted_helper_waits_for_its_engine(tmp_path):
+    # Ctrl-C reaches the helper and the engine together; the helper keeps building until the engine is done.
+    outcomes, totals, stderr = _run(tmp_path, "send:5", "flush", "interrupt-helper", "send:5", "flush")
+    assert outcomes[3]["interrupted"] == outcomes[2]["helper"] == outcomes[5]["helper"]
+    assert outcomes[5]["flushed"] is True
+    assert len(_sends(tmp_path)) == 10 and totals == [{"sizes": 10, "dropped": {}}]
+    assert "KeyboardInterrupt" not in stderr
+
+
 def test_uninstrument_ends_the_helper(tmp_path):
     outcomes, totals, _ = _run(tmp_path, "send:3", "flush", "send:4", "open", "uninstrument", "send:2")
     assert outcomes[5]["helper_exited"] is True

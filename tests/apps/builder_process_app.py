@@ -3,7 +3,7 @@ writes to a receiver process, in steps the test names, each step's outcome print
 
     python builder_process_app.py STEP [STEP ...]
     steps: send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
-    ends), flush, kill-helper, uninstrument
+    ends), flush, interrupt-helper, kill-helper, uninstrument
 """
 
 import json
@@ -59,6 +59,9 @@ def main(steps):
                 started = time.monotonic()
                 outcome["flushed"] = provider.force_flush(30000)
                 outcome["seconds"] = round(time.monotonic() - started, 3)
+            elif name == "interrupt-helper":  # what a terminal's Ctrl-C sends the whole process group
+                os.kill(link.pid(), signal.SIGINT)
+                outcome["interrupted"] = link.pid()
             elif name == "kill-helper":
                 pid = link.pid()
                 os.kill(pid, signal.SIGKILL)
