@@ -11,7 +11,9 @@ and publishes each engine process's Prometheus port. Everything else is real.
 Two deployments per session, one after the other (each start is 1-3 minutes here):
 - "main": spans to span files (kvtransfer_file) AND over OTLP to a real Phoenix; metrics from every engine
   process on an OpenTelemetry Prometheus endpoint, scraped by a real Prometheus.
-- "traced": sglang's own tracing on (`--enable-trace`) and aux sent over ZMQ/TCP (SGLANG_MOONCAKE_SEND_AUX_TCP=1).
+- "traced": sglang's own tracing on (`--enable-trace`) and aux sent over ZMQ/TCP (SGLANG_MOONCAKE_SEND_AUX_TCP=1),
+  with OTEL_KVTRANSFER_BUILDER=process: our spans are built in helper processes, and still land under sglang's
+  request spans (the parent context crosses the pipe).
 Not covered here because sglang cannot take those paths on CPU: the staging buffer (heterogeneous TP with
 device staging buffers), DCP (decode context parallel) and state payloads (hybrid/mamba models); the staging
 back-pressure answer is tested on sglang's real method in test_sglang_serving_fixes.py.
@@ -69,7 +71,10 @@ class Serving:
                                                      f"openinference.project.name={PROJECT}"})
         else:
             aux_tcp = {"SGLANG_MOONCAKE_SEND_AUX_TCP": "1"}
-            self.current = dep.Deployment(workdir, enable_trace=True, prefill_env=aux_tcp, extra_env=aux_tcp)
+            # process.pid / parent_pid on every span tell which process built it
+            builder = {"OTEL_KVTRANSFER_BUILDER": "process", "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,process"}
+            self.current = dep.Deployment(workdir, enable_trace=True, prefill_env=aux_tcp,
+                                          extra_env={**aux_tcp, **builder})
         self.kind = kind
         self.current.start()
         requests = REQUESTS[kind]()
@@ -372,3 +377,21 @@ def test_aux_over_tcp_gives_an_aux_send_with_its_bytes(traced_run):
                                                                                        config)
         assert sum(a.attributes["kv_transfer.bytes"] for a in aux) > 0
         assert span.attributes["kv_transfer.bytes"] == sum(s.attributes["kv_transfer.bytes"] for s in sends)
+
+
+def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced_run):
+    """OTEL_KVTRANSFER_BUILDER=process on a real server: each sglang process that transfers KV started one helper;
+    every kv_transfer span was built by a helper whose parent is an sglang process of the same server, and
+    sglang's own spans by sglang's processes (the test above checks that ours still sit under them)."""
+    import psutil  # pylint: disable=import-outside-toplevel
+
+    for role in ("prefill", "decode"):
+        tree = {pid: psutil.Process(pid) for pid in traced_run.deployment.server_pids(role)}
+        helpers = {pid for pid, proc in tree.items() if "otel_kvtransfer.helper_process" in " ".join(proc.cmdline())}
+        assert helpers, f"no builder process under the {role} server"
+        ours = [s for r, s in traced_run.spans if r == role and s.name.startswith("kv_transfer.")]
+        sglang_own = [s for r, s in traced_run.spans if r == role and not s.name.startswith("kv_transfer.")]
+        assert ours and sglang_own
+        assert {s.resource["process.pid"] for s in ours} <= helpers
+        assert all(s.resource["process.parent_pid"] in set(tree) - helpers for s in ours)
+        assert not {s.resource["process.pid"] for s in sglang_own} & helpers
