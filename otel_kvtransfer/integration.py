@@ -26,13 +26,15 @@ bookkeeping assigns to it.
 import functools
 import logging
 import math
+import os
 import threading
 from time import time_ns
 from typing import Iterable, Optional
 
-from opentelemetry.context import Context, get_current
+from opentelemetry.context import Context
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.patching import current_context
 from otel_kvtransfer.records import BEGIN_PEER, BEGIN_REQUEST, COMPUTE, END_PEER, END_REQUEST, SEND
 from otel_kvtransfer.recorder import RECORDER
 
@@ -73,28 +75,52 @@ def _time(ns) -> int:
 
 # --- what engine modules use -----------------------------------------------------------------------------------
 
-# Per thread: .scope, the TransferScope the engine calls of this thread belong to; .saved, the scopes it hides.
-_thread = threading.local()
+class _PerThread(threading.local):
+    """Per thread: .scope, the TransferScope the engine calls of this thread belong to; .saved, the scopes it
+    hides. The class default makes a thread that never entered a scope read None without a failed lookup."""
+
+    scope = None
+
+    def __init__(self):  # pylint: disable=super-init-not-called  # runs once in each thread that uses it
+        self.saved = []
+
+
+_thread = _PerThread()
 
 
 def current_scope():
-    return getattr(_thread, "scope", None)
+    return _thread.scope
 
 
 # The context a raw engine call (made outside any scope) is parented to: whatever is current on its thread.
-capture_context = get_current
+capture_context = current_context
 
 
-def deliver(call: tuple) -> None:
-    """A finished engine call (records.CALL_*): joins this thread's scope, else it is a raw send of its own."""
-    scope = getattr(_thread, "scope", None)
+def deliver(call: tuple, context: Optional[Context] = None) -> None:
+    """A finished engine call (records.CALL_*): joins this thread's scope, else it is a raw send of its own,
+    parented to `context` (the current one when not given)."""
+    scope = _thread.scope
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
     elif RECORDER.active:  # a call that ends after uninstrument must not sit in a queue nobody drains
-        RECORDER.record((SEND, None, [call], get_current(), None, None))
+        RECORDER.record((SEND, None, [call], current_context() if context is None else context, None, None))
 
 
 # --- transfer scopes -------------------------------------------------------------------------------------------
+
+# Guards every scope's depth (threads may enter and leave one scope at once). One lock for all: it is held for a
+# few bytecodes, and a scope, made per transfer, then allocates none. A forked child gets a fresh one: a thread
+# of the parent may have held it at the fork.
+_DEPTH_LOCK = threading.Lock()
+
+
+def _fresh_depth_lock() -> None:
+    global _DEPTH_LOCK  # pylint: disable=global-statement
+    _DEPTH_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_depth_lock)
 
 
 class TransferScope:
@@ -104,7 +130,7 @@ class TransferScope:
     on any number of threads, or nested, it is recorded once, when the last of them leaves it.
     """
 
-    __slots__ = ("info", "calls", "error_type", "_depth", "_entered_ns", "_lock")
+    __slots__ = ("info", "calls", "error_type", "_depth", "_entered_ns")
 
     def __init__(self, info: Optional[tuple]):
         self.info = info
@@ -112,7 +138,6 @@ class TransferScope:
         self.error_type: Optional[str] = None
         self._depth = 0
         self._entered_ns = None
-        self._lock = threading.Lock()
 
     def set_error(self, error_type: str) -> None:
         """Mark the transfer failed without (or besides) an engine error, e.g. an unreachable session."""
@@ -124,12 +149,10 @@ class TransferScope:
         return self
 
     def __enter__(self) -> "TransferScope":
-        saved = getattr(_thread, "saved", None)
-        if saved is None:
-            saved = _thread.saved = []
-        saved.append(getattr(_thread, "scope", None))
-        _thread.scope = self
-        with self._lock:
+        thread = _thread
+        thread.saved.append(thread.scope)
+        thread.scope = self
+        with _DEPTH_LOCK:
             if self._depth == 0:
                 self._entered_ns = time_ns()
             self._depth += 1
@@ -137,19 +160,20 @@ class TransferScope:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            saved = getattr(_thread, "saved", None)
-            _thread.scope = saved.pop() if saved else None
+            thread = _thread
+            saved = thread.saved
+            thread.scope = saved.pop() if saved else None
             if exc_type is not None and self.error_type is None:
                 self.error_type = exc_type.__qualname__
-            with self._lock:
+            with _DEPTH_LOCK:
                 self._depth -= 1
                 if self._depth > 0:
                     return False
                 calls, self.calls = self.calls, []
                 error, self.error_type = self.error_type, None
-                span = (self._entered_ns, time_ns())
+                entered = self._entered_ns
             if (calls or error) and RECORDER.active:
-                self._emit(calls, error, span)
+                self._emit(calls, error, (entered, time_ns()))
         except Exception:  # pylint: disable=broad-except
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged

@@ -6,22 +6,44 @@ silently skip the patch. Unwrapping puts back the exact class `__dict__` entry t
 instancemethod, a staticmethod, a plain function), so the class is left as it was found.
 """
 
+import contextvars
 import logging
 import threading
 from typing import Any, Callable, List, Tuple
 
 import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+from opentelemetry import context as otel_context
+from opentelemetry.instrumentation import utils as otel_utils
 
 from otel_kvtransfer.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
 _MARK = "__otel_kvtransfer__"
 
+# The two keys `is_instrumentation_enabled()` reads: wrappers read them from the one context they fetch per call
+# (that function fetches it twice, through six Python frames).
+SUPPRESS_KEY = otel_context._SUPPRESS_INSTRUMENTATION_KEY  # pylint: disable=protected-access
+SUPPRESS_KEY_PLAIN = getattr(otel_utils, "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "suppress_instrumentation")
+
+
+def _context_getter() -> Callable[[], Any]:
+    """`get_current`, or with the default runtime context its ContextVar's own `get` (C, no Python frame)."""
+    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    var = getattr(runtime, "_current_context", None)
+    if type(runtime).__name__ == "ContextVarsRuntimeContext" and isinstance(var, contextvars.ContextVar):
+        return var.get
+    return otel_context.get_current
+
+
+current_context = _context_getter()
+
 
 def active() -> bool:
     """Record now? (instrumented, and not inside `suppress_instrumentation()`)."""
-    return RECORDER.active and is_instrumentation_enabled()
+    if not RECORDER.active:
+        return False
+    ctx = current_context()
+    return not (ctx and (ctx.get(SUPPRESS_KEY) or ctx.get(SUPPRESS_KEY_PLAIN)))
 
 
 def own_error(what: str) -> None:

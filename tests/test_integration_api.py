@@ -66,6 +66,38 @@ def test_a_scope_entered_on_two_threads_is_one_send(telemetry):
     assert (request.attributes[semconv.BYTES], request.attributes[semconv.TRANSFER_COUNT]) == (300, 1)
 
 
+def test_a_scope_entered_and_left_by_many_threads_at_once_is_one_send_with_every_call(telemetry):
+    """The scope's depth is shared by every thread: no enter or exit may be lost when they race."""
+    kvt.begin_request(11, backend=ENGINE)
+    scope = kvt.transfer_scope(11)
+    start, errors = threading.Barrier(8), []
+
+    def worker():
+        try:
+            start.wait(10)
+            for _ in range(200):
+                with scope:
+                    kvt.deliver(call(1))
+                    assert kvt.current_scope() is scope
+                assert kvt.current_scope() is outer  # each thread gets its own previous scope back
+        except Exception as exc:  # pylint: disable=broad-except
+            errors.append(exc)
+
+    outer = None
+    with scope:  # held open by this thread: every worker's calls belong to one send
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert kvt.current_scope() is scope
+    assert kvt.current_scope() is None
+    kvt.end_request(11)
+    assert not errors
+    (sent,) = telemetry.spans(semconv.SPAN_SEND)
+    assert (sent.attributes[semconv.BYTES], sent.attributes[semconv.ENGINE_CALLS]) == (1600, 1600)
+
+
 def test_bind_on_an_executor_thread_joins_the_same_send(telemetry):
     kvt.begin_request(2, backend=ENGINE)
     with kvt.transfer_scope(2, chunk_index=0, payload="kv") as scope:

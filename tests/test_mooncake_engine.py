@@ -195,3 +195,45 @@ def test_return_values_and_exceptions_pass_through_unchanged(telemetry, engine, 
     spans = telemetry.spans(semconv.SPAN_SEND)
     assert len(spans) == 2
     assert spans[1].attributes[semconv.ERROR_TYPE] == "TypeError"
+
+
+def test_both_suppression_keys_are_honoured_raw_and_in_a_scope(telemetry, engine, receiver):
+    """The wrapper reads the suppress keys from the context itself: both the keyed one that
+    suppress_instrumentation() sets and the plain string key older instrumentations set."""
+    from opentelemetry import context  # pylint: disable=import-outside-toplevel
+    from opentelemetry.instrumentation.utils import (  # pylint: disable=import-outside-toplevel
+        is_instrumentation_enabled,
+        suppress_instrumentation,
+    )
+
+    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.patching import active, current_context  # pylint: disable=import-outside-toplevel
+
+    def write():
+        return engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8)
+
+    token = context.attach(context.set_value("suppress_instrumentation", True))
+    try:
+        assert not is_instrumentation_enabled() and not active()
+        assert current_context() is context.get_current()
+        assert write() == 0
+        with integration.transfer_scope(5):
+            assert write() == 0
+    finally:
+        context.detach(token)
+    with suppress_instrumentation():
+        assert not active()
+        with integration.transfer_scope(6):
+            assert write() == 0
+    assert telemetry.spans(semconv.SPAN_SEND) == []
+    assert active() and current_context() is context.get_current()
+    assert write() == 0
+    assert len(telemetry.spans(semconv.SPAN_SEND)) == 1
+
+
+def test_a_raw_call_is_parented_to_the_context_current_at_the_call(telemetry, engine, receiver):
+    tracer = telemetry.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("caller") as caller:
+        assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
+    send = _only(telemetry.spans(semconv.SPAN_SEND))
+    assert send.parent is not None and send.parent.span_id == caller.get_span_context().span_id

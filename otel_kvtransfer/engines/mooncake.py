@@ -12,11 +12,11 @@ import sys
 from time import time_ns
 
 import wrapt
-from opentelemetry.instrumentation.utils import is_instrumentation_enabled
 
 from otel_kvtransfer import integration, semconv
-from otel_kvtransfer.patching import Patcher, active, own_error
+from otel_kvtransfer.patching import SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, Patcher, active, current_context, own_error
 from otel_kvtransfer.pending import PendingTransfers
+from otel_kvtransfer.records import SEND
 from otel_kvtransfer.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ def _op_of(opcode) -> str:
 
 
 def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
-    """The records.CALL_* tuple of one transfer call, from its arguments.
+    """The records.CALL_* tuple of one transfer call, from its arguments (the sync wrapper inlines the common
+    positional case: keep the two the same).
 
     A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
     engine copies that list into its own request and keeps no reference, and sglang and vLLM build a fresh list
@@ -90,20 +91,44 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
 
 
 def _sync(original, op, batch):
-    deliver = integration.deliver
+    # Everything the hot path uses is a local of this closure; the common call (positional arguments, op known
+    # from the method) is parsed and handed over inline, with no further Python frame but the recorder's.
+    recorder, context = RECORDER, current_context
+    thread = integration._thread  # pylint: disable=protected-access  # its .scope: this thread's transfer scope
+    transports, state, suppress, suppress_plain = _transports, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
     def transfer(self, *args, **kwargs):
-        if not RECORDER.active or not is_instrumentation_enabled():
+        if not recorder.active:
+            return original(self, *args, **kwargs)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
             return original(self, *args, **kwargs)
         start = time_ns()
         try:
             rc = original(self, *args, **kwargs)
         except BaseException as exc:
-            _deliver(self, args, kwargs, op, batch, start, None, type(exc).__qualname__)
+            _deliver(self, args, kwargs, op, batch, start, None, type(exc).__qualname__, ctx)
             raise
         end = time_ns()
         try:
-            deliver(_call(self, args, kwargs, op, batch, start, end, rc, None if rc == 0 else "transfer_failed"))
+            error = None if rc == 0 else "transfer_failed"
+            if kwargs or op is None or len(args) < 4:
+                call = _call(self, args, kwargs, op, batch, start, end, rc, error)
+            else:  # (target_hostname, buffer(s), peer address(es), length(s)): how sglang and vLLM call it
+                lengths = args[3]
+                if batch:
+                    descriptors = len(lengths)
+                    if type(lengths) is not list:  # pylint: disable=unidiomatic-typecheck  # see _call
+                        lengths = sum(lengths)
+                else:
+                    lengths, descriptors = int(lengths), 1
+                call = (start, end, lengths, descriptors, op, args[0],
+                        transports.get(id(self), state["fallback_transport"]), rc, error, BACKEND, None)
+            scope = thread.scope
+            if scope is not None:
+                scope.calls.append(call)
+            elif recorder.active:  # as integration.deliver, with the context already fetched
+                recorder.record((SEND, None, [call], ctx, None, None))
         except Exception:  # pylint: disable=broad-except
             own_error("record a Mooncake call")
         return rc
@@ -111,10 +136,10 @@ def _sync(original, op, batch):
     return transfer
 
 
-def _deliver(engine, args, kwargs, op, batch, start, rc, error_type) -> None:
+def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
     end = time_ns()
     try:
-        integration.deliver(_call(engine, args, kwargs, op, batch, start, end, rc, error_type))
+        integration.deliver(_call(engine, args, kwargs, op, batch, start, end, rc, error_type), context)
     except Exception:  # pylint: disable=broad-except
         own_error("record a Mooncake call")
 
