@@ -22,7 +22,8 @@ _MARK = "__otel_kvtransfer__"
 
 # The two keys `is_instrumentation_enabled()` reads: wrappers read them from the one context they fetch per call
 # (that function fetches it twice, through six Python frames).
-SUPPRESS_KEY = otel_context._SUPPRESS_INSTRUMENTATION_KEY  # pylint: disable=protected-access
+# (tests/test_sdk_canary.py checks both, and the runtime context's ContextVar, on every release we allow.)
+SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
 SUPPRESS_KEY_PLAIN = getattr(otel_utils, "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "suppress_instrumentation")
 
 

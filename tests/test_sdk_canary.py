@@ -103,6 +103,22 @@ def test_tracer_has_a_replaceable_sampler():
     assert span.is_recording() and span.get_span_context().trace_flags.sampled
 
 
+def test_the_suppress_keys_and_the_context_variable_the_hot_path_reads():
+    """patching.active() and the Mooncake wrapper read suppress_instrumentation()'s keys from the context they
+    fetch once, through the runtime context's own ContextVar: all private names of the API."""
+    from opentelemetry import context as otel_context  # pylint: disable=import-outside-toplevel
+    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=C0415
+
+    from otel_kvtransfer import patching  # pylint: disable=import-outside-toplevel
+
+    assert hasattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY")
+    assert patching.current_context is not otel_context.get_current  # the fast path is in use, not the fallback
+    assert patching.current_context() is otel_context.get_current()
+    with suppress_instrumentation():
+        ctx = patching.current_context()
+        assert ctx.get(patching.SUPPRESS_KEY) and ctx.get(patching.SUPPRESS_KEY_PLAIN)
+
+
 def test_pyproject_bounds_the_sdk_major_version():
     """The internals above may change in any major release: the declared range stops before SDK 2."""
     with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as handle:
