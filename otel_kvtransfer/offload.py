@@ -74,7 +74,7 @@ class HelperLink:
         self._drops = {}
         self._sequence = 0
         self._closed = False
-        self._forgotten = []  # a parent's helpers seen from a forked child: kept referenced, never waited on
+        self._forgotten = []  # helpers given up, or a parent's seen from a forked child: referenced until they end
         self._lost_logged = False
 
     # --- recorder callbacks (the recorder's thread) --------------------------------------------------------
@@ -127,13 +127,8 @@ class HelperLink:
         self._lock = threading.Lock()
         proc, self._proc = self._proc, None
         if proc is not None:
-            for fd in (proc.stdin.fileno(), self._acks):
-                try:
-                    os.close(fd)
-                except (OSError, ValueError, TypeError):
-                    pass
+            self._hang_up(proc)  # this process's copies of the descriptors only
             self._forgotten.append(proc)
-        self._acks = None
         self._starts = 0
         self._drops = {}
 
@@ -166,6 +161,7 @@ class HelperLink:
             return True
         if self._starts >= MAX_STARTS:
             return False
+        self._forgotten = [p for p in self._forgotten if p.poll() is None]  # reap helpers given up that ended
         self._starts += 1
         acks, ack_end = os.pipe()
         try:

@@ -89,6 +89,16 @@ def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_
     assert "counted as dropped (builder_process)" in stderr
 
 
+def test_a_forked_child_starts_its_own_helper(tmp_path):
+    outcomes, _, _ = _run(tmp_path, "send:3", "flush", "fork", "send:2", "flush")
+    child = outcomes[3]["child"]
+    assert child["rc"] == 0 and child["flushed"] is True
+    assert child["helper"] not in (None, outcomes[2]["helper"])  # its own, not the parent's
+    assert outcomes[5]["flushed"] is True and outcomes[5]["helper"] == outcomes[2]["helper"]  # the parent's is fine
+    keys = sorted(int(s.attributes[semconv.REQUEST_KEY]) for s in _sends(tmp_path))
+    assert keys == [1000, 1001, 1002, 1003, 1004, 1503]
+
+
 def test_an_interrupted_helper_waits_for_its_engine(tmp_path):
     # Ctrl-C reaches the helper and the engine together; the helper keeps building until the engine is done.
     outcomes, totals, stderr = _run(tmp_path, "send:5", "flush", "interrupt-helper", "send:5", "flush")

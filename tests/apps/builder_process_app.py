@@ -3,7 +3,7 @@ writes to a receiver process, in steps the test names, each step's outcome print
 
     python builder_process_app.py STEP [STEP ...]
     steps: send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
-    ends), flush, interrupt-helper, kill-helper, uninstrument
+    ends), fork (a forked child makes one), flush, interrupt-helper, kill-helper, uninstrument
 """
 
 import json
@@ -59,6 +59,26 @@ def main(steps):
                 started = time.monotonic()
                 outcome["flushed"] = provider.force_flush(30000)
                 outcome["seconds"] = round(time.monotonic() - started, 3)
+            elif name == "fork":  # a child forked with the instrumentation on makes writes of its own
+                read_end, write_end = os.pipe()
+                child = os.fork()
+                if child == 0:  # an engine does not survive a fork: the child opens its own
+                    os.close(read_end)
+                    own = open_engine()
+                    mine = np.full(SIZE, 6, dtype=np.uint8)
+                    assert own.register_memory(mine.ctypes.data, mine.nbytes) == 0
+                    kvt.begin_request(room + 500, backend="mooncake", framework="test")
+                    with kvt.transfer_scope(room + 500):
+                        rc = own.transfer_sync_write(receiver.session, mine.ctypes.data, receiver.base_address,
+                                                     SIZE)
+                    kvt.end_request(room + 500)
+                    report = {"rc": rc, "flushed": provider.force_flush(30000), "helper": link.pid()}
+                    os.write(write_end, json.dumps(report).encode())
+                    os._exit(0)  # pylint: disable=protected-access
+                os.close(write_end)
+                with os.fdopen(read_end) as answer:
+                    outcome["child"] = json.loads(answer.read() or "{}")
+                os.waitpid(child, 0)
             elif name == "interrupt-helper":  # what a terminal's Ctrl-C sends the whole process group
                 os.kill(link.pid(), signal.SIGINT)
                 outcome["interrupted"] = link.pid()
