@@ -51,26 +51,24 @@ def context_in(wired) -> Optional[Context]:
     return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
 
 
-def records_out(batch: list) -> list:
-    """The records with their contexts replaced by wire tuples (a new list; the tuples that need no change are
-    the same objects)."""
+def _map_contexts(batch: list, convert) -> list:
+    """The records with `convert` applied to their context field (a new list; the other tuples are the same
+    objects)."""
     out = []
     for rec in batch:
         field = _CONTEXT_FIELD.get(rec[r.KIND])
         if field is not None and rec[field] is not None:
-            rec = rec[:field] + (context_out(rec[field]),) + rec[field + 1:]
+            rec = rec[:field] + (convert(rec[field]),) + rec[field + 1:]
         out.append(rec)
     return out
+
+
+def records_out(batch: list) -> list:
+    return _map_contexts(batch, context_out)
 
 
 def records_in(batch: list) -> list:
-    out = []
-    for rec in batch:
-        field = _CONTEXT_FIELD.get(rec[r.KIND])
-        if field is not None and rec[field] is not None:
-            rec = rec[:field] + (context_in(rec[field]),) + rec[field + 1:]
-        out.append(rec)
-    return out
+    return _map_contexts(batch, context_in)
 
 
 def _plain(value, depth=0):
