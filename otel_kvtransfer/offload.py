@@ -1,15 +1,15 @@
 """`OTEL_KVTRANSFER_BUILDER=process`: spans and metrics are built in a helper process, not in the engine's.
 
-In-process, building a span and its four histogram points costs the engine process ~140 us of CPU per transfer
-on a slow core, nearly all of it inside the OpenTelemetry SDK (bench/RESULTS.md), and holds the GIL the engine's
-own threads need. With this mode the engine process keeps only the hot path and, on the recorder's thread, one
+In-process, building a span and its four histogram points costs the engine process ~140-220 us of CPU per
+transfer on a slow core, nearly all of it inside the OpenTelemetry SDK (bench/RESULTS.md), and holds the GIL the
+engine's own threads need. With this mode the engine process keeps only the hot path and, on the recorder's thread, one
 pickled frame per drain written to a pipe; `python -m otel_kvtransfer.helper_process` reads the frames and runs
 the same builder and metrics processor on an SDK it sets up from the same OTEL_* variables.
 
 The helper starts with the first frame, so a process that records nothing (sglang's tokenizer, say) never
-starts one. Nothing is lost silently: a frame the helper cannot take within WRITE_TIMEOUT_S (hung or dead helper) is counted
-as dropped (`builder_process`) and the link starts a fresh helper for what follows, at most MAX_STARTS times
-per process. Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its own.
+starts one. Nothing is lost silently: a frame the helper cannot take within WRITE_TIMEOUT_S (hung or dead helper)
+is counted as dropped (`builder_process`) and the link starts a fresh helper for what follows, at most MAX_STARTS
+times per process. Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its own.
 At exit the helper gets end-of-file, exports what it holds and ends by itself; the engine waits at most
 EXIT_WAIT_S for it and never kills it. A forked child starts its own helper.
 """
@@ -47,6 +47,13 @@ def unavailable_reason() -> Optional[str]:
         return ("OTEL_METRICS_EXPORTER includes prometheus, whose port is this process's; "
                 "the helper could not serve the same port")
     return None
+
+
+def _ready(fd: int, event: int, timeout_s: float) -> bool:
+    """poll(), not select(): an engine process may hold more than select()'s 1,024 descriptors."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(timeout_s, 0) * 1000))
 
 
 def _helper_environment() -> dict:
@@ -190,8 +197,7 @@ class HelperLink:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
-                _, writable, _ = select.select([], [fd], [], left)
-                if writable:
+                if _ready(fd, select.POLLOUT, left):
                     try:
                         view = view[os.write(fd, view):]
                     except BlockingIOError:
@@ -208,8 +214,7 @@ class HelperLink:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            readable, _, _ = select.select([fd], [], [], left)
-            if not readable:
+            if not _ready(fd, select.POLLIN, left):
                 return False
             chunk = os.read(fd, wire.ACK.size - len(buffer))
             if not chunk:

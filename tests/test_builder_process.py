@@ -89,6 +89,15 @@ def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_
     assert "counted as dropped (builder_process)" in stderr
 
 
+def test_an_engine_holding_over_a_thousand_descriptors(tmp_path):
+    # select() cannot watch a descriptor above 1,023; the link's pipe must still work there.
+    outcomes, totals, _ = _run(tmp_path, "many-fds", "send:5", "flush")
+    if outcomes[1]["highest_fd"] < 1024:
+        pytest.skip("the descriptor limit here keeps descriptors below 1,024")
+    assert outcomes[3]["flushed"] is True
+    assert len(_sends(tmp_path)) == 5 and totals == [{"sizes": 5, "dropped": {}}]
+
+
 def test_a_forked_child_starts_its_own_helper(tmp_path):
     outcomes, _, _ = _run(tmp_path, "send:3", "flush", "fork", "send:2", "flush")
     child = outcomes[3]["child"]

@@ -2,7 +2,7 @@
 writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
 
     python builder_process_app.py STEP [STEP ...]
-    steps: send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
+    steps: many-fds (hold ~1,100 descriptors first), send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
     ends), fork (a forked child makes one), flush, interrupt-helper, kill-helper, uninstrument
 """
 
@@ -59,6 +59,14 @@ def main(steps):
                 started = time.monotonic()
                 outcome["flushed"] = provider.force_flush(30000)
                 outcome["seconds"] = round(time.monotonic() - started, 3)
+            elif name == "many-fds":  # what a big engine holds: the pipe's descriptors land above 1,024
+                import resource  # pylint: disable=import-outside-toplevel
+
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                wanted = 1200 if hard == resource.RLIM_INFINITY else min(hard, 1200)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+                held = [os.open(os.devnull, os.O_RDONLY) for _ in range(wanted - 64)]
+                outcome["highest_fd"] = max(held)
             elif name == "fork":  # a child forked with the instrumentation on makes writes of its own
                 read_end, write_end = os.pipe()
                 child = os.fork()
