@@ -73,25 +73,31 @@ class Helper:
         self._dropped.add(count, {semconv.DROP_REASON: reason})
 
     def handle(self, frame: tuple) -> None:
-        kind = frame[0]
-        if kind == wire.BATCH:
-            handle = self.builder.handle
-            for rec in wire.records_in(frame[1]):
-                try:
-                    handle(rec)
-                except Exception:  # pylint: disable=broad-except
-                    self.drop("builder_error", 1)
-                    _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
-            for reason, count in frame[2].items():
-                self.drop(reason, count)
-        elif kind == wire.FLUSH:
-            for provider in (self.tracer_provider, self.meter_provider):
-                flush = getattr(provider, "force_flush", None)
-                if flush is not None:
-                    flush()
-            os.write(self._ack_fd, wire.ACK.pack(frame[1]))
-        elif kind == wire.END_OPEN:
-            self.builder.end_all(self.drop)
+        """One frame, then its acknowledgement (the engine counts what was never acknowledged as dropped)."""
+        kind, sequence = frame[0], frame[1]
+        try:
+            if kind == wire.BATCH:
+                handle = self.builder.handle
+                for rec in wire.records_in(frame[2]):
+                    try:
+                        handle(rec)
+                    except Exception:  # pylint: disable=broad-except
+                        self.drop("builder_error", 1)
+                        _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                for reason, count in frame[3].items():
+                    self.drop(reason, count)
+            elif kind == wire.FLUSH:
+                for provider in (self.tracer_provider, self.meter_provider):
+                    flush = getattr(provider, "force_flush", None)
+                    if flush is not None:
+                        flush()
+            elif kind == wire.END_OPEN:
+                self.builder.end_all(self.drop)
+        finally:
+            try:
+                os.write(self._ack_fd, wire.ACK.pack(sequence))
+            except OSError:  # the engine gave this helper up: it reads no more
+                pass
 
     def run(self, fd: int) -> None:
         interval = self.settings.flush_interval_s

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 from opentelemetry.sdk.trace import SpanProcessor
@@ -71,11 +72,18 @@ def _helper_environment() -> dict:
 
 
 class HelperLink:
-    """The engine side of the pipe: frames out, flush acknowledgements back."""
+    """The engine side of the pipe: numbered frames out, the helper's acknowledgements back.
+
+    The helper acknowledges every frame once it has handled it. Records in frames not yet acknowledged when a
+    helper is given up (dead, or stalled) are counted as dropped: a frame still in the pipe's buffer of a helper
+    that died is lost, and counted, never delivered twice.
+    """
 
     def __init__(self):
         self._proc: Optional[subprocess.Popen] = None
         self._acks: Optional[int] = None  # read end of the helper's acknowledgement pipe
+        self._ack_buffer = b""
+        self._unacked = deque()  # (sequence, records, drops) of the frames the helper has not acknowledged
         self._starts = 0
         self._lock = threading.Lock()  # one frame at a time: the recorder's thread and flush() both write
         self._drops = {}
@@ -87,7 +95,8 @@ class HelperLink:
     # --- recorder callbacks (the recorder's thread) --------------------------------------------------------
     def send_batch(self, batch: list) -> None:
         drops, self._drops = self._drops, {}
-        self._send((wire.BATCH, wire.records_out(batch), drops), records=len(batch), drops=drops)
+        with self._lock:
+            self._send(wire.BATCH, (wire.records_out(batch), drops), len(batch), drops)
 
     def add_drops(self, reason: str, count: int) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + count
@@ -101,16 +110,14 @@ class HelperLink:
         """Ask the helper to flush its providers; True once it says it has, within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._sequence += 1
-            wanted = self._sequence
-            if not self._write(wire.encode((wire.FLUSH, wanted)), deadline):
-                return False
-            return self._await_ack(wanted, deadline)
+            sequence = self._send(wire.FLUSH, (), 0, {}, deadline)
+            return sequence is not None and self._read_acks(sequence, deadline)
 
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
-        if self._proc is not None:
-            self._send((wire.END_OPEN,), records=0, drops={})
+        with self._lock:
+            if self._proc is not None:
+                self._send(wire.END_OPEN, (), 0, {})
 
     def close(self, wait_s: float = EXIT_WAIT_S) -> None:
         """End-of-file to the helper (it exports what it holds, then exits); wait for it at most `wait_s`."""
@@ -118,15 +125,30 @@ class HelperLink:
             self.send_batch([])
         with self._lock:
             self._closed = True
-            proc, self._proc = self._proc, None
-        if proc is not None:
-            self._hang_up(proc)
+            proc = self._proc
+            if proc is None:
+                return
+            try:
+                proc.stdin.close()  # end-of-file: the helper handles what is in the pipe, then ends
+            except OSError:
+                pass
             try:
                 proc.wait(wait_s)
             except subprocess.TimeoutExpired:
                 _logger.warning("otel_kvtransfer: the builder process (pid %d) is still exporting after %ss; "
                                 "it ends by itself", proc.pid, wait_s)
                 self._forgotten.append(proc)
+                self._unacked.clear()  # still working on them: not lost
+            else:
+                self._read_acks(None, time.monotonic(), give_up_at_end=False)
+            # What a helper that ended did not acknowledge was lost with it; nobody is left to count it.
+            lost = sum(records for _, records, _ in self._unacked)
+            if lost:
+                _logger.warning("otel_kvtransfer: the builder process ended (exit code %s) without building %d "
+                                "records", proc.returncode, lost)
+            self._unacked.clear()
+            self._proc = None
+            self._close_acks()
 
     def after_fork_in_child(self) -> None:
         # The parent's pipe ends are the parent's: close our copies (so its helper still sees end-of-file when
@@ -134,34 +156,50 @@ class HelperLink:
         self._lock = threading.Lock()
         proc, self._proc = self._proc, None
         if proc is not None:
-            self._hang_up(proc)  # this process's copies of the descriptors only
+            try:
+                proc.stdin.close()  # this process's copy of the descriptor only
+            except OSError:
+                pass
             self._forgotten.append(proc)
+        self._close_acks()
+        self._unacked.clear()  # the parent's frames: the parent counts them
         self._starts = 0
         self._drops = {}
 
     def pid(self) -> Optional[int]:
         return self._proc.pid if self._proc is not None else None
 
-    # --- the pipe -------------------------------------------------------------------------------------------
-    def _send(self, payload: tuple, records: int, drops: dict) -> None:
-        frame = wire.encode(payload)
-        with self._lock:
-            if self._closed:  # after close(): a few last calls of an ending process, nobody left to build them
-                if records:
-                    self.add_drops(DROP_REASON, records)
-                return
-            if self._write(frame, time.monotonic() + WRITE_TIMEOUT_S):
-                return
-        # Counted, and carried by the next frame (a fresh helper's) with the drops this one carried.
-        for reason, count in drops.items():
-            self.add_drops(reason, count)
+    # --- the pipe (callers hold self._lock) ------------------------------------------------------------------
+    def _send(self, kind: str, body: tuple, records: int, drops: dict, deadline: Optional[float] = None):
+        """Frame `kind` with the next sequence number; its sequence, or None when it could not go (counted)."""
+        if self._closed:  # after close(): a few last calls of an ending process, nobody left to build them
+            if records:
+                self.add_drops(DROP_REASON, records)
+            return None
+        self._sequence += 1
+        sequence = self._sequence
+        frame = wire.encode((kind, sequence) + body)
+        if self._write(frame, deadline or time.monotonic() + WRITE_TIMEOUT_S):
+            self._unacked.append((sequence, records, drops))
+            self._read_acks(None, time.monotonic())  # what has come back so far, without waiting
+            return sequence
+        self._count_lost([(sequence, records, drops)])
+        return None
+
+    def _count_lost(self, frames) -> None:
+        """Records (and the drops they carried) that no helper will build: counted, carried by the next frame."""
+        records = 0
+        for _, count, drops in frames:
+            records += count
+            for reason, dropped in drops.items():
+                self.add_drops(reason, dropped)
         if records:
             self.add_drops(DROP_REASON, records)
-        if not self._lost_logged:
-            self._lost_logged = True
-            _logger.warning("otel_kvtransfer: the builder process did not take %d records; they are counted as "
-                            "dropped (%s) and a fresh helper (at most %d per process) takes what follows",
-                            records, DROP_REASON, MAX_STARTS)
+            if not self._lost_logged:
+                self._lost_logged = True
+                _logger.warning("otel_kvtransfer: the builder process did not take %d records; they are counted "
+                                "as dropped (%s) and a fresh helper (at most %d per process) takes what follows",
+                                records, DROP_REASON, MAX_STARTS)
 
     def _ensure_started(self) -> bool:
         if self._proc is not None:
@@ -182,7 +220,7 @@ class HelperLink:
             return False
         finally:
             os.close(ack_end)
-        self._acks = acks
+        self._acks, self._ack_buffer = acks, b""
         os.set_blocking(self._proc.stdin.fileno(), False)
         return True
 
@@ -207,37 +245,46 @@ class HelperLink:
             self._give_up()
             return False
 
-    def _await_ack(self, wanted: int, deadline: float) -> bool:
-        fd = self._acks
-        buffer = b""
+    def _read_acks(self, until: Optional[int], deadline: float, give_up_at_end: bool = True) -> bool:
+        """Take the acknowledgements that have come back; with `until`, wait (to `deadline`) for that frame's.
+        True when `until` is acknowledged (or not asked for). A helper that closed its end is given up, unless
+        it is ending because we closed ours."""
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if not _ready(fd, select.POLLIN, left):
-                return False
-            chunk = os.read(fd, wire.ACK.size - len(buffer))
-            if not chunk:
-                self._give_up()
-                return False
-            buffer += chunk
-            if len(buffer) == wire.ACK.size:
-                if wire.ACK.unpack(buffer)[0] == wanted:
-                    return True
-                buffer = b""  # the answer to an earlier flush that timed out
+            if until is not None and (not self._unacked or self._unacked[0][0] > until):
+                return True
+            if self._acks is None:
+                return until is None
+            if not _ready(self._acks, select.POLLIN, deadline - time.monotonic()):
+                return until is None
+            chunk = os.read(self._acks, 4096)
+            if not chunk:  # the helper ended
+                if give_up_at_end:
+                    self._give_up()
+                return until is None
+            self._ack_buffer += chunk
+            whole = len(self._ack_buffer) - len(self._ack_buffer) % wire.ACK.size
+            for offset in range(0, whole, wire.ACK.size):
+                acknowledged = wire.ACK.unpack_from(self._ack_buffer, offset)[0]
+                while self._unacked and self._unacked[0][0] <= acknowledged:
+                    self._unacked.popleft()
+            self._ack_buffer = self._ack_buffer[whole:]
+            if until is None and not _ready(self._acks, select.POLLIN, 0):
+                return True
 
     def _give_up(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            self._hang_up(proc)
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
             self._forgotten.append(proc)
+        self._close_acks()
+        lost, self._unacked = list(self._unacked), deque()
+        self._count_lost(lost)
 
-    def _hang_up(self, proc) -> None:
+    def _close_acks(self) -> None:
         acks, self._acks = self._acks, None
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
         if acks is not None:
             os.close(acks)
 

@@ -18,10 +18,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Trace
 
 from otel_kvtransfer import records as r
 
-# Frame kinds (the first item of every payload).
-BATCH = "b"  # ("b", [record, ...], {drop reason: count})
-FLUSH = "f"  # ("f", sequence): the helper flushes its providers, then writes the sequence back
-END_OPEN = "e"  # ("e",): end the spans still open as evicted (uninstrument)
+# Frame kinds: every payload is (kind, sequence, ...); the helper writes each frame's sequence back (ACK) once it
+# has handled it, in order.
+BATCH = "b"  # ("b", sequence, [record, ...], {drop reason: count})
+FLUSH = "f"  # ("f", sequence): acknowledged once the helper's providers have flushed
+END_OPEN = "e"  # ("e", sequence): end the spans still open as evicted (uninstrument)
 
 HEADER = struct.Struct(">I")
 ACK = struct.Struct(">Q")

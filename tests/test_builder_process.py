@@ -129,6 +129,18 @@ def test_uninstrument_ends_the_helper(tmp_path):
     assert totals == [{"sizes": 8, "dropped": {"request_evicted": 1}}]
 
 
+def test_a_helper_that_cannot_set_up_its_sdk_says_so_in_one_line_and_the_engine_goes_on(tmp_path):
+    outcomes, totals, stderr = _run(tmp_path, "send:5", "flush", "send:2",
+                                    OTEL_KVTRANSFER_HELPER_SETUP="no_such_module:setup")
+    assert outcomes[1]["return_codes"] == [0] and outcomes[3]["return_codes"] == [0]
+    assert outcomes[2]["flushed"] is False
+    assert totals == [] and not _sends(tmp_path)
+    said = [line for line in stderr.splitlines() if "could not set up the SDK" in line]
+    assert said and all("No module named 'no_such_module'" in line for line in said)
+    assert "Traceback" not in stderr
+    assert "counted as dropped (builder_process)" in stderr
+
+
 def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):
     # A Prometheus exporter serves this process's port: a helper could not serve it too.
     monkeypatch.setenv(config.BUILDER, "process")
