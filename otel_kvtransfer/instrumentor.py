@@ -11,7 +11,9 @@ instrument() and uninstrument() mirror each other step for step:
    spans the builder still holds open are ended as evicted and counted;
 4. every registered engine module and framework package patches what is importable / undoes every patch.
 When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
-recorder's thread as soon as one is set.
+recorder's thread as soon as one is set. With OTEL_KVTRANSFER_BUILDER=process, steps 1-3's builder, sampler and
+metrics live in a helper process (`offload`, `helper_process`): this process's recorder hands it the records, and
+its TracerProvider gets `HelperFlushProcessor` only; uninstrument() closes the helper.
 
 Backends are a registry: a new transfer engine is one module in `engines/` and a line in ENGINES, a new serving
 framework one package in `frameworks/` and a line in FRAMEWORKS.
