@@ -18,7 +18,6 @@ import time
 from opentelemetry import metrics, trace
 
 from otel_kvtransfer import config, offload, semconv, wire
-from otel_kvtransfer.builder import SpanBuilder
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.helper_process")
@@ -52,7 +51,8 @@ def _read_exact(fd: int, size: int) -> bytes:
 
 class Helper:
     def __init__(self, ack_fd: int):
-        from otel_kvtransfer.instrumentor import ENGINES, _Attachment, _load  # pylint: disable=C0415
+        from otel_kvtransfer.instrumentor import (  # pylint: disable=import-outside-toplevel
+            ENGINES, _Attachment, _load, drop_counter, new_builder)
 
         self._ack_fd = ack_fd
         self.settings = config.load()
@@ -61,16 +61,8 @@ class Helper:
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, self.tracer_provider)
         self._attachment = _Attachment(self.meter_provider)
         self._attachment.attach(tracer, self.tracer_provider, flush_first=False)
-        self._dropped = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__,
-                                          self.meter_provider).create_counter(
-            semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
-        self.builder = SpanBuilder(
-            tracer, self.settings.request_ttl_s, self.settings.max_open_requests,
-            peer_parsers={engine.BACKEND: engine.peer_attributes for engine in _load(ENGINES)},
-            on_drop=self.drop)
-
-    def drop(self, reason: str, count: int) -> None:
-        self._dropped.add(count, {semconv.DROP_REASON: reason})
+        self.drop = drop_counter(self.meter_provider)  # drop(reason, count)
+        self.builder = new_builder(tracer, self.settings, _load(ENGINES), on_drop=self.drop)
 
     def handle(self, frame: tuple) -> None:
         """One frame, then its acknowledgement (the engine counts what was never acknowledged as dropped)."""

@@ -24,7 +24,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
-from typing import Collection
+from typing import Callable, Collection
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
@@ -166,17 +166,11 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._attachment.attach(tracer, tracer_provider)
 
         # 3. The recorder's thread and a fresh builder.
-        dropped = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
-            semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
-        builder = SpanBuilder(
-            tracer, settings.request_ttl_s, settings.max_open_requests,
-            peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
-            on_drop=RECORDER.drop)
+        count_dropped = drop_counter(meter_provider)
+        builder = new_builder(tracer, settings, engines, on_drop=RECORDER.drop)
         tick = _LateAttach(builder, self._attachment) if waiting_for_sdk else builder.evict_stale
-        RECORDER.start(settings, handle=builder.handle, tick=tick,
-                       on_drops=lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}),
-                       on_fork=builder.reset)
-        self._end_open = lambda: builder.end_all(lambda reason, n: dropped.add(n, {semconv.DROP_REASON: reason}))
+        RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset)
+        self._end_open = lambda: builder.end_all(count_dropped)
 
         self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
 
@@ -226,6 +220,20 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._link = None
         # 1-2.
         self._attachment.detach()
+
+
+def drop_counter(meter_provider) -> Callable[[str, int], None]:
+    """`count(reason, n)`: adds to kv_transfer.instrumentation.dropped (here, and in the builder process)."""
+    counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
+        semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
+    return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
+
+
+def new_builder(tracer, settings: config.Settings, engines, on_drop: Callable[[str, int], None]) -> SpanBuilder:
+    """The span builder as both builders run it: the settings' bounds, each engine's peer parser."""
+    return SpanBuilder(tracer, settings.request_ttl_s, settings.max_open_requests,
+                       peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
+                       on_drop=on_drop)
 
 
 def _flush_providers(tracer_provider, meter_provider, link=None):

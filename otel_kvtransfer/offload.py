@@ -121,8 +121,7 @@ class HelperLink:
 
     def close(self, wait_s: float = EXIT_WAIT_S) -> None:
         """End-of-file to the helper (it exports what it holds, then exits); wait for it at most `wait_s`."""
-        if self._drops:
-            self.send_batch([])
+        self.tick()  # the drops not yet carried
         with self._lock:
             self._closed = True
             proc = self._proc

@@ -142,24 +142,25 @@ class Recorder:
                     batch.append(pop())
             except IndexError:
                 pass
-            if handle_batch is not None and batch:
-                try:
-                    handle_batch(batch)
-                except Exception:  # pylint: disable=broad-except
-                    self.drop("builder_error", len(batch))
-                    _logger.debug("otel_kvtransfer batch hand-off failed", exc_info=True)
-                self._done = len(batch)
-                batch = ()
-            for rec in batch:
-                if self._abandoned:
-                    return True  # an exit drain counted the rest of this batch; stop delivering it
-                try:
-                    handle(rec)
-                except Exception:  # pylint: disable=broad-except
-                    # A bug of ours loses only this record, and is counted.
-                    self.drop("builder_error")
-                    _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
-                self._done += 1
+            if handle_batch is not None:
+                if batch:
+                    try:
+                        handle_batch(batch)
+                    except Exception:  # pylint: disable=broad-except
+                        self.drop("builder_error", len(batch))
+                        _logger.debug("otel_kvtransfer batch hand-off failed", exc_info=True)
+                    self._done = len(batch)
+            else:
+                for rec in batch:
+                    if self._abandoned:
+                        return True  # an exit drain counted the rest of this batch; stop delivering it
+                    try:
+                        handle(rec)
+                    except Exception:  # pylint: disable=broad-except
+                        # A bug of ours loses only this record, and is counted.
+                        self.drop("builder_error")
+                        _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                    self._done += 1
             self._batch = []
             if self._tick is not None:
                 try:
