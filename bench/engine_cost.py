@@ -44,11 +44,17 @@ def _spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _cpu_ticks(stat_path) -> int:
+    """utime + stime (clock ticks) from a /proc .../stat file; the command name may hold spaces and ')'."""
+    with open(stat_path, encoding="ascii") as handle:
+        stat = handle.read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def _process_cpu_ns(pid) -> float:
-    """CPU (user + system) a whole process has used so far, from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1e9 / os.sysconf("SC_CLK_TCK")
+    """CPU (user + system) a whole process has used so far."""
+    return _cpu_ticks(f"/proc/{pid}/stat") * 1e9 / os.sysconf("SC_CLK_TCK")
 
 
 class Bench:
@@ -179,10 +185,7 @@ def _task_cpu_ticks():
     ticks = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as handle:
-                stat = handle.read()
-            fields = stat[stat.rindex(")") + 2:].split()
-            ticks[tid] = int(fields[11]) + int(fields[12])
+            ticks[tid] = _cpu_ticks(f"/proc/self/task/{tid}/stat")
         except (OSError, ValueError, IndexError):
             pass
     return ticks
