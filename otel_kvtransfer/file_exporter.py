@@ -8,21 +8,47 @@ one write() per batch, so several processes (and forked children, which reopen t
     OTEL_TRACES_EXPORTER=kvtransfer_file OTEL_KVTRANSFER_SPAN_FILE=spans.jsonl opentelemetry-instrument python app.py
 
 or in code: `BatchSpanProcessor(OtlpJsonFileSpanExporter("spans.jsonl"))`.
+
+A span file must never hurt the process that writes it, and what it loses is never silent:
+
+* the file I/O runs on one daemon thread of the exporter's own; an export waits for it at most
+  `write_timeout_s`, so a hung mount holds that thread only, never the engine's exit;
+* the path is opened with O_NOFOLLOW and O_NONBLOCK and must be a regular file: a symlink planted at the path
+  (a shared folder) is refused, a FIFO or a device is refused instead of blocking;
+* a failed write (no folder, a directory, a full disk, the file-size limit, a timeout) is one ERROR line per
+  cause naming the path and the OS error, its spans are counted in kv_transfer.instrumentation.dropped with
+  kv_transfer.drop_reason = `span_file`, and `force_flush()` returns False;
+* a line never continues a torn one: when the file does not end with a newline (a full disk, a crash) the next
+  line starts with one, so the reader skips only the torn line;
+* a file renamed or removed under it (log rotation) is noticed at the next batch, which goes to a new file at
+  the path;
+* no line is longer than MAX_LINE, the reader's limit: a batch that would be is split, and a span that alone
+  would be is dropped, counted.
 """
 
 import base64
+import errno
 import json
 import logging
 import os
+import queue
+import stat
 import threading
 from typing import Optional, Sequence
 
 from google.protobuf import json_format
+from opentelemetry import metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel_kvtransfer import semconv
+
 ENV_SPAN_FILE = "OTEL_KVTRANSFER_SPAN_FILE"
+DROP_REASON = "span_file"
+# The longest line the writer writes and the reader reads (one limit, so every written line reads back). It also
+# bounds what reading one line may cost (docs/tools.md); a batch longer than this is split over several lines.
+MAX_LINE = 16 << 20
 _LOG = logging.getLogger(__name__)
 
 # Fields that hold ids: bytes in protobuf (base64 in proto3 JSON), hex strings in OTLP/JSON.
@@ -73,57 +99,213 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
     return json.dumps(ids_to_hex(request), separators=(",", ":")) + "\n"
 
 
+def encode_lines(spans: Sequence[ReadableSpan], limit: int = MAX_LINE):
+    """(lines, spans too big): the batch as lines of at most `limit` bytes, halved until each fits; a span whose
+    line alone is over the limit cannot be written and is returned apart."""
+    lines, too_big, todo = [], [], [list(spans)]
+    while todo:
+        batch = todo.pop()
+        data = encode_line(batch).encode("ascii")  # json.dumps escapes all non-ASCII
+        if len(data) <= limit:
+            lines.append((data, len(batch)))
+        elif len(batch) == 1:
+            too_big.append(batch[0])
+        else:
+            half = len(batch) // 2
+            todo += [batch[half:], batch[:half]]  # popped first half first: file order kept
+    return lines, too_big
+
+
+class _Failure(Exception):
+    """A write that failed: `cause` names it once per kind (what is logged), `detail` says what happened."""
+
+    def __init__(self, cause: str, detail: str):
+        super().__init__(detail)
+        self.cause, self.detail = cause, detail
+
+
+class _FileWriter:
+    """Owns the descriptor; runs only on the exporter's writer thread."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = None
+        self.identity = None  # (st_dev, st_ino) of the open file
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd = self.identity = None
+
+    def _open(self) -> None:
+        # O_RDWR: the last byte is read back to tell a torn line (pread needs a readable descriptor).
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Failure("symlink", "is a symbolic link (refused: O_NOFOLLOW)") from None
+            if exc.errno == errno.ENXIO:  # O_NONBLOCK on a FIFO nobody reads
+                raise _Failure("not_regular", "is a FIFO, not a regular file") from None
+            raise _Failure(f"open:{exc.errno}", f"cannot open: {exc.strerror or exc}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise _Failure("not_regular", "is not a regular file (a FIFO, device or socket would block)")
+        self.fd, self.identity = fd, (info.st_dev, info.st_ino)
+
+    def _rotated(self) -> bool:
+        """True when the path no longer names the open file (renamed or removed: rotation)."""
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True
+        return (info.st_dev, info.st_ino) != self.identity
+
+    def _ends_torn(self) -> bool:
+        size = os.fstat(self.fd).st_size
+        return size > 0 and os.pread(self.fd, 1, size - 1) != b"\n"
+
+    def write(self, data: bytes) -> None:
+        if self.fd is not None and self._rotated():
+            self.close()
+        if self.fd is None:
+            self._open()
+        try:
+            if self._ends_torn():  # never continue a torn line: this line starts on a line of its own
+                data = b"\n" + data
+            view = memoryview(data)
+            while view:  # one write() per batch keeps lines of concurrent processes whole
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.ESTALE):
+                self.close()
+            raise _Failure(f"write:{exc.errno}", f"write failed: {exc.strerror or exc}") from None
+
+
 class OtlpJsonFileSpanExporter(SpanExporter):
     """Appends each export batch to `path` (default: $OTEL_KVTRANSFER_SPAN_FILE) as one OTLP-JSON line.
 
     With neither, it says so in one logged line and every export fails: a missing setting must not stop the
-    process it was configured into (`opentelemetry-instrument` would print a traceback for an exception)."""
+    process it was configured into (`opentelemetry-instrument` would print a traceback for an exception).
+    `meter_provider` receives the drop count (default: the global one, looked up when a drop happens)."""
 
-    def __init__(self, path: Optional[str] = None):
+    def __init__(self, path: Optional[str] = None, meter_provider=None, write_timeout_s: float = 5.0):
         path = path or os.environ.get(ENV_SPAN_FILE)
         if not path:
             _LOG.error("kvtransfer_file span exporter: no file to write: set %s=PATH; no spans will be written",
                        ENV_SPAN_FILE)
         self.path = os.fspath(path) if path else None
+        self.write_timeout_s = write_timeout_s
+        self._meter_provider = meter_provider
+        self._counter = None
         self._lock = threading.Lock()
-        self._fd = None
+        self._logged = set()  # causes already logged, until a write succeeds again
+        self._failed = False  # a batch was lost since the last force_flush
+        self._start()
+
+    # ---- the writer thread
+    def _start(self) -> None:
         self._pid = os.getpid()
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._stuck = None  # a job whose wait timed out: until it returns, the writer is taken as hung
+        self._thread = None
 
-    def _descriptor(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        return self._fd
-
-    def _after_fork(self) -> None:
-        # A forked child must not share the parent's lock state or descriptor bookkeeping.
-        if self._pid != os.getpid():
+    def _ensure_thread(self) -> None:
+        if self._pid != os.getpid():  # a forked child: no writer thread, its own file descriptor
             self._lock = threading.Lock()
-            self._fd = None
-            self._pid = os.getpid()
+            self._start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True,
+                                            name="kvtransfer-span-file")
+            self._thread.start()
+
+    def _run(self, jobs: "queue.Queue") -> None:
+        writer = _FileWriter(self.path)
+        while True:
+            job = jobs.get()
+            if job is None:
+                writer.close()
+                return
+            data, result, done = job
+            try:
+                writer.write(data)
+            except _Failure as failure:
+                result.append(failure)
+            except Exception as exc:  # pylint: disable=broad-except  # anything else is a failed write too
+                result.append(_Failure(f"error:{type(exc).__name__}", f"write failed: {exc}"))
+            else:
+                result.append(None)
+            done.set()
+
+    def _write(self, data: bytes) -> Optional[_Failure]:
+        """Hand one line to the writer thread and wait for it, at most write_timeout_s."""
+        with self._lock:
+            self._ensure_thread()
+            if self._stuck is not None:
+                if not self._stuck[2].is_set():  # fail at once: one timeout is all an exit waits for
+                    return _Failure("stuck", "an earlier write has not returned (a hung filesystem?)")
+                self._stuck = None
+            job = (data, [], threading.Event())
+            self._jobs.put(job)
+        if not job[2].wait(self.write_timeout_s):
+            with self._lock:
+                self._stuck = job
+            return _Failure("timeout", f"write did not return within {self.write_timeout_s:g} s "
+                                       "(a hung filesystem?)")
+        return job[1][0]
+
+    # ---- accounting
+    def _drop(self, count: int, failure: _Failure) -> None:
+        self._failed = True
+        if failure.cause not in self._logged:
+            self._logged.add(failure.cause)
+            _LOG.error("kvtransfer_file span exporter: %s: %s; spans are dropped and counted "
+                       "(kv_transfer.drop_reason=%s)", self.path, failure.detail, DROP_REASON)
+        try:
+            if self._counter is None:
+                meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, meter_provider=self._meter_provider)
+                self._counter = meter.create_counter(semconv.METRIC_DROPPED, unit="{record}",
+                                                     description=semconv.DROPPED_DESCRIPTION)
+            self._counter.add(count, {semconv.DROP_REASON: DROP_REASON})
+        except Exception:  # pylint: disable=broad-except  # counting must not turn a failure into a raise
+            _LOG.debug("kvtransfer_file span exporter: could not count dropped spans", exc_info=True)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.path is None:
-            return SpanExportResult.FAILURE
         if not spans:
             return SpanExportResult.SUCCESS
-        self._after_fork()
-        try:
-            data = encode_line(spans).encode("ascii")  # json.dumps escapes all non-ASCII
-            with self._lock:
-                fd = self._descriptor()
-                view = memoryview(data)
-                while view:  # one write() per batch keeps lines of concurrent processes whole
-                    view = view[os.write(fd, view):]
-        except Exception:  # pylint: disable=broad-except  # an exporter reports failure, never raises
+        if self.path is None:
+            self._failed = True
             return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
+        ok = True
+        try:
+            lines, too_big = encode_lines(spans)
+        except Exception as exc:  # pylint: disable=broad-except  # an exporter reports failure, never raises
+            self._drop(len(spans), _Failure("encode", f"cannot encode spans: {exc}"))
+            return SpanExportResult.FAILURE
+        if too_big:
+            ok = False
+            self._drop(len(too_big), _Failure("too_big", f"a span alone encodes to over {MAX_LINE >> 20} MiB, "
+                                                         "the longest line a span file may hold"))
+        for data, count in lines:
+            failure = self._write(data)
+            if failure is None:
+                self._logged.clear()
+            else:
+                ok = False
+                self._drop(count, failure)
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
-    def shutdown(self) -> None:
-        self._after_fork()
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-            self._fd = None
+    def shutdown(self, timeout_millis: float = 30000) -> None:
+        if self._pid != os.getpid() or self._thread is None:
+            return
+        self._jobs.put(None)
+        self._thread.join(min(self.write_timeout_s, max(timeout_millis, 0) / 1000))  # a writer stuck in a hung filesystem is left behind (daemon)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+        """False when a batch was lost since the last call (every export already waited for its write)."""
+        failed, self._failed = self._failed, False
+        return not failed

@@ -25,7 +25,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.tools.spanfile import SpanFileError, iter_spans, read_spans
+from otel_kvtransfer.tools.spanfile import Skipped, SpanFileError, iter_spans, read_spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEMO = {}
@@ -255,9 +255,13 @@ def test_empty_truncated_foreign_and_binary_files_name_the_line(tmp_path):
     assert "empty" in str(_error_of(path)) and str(path) in str(_error_of(path))
     records = synthetic_records(requests=1)
     text = "".join(json.dumps(r) + "\n" for r in records)
-    path.write_text(text[: len(text) - 40])
+    path.write_text(text[: len(text) - 40])  # a crash cut the last line: it is skipped, the rest is read
+    skipped = Skipped()
+    assert len(read_spans(path, skipped=skipped)) == len(records) - 1
+    assert skipped.lines == [len(records)] and "\n" not in skipped.message(str(path))
+    path.write_text(text[:40])  # nothing but a cut line: not a span file
     error = _error_of(path)
-    assert error.line == len(records) and "cut short" in str(error) and "\n" not in str(error)
+    assert error.line == 1 and "cut short" in str(error) and "\n" not in str(error)
     path.write_text(json.dumps(records[0]) + "\n" + json.dumps({"hello": "world"}) + "\n")
     assert _error_of(path).line == 2 and "not a span" in str(_error_of(path))
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
@@ -336,9 +340,12 @@ def test_hostile_otlp_values_are_one_clear_error(tmp_path, case):
 
 def test_deep_nesting_and_huge_values_are_bounded(tmp_path):
     path = tmp_path / "deep.jsonl"
-    path.write_text("[" * 100_000 + "\n")
+    path.write_text("[       " * 100_000 + "\n")  # one list per 8 bytes: as dense as the reader decodes
     error = _error_of(path)
     assert error.line == 1 and "nested too deeply" in str(error)
+    path.write_text("[" * 100_000 + "\n")  # denser: refused before decoding
+    error = _error_of(path)
+    assert error.line == 1 and "denser than any span exporter writes" in str(error)
     path.write_text(json.dumps({"hello": "x", "y" * 10_000_000: 1}) + "\n")
     error = _error_of(path)
     assert error.line == 1 and len(str(error)) < 600

@@ -9,9 +9,18 @@ Two formats, one JSON object per line, detected line by line:
   ``parent_span_id``, ``kind``, ``start_time_unix_nano``, ``end_time_unix_nano``, ``status``, ``attributes``,
   ``resource``, ``scope``.
 
-Anything else (an empty, truncated, binary or foreign file; NaN, Infinity or 1e999; a value of the wrong type in
-a ``kv_transfer.*`` attribute; nesting too deep; a lone surrogate; a line over 64 MiB) raises
-:class:`SpanFileError`, whose message is one line naming the file and the line, with echoed values bounded.
+Anything else (an empty, binary or foreign file; NaN, Infinity or 1e999 anywhere; a value of the wrong type in
+a ``kv_transfer.*`` attribute; nesting too deep; a lone surrogate; a line over MAX_LINE; a line denser in JSON
+objects than any exporter writes) raises :class:`SpanFileError`, whose message is one line naming the file and
+the line, with echoed values bounded.
+
+A torn line (what a crash or a full disk leaves: a line cut short, or the start of a line with the next one run
+into it) is skipped and noted in `skipped`, so one lost batch does not cost the file; a file with no good span
+line is still an error. A UTF-8 byte-order mark before the first line is ignored.
+
+Memory: reading one line holds that line (at most MAX_LINE, 16 MiB), its decoded JSON (at most one object or
+list per 8 bytes of line, so a hostile line is refused before it is decoded) and its spans; the attribute memo
+holds at most 16,384 values of at most 256 characters. docs/tools.md gives the measured bound.
 
     for span in iter_spans("spans.jsonl"):
         print(span.name, span.duration_ns, span.attributes.get("kv_transfer.bytes"))
@@ -33,14 +42,17 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.file_exporter import ids_from_hex
+from otel_kvtransfer.file_exporter import MAX_LINE, ids_from_hex
+from otel_kvtransfer.tools.source import SourceError, SpanSource, open_source
 from otel_kvtransfer.tools.text import bounded
 
-__all__ = ["Span", "SpanFileError", "iter_spans", "read_spans", "stderr_progress"]
+__all__ = ["Span", "SpanFileError", "Skipped", "iter_spans", "read_spans", "stderr_progress"]
 
 KINDS = ("INTERNAL", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")  # by OTLP number (0 = unspecified)
 STATUS_CODES = ("UNSET", "OK", "ERROR")
-MAX_LINE = 64 << 20
+# A JSON object or list costs ~60-200 bytes decoded; OTLP-JSON spends 10+ bytes of text on each (`{"key":"k",
+# "value":{}}` is the densest attribute), so a line with more than one per 8 bytes is refused before decoding.
+_BYTES_PER_CONTAINER = 8
 _MAX_NS = (1 << 63) - 1
 
 # kv_transfer attributes the tools compute with: their type is checked on read, so no figure is NaN or a string.
@@ -192,10 +204,12 @@ def _object(value: Any, what: str) -> dict:
 
 
 def _any_value(value) -> Any:
-    """An OTLP AnyValue message as a plain value."""
+    """An OTLP AnyValue message as a plain value (a double must be finite: JSON output has no NaN)."""
     which = value.WhichOneof("value")
     if which is None:
         return None
+    if which == "double_value" and not math.isfinite(value.double_value):
+        raise _LineError(f"an attribute value is {value.double_value} (only finite numbers are allowed)")
     if which == "array_value":
         return [_any_value(v) for v in value.array_value.values]
     if which == "kvlist_value":
@@ -206,7 +220,14 @@ def _any_value(value) -> Any:
 
 
 def _otlp_attributes(items) -> dict:
-    return {kv.key: _any_value(kv.value) for kv in items}
+    return dict(_key_value(kv) for kv in items)
+
+
+def _key_value(kv) -> tuple:
+    try:
+        return kv.key, _any_value(kv.value)
+    except _LineError as exc:
+        raise _LineError(f"attribute {bounded(kv.key, 80)}: {exc}") from None
 
 
 def _hex(raw: bytes, size: int, what: str, optional: bool = False) -> Optional[str]:
@@ -256,7 +277,8 @@ def _check_shape(value: dict, descriptor) -> None:
 # request key across a request's spans), and json_format costs far more per field than the rest of the read:
 # each distinct scalar attribute is parsed once with json_format into a KeyValue and remembered.
 _KEY_VALUES: dict = {}
-_KEY_VALUES_MAX = 1 << 16
+_KEY_VALUES_MAX = 1 << 14
+_MEMO_TEXT_MAX = 256  # longer keys or string values are parsed every time: the memo's memory stays bounded
 _SCALARS = (str, int, float, bool)
 
 
@@ -273,7 +295,8 @@ def _span_attributes(items) -> dict:
             value = item.get("value")
             if type(value) is dict and len(value) == 1:  # pylint: disable=unidiomatic-typecheck
                 ((kind, scalar),) = value.items()
-                if isinstance(scalar, _SCALARS):
+                if isinstance(scalar, _SCALARS) and len(item["key"]) <= _MEMO_TEXT_MAX and (
+                        not isinstance(scalar, str) or len(scalar) <= _MEMO_TEXT_MAX):
                     memo = (item["key"], kind, type(scalar), scalar)
         parsed = _KEY_VALUES.get(memo) if memo is not None else None
         if parsed is None:
@@ -281,7 +304,7 @@ def _span_attributes(items) -> dict:
                 raise _LineError(f"an attribute must be an object, got {type(item).__name__}")
             key_value = KeyValue()
             json_format.ParseDict(item, key_value, ignore_unknown_fields=True)
-            parsed = (key_value.key, _any_value(key_value.value))
+            parsed = _key_value(key_value)
             if memo is not None:
                 if len(_KEY_VALUES) >= _KEY_VALUES_MAX:
                     _KEY_VALUES.clear()
@@ -383,9 +406,21 @@ def _parse_error(message: str) -> str:
     return f"not OTLP-JSON{' at ' + '.'.join(where) if where else ''}: {bounded(reason, 120)}"
 
 
+class _TornLine(_LineError):
+    """A line a crash or a full disk cut short (or the start of one with the next line run into it)."""
+
+
 def _parse_line(raw: bytes) -> list:
+    if raw.startswith(b"{") and (b"\x00" in raw or not raw.rstrip(b"\r\n").endswith(b"}")):
+        raise _TornLine("the line is cut short")  # a crash leaves zeros, a full disk a partial line
+    if not raw.strip(b"\x00\r\n"):
+        raise _TornLine("the line holds only zero bytes")
     if b"\x00" in raw:
         raise _LineError("binary data: not a span file")
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > len(raw) // _BYTES_PER_CONTAINER + 64:
+        raise _LineError(f"{containers} JSON objects and lists in {len(raw)} bytes: denser than any span "
+                         "exporter writes (refused before decoding: it would take too much memory)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -393,6 +428,8 @@ def _parse_line(raw: bytes) -> list:
     try:
         obj = _DECODER.decode(text)
     except json.JSONDecodeError as exc:
+        if raw.startswith(b'{"'):  # began as a span line and broke: torn (two lines run together, a cut)
+            raise _TornLine(f"invalid JSON ({exc.msg} at column {exc.colno}): a torn line") from None
         raise _LineError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
         raise _LineError("invalid JSON: nested too deeply") from None
@@ -414,56 +451,101 @@ def _parse_line(raw: bytes) -> list:
 # --------------------------------------------------------------------------------------------------- reader
 
 
-def iter_spans(path, progress: Optional[Progress] = None, limit_bytes: Optional[int] = None) -> Iterator[Span]:
-    """Yield the spans of `path` in file order (up to `limit_bytes` when given); raises SpanFileError naming the
+class Skipped:
+    """The torn lines a read skipped: how many, and the first few line numbers."""
+
+    SHOWN = 20
+
+    def __init__(self):
+        self.count = 0
+        self.lines: list = []
+
+    def add(self, number: int) -> None:
+        self.count += 1
+        if len(self.lines) < self.SHOWN:
+            self.lines.append(number)
+
+    def message(self, name: str) -> str:
+        """One line saying which lines were skipped and why."""
+        shown = ", ".join(map(str, self.lines)) + (f" and {self.count - len(self.lines)} more"
+                                                   if self.count > len(self.lines) else "")
+        plural = "s" if self.count > 1 else ""
+        return (f"{bounded(name)}: skipped {self.count} torn line{plural} ({shown}): cut short by a crash or a "
+                "full disk; the other lines were read")
+
+
+def iter_spans(path, progress: Optional[Progress] = None, limit_bytes: Optional[int] = None,
+               skipped: Optional[Skipped] = None) -> Iterator[Span]:
+    """Yield the spans of `path` (a file name, `-` for stdin, or a `SpanSource`) in file order (up to
+    `limit_bytes` when given). Torn lines are skipped and noted in `skipped`; raises SpanFileError naming the
     line on bad input, or on a file with no span at all."""
-    path = os.fspath(path)
+    if isinstance(path, SpanSource):
+        source, owned = path, False
+    else:
+        try:
+            source, owned = open_source(os.fspath(path)), True
+        except SourceError as exc:
+            raise SpanFileError(os.fspath(path), None, str(exc)) from None
     try:
-        handle = open(path, "rb")  # pylint: disable=consider-using-with
-        total = os.fstat(handle.fileno()).st_size
-    except IsADirectoryError:
-        raise SpanFileError(path, None, "is a directory, not a span file") from None
-    except FileNotFoundError:
-        raise SpanFileError(path, None, "no such file") from None
-    except OSError as exc:
-        raise SpanFileError(path, None, f"cannot open: {exc.strerror or exc}") from None
-    total = min(total, limit_bytes) if limit_bytes is not None else total
+        yield from _read(source, progress, limit_bytes, skipped if skipped is not None else Skipped())
+    finally:
+        if owned:
+            source.close()
+
+
+def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterator[Span]:
+    name = source.name
+    try:
+        handle = source.open()
+    except (OSError, SourceError) as exc:
+        raise SpanFileError(name, None, f"cannot read: {exc}") from None
+    total = source.size if limit_bytes is None else min(source.size, limit_bytes)
     count = done = number = 0
+    first_torn = None
     with handle:
-        while done < total or limit_bytes is None:
-            raw = handle.readline(MAX_LINE + 1)
+        while limit_bytes is None or done < limit_bytes:
+            try:
+                raw = handle.readline(MAX_LINE + 1)
+            except OSError as exc:
+                raise SpanFileError(name, number + 1, f"cannot read: {exc.strerror or exc}") from None
             if not raw:
                 break
             number += 1
             done += len(raw)
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some editors write
+                raw = raw[3:]
             if progress is not None and number % 64 == 0:
-                progress(done, total, count)
+                progress(done, max(total, done), count)
             if not raw.strip():
                 continue
             if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
-                raise SpanFileError(path, number, f"line longer than {MAX_LINE >> 20} MiB")
+                raise SpanFileError(name, number, f"line longer than {MAX_LINE >> 20} MiB, the longest a span "
+                                                  "file may hold")
             try:
                 spans = _parse_line(raw)
+            except _TornLine as exc:
+                skipped.add(number)
+                first_torn = first_torn or (number, str(exc))
+                continue
             except _LineError as exc:
-                message = str(exc)
-                if message.startswith("invalid JSON") and not raw.endswith(b"\n") and done >= total:
-                    message = "the line is cut short (file truncated?): " + message
-                raise SpanFileError(path, number, message) from None
+                raise SpanFileError(name, number, str(exc)) from None
             except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
-                raise SpanFileError(path, number, f"bad value: {bounded(str(exc))}") from None
+                raise SpanFileError(name, number, f"bad value: {bounded(str(exc))}") from None
             for span in spans:
                 span.line = number
                 count += 1
                 yield span
         if progress is not None:
-            progress(done, total, count)
+            progress(done, max(total, done), count)
     if count == 0:
-        raise SpanFileError(path, None, "is empty: no spans")
+        if first_torn is not None:  # nothing but broken lines: not a span file, whatever began like one
+            raise SpanFileError(name, first_torn[0], f"{first_torn[1]}; no line of the file is a whole span line")
+        raise SpanFileError(name, None, "is empty: no spans")
 
 
-def read_spans(path, progress: Optional[Progress] = None) -> list:
+def read_spans(path, progress: Optional[Progress] = None, skipped: Optional[Skipped] = None) -> list:
     """All spans of `path` in a list (for small files and tests; the commands stream with `iter_spans`)."""
-    return list(iter_spans(path, progress))
+    return list(iter_spans(path, progress, skipped=skipped))
 
 
 def stderr_progress(label: str, every_s: float = 1.0) -> Progress:
