@@ -221,6 +221,62 @@ def demo_engine(receiver, _originals):
         tel.uninstrument()
 
 
+@scenario
+def freed_by_gc(receiver, _originals):
+    """Handles dropped with their transfer still pending: `nixl_xfer_handle.__del__` frees them, never `release()`
+    (sglang lets its handles go this way)."""
+    import gc  # pylint: disable=import-outside-toplevel
+
+    tel = _telemetry()
+    try:
+        init = Initiator(receiver)
+        local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
+        remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+        states = []
+        for _ in range(3):
+            handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+            states.append(init.agent.transfer(handle))
+            del handle  # the last reference
+        gc.collect()
+        time.sleep(0.5)  # a cancelled write may still be landing: let it settle before the next scenario
+        return dict(_seen(tel), states=states)
+    finally:
+        tel.uninstrument()
+
+
+@scenario
+def address_reused(receiver, _originals):
+    """A pending handle freed behind the wrappers' back (NIXL's binding called directly), then a new handle that
+    NIXL allocates at the same address: the first is counted as dropped, not overwritten silently."""
+    tel = _telemetry()
+    try:
+        init = Initiator(receiver)
+        local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
+        remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+        first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+        first_state = init.agent.transfer(first)
+        raw = init.agent.agent  # the binding: nothing of ours sees these calls
+        deadline = time.monotonic() + 30
+        while raw.getXferStatus(first._handle) != 0 and time.monotonic() < deadline:  # 0: NIXL_SUCCESS
+            time.sleep(0.001)
+        address = first._handle
+        raw.releaseXferReq(address)
+        first._released = True  # pylint: disable=protected-access  # so its __del__ frees nothing twice
+        kept, second = [], None
+        for _ in range(64):  # the allocator hands the freed block out again, usually at once
+            candidate = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+            if candidate._handle == address:  # pylint: disable=protected-access
+                second = candidate
+                break
+            kept.append(candidate)
+        second_state = init.wait(second) if second is not None else None
+        for handle in kept + [h for h in (second,) if h is not None]:
+            init.agent.release_xfer_handle(handle)
+        return dict(_seen(tel), first_state=first_state, second_state=second_state, reused=second is not None)
+    finally:
+        tel.uninstrument()
+
+
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -325,6 +381,33 @@ def test_pending_handles_are_bounded_and_drops_counted(outcomes):
     assert full == max(pending - 1, 0)
 
 
+def _dropped(result, reason) -> int:
+    return sum(p["value"] for p in result["metrics"].get("kv_transfer.instrumentation.dropped", [])
+               if p["attributes"].get("kv_transfer.drop_reason") == reason)
+
+
+def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
+    """Every handle posted is one send even when only the garbage collector frees it; one still in progress
+    then is a cancelled send, one already done a successful one."""
+    result = _result(outcomes, "freed_by_gc")
+    assert "PROC" in result["states"], result["states"]  # at least one was still pending when dropped
+    sends = _named(result, "kv_transfer.send")
+    assert len(sends) == len(result["states"]) == 3
+    for send in sends:
+        assert send["attributes"]["kv_transfer.bytes"] == SIZE
+        assert send["ok"] or send["attributes"]["error.type"] in ("cancelled", "transfer_failed")
+    assert not result["metrics"].get("kv_transfer.instrumentation.dropped")
+
+
+def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
+    result = _result(outcomes, "address_reused")
+    assert result["reused"], "NIXL never handed the freed address out again"
+    assert result["first_state"] == "PROC" and result["second_state"] == "DONE"
+    sends = _named(result, "kv_transfer.send")
+    assert len(sends) == 1 and sends[0]["ok"]  # the second handle's transfer ...
+    assert _dropped(result, "async_released") == 1  # ... and the first one, counted: 2 posts, 2 accounted for
+
+
 def test_uninstrument_restores_the_agent(outcomes):
     result = _result(outcomes, "uninstrumented")
     assert all(result["wrapped"].values())
@@ -359,6 +442,7 @@ def test_instrument_never_imports_nixl_and_patches_it_on_import():
         "import nixl._api as api\n"
         "assert is_ours(api.nixl_agent.__dict__['transfer'])\n"
         "assert is_ours(api.nixl_xfer_handle.__dict__['release'])\n"
+        "assert is_ours(api.nixl_xfer_handle.__dict__['__del__'])\n"
         "engine.uninstrument()\n"
         "assert not is_ours(api.nixl_agent.__dict__['transfer'])\n"
         "print('ok')\n")

@@ -2,7 +2,8 @@
 
 Every posted transfer handle is one `kv_transfer.send`, from `transfer()` until its completion is observed:
 `check_xfer_state` answering DONE or ERR, or the handle being released (a release while still in progress is
-a cancelled transfer). Bytes and descriptor count come from the descriptor lists the handle was made from
+a cancelled transfer), by `release()` or by the garbage collector (`__del__` frees it without `release()`:
+sglang, for one, lets its handles go that way). Bytes and descriptor count come from the descriptor lists the handle was made from
 (remembered when `prep_xfer_dlist` prepared them, or read from `initialize_xfer`'s lists); op is the handle's
 READ or WRITE; the peer is the remote agent's name; the notification message travels as an attribute. These
 wrappers only time and count: the call tuple goes to the transfer scope current when the handle was posted
@@ -138,7 +139,12 @@ def _bind(names, args, kwargs) -> dict:
 
 def _describe(handle, operation, nbytes, descriptors, peer, notif_msg) -> None:
     op = _OPS.get(str(operation).upper(), semconv.OP_WRITE)
-    _remember(_handles, _MAX_HANDLES, _key(handle),
+    key = _key(handle)
+    # A new handle at the address of one still pending: that one was freed where no wrapper saw it (NIXL's
+    # binding called directly), so its end will never be seen. Counted now, before a release of the new handle
+    # could end it as if it were this one.
+    _pending.forget(key)
+    _remember(_handles, _MAX_HANDLES, key,
               (int(nbytes), int(descriptors), op, _text(peer), _text(notif_msg)))
 
 
@@ -163,6 +169,7 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
         notification = _text(args[1] if len(args) > 1 else kwargs.get("notif_msg")) or notification
         extra = {semconv.NOTIFICATION: notification} if notification else None
         protocol = _protocol(agent)
+        _pending.forget(key)  # a transfer still pending under this key was never seen to end: counted, not lost
         if state == "PROC":
             _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra)
         else:  # finished (or failed) within the call itself
@@ -183,17 +190,35 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
     return state
 
 
+def _observe_release(handle) -> None:
+    """The handle is about to be freed: the last chance to observe how its transfer ended."""
+    key = _key(handle)
+    _handles.pop(key, None)
+    if len(_pending) and not handle._released:  # pylint: disable=protected-access
+        state = _state_of(handle)
+        # Releasing a handle still in progress makes NIXL cancel it.
+        _pending.complete(key, state, {"DONE": None, "PROC": "cancelled"}.get(state, "transfer_failed"))
+
+
 def _release_handle_wrapper(wrapped, instance, args, kwargs):
-    """`nixl_xfer_handle.release()` (also behind `nixl_agent.release_xfer_handle`): the last chance to observe."""
+    """`nixl_xfer_handle.release()` (also behind `nixl_agent.release_xfer_handle`)."""
     try:
-        key = _key(instance)
-        _handles.pop(key, None)
-        if len(_pending) and not instance._released:  # pylint: disable=protected-access
-            state = _state_of(instance)
-            # Releasing a handle still in progress makes NIXL cancel it.
-            _pending.complete(key, state, {"DONE": None, "PROC": "cancelled"}.get(state, "transfer_failed"))
+        _observe_release(instance)
     except Exception:  # pylint: disable=broad-except
         own_error("observe a released NIXL handle")
+    return wrapped(*args, **kwargs)
+
+
+def _del_handle_wrapper(wrapped, instance, args, kwargs):
+    """`nixl_xfer_handle.__del__`: the garbage collector frees the handle, NIXL's `release()` never runs."""
+    try:
+        if _state["on"]:
+            _observe_release(instance)
+    except Exception:  # pylint: disable=broad-except  # also at interpreter exit, when our modules are half gone
+        try:
+            own_error("observe a NIXL handle freed by the garbage collector")
+        except Exception:  # pylint: disable=broad-except
+            pass
     return wrapped(*args, **kwargs)
 
 
@@ -246,6 +271,7 @@ def _patch(_module=None) -> None:
         _patcher.wrap(agent, "transfer", _transfer_wrapper)
         _patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
         _patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
+        _patcher.wrap(api.nixl_xfer_handle, "__del__", _del_handle_wrapper)
         _patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
     except Exception:  # pylint: disable=broad-except
         own_error("patch NIXL")
