@@ -135,11 +135,12 @@ def _run_cli(*args):
     (b"", "empty"),
     (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "00"}]}]}]}\n', ":1: "),
     (b"name,trace_id\nfoo,bar\n", ":1: invalid JSON"),
-    (b"[" * 100_000 + b"\n", ":1: invalid JSON: nested too deeply"),
+    (b"[       " * 100_000 + b"\n", ":1: invalid JSON: nested too deeply"),
+    (b"[" * 100_000 + b"\n", ":1: 100000 JSON objects and lists in 100001 bytes: denser"),
     (b'{"name":"x","trace_id":"' + b"ab" * 16 + b'","span_id":"' + b"cd" * 8
      + b'","start_time_unix_nano":1,"end_time_unix_nano":2,"attributes":{"kv_transfer.bytes":1e999}}\n', ":1: "),
     (b'{"hello": "x", "' + b"\\u001b[31m" * 1_000_000 + b'": 1}\n', ":1: not a span"),
-], ids=["empty", "bare OTLP span", "csv", "deep nesting", "1e999", "10 MB escape key"])
+], ids=["empty", "bare OTLP span", "csv", "deep nesting", "dense nesting", "1e999", "10 MB escape key"])
 def test_bad_input_is_one_bounded_line_and_exit_2(tmp_path, content, expect):
     src = tmp_path / "bad.jsonl"
     src.write_bytes(content)

@@ -6,10 +6,11 @@
     otel-kvtransfer summarize FILE [--json] [--key K ...] [--since S] [--until S] [--limit N]
 
 FILE is OTLP-JSON (what `OTEL_TRACES_EXPORTER=kvtransfer_file` or the Collector's file exporter writes) or the
-older JSON-lines span format. Bad input (an empty, truncated, foreign or hostile file, a bad option, an
-unwritable output) is one line on stderr and exit code 2, never a traceback, and leaves no output file behind.
-Files are read as a stream (summarize keeps per-request aggregates, not spans; timeline reads twice, keeping only
-the spans of the requests it draws); reads that take long show progress on stderr.
+older JSON-lines span format; `-` is stdin, and a pipe or FIFO works too. Bad input (an empty, foreign or hostile
+file, a bad option, an unwritable output) is one line on stderr and exit code 2, never a traceback, and leaves no
+output file behind; torn lines (a crash, a full disk) are skipped and named in one warning line. Files are read
+as a stream (summarize keeps per-request aggregates, not spans; timeline reads twice, keeping only the spans of
+the requests it draws, and copies a pipe to a temporary file first); reads that take long show progress.
 """
 
 import argparse
@@ -38,6 +39,9 @@ def _error(message: str) -> int:
     return 2
 
 
+MAX_WINDOW_S = 1e9  # about 31 years either way: any window of real spans fits, and no arithmetic overflows
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)
@@ -45,6 +49,8 @@ def _finite(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if abs(value) > MAX_WINDOW_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside -{MAX_WINDOW_S:g} .. {MAX_WINDOW_S:g} seconds")
     return value
 
 
@@ -63,7 +69,7 @@ def _span_file_command(sub, name: str, handler, summary: str, description: str) 
     parser = sub.add_parser(name, help=summary, description=description)
     parser.set_defaults(handler=handler)
     parser.add_argument("file", help="span file: OTLP-JSON (kvtransfer_file exporter, Collector file exporter) or "
-                                     "the older JSON-lines spans")
+                                     "the older JSON-lines spans; - for stdin")
     parser.add_argument("--key", "--room", dest="keys", action="append", metavar="KEY",
                         help="only this request key (sglang: the bootstrap room); repeatable")
     parser.add_argument("--since", type=_finite, metavar="S",
@@ -145,26 +151,42 @@ def load(path: str, keys=None, since=None, until=None, max_requests: Optional[in
     of the selected requests. Raises SpanFileError."""
     # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.tools.requests import RequestSet, attach_children, select_requests
-    from otel_kvtransfer.tools.spanfile import iter_spans, stderr_progress
+    from otel_kvtransfer.tools.source import SourceError, open_source
+    from otel_kvtransfer.tools.spanfile import Skipped, SpanFileError, iter_spans, stderr_progress
 
-    collected = RequestSet()
+    try:
+        source = open_source(path)
+        if drawing:  # two passes: a pipe is copied once to a temporary file
+            spooled = source.spooled()
+            if spooled is not source:
+                source.close()
+            source = spooled
+    except SourceError as exc:
+        raise SpanFileError(path, None, str(exc)) from None
+    collected, skipped = RequestSet(), Skipped()
     seen = {"bytes": None}
 
     def progress(done, total, spans, report=stderr_progress(f"reading {path}")):
         seen["bytes"] = done
         report(done, total, spans)
 
-    for span in iter_spans(path, progress=progress):
-        collected.add(span)
-    requests = collected.finish()
-    origin = min((r.start_ns for r in requests), default=None)
-    selected = select_requests(requests, keys=keys, since_s=since, until_s=until, origin_ns=origin)
-    shown = selected[:max_requests] if max_requests else selected
-    if drawing and shown:
-        attach_children(shown, iter_spans(path, progress=stderr_progress(f"drawing {path}"),
-                                          limit_bytes=seen["bytes"]))
+    try:
+        for span in iter_spans(source, progress=progress, skipped=skipped):
+            collected.add(span)
+        if skipped.count:
+            sys.stderr.write(f"{PROG}: warning: {skipped.message(path)}\n")
+        requests = collected.finish()
+        origin = min((r.start_ns for r in requests), default=None)
+        selected = select_requests(requests, keys=keys, since_s=since, until_s=until, origin_ns=origin)
+        shown = selected[:max_requests] if max_requests else selected
+        if drawing and shown:
+            attach_children(shown, iter_spans(source, progress=stderr_progress(f"drawing {path}"),
+                                              limit_bytes=seen["bytes"], skipped=Skipped()))
+    finally:
+        source.close()
     return SimpleNamespace(requests=requests, selected=selected, shown=shown, origin=origin,
-                           throughputs=collected.throughputs, span_count=collected.span_count)
+                           throughputs=collected.throughputs, span_count=collected.span_count,
+                           regular=source.regular)
 
 
 def _filter_note(args, loaded) -> str:
@@ -191,7 +213,8 @@ def run_timeline(args) -> int:
                   drawing=True)
     if not loaded.requests:
         return _error(f"{args.file}: no kv_transfer spans in {loaded.span_count} spans")
-    stem = os.path.splitext(args.file)[0]
+    # Outputs go beside a file; for stdin or a pipe, with no name given, into the current folder.
+    stem = os.path.splitext(args.file)[0] if loaded.regular else "timeline"
     html_path = None if args.no_html else (args.html or f"{stem}.timeline.html")
     png_path = None if args.no_png else (args.png or f"{stem}.timeline.png")
     note = _filter_note(args, loaded)
@@ -205,20 +228,20 @@ def run_timeline(args) -> int:
 
     if len(loaded.shown) > 200:
         sys.stderr.write(f"rendering {len(loaded.shown)} requests...\n")
-    written = write_timeline(loaded.shown, html_path, png_path, page_size=args.page_size,
-                             png_requests=args.png_requests, source=args.file, note=note, origin_ns=loaded.origin,
-                             throughputs=loaded.throughputs)
-    if args.perfetto:
+    extra = []
+    if args.perfetto:  # rendered before any file is written: all outputs appear together or none
         import json
 
-        from otel_kvtransfer.tools.output import atomic_output
         from otel_kvtransfer.tools.perfetto import request_spans, trace_events
 
-        data = trace_events(request_spans(loaded.shown))
-        with atomic_output(args.perfetto, "w") as handle:
-            json.dump(data, handle, separators=(",", ":"), allow_nan=False)
-            handle.write("\n")
-        written["perfetto"] = args.perfetto
+        try:
+            text = json.dumps(trace_events(request_spans(loaded.shown)), separators=(",", ":"), allow_nan=False)
+        except ValueError as exc:
+            return _error(f"{args.file}: cannot write Perfetto JSON: {exc}")
+        extra.append(("perfetto", args.perfetto, text + "\n"))
+    written = write_timeline(loaded.shown, html_path, png_path, page_size=args.page_size,
+                             png_requests=args.png_requests, source=args.file, note=note, origin_ns=loaded.origin,
+                             throughputs=loaded.throughputs, extra=extra)
     if note:
         print(label(note, 400))
     for kind, path in written.items():

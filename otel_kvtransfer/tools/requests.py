@@ -22,7 +22,10 @@ from otel_kvtransfer.tools.spanfile import Span
 
 PEER_SPANS = (sc.SPAN_RECEIVE, sc.SPAN_SERVE)
 CHILD_SPANS = (sc.SPAN_SEND, sc.SPAN_COMPUTE)
-_COMPACT_AT = 4096  # intervals kept per request before they are merged (busy time needs only their union)
+# Intervals kept per request before they are merged (busy time needs only their union). After a merge the next
+# one waits until the list has doubled: disjoint intervals do not shrink when merged, and merging at a fixed size
+# would sort the whole list again for every new span (quadratic); doubling keeps the total O(n log n).
+_COMPACT_AT = 4096
 
 # Request-span attributes shown as they are, and their names in a summary row.
 FIGURE_ATTRIBUTES = aggregate.FIGURE_ATTRIBUTES
@@ -78,7 +81,7 @@ class Request:
 
     __slots__ = ("trace_id", "group", "span_id", "identity", "engine", "start_ns", "end_ns", "has_span",
                  "status", "error_type", "figure_attrs", "aggregate", "send_spans", "compute_spans",
-                 "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes")
+                 "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes", "compact_at")
 
     def __init__(self, trace_id: str, group):
         self.trace_id = trace_id
@@ -100,6 +103,7 @@ class Request:
         self.span: Optional[Span] = None  # the request span itself, kept only by `attach_children`
         self.sends: list = []
         self.computes: list = []
+        self.compact_at = _COMPACT_AT
 
     # ---- building
     def note_time(self, span: Span, own: bool) -> None:
@@ -139,16 +143,14 @@ class Request:
             self.compute_spans += 1
             if self.aggregate is not None:
                 self.aggregate.add_compute(lo, hi)
-                if len(self.aggregate.compute) > _COMPACT_AT:
-                    self.aggregate.compact()
+                self._maybe_compact(len(self.aggregate.compute))
             return
         attrs = span.attributes
         self.send_spans += 1
         chunk = attrs.get(sc.CHUNK_INDEX)
         if self.aggregate is not None:
             self.aggregate.add_send(lo, hi, send_bytes(span), attrs.get(sc.REPLICA_FACTOR) or 1, chunk)
-            if len(self.aggregate.sends) > _COMPACT_AT:
-                self.aggregate.compact()
+            self._maybe_compact(len(self.aggregate.sends))
         if span.is_error and self.send_error is None:
             self.send_error = str(attrs.get(sc.ERROR_TYPE) or "error")
         if chunk is not None:
@@ -160,6 +162,11 @@ class Request:
         if attrs.get(sc.IS_LAST_CHUNK) is True:
             flagged = self.last_flagged
             self.last_flagged = [lo, hi] if flagged is None else [min(flagged[0], lo), max(flagged[1], hi)]
+
+    def _maybe_compact(self, kept: int) -> None:
+        if kept > self.compact_at:
+            self.aggregate.compact()
+            self.compact_at = max(_COMPACT_AT, 2 * max(len(self.aggregate.sends), len(self.aggregate.compute)))
 
     # ---- identity
     @property
@@ -327,8 +334,8 @@ def select_requests(requests: Sequence[Request], keys: Optional[Iterable[str]] =
     if origin_ns is None:
         origin_ns = min(r.start_ns for r in requests)
     wanted = {str(k) for k in keys} if keys else None
-    lo = origin_ns + int(since_s * aggregate.NS_PER_S) if since_s is not None else None
-    hi = origin_ns + int(until_s * aggregate.NS_PER_S) if until_s is not None else None
+    lo = origin_ns + _ns(since_s) if since_s is not None else None
+    hi = origin_ns + _ns(until_s) if until_s is not None else None
     out = []
     for request in requests:
         if wanted is not None and request.key not in wanted and str(request.room) not in wanted:
@@ -339,3 +346,11 @@ def select_requests(requests: Sequence[Request], keys: Optional[Iterable[str]] =
             continue
         out.append(request)
     return out
+
+
+_WINDOW_NS = 1 << 62  # beyond any span time (spans end before 2^63 ns): a window bound past it selects all
+
+
+def _ns(seconds: float) -> int:
+    """Seconds as nanoseconds, clamped so that no finite value overflows."""
+    return int(max(-_WINDOW_NS, min(seconds * aggregate.NS_PER_S, _WINDOW_NS)))

@@ -26,10 +26,13 @@ class SourceError(Exception):
 
 class SpanSource:
     """One span file. `open()` gives a binary handle positioned at the start and the size when known (0 for a
-    stream); `rereadable` says whether `open()` may be called again."""
+    stream); `rereadable` says whether `open()` may be called again; `regular` whether the name is a file
+    (outputs may go beside it)."""
 
-    def __init__(self, name: str, path: Optional[str], fd: Optional[int], size: int, rereadable: bool):
+    def __init__(self, name: str, path: Optional[str], fd: Optional[int], size: int, rereadable: bool,
+                 regular: bool = False):
         self.name = name
+        self.regular = regular
         self._path = path
         self._fd = fd
         self.size = size
@@ -88,7 +91,7 @@ def open_source(name: str) -> SpanSource:
             raise SourceError("is a terminal: give a span file, or pipe one in")
         if stat.S_ISREG(info.st_mode):
             _blocking(fd)
-            return SpanSource(shown, None, fd, info.st_size, rereadable=True)
+            return SpanSource(shown, None, fd, info.st_size, rereadable=True, regular=name != "-")
         if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
             _wait_for_data(fd, shown)
         _blocking(fd)

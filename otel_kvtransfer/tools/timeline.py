@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 from otel_kvtransfer import aggregate
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.tools.lanes import pack
-from otel_kvtransfer.tools.output import atomic_output
+from otel_kvtransfer.tools.output import atomic_output, staged_outputs
 from otel_kvtransfer.tools.requests import Request, engine_label, send_bytes, send_throughput
 from otel_kvtransfer.tools.summarize import distribution
 from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, label
@@ -584,6 +584,17 @@ def render_png(requests: Sequence[Request], path: str, max_requests: int = 6, ti
                note: str = "", origin_ns: Optional[int] = None, throughputs: Sequence[float] = ()) -> tuple:
     """Draw the overview and the first `max_requests` request blocks into `path` (no taller than
     MAX_PNG_HEIGHT: blocks that do not fit are left to the HTML page); returns (width, height)."""
+    data, size = png_data(requests, max_requests, title, note, origin_ns, throughputs)
+    with atomic_output(path, "wb") as handle:
+        handle.write(data)
+    return size
+
+
+def png_data(requests: Sequence[Request], max_requests: int = 6, title: str = "", note: str = "",
+             origin_ns: Optional[int] = None, throughputs: Sequence[float] = ()) -> tuple:
+    """(PNG bytes, (width, height)) of what `render_png` draws."""
+    import io  # pylint: disable=import-outside-toplevel
+
     from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
 
     if origin_ns is None:
@@ -612,9 +623,9 @@ def render_png(requests: Sequence[Request], path: str, max_requests: int = 6, ti
                        outline=_rgb("#dddddd"))
         _draw_panel(draw, panel, margin, y, fonts)
         y += panel.height + gap
-    with atomic_output(path, "wb") as handle:
-        image.save(handle, "PNG", optimize=True)
-    return image.size
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", optimize=True)
+    return buffer.getvalue(), image.size
 
 
 # --------------------------------------------------------------------------------------------------- files
@@ -622,21 +633,24 @@ def render_png(requests: Sequence[Request], path: str, max_requests: int = 6, ti
 
 def write_timeline(requests: Sequence[Request], html_path: Optional[str] = None, png_path: Optional[str] = None,
                    page_size: int = 20, png_requests: int = 6, source: str = "", note: str = "",
-                   origin_ns: Optional[int] = None, throughputs: Sequence[float] = ()) -> dict:
-    """Write the HTML page and/or the PNG for `requests` (their children attached); returns the paths written.
-    Each file appears whole or not at all."""
-    written = {}
+                   origin_ns: Optional[int] = None, throughputs: Sequence[float] = (), extra=()) -> dict:
+    """Write the HTML page and/or the PNG for `requests` (their children attached), and the `extra` outputs
+    ((kind, path, data) already rendered); returns the paths written. Everything is rendered before anything is
+    written, and the files appear together or not at all."""
+    written, outputs = {}, []
     title = f"KV transfer timeline — {label(os.path.basename(source), 120)}" if source else "KV transfer timeline"
     if html_path:
-        page = render_html(requests, title=title, page_size=page_size, source=label(source, 400), note=note,
-                           origin_ns=origin_ns, throughputs=throughputs)
-        with atomic_output(html_path, "w") as handle:
-            handle.write(page)
-        written["html"] = html_path
+        outputs.append(("html", html_path, render_html(
+            requests, title=title, page_size=page_size, source=label(source, 400), note=note, origin_ns=origin_ns,
+            throughputs=throughputs)))
     if png_path:
-        render_png(requests, png_path, max_requests=png_requests, title=title, note=note, origin_ns=origin_ns,
-                   throughputs=throughputs)
-        written["png"] = png_path
+        outputs.append(("png", png_path, png_data(requests, max_requests=png_requests, title=title, note=note,
+                                                  origin_ns=origin_ns, throughputs=throughputs)[0]))
+    outputs.extend(extra)
+    with staged_outputs() as stage:
+        for kind, path, data in outputs:
+            stage.write(path, data)
+            written[kind] = path
     return written
 
 
