@@ -12,20 +12,22 @@ import time
 from collections import OrderedDict
 from typing import Callable, Dict, Optional
 
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
 from otel_kvtransfer.aggregate import FIGURE_ATTRIBUTES, RequestAggregate, span_figures, throughput
-from otel_kvtransfer.stitching import key_parent_context
+from otel_kvtransfer.direct_spans import span_context_of
+from otel_kvtransfer.kvmetrics import NO_METRICS
+from otel_kvtransfer.sdk_spans import SdkSpans
+from otel_kvtransfer.stitching import key_parent_span_context
 
 # backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
 PeerParser = Callable[[object], dict]
 
 
 class _OpenRequest:
-    __slots__ = ("span", "aggregate", "failure", "touched", "labels")
+    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent")
 
     def __init__(self, span, now: float, labels: dict):
         self.span = span
@@ -33,6 +35,7 @@ class _OpenRequest:
         self.failure: Optional[str] = None
         self.touched = now
         self.labels = labels  # attributes every send of the request repeats (framework, role, model)
+        self.parent = None  # the request span's context: its children's parent
 
 
 class _OpenPeer:
@@ -43,16 +46,24 @@ class _OpenPeer:
         self.touched = now
 
 
+_OK = Status(StatusCode.UNSET)
+
+
 def _error(span, error_type: str) -> None:
     span.set_attribute(semconv.ERROR_TYPE, error_type)
     span.set_status(Status(StatusCode.ERROR, error_type))
 
 
 class SpanBuilder:
-    def __init__(self, tracer, request_ttl_s: float, max_open: int = 65536,
+    """`spans`: a span factory (`span_factories`), or an SDK tracer (the SDK path). `metrics`: where the
+    builder's figures go as measurements (`span_factories.RecordMetrics`), or nothing when a span processor
+    derives them from the spans (the SDK path)."""
+
+    def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
-                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic):
-        self._tracer = tracer
+                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None):
+        self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
+        self._metrics = metrics or NO_METRICS
         self._ttl = request_ttl_s
         self._max_open = max_open
         self._peer_parsers = peer_parsers if peer_parsers is not None else {}
@@ -73,8 +84,10 @@ class SpanBuilder:
         """One record, in the order it was recorded. Raises only on a bug (the recorder counts it)."""
         self._handlers[rec[r.KIND]](rec, self._clock())
 
-    def set_tracer(self, tracer) -> None:
-        self._tracer = tracer
+    def set_spans(self, spans, metrics=None) -> None:
+        """The factory (and metrics) to build with from now on (an SDK that appeared after instrument())."""
+        self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
+        self._metrics = metrics or NO_METRICS
 
     def open_count(self) -> int:
         return len(self._requests) + len(self._peers)
@@ -92,9 +105,9 @@ class SpanBuilder:
             attrs[semconv.FRAMEWORK] = framework
         if attributes:
             attrs.update(attributes)
-        return self._tracer.start_span(
-            name, context=parent if parent is not None else key_parent_context(key), kind=SpanKind.INTERNAL,
-            attributes=attrs, start_time=start_ns)
+        parent = span_context_of(parent)
+        return self._spans.open(name, parent if parent is not None else key_parent_span_context(key),
+                                SpanKind.INTERNAL, attrs, start_ns)
 
     def _make_room(self, table: OrderedDict, reason: str, end) -> None:
         """Below max_open before opening one more: the least recently active of `table` goes; when `table` has
@@ -122,6 +135,7 @@ class SpanBuilder:
         if model is not None:
             labels[semconv.GEN_AI_REQUEST_MODEL] = model
         state = self._requests[key] = _OpenRequest(span, now, labels)
+        state.parent = self._spans.context_of(span)
         return state
 
     def _touch_request(self, key, now) -> Optional[_OpenRequest]:
@@ -152,8 +166,8 @@ class SpanBuilder:
         failure = error_type or state.failure
         if failure:
             _error(span, failure)
-        # A non-recording span (a no-op or disabled SDK) has no start_time: end it all the same, without a bug drop.
-        span.end(end_time=max(end_ns, getattr(span, "start_time", None) or end_ns))
+        self._spans.close(span, end_ns)
+        self._metrics.request(attrs, span, state, end_ns, failure)
 
     def _end_evicted_request(self, state: _OpenRequest) -> None:
         self._finish_request(state, time.time_ns(), semconv.EVICTED_ERROR, evicted=True)
@@ -205,7 +219,7 @@ class SpanBuilder:
                 attrs.update(first[r.CALL_EXTRA])
         if backend:
             attrs[semconv.BACKEND] = backend
-        context = rec[r.SEND_CONTEXT]
+        parent = span_context_of(rec[r.SEND_CONTEXT])
         if info is not None:
             key, chunk, replica = info[r.INFO_KEY], info[r.INFO_CHUNK], info[r.INFO_REPLICA]
             attrs.update({
@@ -224,16 +238,15 @@ class SpanBuilder:
             state.aggregate.add_send(start, end, nbytes, replica, chunk)
             if failure and state.failure is None:
                 state.failure = failure
-            context = trace.set_span_in_context(state.span)
+            parent = state.parent
+        status = _OK
         if failure:
             attrs[semconv.ERROR_TYPE] = failure
             if return_code is not None:
                 attrs[semconv.RETURN_CODE] = return_code
-        span = self._tracer.start_span(semconv.SPAN_SEND, context=context, kind=SpanKind.CLIENT, attributes=attrs,
-                                       start_time=start)
-        if failure:
-            span.set_status(Status(StatusCode.ERROR, failure))
-        span.end(end_time=end)
+            status = Status(StatusCode.ERROR, failure)
+        span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
+        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
 
     # --- compute ---------------------------------------------------------------------------------------------
     def _compute(self, rec, now):
@@ -248,8 +261,7 @@ class SpanBuilder:
             attrs = {semconv.REQUEST_KEY: str(key)}
             if chunk is not None:
                 attrs[semconv.CHUNK_INDEX] = chunk
-            self._tracer.start_span(semconv.SPAN_COMPUTE, context=trace.set_span_in_context(state.span),
-                                    kind=SpanKind.INTERNAL, attributes=attrs, start_time=start_ns).end(end_ns)
+            self._spans.child(semconv.SPAN_COMPUTE, state.parent, SpanKind.INTERNAL, attrs, start_ns, end_ns, _OK)
 
     # --- peers (receive / serve) -----------------------------------------------------------------------------
     def _begin_peer(self, rec, now):
@@ -267,13 +279,15 @@ class SpanBuilder:
             return
         if rec[r.END_ERROR]:
             _error(state.span, rec[r.END_ERROR])
-        state.span.end(end_time=max(rec[r.TIME], getattr(state.span, "start_time", None) or 0))
+        self._spans.close(state.span, rec[r.TIME])
+        self._metrics.peer(state.span, rec[r.TIME])
 
-    @staticmethod
-    def _end_evicted_peer(state: _OpenPeer) -> None:
+    def _end_evicted_peer(self, state: _OpenPeer) -> None:
         state.span.set_attribute(semconv.EVICTED, True)
         _error(state.span, semconv.EVICTED_ERROR)
-        state.span.end()
+        end_ns = time.time_ns()
+        self._spans.close(state.span, end_ns)
+        self._metrics.peer(state.span, end_ns)
 
     # --- eviction --------------------------------------------------------------------------------------------
     def evict_stale(self) -> None:

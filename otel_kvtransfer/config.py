@@ -17,7 +17,11 @@ REQUEST_TTL_S = "OTEL_KVTRANSFER_REQUEST_TTL_S"
 MAX_OPEN_REQUESTS = "OTEL_KVTRANSFER_MAX_OPEN_REQUESTS"
 MAX_PENDING_ASYNC = "OTEL_KVTRANSFER_MAX_PENDING_ASYNC"
 BUILDER = "OTEL_KVTRANSFER_BUILDER"
-BUILDERS = ("thread", "process")  # where spans are built: the engine process's own thread, or a helper process
+# Where spans are built: a helper process, the engine process's own thread, or (auto) the helper when it can set
+# up the same SDK as this process (builder_choice).
+BUILDERS = ("auto", "process", "thread")
+PIPELINE = "OTEL_KVTRANSFER_PIPELINE"
+PIPELINES = ("direct", "sdk")  # how: spans and metric points built directly, or through the SDK tracer/instruments
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,8 @@ class Settings:
     request_ttl_s: float = 600.0  # a request open this long without activity is ended and counted as evicted
     max_open_requests: int = 65536  # open request + peer spans; beyond it the least recently active is evicted
     max_pending_async: int = 16384  # async submissions waiting for their completion to be observed
-    builder: str = "thread"  # one of BUILDERS
+    builder: str = "auto"  # one of BUILDERS
+    pipeline: str = "direct"  # one of PIPELINES
 
 
 def _read(name, parse, default, low, high):
@@ -66,4 +71,5 @@ def load() -> Settings:
         max_open_requests=_read(MAX_OPEN_REQUESTS, int, Settings.max_open_requests, 1, 1 << 20),
         max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 20),
         builder=_read_choice(BUILDER, BUILDERS, Settings.builder),
+        pipeline=_read_choice(PIPELINE, PIPELINES, Settings.pipeline),
     )

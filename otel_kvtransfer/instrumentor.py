@@ -29,8 +29,11 @@ from typing import Callable, Collection
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_kvtransfer import config, offload, semconv
+from otel_kvtransfer import builder_choice, config, offload, semconv, span_encoding
 from otel_kvtransfer.builder import SpanBuilder
+from otel_kvtransfer.direct_spans import DirectSpans
+from otel_kvtransfer.kvmetrics import RecordMetrics, tables_for
+from otel_kvtransfer.sdk_spans import SdkSpans
 from otel_kvtransfer.package import _instruments
 from otel_kvtransfer.processor import KVTransferMetricsProcessor
 from otel_kvtransfer.recorder import RECORDER, FlushFirstSpanProcessor
@@ -58,34 +61,49 @@ def _load(names):
 class _Attachment:
     """What instrument() attached to an SDK (sampler, processors), so uninstrument() can detach exactly that."""
 
-    def __init__(self, meter_provider):
+    def __init__(self, meter_provider, pipeline: str = "direct"):
         self._meter_provider = meter_provider
+        self._pipeline = pipeline
         self.tracer = None
         self._provider = None
         self._original_sampler = None
         self._processors = ()
+        self._direct = False
+        self._tables = None  # the direct path's metric tables (KVMetrics), once attached
+        self.spans = None  # what the builder builds with: DirectSpans or SdkSpans
+        self.metrics = None  # the direct path's RecordMetrics (None: a processor derives them)
 
     def attach(self, tracer, provider, flush_first: bool = True) -> None:
         """`flush_first`: drain this process's recorder when the provider flushes (not in the builder process,
         whose records arrive on a pipe)."""
         self.tracer = tracer
-        if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
-            self._original_sampler = tracer.sampler
-            tracer.sampler = RecordUnsampledSampler(tracer.sampler)
         if not hasattr(provider, "add_span_processor"):
             _logger.warning("otel_kvtransfer: the tracer provider is not the OpenTelemetry SDK's; spans are built "
                             "but no metrics are derived from them")
+            self.spans = SdkSpans(tracer)
             return
-        metrics_processor = KVTransferMetricsProcessor(self._meter_provider)
         self._provider = provider
+        if self._pipeline == "direct" and _is_sdk_tracer(tracer):
+            self.spans = DirectSpans(tracer)
+            self._direct = True
+            self.attach_metrics()
+            span_encoding.accelerate()
+            ours = ()
+        else:
+            if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
+                self._original_sampler = tracer.sampler
+                tracer.sampler = RecordUnsampledSampler(tracer.sampler)
+            self.spans = SdkSpans(tracer)
+            ours = (KVTransferMetricsProcessor(self._meter_provider),)
         if not flush_first:
-            self._processors = (metrics_processor,)
-            provider.add_span_processor(metrics_processor)
+            self._processors = ours
+            for processor in ours:
+                provider.add_span_processor(processor)
             return
         flush_first = FlushFirstSpanProcessor(RECORDER)
-        self._processors = (flush_first, metrics_processor)
-        provider.add_span_processor(flush_first)
-        provider.add_span_processor(metrics_processor)
+        self._processors = (flush_first,) + ours
+        for processor in self._processors:
+            provider.add_span_processor(processor)
         # The SDK offers no "insert first" and no "remove": reorder its tuple so draining precedes exporting
         # (tests/test_sdk_canary.py checks these private attributes on every SDK release we allow).
         self._replace_processors(lambda current: (flush_first,) + tuple(p for p in current if p is not flush_first))
@@ -97,7 +115,25 @@ class _Attachment:
             self._processors = (processor,)
             provider.add_span_processor(processor)
 
+    def attach_metrics(self) -> bool:
+        """The direct path's metric tables onto the MeterProvider's readers; False while there is no SDK
+        MeterProvider yet (retried on every tick)."""
+        if not self._direct or self._tables is not None:
+            return True
+        self._tables = tables_for(self._meter_provider or metrics.get_meter_provider())
+        if self._tables is not None:
+            self.metrics = RecordMetrics(self._tables)
+            return True
+        return False
+
+    def tick(self) -> bool:
+        """True when the metric tables just got attached (the builder should take the new metrics)."""
+        return self._direct and self._tables is None and self.attach_metrics()
+
     def detach(self) -> None:
+        if self._direct:
+            span_encoding.restore()
+        self._direct, self._tables, self.metrics = False, None, None
         if self._processors and self._provider is not None:
             ours = self._processors
             self._replace_processors(lambda current: tuple(p for p in current if p not in ours))
@@ -118,10 +154,10 @@ class _LateAttach:
     """The recorder's tick while instrument() ran before any SDK TracerProvider was set globally: each tick looks
     for the real provider and, once there, attaches exactly as instrument() does with a provider at hand."""
 
-    def __init__(self, builder, attachment):
+    def __init__(self, builder, attachment, done=False):
         self._builder = builder
         self._attachment = attachment
-        self._done = False
+        self._done = done
 
     def __call__(self):
         if not self._done:
@@ -129,8 +165,10 @@ class _LateAttach:
             if not isinstance(provider, trace.ProxyTracerProvider):
                 tracer = provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
                 self._attachment.attach(tracer, provider)
-                self._builder.set_tracer(tracer)
+                self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
                 self._done = True
+        elif self._attachment.tick():
+            self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
         self._builder.evict_stale()
 
 
@@ -147,28 +185,26 @@ class KVTransferInstrumentor(BaseInstrumentor):
         meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
         settings = config.load()
         engines, frameworks = _load(ENGINES), _load(FRAMEWORKS)
-        if settings.builder == "process":
-            why_not = offload.unavailable_reason()
-            if why_not is None:
-                self._link = offload.HelperLink()  # the helper starts with the first records: none, no helper
-            else:
-                _logger.warning("otel_kvtransfer: %s=process, but %s; building spans in this process instead",
-                                config.BUILDER, why_not)
+        if builder_choice.choose(settings, tracer_provider, meter_provider,
+                                 provider_given=kwargs.get("tracer_provider") is not None) == "process":
+            self._link = offload.HelperLink()  # the helper starts with the first records: none, no helper
         if self._link is not None:
             self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
             return
 
         # 1-2. Sampler and processors (now, or once an SDK appears).
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
-        self._attachment = _Attachment(meter_provider)
+        self._attachment = _Attachment(kwargs.get("meter_provider"), settings.pipeline)
         waiting_for_sdk = isinstance(tracer_provider, trace.ProxyTracerProvider)
         if not waiting_for_sdk:
             self._attachment.attach(tracer, tracer_provider)
+        else:
+            self._attachment.spans = SdkSpans(tracer)  # the proxy's no-op spans until an SDK appears
 
         # 3. The recorder's thread and a fresh builder.
         count_dropped = drop_counter(meter_provider)
-        builder = new_builder(tracer, settings, engines, on_drop=RECORDER.drop)
-        tick = _LateAttach(builder, self._attachment) if waiting_for_sdk else builder.evict_stale
+        builder = new_builder(self._attachment, settings, engines, on_drop=RECORDER.drop)
+        tick = _LateAttach(builder, self._attachment, done=not waiting_for_sdk)
         RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset)
         self._end_open = lambda: builder.end_all(count_dropped)
 
@@ -229,11 +265,19 @@ def drop_counter(meter_provider) -> Callable[[str, int], None]:
     return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
 
 
-def new_builder(tracer, settings: config.Settings, engines, on_drop: Callable[[str, int], None]) -> SpanBuilder:
-    """The span builder as both builders run it: the settings' bounds, each engine's peer parser."""
-    return SpanBuilder(tracer, settings.request_ttl_s, settings.max_open_requests,
+def new_builder(attachment: "_Attachment", settings: config.Settings, engines,
+                on_drop: Callable[[str, int], None]) -> SpanBuilder:
+    """The span builder as both builders run it: what the attachment builds with, the settings' bounds, each
+    engine's peer parser."""
+    return SpanBuilder(attachment.spans, settings.request_ttl_s, settings.max_open_requests,
                        peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
-                       on_drop=on_drop)
+                       on_drop=on_drop, metrics=attachment.metrics)
+
+
+def _is_sdk_tracer(tracer) -> bool:
+    """An SDK tracer that is not switched off: what the direct path reads from it is there."""
+    return all(hasattr(tracer, name) for name in ("sampler", "id_generator", "span_processor", "resource",
+                                                   "_instrumentation_scope"))
 
 
 def _flush_providers(tracer_provider, meter_provider, link=None):

@@ -37,13 +37,17 @@ def is_synthetic(span_context) -> bool:
     return bool(state) and state.get(MARKER[0]) == MARKER[1]
 
 
-def key_parent_context(key: Key) -> Context:
-    """A context whose current span is the request's synthetic remote parent."""
-    parent = SpanContext(
+def key_parent_span_context(key: Key) -> SpanContext:
+    """The request's synthetic remote parent."""
+    return SpanContext(
         trace_id=key_trace_id(key),
         span_id=key_span_id(key),
         is_remote=True,
         trace_flags=TraceFlags(TraceFlags.DEFAULT),
         trace_state=_MARKED,
     )
-    return trace.set_span_in_context(NonRecordingSpan(parent), Context())
+
+
+def key_parent_context(key: Key) -> Context:
+    """A context whose current span is the request's synthetic remote parent."""
+    return trace.set_span_in_context(NonRecordingSpan(key_parent_span_context(key)), Context())

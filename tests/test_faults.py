@@ -208,6 +208,8 @@ def test_hung_exporter_on_the_builder_thread_fills_the_queue_and_counts_drops(mo
 
 @pytest.mark.parametrize("where", ["start", "end"])
 def test_processor_that_raises_on_every_span_is_counted_not_raised(monkeypatch, engine, receiver, where):
+    if where == "start":  # only the SDK pipeline calls on_start: the direct one builds spans after they ended
+        monkeypatch.setenv(config.PIPELINE, "sdk")
     monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
     exporter = InMemorySpanExporter()
     bad = _RaisingProcessor(where)

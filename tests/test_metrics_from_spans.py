@@ -5,7 +5,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 from conftest import Telemetry
-from otel_kvtransfer import integration as kvt
+from otel_kvtransfer import config, integration as kvt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.engines.mooncake import BACKEND
 
@@ -106,7 +106,11 @@ class _SeeAll(SpanProcessor):
         self.ended.append(span)
 
 
-def test_sampling_exports_the_share_but_metrics_count_every_transfer(engine, receiver):
+@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+def test_sampling_exports_the_share_but_metrics_count_every_transfer(engine, receiver, monkeypatch, pipeline):
+    """The metrics count every transfer under any ratio. The SDK pipeline records the unsampled spans too (every
+    processor's on_end sees all 200); the direct pipeline never builds a span the sampler drops."""
+    monkeypatch.setenv(config.PIPELINE, pipeline)
     ratio = TraceIdRatioBased(0.1)
     telemetry = Telemetry(sampler=ratio)
     seen = _SeeAll()
@@ -121,7 +125,7 @@ def test_sampling_exports_the_share_but_metrics_count_every_transfer(engine, rec
     finally:
         telemetry.uninstrument()
     assert (size.count, size.sum) == (total, total * 64)
-    assert len(seen.ended) == total
+    assert len(seen.ended) == (total if pipeline == "sdk" else len(exported))
     sampled = [s for s in seen.ended if s.context.trace_flags.sampled]
     bound = ratio.bound
     # Exactly the spans whose trace id the ratio sampler keeps are exported; the others were only recorded.

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -179,7 +181,20 @@ def test_uninstrument_stops_and_joins_the_recorder_thread():
         assert not RECORDER.active
 
 
-def test_uninstrument_restores_the_package_tracers_sampler():
+def test_the_direct_pipeline_leaves_every_sampler_alone():
+    telemetry = Telemetry()
+    tracer = telemetry.tracer_provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
+    original = tracer.sampler
+    telemetry.instrument()
+    try:
+        assert tracer.sampler is original  # it asks the sampler itself; nothing is wrapped
+    finally:
+        telemetry.uninstrument()
+    assert tracer.sampler is original
+
+
+def test_uninstrument_restores_the_package_tracers_sampler(monkeypatch):
+    monkeypatch.setenv(config.PIPELINE, "sdk")  # the SDK pipeline wraps the package tracer's sampler
     telemetry = Telemetry()
     tracer = telemetry.tracer_provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)  # the SDK caches it
     original = tracer.sampler
@@ -200,6 +215,7 @@ def _our_span():
 
 
 def test_after_uninstrument_the_provider_derives_no_metrics_and_flushes_no_recorder(monkeypatch):
+    monkeypatch.setenv(config.PIPELINE, "sdk")  # the SDK pipeline's metrics processor, fed spans by hand
     monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
     telemetry = Telemetry().instrument()
     telemetry.tracer_provider._active_span_processor.on_end(_our_span())  # pylint: disable=protected-access
@@ -213,14 +229,18 @@ def test_after_uninstrument_the_provider_derives_no_metrics_and_flushes_no_recor
     assert len(telemetry.spans()) == exported == 2
 
 
-def test_uninstrument_leaves_exactly_the_span_processors_it_found_private_sdk_attributes():
-    """The one test that reads the SDK's private processor tuple (tests/test_sdk_canary.py pins it)."""
+@pytest.mark.parametrize("pipeline, added", [("direct", 1), ("sdk", 2)])
+def test_uninstrument_leaves_exactly_the_span_processors_it_found_private_sdk_attributes(monkeypatch, pipeline,
+                                                                                        added):
+    """The one test that reads the SDK's private processor tuple (tests/test_sdk_canary.py pins it). The direct
+    pipeline adds only the flush processor; the SDK pipeline its metrics processor too."""
+    monkeypatch.setenv(config.PIPELINE, pipeline)
     telemetry = Telemetry()
     before = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
     for _ in range(2):
         telemetry.instrument()
         during = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
-        assert len(during) == len(before) + 2
+        assert len(during) == len(before) + added
         assert type(during[0]).__name__ == "FlushFirstSpanProcessor"  # drains before anything exports
         telemetry.uninstrument()
         after = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access

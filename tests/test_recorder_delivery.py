@@ -112,9 +112,13 @@ def test_suppress_instrumentation_calls_straight_through(telemetry, engine, rece
 
 
 class _RaisingOnStart(SpanProcessor):
-    """A span processor with a bug: span building raises inside the SDK."""
+    """A span processor with a bug: span building raises inside the SDK (on_start on the SDK pipeline; the
+    direct pipeline calls only on_end)."""
 
     def on_start(self, span, parent_context=None):
+        raise RuntimeError("bug in a span processor")
+
+    def on_end(self, span):
         raise RuntimeError("bug in a span processor")
 
 

@@ -1,0 +1,82 @@
+"""Where spans are built when nobody said: in a helper process when it can set up the same SDK as this process,
+in this process otherwise.
+
+The helper (`offload`, `helper_process`) sets up its SDK from the same OTEL_* variables, so it can stand in for
+this process only when this process's SDK came from them too: every span processor a BatchSpanProcessor around
+an exporter named by OTEL_TRACES_EXPORTER, every metric reader a periodic one around an exporter named by
+OTEL_METRICS_EXPORTER (what `opentelemetry-instrument` and the sglang / vLLM plugins set up). An application
+that made its providers in code (its own processors, an in-memory exporter), or passed a provider to
+`instrument()`, keeps building in process, where its own processors see the spans. OTEL_KVTRANSFER_BUILDER=
+process or thread decides instead (with OTEL_KVTRANSFER_HELPER_SETUP naming how a helper sets up its SDK).
+"""
+
+import logging
+import os
+from importlib.metadata import entry_points
+
+from otel_kvtransfer import config, offload
+
+_logger = logging.getLogger(__name__)
+
+
+def choose(settings: config.Settings, tracer_provider, meter_provider, provider_given: bool) -> str:
+    """'process' or 'thread'."""
+    if settings.builder == "thread":
+        return "thread"
+    why_not = offload.unavailable_reason()
+    if settings.builder == "process":
+        if why_not is None:
+            return "process"
+        _logger.warning("otel_kvtransfer: %s=process, but %s; building spans in this process instead",
+                        config.BUILDER, why_not)
+        return "thread"
+    if why_not is not None or provider_given:
+        return "thread"
+    if os.environ.get(offload.SETUP_ENV, "").strip():
+        return "process"
+    return "process" if sdk_from_environment(tracer_provider, meter_provider) else "thread"
+
+
+def _exporter_classes(group: str, variable: str) -> set:
+    classes = set()
+    for name in os.environ.get(variable, "").split(","):
+        name = name.strip()
+        if not name or name == "none":
+            continue
+        for entry in entry_points(group=group, name=name):
+            try:
+                classes.add(entry.load())
+            except Exception:  # pylint: disable=broad-except
+                _logger.debug("otel_kvtransfer: could not load exporter %s", name, exc_info=True)
+    return classes
+
+
+def _ours(processor) -> bool:
+    return type(processor).__module__.startswith("otel_kvtransfer.")
+
+
+def sdk_from_environment(tracer_provider, meter_provider) -> bool:
+    """True when both providers are SDK providers holding exactly what OTEL_* asks for (nothing made in code)."""
+    multi = getattr(tracer_provider, "_active_span_processor", None)
+    processors = getattr(multi, "_span_processors", None)
+    if processors is None:
+        return False
+    span_exporters = _exporter_classes("opentelemetry_traces_exporter", "OTEL_TRACES_EXPORTER")
+    for processor in processors:
+        if _ours(processor):
+            continue
+        exporter = getattr(processor, "span_exporter", None)
+        if type(processor).__name__ != "BatchSpanProcessor" or type(exporter) not in span_exporters:
+            return False
+    readers = getattr(meter_provider, "_metric_readers", None)
+    if readers is None:
+        readers = getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", None)
+    if readers is None:
+        return not os.environ.get("OTEL_METRICS_EXPORTER", "").strip() or \
+            os.environ.get("OTEL_METRICS_EXPORTER", "").strip() == "none"
+    metric_exporters = _exporter_classes("opentelemetry_metrics_exporter", "OTEL_METRICS_EXPORTER")
+    for reader in readers:
+        exporter = getattr(reader, "_exporter", None)
+        if type(reader).__name__ != "PeriodicExportingMetricReader" or type(exporter) not in metric_exporters:
+            return False
+    return True

@@ -1,0 +1,173 @@
+"""Spans built directly from our records, without the SDK tracer's per-span machinery.
+
+Our records are fixed in shape and their values were validated when they were made, so a span needs none of the
+tracer's generic work (attribute validation into a BoundedAttributes, a lock per span, a processor call at start).
+`DirectSpans` asks the provider's own sampler and id generator exactly as the SDK tracer would, builds a plain
+`ReadableSpan` (`KVSpan`) once the span has ended, and hands it to the provider's span processors' `on_end`:
+the user's exporters and processors receive a genuine ReadableSpan. What differs from the SDK path: processors'
+`on_start` is not called for our spans (they are built after the transfer ended), and a span the sampler drops
+is never built at all (the metrics count it all the same: they come from the records, not from spans).
+"""
+
+from typing import Optional
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.sampling import (ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler,
+                                              TraceIdRatioBased)
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.context import Context
+
+from otel_kvtransfer.sampler import RecordUnsampledSampler
+from otel_kvtransfer.stitching import is_synthetic
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, on SDKs that set it
+_EMPTY_STATE = TraceState()
+_UNSET = Status(StatusCode.UNSET)
+_ROOT = Context()
+
+
+class KVSpan(ReadableSpan):
+    """A ReadableSpan of this package's (the OTLP encoder recognises the type and encodes it in fixed shape)."""
+
+    __slots__ = ()
+
+
+class OpenSpan:
+    """A span that stays open across records (a request's or a peer's): what the builder sets on it until it
+    ends. `context` is final from the start, so children can be parented to it at once."""
+
+    __slots__ = ("name", "context", "parent", "kind", "start_time", "attributes", "status", "events")
+
+    def __init__(self, name, context, parent, kind, start_time, attributes):
+        self.name = name
+        self.context = context
+        self.parent = parent
+        self.kind = kind
+        self.start_time = start_time
+        self.attributes = attributes
+        self.status = _UNSET
+        self.events = ()
+
+    def get_span_context(self):
+        return self.context
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key, value) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, status) -> None:
+        self.status = status
+
+
+def _inherits_from_local_parent(sampler) -> bool:
+    """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
+    `sampler`, so the sampler need not be asked per child: the standard samplers."""
+    if isinstance(sampler, ParentBased):
+        # pylint: disable=protected-access
+        return sampler._local_parent_sampled is ALWAYS_ON and sampler._local_parent_not_sampled is ALWAYS_OFF
+    # A static decision is the same for parent and child; a ratio decides on the trace id, which they share.
+    return type(sampler) in (StaticSampler, TraceIdRatioBased)  # pylint: disable=unidiomatic-typecheck
+
+
+class DirectSpans:
+    """Builds this package's spans for one SDK tracer (its provider's sampler, ids, resource, processors)."""
+
+    def __init__(self, tracer):
+        sampler = tracer.sampler
+        while isinstance(sampler, RecordUnsampledSampler):  # the SDK path's wrapper: not needed here
+            sampler = sampler.delegate
+        self._sampler = sampler
+        self._inherit = _inherits_from_local_parent(sampler)
+        self._ids = tracer.id_generator
+        self._random_flag = _RANDOM if _RANDOM and self._ids.is_trace_id_random() else 0
+        self._tracer = tracer
+        self._scope = tracer._instrumentation_scope  # pylint: disable=protected-access
+        self._enabled = getattr(tracer, "_is_enabled", None)
+
+    @property
+    def _processor(self):
+        return self._tracer.span_processor
+
+    @property
+    def _resource(self):
+        return self._tracer.resource
+
+    def enabled(self) -> bool:
+        return self._enabled is None or self._enabled()
+
+    # --- decisions --------------------------------------------------------------------------------------------
+    def _context(self, name, parent: Optional[SpanContext], kind, attributes,
+                 synthetic=False) -> SpanContext:
+        """A new span's context under `parent` (a SpanContext or None), sampled as the SDK tracer would."""
+        if parent is not None and parent.is_valid:
+            trace_id = parent.trace_id
+            flags_random = int(parent.trace_flags) & _RANDOM
+        else:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            flags_random = self._random_flag
+        if parent is not None and not parent.is_remote and self._inherit:
+            flags = _SAMPLED if parent.trace_flags.sampled else _NOT_SAMPLED
+            state = parent.trace_state
+        else:
+            if parent is None or synthetic:
+                # The synthetic stitching parent never decides: asked as a root with the same trace id.
+                context = _ROOT
+            else:
+                context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _ROOT)
+            result = self._sampler.should_sample(context, trace_id, name, kind, attributes, ())
+            flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+            state = result.trace_state if result.trace_state is not None else _EMPTY_STATE
+        if flags_random:
+            flags = TraceFlags(flags | flags_random)
+        return SpanContext(trace_id, self._ids.generate_span_id(), False, flags, state)
+
+    # --- spans ------------------------------------------------------------------------------------------------
+    def open(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int) -> OpenSpan:
+        """A top span (request, peer) under `parent`: a real parent's span context, or the synthetic one."""
+        synthetic = parent is not None and is_synthetic(parent)
+        context = self._context(name, parent, kind, attributes, synthetic)
+        return OpenSpan(name, context, parent if parent is not None and parent.is_valid else None, kind, start_ns,
+                        attributes)
+
+    @staticmethod
+    def context_of(span: OpenSpan) -> SpanContext:
+        return span.context
+
+    def close(self, span: OpenSpan, end_ns: int) -> None:
+        if span.context.trace_flags.sampled:
+            self._emit(span.name, span.context, span.parent, span.kind, span.attributes, span.status,
+                       span.start_time, max(end_ns, span.start_time), span.events)
+
+    def child(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int, end_ns: int,
+              status=_UNSET) -> SpanContext:
+        """A span started and ended at once (a send, a compute interval) under `parent`; its context (for an
+        exemplar)."""
+        context = self._context(name, parent, kind, attributes)
+        if context.trace_flags.sampled:
+            self._emit(name, context, parent if parent is not None and parent.is_valid else None, kind,
+                       attributes, status, start_ns, end_ns, ())
+        return context
+
+    def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
+        self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
+                                      status, start_ns, end_ns, self._scope))
+
+
+def span_context_of(context) -> Optional[SpanContext]:
+    """The span context a Context (a raw call's current context, a real parent) holds, or None."""
+    if context is None:
+        return None
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+__all__ = ["DirectSpans", "KVSpan", "OpenSpan", "SpanKind", "span_context_of"]

@@ -1,0 +1,368 @@
+"""The DESIGN metrics kept in our own fixed-bucket tables, handed to the SDK's metric readers as finished points.
+
+An SDK histogram `record()` hashes its attributes, finds a series, takes a lock and offers an exemplar, on every
+call: about 13 us on this machine, four or more times per transfer. Our series are few and known (the metric
+attributes of DESIGN, low-cardinality) and our values were computed once by the builder, so a record here is a
+bisect and a few additions into a table of the series. Each reader of the user's MeterProvider gets our points
+inside its own collection (its `_collect` callback is wrapped: the exporter, interval and temporality stay the
+user's), as the metric data the SDK would have produced for the same measurements: explicit-bucket histograms
+with min and max, exemplars pointing at the span (one per bucket, the latest, under the provider's exemplar
+filter), a monotonic sum for failures, cumulative or delta as the reader prefers.
+
+Views configured on the MeterProvider do not apply to these points (they never pass through the SDK's
+instruments); `OTEL_KVTRANSFER_PIPELINE=sdk` gives SDK instruments back (docs/cost.md).
+"""
+
+import logging
+import threading
+import time
+import weakref
+from bisect import bisect_left
+from typing import Dict, List, Optional, Tuple
+
+from opentelemetry.sdk.metrics.export import (AggregationTemporality, Histogram, HistogramDataPoint, Metric,
+                                              MetricsData, NumberDataPoint, ResourceMetrics, ScopeMetrics, Sum)
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.version import __version__
+
+_logger = logging.getLogger(__name__)
+
+# Bucket boundaries that fit KV transfers: a few KiB to tens of GiB, microseconds to minutes, MB/s to TB/s.
+SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+BYTES_BUCKETS = tuple(float(1 << n) for n in range(10, 36, 2))  # 1 KiB .. 16 GiB, x4 steps
+RATE_BUCKETS = tuple(x * 10.0 ** e for e in range(6, 13) for x in (1.0, 2.5, 5.0))  # 1 MB/s .. 5 TB/s
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
+
+# (name, unit, description, bucket boundaries or None for a counter): the DESIGN table, in one place for both
+# pipelines (processor.py creates SDK instruments from the same rows).
+DURATION = (semconv.METRIC_DURATION, "s", "Duration of one KV transfer", SECONDS_BUCKETS)
+SIZE = (semconv.METRIC_SIZE, "By", "Bytes moved by one KV transfer", BYTES_BUCKETS)
+THROUGHPUT = (semconv.METRIC_THROUGHPUT, "By/s", "Bytes of one successful KV transfer over its own duration",
+              RATE_BUCKETS)
+DESCRIPTORS = (semconv.METRIC_DESCRIPTORS, "{descriptor}",
+               "Memory descriptors (contiguous pieces) in one KV transfer", COUNT_BUCKETS)
+FAILURES = (semconv.METRIC_FAILURES, "{transfer}", "KV transfers that failed", None)
+REQUEST_DURATION = (semconv.METRIC_REQUEST_DURATION, "s",
+                    "From a request's first transfer enqueue to its conclusion", SECONDS_BUCKETS)
+REQUEST_SIZE = (semconv.METRIC_REQUEST_SIZE, "By", "Wire bytes of one request's KV transfers", BYTES_BUCKETS)
+REQUEST_THROUGHPUT = (semconv.METRIC_REQUEST_THROUGHPUT, "By/s",
+                      "A successful request's wire bytes over its busy time (union of its transfer intervals)",
+                      RATE_BUCKETS)
+REQUEST_OVERLAP = (semconv.METRIC_REQUEST_COMPUTE_OVERLAP, "1",
+                   "Share of a request's busy transfer time that overlapped its compute", RATIO_BUCKETS)
+RECEIVE_DURATION = (semconv.METRIC_RECEIVE_DURATION, "s",
+                    "The peer's wait for a request's KV (receive or serve span)", SECONDS_BUCKETS)
+INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
+               REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION)
+_INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
+(I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
+ I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION) = range(len(INSTRUMENTS))
+
+MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
+_OVERFLOW_KEY = ("__overflow__",)
+_OVERFLOW_ATTRIBUTES = {"otel.metric.overflow": True}
+
+SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_NAME, __version__, None, None)
+
+
+def metric_labels(attributes) -> dict:
+    """The low-cardinality metric attributes of a span's attributes (DESIGN)."""
+    return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
+
+
+class _Point:
+    """One series of one instrument since `start`: a histogram's buckets (or a counter's sum) and exemplars."""
+
+    __slots__ = ("start", "count", "sum", "min", "max", "buckets", "exemplars")
+
+    def __init__(self, start: int, buckets: int):
+        self.start = start
+        self.count = 0
+        self.sum = 0
+        self.min = float("inf")
+        self.max = float("-inf")
+        self.buckets = [0] * buckets
+        self.exemplars: list = [None] * buckets  # per bucket: (value, time_ns, span_id, trace_id) or None
+
+
+class _Table:
+    """One reader's view of every series: cumulative points never reset, delta points reset at each collect."""
+
+    def __init__(self, delta_histograms: bool, delta_counters: bool):
+        self.delta = [delta_counters if row[3] is None else delta_histograms for row in INSTRUMENTS]
+        self.series: List[Dict[tuple, _Point]] = [{} for _ in INSTRUMENTS]
+        self.labels: Dict[tuple, dict] = {}
+        self.interval_start = time.time_ns()  # a delta point starts where the previous collection ended
+
+    def record(self, index: int, key: tuple, attributes: dict, value, now: int, exemplar) -> None:
+        series = self.series[index]
+        point = series.get(key)
+        if point is None:
+            labels = metric_labels(attributes)
+            if len(series) >= MAX_SERIES:
+                key, labels = _OVERFLOW_KEY, _OVERFLOW_ATTRIBUTES
+                point = series.get(key)
+            if point is None:
+                bounds = INSTRUMENTS[index][3]
+                point = series[key] = _Point(self.interval_start if self.delta[index] else now,
+                                             len(bounds) + 1 if bounds is not None else 1)
+                self.labels.setdefault(key, labels)
+        bounds = INSTRUMENTS[index][3]
+        slot = bisect_left(bounds, value) if bounds is not None else 0
+        point.count += 1
+        point.sum += value
+        if value < point.min:
+            point.min = value
+        if value > point.max:
+            point.max = value
+        point.buckets[slot] += 1
+        if exemplar is not None:
+            point.exemplars[slot] = (value, now, exemplar[0], exemplar[1])
+
+
+_BY_PROVIDER = weakref.WeakKeyDictionary()  # MeterProvider -> its KVMetrics
+_BY_PROVIDER_LOCK = threading.Lock()
+
+
+def tables_for(meter_provider) -> Optional["KVMetrics"]:
+    """The one KVMetrics of an SDK MeterProvider, attached to its readers on first use; None for a provider that
+    is not the SDK's (yet). Like SDK instruments, the tables outlive uninstrument(): what was measured is still
+    exported, and a later instrument() counts on from there."""
+    with _BY_PROVIDER_LOCK:
+        try:
+            tables = _BY_PROVIDER.get(meter_provider)
+        except TypeError:  # not weak-referenceable: not an SDK provider
+            return None
+        if tables is None:
+            tables = KVMetrics()
+            if not tables.attach(meter_provider):
+                return None
+            _BY_PROVIDER[meter_provider] = tables
+        return tables
+
+
+class KVMetrics:
+    """Our instruments' tables, fed by the span builder, read by every reader of one MeterProvider."""
+
+    def __init__(self, exemplar_filter: str = "trace_based"):
+        self._lock = threading.Lock()
+        self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
+        self._hooked = []  # (reader, original collect)
+        self._resource = None
+        self._provider = None
+        self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
+        self.attached = False
+
+    # --- the builder's side -------------------------------------------------------------------------------
+    def record(self, attributes: dict, measurements, span_context=None) -> None:
+        """`measurements`: (instrument index, value) pairs of one span whose attributes are `attributes` (the
+        series is their METRIC_ATTRIBUTES); `span_context`: that span (the exemplar, under the exemplar
+        filter)."""
+        exemplar = None
+        if span_context is not None and self._exemplars != "always_off":
+            if self._exemplars == "always_on" or span_context.trace_flags.sampled:
+                exemplar = (span_context.span_id, span_context.trace_id)
+        key = tuple([attributes.get(name) for name in semconv.METRIC_ATTRIBUTES])
+        now = time.time_ns()
+        with self._lock:
+            for table in self._tables.values():
+                for index, value in measurements:
+                    table.record(index, key, attributes, value, now, exemplar)
+
+    # --- the readers' side --------------------------------------------------------------------------------
+    def attach(self, meter_provider) -> bool:
+        """Wrap the collect callback of every reader of an SDK MeterProvider. False when it is not one (the
+        API's no-op or proxy provider): nothing is recorded then, as the SDK instruments would record nothing."""
+        config = getattr(meter_provider, "_sdk_config", None)
+        readers = getattr(meter_provider, "_metric_readers", None)  # SDK >= 1.43; before, on its configuration
+        if readers is None:
+            readers = getattr(config, "metric_readers", None)
+        if readers is None or config is None:
+            return False
+        if getattr(meter_provider, "_disabled", False):  # OTEL_SDK_DISABLED: the SDK records nothing either
+            self.attached = True
+            return True
+        self._provider = meter_provider
+        self._resource = config.resource
+        self._exemplars = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
+        for reader in readers:
+            original = getattr(reader, "_collect", None)
+            if original is None:
+                continue
+            temporality = getattr(reader, "_instrument_class_temporality", {})
+            delta_histograms = delta_counters = False
+            for cls, value in temporality.items():
+                if value is AggregationTemporality.DELTA:
+                    if cls.__name__.endswith("Histogram"):
+                        delta_histograms = True
+                    elif cls.__name__ in ("_Counter", "Counter"):
+                        delta_counters = True
+            with self._lock:
+                self._tables[id(reader)] = _Table(delta_histograms, delta_counters)
+            reader._collect = self._collect_hook(reader, original)  # pylint: disable=protected-access
+            self._hooked.append((reader, original))
+        self.attached = True
+        return True
+
+    def detach(self) -> None:
+        for reader, original in self._hooked:
+            current = getattr(reader, "_collect", None)
+            if getattr(current, "_kvt_metrics", None) is self:
+                reader._collect = original  # pylint: disable=protected-access
+        self._hooked = []
+        with self._lock:
+            self._tables = {}
+        self.attached = False
+
+    def _collect_hook(self, reader, original):
+        def collect(metric_reader, timeout_millis: float = 10_000, **kwargs):
+            data = original(metric_reader, timeout_millis=timeout_millis, **kwargs)
+            try:
+                ours = self._points(reader)
+                if ours:
+                    return _merged(data, ours, self._resource)
+            except Exception:  # pylint: disable=broad-except
+                _logger.debug("otel_kvtransfer could not add its metric points", exc_info=True)
+            return data
+
+        collect._kvt_metrics = self  # pylint: disable=protected-access
+        return collect
+
+    def _points(self, reader) -> List[Metric]:
+        now = time.time_ns()
+        taken = []
+        with self._lock:
+            table = self._tables.get(id(reader))
+            if table is None:
+                return []
+            for index, series in enumerate(table.series):
+                if series:
+                    taken.append((index, table.delta[index], [(key, _taken(point)) for key, point in series.items()]))
+                    if table.delta[index]:
+                        table.series[index] = {}
+            table.interval_start = now
+            labels = table.labels
+        metrics = []
+        for index, delta, points in taken:
+            name, unit, description, bounds = INSTRUMENTS[index]
+            temporality = AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
+            if bounds is None:
+                data = Sum(data_points=[_number_point(labels[key], point, now) for key, point in points],
+                           aggregation_temporality=temporality, is_monotonic=True)
+            else:
+                data = Histogram(data_points=[_histogram_point(labels[key], point, now, bounds)
+                                              for key, point in points],
+                                 aggregation_temporality=temporality)
+            metrics.append(Metric(name=name, description=description, unit=unit, data=data))
+        return metrics
+
+
+def _taken(point: _Point) -> _Point:
+    """The point as collected now. Its exemplars leave with it (one collection's, as the SDK's reservoirs); a
+    cumulative point keeps counting from where it is."""
+    copy = _Point(point.start, 0)
+    copy.count, copy.sum, copy.min, copy.max = point.count, point.sum, point.min, point.max
+    copy.buckets, copy.exemplars = list(point.buckets), point.exemplars
+    point.exemplars = [None] * len(point.buckets)
+    return copy
+
+
+class RecordMetrics:
+    """The builder's figures as measurements into `KVMetrics`: the same values the spans carry, the same rules as
+    `processor.KVTransferMetricsProcessor` applies to the spans on the SDK path."""
+
+    def __init__(self, tables: KVMetrics):
+        self.tables = tables
+
+    def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
+        if failure:
+            extra = ((I_FAILURES, 1),)
+        elif nbytes > 0:
+            extra = ((I_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
+        else:
+            extra = ()
+        self.tables.record(attrs, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
+                                   (I_DESCRIPTORS, descriptors)) + extra, span_context)
+
+    def request(self, figures, span, state, end_ns, failure) -> None:
+        attrs = span.attributes
+        nbytes = figures.get(semconv.BYTES, 0)
+        measurements = [(I_REQUEST_DURATION, (max(end_ns, span.start_time) - span.start_time) / 1e9),
+                        (I_REQUEST_SIZE, nbytes)]
+        if not failure and nbytes > 0:
+            measurements.append((I_REQUEST_THROUGHPUT, figures.get(semconv.THROUGHPUT, 0.0)))
+        if semconv.COMPUTE_OVERLAP_RATIO in figures:
+            measurements.append((I_REQUEST_OVERLAP, figures[semconv.COMPUTE_OVERLAP_RATIO]))
+        self.tables.record(attrs, measurements, span.context)
+
+    def peer(self, span, end_ns) -> None:
+        self.tables.record(span.attributes, ((I_RECEIVE_DURATION,
+                                              (max(end_ns, span.start_time) - span.start_time) / 1e9),),
+                           span.context)
+
+
+class _NoMetrics:
+    """The SDK path: a span processor derives the metrics from the spans."""
+
+    def send(self, *args) -> None:
+        pass
+
+    request = peer = send
+
+
+NO_METRICS = _NoMetrics()
+
+
+def _exemplars(point: _Point, labels) -> list:
+    from opentelemetry.sdk.metrics._internal.exemplar import Exemplar  # pylint: disable=import-outside-toplevel
+
+    return [Exemplar({}, value, at, span_id, trace_id)
+            for value, at, span_id, trace_id in (e for e in point.exemplars if e is not None)]
+
+
+def _histogram_point(labels, point: _Point, now: int, bounds) -> HistogramDataPoint:
+    return HistogramDataPoint(attributes=labels, start_time_unix_nano=point.start, time_unix_nano=now,
+                              count=point.count, sum=point.sum, bucket_counts=tuple(point.buckets),
+                              explicit_bounds=tuple(bounds), min=point.min, max=point.max,
+                              exemplars=_exemplars(point, labels))
+
+
+def _number_point(labels, point: _Point, now: int) -> NumberDataPoint:
+    return NumberDataPoint(attributes=labels, start_time_unix_nano=point.start, time_unix_nano=now,
+                           value=point.sum, exemplars=_exemplars(point, labels))
+
+
+def _exemplar_filter_name(exemplar_filter) -> str:
+    name = type(exemplar_filter).__name__ if exemplar_filter is not None else "TraceBasedExemplarFilter"
+    if name == "AlwaysOnExemplarFilter":
+        return "always_on"
+    if name == "AlwaysOffExemplarFilter":
+        return "always_off"
+    return "trace_based"
+
+
+def _merged(data: Optional[MetricsData], ours: List[Metric], resource) -> MetricsData:
+    """The reader's collection with our metrics added under our scope (merged into it when the SDK already has
+    a scope of ours, e.g. for the dropped-records counter)."""
+    if data is None or not data.resource_metrics:
+        return MetricsData(resource_metrics=[ResourceMetrics(resource=resource, scope_metrics=[
+            ScopeMetrics(scope=SCOPE, metrics=ours, schema_url="")], schema_url="")])
+    first, rest = data.resource_metrics[0], list(data.resource_metrics[1:])
+    scopes, merged = [], False
+    for scope_metrics in first.scope_metrics:
+        if not merged and scope_metrics.scope.name == SCOPE.name:
+            scope_metrics = ScopeMetrics(scope=scope_metrics.scope, metrics=list(scope_metrics.metrics) + ours,
+                                         schema_url=scope_metrics.schema_url)
+            merged = True
+        scopes.append(scope_metrics)
+    if not merged:
+        scopes.append(ScopeMetrics(scope=SCOPE, metrics=ours, schema_url=""))
+    return MetricsData(resource_metrics=[ResourceMetrics(resource=first.resource, scope_metrics=scopes,
+                                                         schema_url=first.schema_url)] + rest)
+
+
+__all__ = ["KVMetrics", "INSTRUMENTS", "metric_labels", "Tuple"]
