@@ -8,7 +8,11 @@ transfer worker sends each chunk to the K destinations one after another, as sgl
 
 It prints, per request, what the spans say (wire and logical bytes, transfers, busy time, true throughput,
 compute overlap) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30 over the time from
-the last chunk's enqueue to success), and the link capacity measured in the same run.
+the last chunk's enqueue to success), and the link figure measured in the same run: plain (uninstrumented)
+writes shaped exactly like one request's sends (the same chunks, one descriptor per KV page), several rounds
+before the requests and several after, the best round as the figure and all rounds as its spread. On a shared
+machine a request can still run faster than every calibration round; the table then says so and by how much,
+instead of calling the figure a ceiling.
 """
 
 import argparse
@@ -24,6 +28,7 @@ from typing import List, Optional
 from otel_kvtransfer import semconv
 
 GIB = float(1 << 30)
+LINK_ROUNDS = 5  # calibration rounds before the requests, and again after them
 
 
 @dataclass
@@ -147,7 +152,8 @@ def _pages(start_token: int, tokens: int, cfg: DemoConfig, src_base: int, dst_ba
 
 
 def measure_link_capacity(engine, receiver, src_base: int, nbytes: int, rounds: int = 3) -> float:
-    """Bytes per second of plain, uninstrumented writes of `nbytes` to one receiver (the best of `rounds`)."""
+    """Bytes per second of plain, uninstrumented writes of `nbytes` to one receiver (the best of `rounds`); used
+    to open a connection before anything is timed."""
     from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=import-outside-toplevel
 
     descriptor = 4 << 20
@@ -163,6 +169,37 @@ def measure_link_capacity(engine, receiver, src_base: int, nbytes: int, rounds: 
             if rc == 0 and elapsed > 0:
                 best = max(best, nbytes / elapsed)
     return best
+
+
+def link_round(engine, receiver, src_base: int, cfg: "DemoConfig") -> Optional[float]:
+    """One calibration round shaped like one request's KV sends to one destination: each chunk one batch of
+    one descriptor per page, as `run_request` sends it. Bytes over the summed time of the chunk writes (a
+    request's busy time, when its sends do not overlap); None when a write failed."""
+    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=import-outside-toplevel
+
+    chunks = ([cfg.prefix_tokens] if cfg.prefix_tokens else []) + list(cfg.chunk_tokens)
+    token, nbytes, busy = 0, 0, 0.0
+    with suppress_instrumentation():
+        for tokens in chunks:
+            srcs, dsts, lens = _pages(token, tokens, cfg, src_base, receiver.base_address)
+            start = time.perf_counter()
+            rc = engine.batch_transfer_sync_write(receiver.session, srcs, dsts, lens)
+            busy += time.perf_counter() - start
+            if rc != 0:
+                return None
+            nbytes += sum(lens)
+            token += tokens
+    return nbytes / busy if busy > 0 else None
+
+
+def link_figure(before: List[Optional[float]], after: List[Optional[float]]) -> dict:
+    """The link figure of a run: the best round, the spread of all rounds, and the rounds themselves (By/s)."""
+    rounds = [r for r in before + after if r]
+    return {"best_bytes_per_s": max(rounds, default=0.0), "worst_bytes_per_s": min(rounds, default=0.0),
+            "rounds_before": before, "rounds_after": after,
+            "what": "plain writes shaped like one request's KV sends to one destination (one descriptor per "
+                    "page, one batch per chunk), bytes over the summed write time; best and spread of the rounds "
+                    "measured before and after the requests"}
 
 
 def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt, backend: str):
@@ -238,7 +275,10 @@ def _request_spans(span_file: str) -> dict:
             if span.name == semconv.SPAN_REQUEST}
 
 
-def format_table(rows, capacity_bps: float) -> str:
+def format_table(rows, link) -> str:
+    """The demo's table; `link` is `link_figure()`'s dict (or a bare By/s figure, for older callers)."""
+    if not isinstance(link, dict):
+        link = {"best_bytes_per_s": link, "worst_bytes_per_s": link, "rounds_before": [link], "rounds_after": []}
     head = (f"{'room':>6} {'chunks':>6} {'xfers':>5} {'wire MiB':>9} {'logical MiB':>11} {'busy ms':>8} "
             f"{'true GiB/s':>10} {'legacy GiB/s':>12} {'legacy/true':>11} {'enq->done GiB/s':>15} {'overlap':>7}")
     lines = [head, "-" * len(head)]
@@ -248,8 +288,16 @@ def format_table(rows, capacity_bps: float) -> str:
             f"{r['logical_bytes'] / 2**20:>11.1f} {r['busy_s'] * 1e3:>8.1f} {r['true_gib_s']:>10.2f} "
             f"{r['legacy_gib_s']:>12.2f} {r['legacy_gib_s'] / max(r['true_gib_s'], 1e-12):>10.1f}x "
             f"{r['enqueue_to_done_gib_s']:>15.2f} {r['overlap_ratio']:>7.0%}")
-    lines.append(f"link capacity measured in this run (plain engine writes, one destination): "
-                 f"{capacity_bps / GIB:.2f} GiB/s")
+    best, worst = link["best_bytes_per_s"] / GIB, link["worst_bytes_per_s"] / GIB
+    count = len([r for r in link["rounds_before"] + link["rounds_after"] if r])
+    lines.append(f"link figure of this run: {best:.2f} GiB/s, the best of {count} rounds of plain writes shaped like "
+                 f"one request's sends, before and after the requests (spread {worst:.2f} - {best:.2f} GiB/s)")
+    faster = [r for r in rows if r["true_gib_s"] > best > 0]
+    if faster:
+        top = max(r["true_gib_s"] for r in faster)
+        lines.append(f"{len(faster)} of {len(rows)} requests ran faster than every calibration round (up to "
+                     f"{top:.2f} GiB/s, {top / best - 1:.0%} above): on a shared machine the link figure is a "
+                     "measurement with the spread above, not a ceiling")
     return "\n".join(lines)
 
 
@@ -295,9 +343,9 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
         src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
         if engine.register_memory(src.ctypes.data, src.nbytes) != 0:
             raise RuntimeError("register_memory failed for the prefill buffer")
-        for receiver in receivers[1:]:  # open every connection before timing anything
+        for receiver in receivers:  # open every connection before timing anything
             measure_link_capacity(engine, receiver, src.ctypes.data, 1 << 20, rounds=1)
-        capacity = measure_link_capacity(engine, receivers[0], src.ctypes.data, cfg.kv_bytes)
+        before = [link_round(engine, receivers[0], src.ctypes.data, cfg) for _ in range(LINK_ROUNDS)]
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
         destinations = [_Destination(r, i) for i, r in enumerate(receivers)]
         legacy = []
@@ -312,6 +360,9 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
             verified = verified and ok
             print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done, bytes verified on "
                   f"{len(receivers)} decode engine(s): {'yes' if ok else 'NO'}", file=progress)
+        after = [link_round(engine, receivers[0], src.ctypes.data, cfg) for _ in range(LINK_ROUNDS)]
+        link = link_figure(before, after)
+        capacity = link["best_bytes_per_s"]
     finally:
         instrumentor.uninstrument()
         tracer_provider.shutdown()
@@ -335,11 +386,11 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
             "enqueue_to_done_gib_s": item["enqueue_to_done_gib_s"],
             "error": item["error"],
         })
-    summary = {"config": cfg.__dict__, "link_capacity_bytes_per_s": capacity, "bytes_verified": verified,
-               "requests": rows, "span_file": span_file}
+    summary = {"config": cfg.__dict__, "link_capacity_bytes_per_s": capacity, "link": link,
+               "bytes_verified": verified, "requests": rows, "span_file": span_file}
     with open(os.path.join(cfg.out_dir, "results.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
-    table = format_table(rows, capacity)
+    table = format_table(rows, link)
     with open(os.path.join(cfg.out_dir, "table.txt"), "w", encoding="utf-8") as handle:
         handle.write(table + "\n")
     summary["table"] = table
