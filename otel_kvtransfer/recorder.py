@@ -7,13 +7,15 @@ of each reason is logged.
 
 Delivery: the background thread drains every `flush_interval_s`; `drain()` does it at once and is called by
 `FlushFirstSpanProcessor` before the other processors flush or shut down, at interpreter exit, and when a
-multiprocessing child exits (which skips atexit). A drain that cannot finish in time at exit (a hung exporter
+multiprocessing child exits (which skips atexit), also a child that inherited the instrumentation by fork
+without running `instrument()` itself. A drain that cannot finish in time at exit (a hung exporter
 holding the builder) counts everything it did not deliver, including records already taken from the queue, as
 dropped (`flush_timeout`): nothing vanishes uncounted.
 """
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import threading
 from collections import deque
@@ -50,8 +52,12 @@ class Recorder:
         self._batch: list = []  # records taken from the queue by the drain in progress
         self._done = 0  # how many of them it has handled
         self._abandoned = False  # an exit drain gave up on the drain in progress and counted its rest
+        # What a multiprocessing child runs on its way out; None: drain, then flush the global providers.
+        self.child_exit: Optional[Callable[[], None]] = None
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
+        # multiprocessing starts each child by clearing the exit finalizers it inherited, then runs these hooks.
+        multiprocessing.util.register_after_fork(self, Recorder._in_multiprocessing_child)
 
     def _fresh_locks(self) -> None:
         self._drain_lock = threading.Lock()
@@ -224,6 +230,27 @@ class Recorder:
             self._on_fork()
         if self.active:
             self._start_thread()
+
+    def _in_multiprocessing_child(self) -> None:
+        # Such a child ends with os._exit and skips atexit: without this, what it recorded last never leaves it.
+        # (instrument() registers the same when it runs in the child; a forked child inherits it instead.)
+        if self.active:
+            multiprocessing.util.Finalize(self, self._exit_child, exitpriority=100)
+
+    def _exit_child(self) -> None:
+        if self.child_exit is not None:
+            self.child_exit()
+            return
+        self.final_drain()
+        from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+
+        for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+            flush = getattr(provider, "force_flush", None)
+            if flush is not None:
+                try:
+                    flush(timeout_millis=int(EXIT_DRAIN_TIMEOUT_S * 1000))
+                except Exception:  # pylint: disable=broad-except
+                    _logger.debug("otel_kvtransfer: flush at a child's exit failed", exc_info=True)
 
 
 class FlushFirstSpanProcessor(SpanProcessor):

@@ -1,0 +1,121 @@
+"""A child started with multiprocessing's fork method inherits the instrumentation without running instrument():
+what it records last must still leave it, with both builders (a thread here, or a helper process).
+
+Real parts: the engine process runs under `opentelemetry-instrument` (spans to a span file through the standard
+OTEL_* variables), forks a multiprocessing child that makes real Mooncake writes to a receiver process on
+127.0.0.1, and the child returns at once (multiprocessing then ends it with os._exit, which skips atexit). The
+background drain is set to run only once a minute, so nothing but the child's exit path can deliver its records.
+Everything runs inside `unshare --net` with loopback up: Mooncake's handshake listener binds all interfaces.
+"""
+
+import importlib.util
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import mooncake_importable, require_part
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ROOM = 424242  # the child's request key
+WRITES = 3
+SIZE = 256 << 10
+
+
+# --- the engine process (this file run as a script) --------------------------------------------------------
+
+
+def _child(session: str, base_address: int) -> None:
+    """The forked child: one request of WRITES real writes, then straight out."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
+
+    engine = open_engine()
+    source = np.arange(WRITES * SIZE, dtype=np.uint32).view(np.uint8)[:WRITES * SIZE].copy()
+    assert engine.register_memory(source.ctypes.data, source.nbytes) == 0
+    kvt.begin_request(ROOM, backend="mooncake", framework="test")
+    for i in range(WRITES):
+        with kvt.transfer_scope(ROOM, chunk_index=i, is_last_chunk=i == WRITES - 1):
+            rc = engine.transfer_sync_write(session, source.ctypes.data + i * SIZE, base_address + i * SIZE, SIZE)
+            assert rc == 0, rc
+    kvt.end_request(ROOM)
+
+
+def _engine_process(out_path: str) -> None:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer.demo.loopback import Receiver, digest  # pylint: disable=import-outside-toplevel
+
+    with Receiver(WRITES * SIZE, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"}) as receiver:
+        child = multiprocessing.get_context("fork").Process(target=_child, args=(receiver.session,
+                                                                                  receiver.base_address))
+        child.start()
+        child.join(120)
+        expected = np.arange(WRITES * SIZE, dtype=np.uint32).view(np.uint8)[:WRITES * SIZE]
+        arrived = receiver.digest(0, WRITES * SIZE) == digest(expected)
+        with open(out_path, "w", encoding="utf-8") as handle:
+            json.dump({"exitcode": child.exitcode, "arrived": arrived, "child": child.pid}, handle)
+
+
+# --- the tests -------------------------------------------------------------------------------------------------
+
+
+def _run(tmp_path, builder: str):
+    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
+    require_part(importlib.util.find_spec("opentelemetry.instrumentation.auto_instrumentation") is not None,
+                 "opentelemetry-instrumentation")
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               OTEL_KVTRANSFER_BUILDER=builder, OTEL_TRACES_EXPORTER="kvtransfer_file",
+               OTEL_KVTRANSFER_SPAN_FILE=spans_path, OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+               OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000", MC_FORCE_TCP="1", MC_LOG_LEVEL="ERROR")
+    script = f"ip link set lo up && exec {instrument} {sys.executable} {os.path.abspath(__file__)} {out_path}"
+    done = subprocess.run(["unshare", "--net", "sh", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0 and os.path.exists(out_path), done.stderr[-3000:]
+    with open(out_path, encoding="utf-8") as handle:
+        outcome = json.load(handle)
+    assert outcome["exitcode"] == 0 and outcome["arrived"], outcome
+    # The engine process waits for its helpers at exit, not for its child's: the child's helper may still write.
+    spans = _wait_for_spans(spans_path, WRITES + 1)
+    return [s for s in spans if s.attributes.get("kv_transfer.request_key") == str(ROOM)]
+
+
+def _wait_for_spans(path, count, timeout_s=30.0):
+    import time  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = read_spans(path) if os.path.exists(path) else []
+        if len(spans) >= count or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("builder", ["thread", "process"])
+def test_a_forked_child_delivers_its_last_records(tmp_path, builder):
+    spans = _run(tmp_path, builder)
+    requests = [s for s in spans if s.name == "kv_transfer.request"]
+    assert len(requests) == 1, f"the child's request span is missing ({len(spans)} of its spans arrived)"
+    request = requests[0]
+    sends = sorted((s for s in spans if s.name == "kv_transfer.send"),
+                   key=lambda s: s.attributes["kv_transfer.chunk_index"])
+    assert [s.attributes["kv_transfer.bytes"] for s in sends] == [SIZE] * WRITES
+    assert all(s.parent_span_id == request.span_id for s in sends)
+    assert request.attributes["kv_transfer.bytes"] == WRITES * SIZE
+    assert not request.is_error
+
+
+if __name__ == "__main__":
+    _engine_process(sys.argv[1])
