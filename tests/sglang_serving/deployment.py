@@ -1,10 +1,12 @@
 """A real sglang PD deployment on one CPU machine, instrumented at launch: prefill server + decode server (each
 under `opentelemetry-instrument`), sglang-router in PD mode, optionally Phoenix (OTLP trace store) and Prometheus
 (scraping every engine process), all inside ONE private network namespace (`unshare --net`, loopback up).
+The KV moves over Mooncake (TCP) or, with transfer_backend="nixl", over NIXL (UCX over TCP and shared memory).
 
 Used by the serving tests (tests/test_sglang_serving*.py, one deployment per pytest session) and by
 scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What cannot run here has a stand-in,
-named as such: an import-only `sgl_kernel` and a test-only sglang plugin (pythonpath/ beside this file).
+named as such: an import-only `sgl_kernel` and a test-only sglang plugin (pythonpath/ beside this file; for
+NIXL it also declares the KV pool DRAM, as UCX without CUDA refuses the VRAM sglang would register).
 
 Every process is started in its own session, inside the namespace through `nsenter --net` (which execs, so the
 PID we hold is the process itself), and stopped by its PID's process group. Every wait is bounded. Nothing
@@ -38,8 +40,11 @@ SERVER_START_S = 420  # 60-130 s on an idle 2-core machine; more when it is shar
 COMMON_FLAGS = [
     "--load-format", "dummy", "--skip-tokenizer-init", "--device", "cpu", "--attention-backend", "torch_native",
     "--disable-cuda-graph", "--mem-fraction-static", "0.1", "--max-total-tokens", "16384", "--dtype", "bfloat16",
-    "--host", "127.0.0.1", "--disaggregation-transfer-backend", "mooncake",
+    "--host", "127.0.0.1",
 ]
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+# UCX for NIXL: TCP and shared memory only (no RDMA or CUDA here); it listens on the namespace's loopback only.
+NIXL_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 PREFILL_FLAGS = ["--disaggregation-mode", "prefill", "--port", str(PREFILL_PORT),
                  "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT),
                  # the early cached-prefix send records a CUDA event on the forward stream under overlap scheduling
@@ -91,7 +96,10 @@ class Deployment:
     """One deployment; `start()` brings it up (or stops everything it started and raises), `stop()` ends it."""
 
     def __init__(self, workdir=None, *, phoenix=False, prometheus=False, enable_trace=False, instrument=True,
-                 prefill_env=None, extra_env=None, exporters=None):
+                 prefill_env=None, extra_env=None, exporters=None, transfer_backend="mooncake"):
+        if transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer_backend: one of {TRANSFER_BACKENDS}")
+        self.transfer_backend = transfer_backend
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvt-sglang-")
         os.makedirs(self.workdir, exist_ok=True)
         self.phoenix, self.prometheus, self.enable_trace = phoenix, prometheus, enable_trace
@@ -183,6 +191,8 @@ class Deployment:
         return self._own_env(env, role)
 
     def _own_env(self, env, role):
+        if self.transfer_backend == "nixl":
+            env.update(NIXL_ENV)
         env.update(self.extra_env)
         if role == "prefill":
             env.update(self.prefill_env)
@@ -190,6 +200,7 @@ class Deployment:
 
     def server_argv(self, role: str):
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL_DIR] + COMMON_FLAGS
+        argv += ["--disaggregation-transfer-backend", self.transfer_backend]
         argv += PREFILL_FLAGS if role == "prefill" else DECODE_FLAGS
         if self.enable_trace:
             argv += ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{PHOENIX_GRPC_PORT}"]
@@ -317,6 +328,8 @@ def main(argv=None) -> int:
     run.add_argument("--repeat-every", type=int, default=2,
                      help="every k-th request repeats the previous prompt (cached prefix sent early); 0: never")
     run.add_argument("--no-instrument", action="store_true", help="without opentelemetry-instrument")
+    run.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default="mooncake",
+                     help="the engine that moves the KV (nixl: UCX over TCP on the loopback)")
     args = parser.parse_args(argv)
     if not (1 <= args.requests <= 1000 and 1 <= args.tokens <= 8000 and 1 <= args.max_new_tokens <= 512
             and 0 <= args.repeat_every <= 1000):
@@ -326,7 +339,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _sigterm_as_exit)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    deployment = Deployment(out, instrument=not args.no_instrument)
+    deployment = Deployment(out, instrument=not args.no_instrument, transfer_backend=args.transfer_backend)
     print(f"sglang-pd: starting prefill + decode + router in a private network namespace (logs in {out}) ...",
           file=sys.stderr)
     try:

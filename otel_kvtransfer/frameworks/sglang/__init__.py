@@ -1,4 +1,4 @@
-"""SGLang PD disaggregation (Mooncake backend): per-transfer, request, compute and decode-receive records.
+"""SGLang PD disaggregation (Mooncake and NIXL): per-transfer, request, compute and decode-receive records.
 
 `KVTransferInstrumentor` calls `instrument()` / `uninstrument()`. Nothing of sglang is imported here: each
 sglang module is patched when it is imported (wrapt post-import hooks), so `opentelemetry-instrument python -m
@@ -7,12 +7,13 @@ their disaggregation code. On an sglang outside `SUPPORTED` a warning is logged 
 
 What is wrapped, and why there (sglang 0.5.23):
 - common.py here: names, the one Patcher, poll states and failure kinds both sides share.
-- prefill.py here: the Mooncake manager's transfer worker (chunk dequeue, one transfer scope per
-  (chunk x destination x payload) around `send_kvcache*` / `maybe_send_extra` / `send_aux`), the sender
+- prefill.py here: the Mooncake or NIXL manager's transfer worker (chunk dequeue, one transfer scope per
+  (chunk x destination x payload) around `send_kvcache*` / `maybe_send_extra` / `send_aux`; a NIXL handle
+  posted inside one becomes a send of that request when the worker sees it complete), the sender
   (request begin, conclusion through `update_status`), the scheduler's early cached-prefix send and its
   batch execution (compute intervals).
-- decode.py here: `MooncakeKVReceiver` (`send_metadata` opens `kv_transfer.receive`, `poll` / `abort` end it;
-  `DecodePreallocQueue._create_receiver_and_enqueue` tells which Req, hence which sglang span, it serves).
+- decode.py here: the Mooncake or NIXL receiver (`send_metadata` opens `kv_transfer.receive`, `poll` /
+  `abort` end it; `DecodePreallocQueue._create_receiver_and_enqueue` tells which Req, hence which sglang span, it serves).
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """
 
@@ -27,10 +28,12 @@ def _patches():
         "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
         "sglang.srt.disaggregation.common.conn": prefill.patch_common_conn,
         "sglang.srt.disaggregation.mooncake.conn": prefill.patch_mooncake_conn,
+        "sglang.srt.disaggregation.nixl.conn": prefill.patch_nixl_conn,
         "sglang.srt.disaggregation.prefill": prefill.patch_prefill,
         "sglang.srt.managers.scheduler": prefill.patch_scheduler,
         "sglang.srt.disaggregation.common.conn#decode": decode.patch_common_conn,
         "sglang.srt.disaggregation.mooncake.conn#decode": decode.patch_mooncake_conn,
+        "sglang.srt.disaggregation.nixl.conn#decode": decode.patch_nixl_conn,
         "sglang.srt.disaggregation.decode": decode.patch_decode,
     }
 

@@ -1,16 +1,34 @@
-"""What the prefill and decode hooks of sglang share: names, the one Patcher, sglang's poll states, failure
-kinds, and sglang's own request span when its tracing is on."""
+"""What the prefill and decode hooks of sglang share: names, the one Patcher, the transfer backend behind each
+sglang class, sglang's poll states, failure kinds, and sglang's own request span when its tracing is on."""
+
+from typing import Optional
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.engines.mooncake import BACKEND
+from otel_kvtransfer.engines import mooncake, nixl
 from otel_kvtransfer.patching import Patcher
 
 FRAMEWORK = "sglang"
 RID = "sglang.rid"
+MOONCAKE, NIXL = mooncake.BACKEND, nixl.BACKEND
 
 patcher = Patcher(FRAMEWORK)
-classes = {}  # "chunk" | "manager" | "sender" | "receiver" -> the sglang class, filled as modules are patched
+classes = {}  # "chunk" -> sglang's TransferKVChunk, filled as modules are patched
+# "manager" | "sender" | "receiver" -> {sglang class: the transfer engine behind it}: the Common* methods we wrap
+# serve every backend, and only the backends registered here are instrumented.
+_backends = {}
 _poll_names = {}  # KVPoll.Success -> "Success", KVPoll.Failed -> "Failed"
+
+
+def register(kind: str, cls, backend: str) -> None:
+    _backends.setdefault(kind, {})[cls] = backend
+
+
+def backend_of(obj, kind: str) -> Optional[str]:
+    """The transfer engine behind an sglang manager / sender / receiver; None for a backend we do not know."""
+    for cls, backend in _backends.get(kind, {}).items():
+        if isinstance(obj, cls):
+            return backend
+    return None
 
 
 def learn_poll_states(kv_poll) -> None:
@@ -29,9 +47,8 @@ def room_attributes(room, rid=None) -> dict:
     return attrs
 
 
-def is_instance(obj, name: str) -> bool:
-    cls = classes.get(name)
-    return cls is not None and isinstance(obj, cls)
+def is_instance(obj, kind: str) -> bool:
+    return backend_of(obj, kind) is not None
 
 
 _FAILURE_TYPES = (
@@ -63,5 +80,5 @@ def sglang_parent(trace_ctx):
     return getattr(trace_ctx, "root_span_context", None)
 
 
-__all__ = ["BACKEND", "FRAMEWORK", "RID", "patcher", "classes", "learn_poll_states", "poll_name",
-           "room_attributes", "is_instance", "error_type_of", "sglang_parent"]
+__all__ = ["MOONCAKE", "NIXL", "FRAMEWORK", "RID", "patcher", "classes", "register", "backend_of",
+           "learn_poll_states", "poll_name", "room_attributes", "is_instance", "error_type_of", "sglang_parent"]

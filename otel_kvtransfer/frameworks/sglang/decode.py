@@ -1,4 +1,4 @@
-"""Decode side of sglang's Mooncake PD transfer: one `kv_transfer.receive` per (room, receiving rank).
+"""Decode side of sglang's PD transfer (Mooncake or NIXL): one `kv_transfer.receive` per (room, receiving rank).
 
 It opens when the receiver asks for the KV (`send_metadata`, which hands prefill the destination pages) and ends
 the first time `poll()` answers Success or Failed (or on `abort`). It is stitched into the prefill request's trace
@@ -25,14 +25,15 @@ def _expected_bytes(receiver, kv_indices, aux_index):
 
 
 def _send_metadata_wrapper(wrapped, instance, args, kwargs):
-    if not active() or not common.is_instance(instance, "receiver"):
+    backend = common.backend_of(instance, "receiver") if active() else None
+    if backend is None:
         return wrapped(*args, **kwargs)
     try:
         kv_indices = args[0] if args else kwargs.get("kv_indices")
         aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
         room = instance.bootstrap_room
         integration.begin_receive(
-            room, backend=common.BACKEND, framework=common.FRAMEWORK,
+            room, backend=backend, framework=common.FRAMEWORK,
             expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
             attributes=common.room_attributes(room), parent=getattr(instance, _PARENT, None))
     except Exception:  # pylint: disable=broad-except
@@ -104,4 +105,8 @@ def patch_decode(module) -> None:
 
 
 def patch_mooncake_conn(module) -> None:
-    common.classes["receiver"] = module.MooncakeKVReceiver
+    common.register("receiver", module.MooncakeKVReceiver, common.MOONCAKE)
+
+
+def patch_nixl_conn(module) -> None:
+    common.register("receiver", module.NixlKVReceiver, common.NIXL)

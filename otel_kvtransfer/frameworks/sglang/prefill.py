@@ -1,7 +1,7 @@
-"""Prefill side of sglang's Mooncake PD transfer: what each engine call is for.
+"""Prefill side of sglang's PD transfer (Mooncake or NIXL): what each engine call is for.
 
-The transfer worker threads run `MooncakeKVManager.transfer_worker` (bound at thread start, so it is never
-wrapped itself); what it calls is:
+The transfer worker threads run the manager's `transfer_worker` (bound at thread start, so it is never wrapped
+itself); what it calls is:
 - `FastQueue.put` (scheduler thread, inside `add_transfer_request`): the chunk is tagged with its 0-based index in
   its room and whether it is the cached-prefix early send (made inside sglang's `maybe_send_cached_prefix_chunk`).
 - `FastQueue.get` (worker thread): the dequeued chunk becomes this thread's current chunk.
@@ -9,29 +9,36 @@ wrapped itself); what it calls is:
   `maybe_send_extra` (state), `send_aux` (aux): each runs inside one transfer scope for (chunk x destination x
   payload); the executor it is handed is swapped for one that binds the scope on the executor's threads, so the
   per-layer engine calls of the sliced path join it too.
-- `send_aux_data_to_endpoint` (aux over ZMQ/TCP instead of the engine): one call of the aux scope per buffer.
+- NIXL: the same methods (plus `send_kvcache_mixed`) only post NIXL handles; the worker polls them to completion
+  afterwards. The NIXL engine module remembers the scope current at each post, so every handle becomes one
+  `kv_transfer.send` of this request, from its post until its completion is seen. `maybe_send_extra` is a
+  generator there: the scope is entered around each of its steps.
+- `send_aux_data_to_endpoint` (Mooncake's aux over ZMQ/TCP instead of the engine): one call of the aux scope per buffer.
 - `conclude_transfer`: a destination skipped because its session already failed gets a 0-byte ERROR send.
 - `update_status`: Success / Failed of a room ends its `kv_transfer.request`.
 A staging chunk deferred by back-pressure (`_do_staging_transfer` -> (-1, True), re-queued) is not an error.
-The request begins at `MooncakeKVSender.__init__` (bootstrap), under sglang's own request span when sglang's
+The request begins at the sender's `__init__` (bootstrap), under sglang's own request span when sglang's
 tracing is on (`create_sender` hands us the Req). `Scheduler.run_batch` of a prefill scheduler gives the compute
 intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted
 (`wrapper_error` drops) and logged at debug level.
 """
 
+import inspect
 import threading
 from time import time_ns
 
 from otel_kvtransfer import integration, semconv
 from otel_kvtransfer.frameworks.sglang.common import (
-    BACKEND,
     FRAMEWORK,
+    MOONCAKE,
+    NIXL,
+    backend_of,
     classes,
     error_type_of,
-    is_instance,
     learn_poll_states,
     patcher,
     poll_name,
+    register,
     room_attributes,
     sglang_parent,
 )
@@ -50,9 +57,9 @@ def forget_rooms() -> None:
     _next_chunk.clear()
 
 
-def _is_mooncake(obj) -> bool:
-    """A Mooncake manager or sender (the Common* methods we wrap serve every backend)."""
-    return is_instance(obj, "sender" if hasattr(obj, "kv_mgr") else "manager")
+def _backend(obj):
+    """The transfer engine behind a manager or sender we instrument; None for any other backend."""
+    return backend_of(obj, "sender" if hasattr(obj, "kv_mgr") else "manager")
 
 
 def _is_prefill(mgr) -> bool:
@@ -71,7 +78,8 @@ def _sender_init_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     if active():
         try:
-            if _is_mooncake(instance) and instance.conclude_state is None and _is_prefill(instance.kv_mgr):
+            backend = _backend(instance)
+            if backend is not None and instance.conclude_state is None and _is_prefill(instance.kv_mgr):
                 mgr = instance.kv_mgr
                 if not getattr(mgr, "is_dummy_cp_rank", False):
                     req = getattr(_tls, "req", None)
@@ -80,7 +88,7 @@ def _sender_init_wrapper(wrapped, instance, args, kwargs):
                     parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(
                         getattr(instance, "trace_ctx", None))
                     room = instance.bootstrap_room
-                    integration.begin_request(room, backend=BACKEND, framework=FRAMEWORK,
+                    integration.begin_request(room, backend=backend, framework=FRAMEWORK,
                                               attributes=room_attributes(room, rid), parent=parent)
         except Exception:  # pylint: disable=broad-except
             own_error("sender init")
@@ -91,7 +99,7 @@ def _update_status_wrapper(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     if active():
         try:
-            if _is_mooncake(instance) and _is_prefill(instance):
+            if _backend(instance) is not None and _is_prefill(instance):
                 room = args[0] if args else kwargs.get("bootstrap_room")
                 status = instance.request_status.get(room)
                 name = poll_name(status)
@@ -113,7 +121,7 @@ def _sender_clear_wrapper(wrapped, instance, args, kwargs):
     """A sender cleared before its room concluded (scheduler abort paths): end the request as failed."""
     if active():
         try:
-            if _is_mooncake(instance) and _is_prefill(instance.kv_mgr):
+            if _backend(instance) is not None and _is_prefill(instance.kv_mgr):
                 status = poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
                 if status not in ("Success", "Failed"):
                     _conclude(instance.bootstrap_room, "cleared")
@@ -215,17 +223,35 @@ def _destination(mgr, room, session):
     return index, int(replica)
 
 
-def _session_of(args, kwargs, session_pos, req_pos):
+# How each backend names a destination: the argument of its send methods, and the attribute of its TransferInfo.
+# The room's transfer_infos are keyed by it.
+_SESSION_NAMES = {MOONCAKE: "mooncake_session_id", NIXL: "peer_name"}
+_REQ_SESSION = {MOONCAKE: "mooncake_session_id", NIXL: "agent_name"}
+
+
+def _session_of(backend, args, kwargs, session_pos, req_pos):
     if session_pos is not None:
         if len(args) > session_pos:
             return args[session_pos]
-        return kwargs.get("mooncake_session_id")
+        return kwargs.get(_SESSION_NAMES[backend])
     req = args[req_pos] if len(args) > req_pos else kwargs.get("req")
-    return getattr(req, "mooncake_session_id", None)
+    return getattr(req, _REQ_SESSION[backend], None)
 
 
-def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
-    """A wrapper running one MooncakeKVManager send method inside one transfer scope."""
+def _scoped_steps(generator, scope):
+    """A generator of NIXL handles (posted lazily, as the caller iterates): each step runs inside the scope, so
+    the scope is never left entered on the thread while the caller holds the generator."""
+    while True:
+        with scope:
+            try:
+                item = next(generator)
+            except StopIteration as stop:
+                return stop.value
+        yield item
+
+
+def _transfer_wrapper(backend, payload, session_pos, req_pos, executor_pos):
+    """A wrapper running one send method of a manager inside one transfer scope."""
 
     def wrapper(wrapped, instance, args, kwargs):
         chunk = getattr(_tls, "chunk", None)
@@ -234,7 +260,7 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
         scope = None
         try:
             index, early = getattr(chunk, _TAG, (0, False))
-            session = _session_of(args, kwargs, session_pos, req_pos)
+            session = _session_of(backend, args, kwargs, session_pos, req_pos)
             destination, replica = _destination(instance, chunk.room, session)
             scope = integration.transfer_scope(
                 chunk.room,
@@ -257,6 +283,9 @@ def _transfer_wrapper(payload, session_pos, req_pos, executor_pos):
             scope = None
         if scope is None:
             return wrapped(*args, **kwargs)
+        if payload == semconv.PAYLOAD_STATE and backend == NIXL:
+            result = wrapped(*args, **kwargs)
+            return _scoped_steps(result, scope) if inspect.isgenerator(result) else result
         with scope:
             result = wrapped(*args, **kwargs)
             try:
@@ -298,7 +327,7 @@ def _aux_tcp_wrapper(wrapped, instance, args, kwargs):
             remote = args[0] if args else kwargs.get("remote")
             port = args[1] if len(args) > 1 else kwargs.get("dst_port")
             integration.deliver((start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
-                                 f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error, BACKEND, None))
+                                 f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error, MOONCAKE, None))
         except Exception:  # pylint: disable=broad-except
             own_error("aux over tcp")
 
@@ -310,7 +339,7 @@ def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
         try:
             room = kwargs.get("bootstrap_room")
             reason = str(kwargs.get("failure_reason") or "")
-            if (_is_mooncake(instance) and room == chunk.room and poll_name(kwargs.get("status")) == "Failed"
+            if (_backend(instance) is not None and room == chunk.room and poll_name(kwargs.get("status")) == "Failed"
                     and ("is not alive" in reason or "layout" in reason)):
                 failed = set(getattr(instance, "failed_sessions", ())) | set(
                     getattr(instance, "state_layout_rejections", {}))
@@ -397,8 +426,8 @@ def patch_common_conn(module) -> None:
     patcher.wrap(module.CommonKVSender, "clear", _sender_clear_wrapper)
 
 
-# method -> (payload, position of mooncake_session_id, position of req, position of executor); positions
-# exclude self and were read from sglang 0.5.23's signatures.
+# method -> (payload, position of the destination's session / peer name, position of req, position of
+# executor); positions exclude self and were read from sglang 0.5.23's signatures.
 TRANSFER_METHODS = {
     "send_kvcache": (semconv.PAYLOAD_KV, 0, None, 4),
     "send_kvcache_slice": (semconv.PAYLOAD_KV, 0, None, 7),
@@ -407,23 +436,41 @@ TRANSFER_METHODS = {
     "maybe_send_extra": (semconv.PAYLOAD_STATE, None, 0, 2),
     "send_aux": (semconv.PAYLOAD_AUX, None, 0, None),
 }
+# NixlKVManager's: each posts NIXL handles and returns them (maybe_send_extra yields them); no executor.
+NIXL_TRANSFER_METHODS = {
+    "send_kvcache": (semconv.PAYLOAD_KV, 0, None, None),
+    "send_kvcache_slice": (semconv.PAYLOAD_KV, 0, None, None),
+    "send_kvcache_mixed": (semconv.PAYLOAD_KV, 0, None, None),
+    "send_kvcache_dcp": (semconv.PAYLOAD_KV, 0, None, None),
+    "_do_staging_transfer": (semconv.PAYLOAD_KV, None, 3, None),
+    "maybe_send_extra": (semconv.PAYLOAD_STATE, 0, None, None),
+    "send_aux": (semconv.PAYLOAD_AUX, 0, None, None),
+}
 
 
-def patch_mooncake_conn(module) -> None:
-    classes["manager"] = module.MooncakeKVManager
-    classes["sender"] = module.MooncakeKVSender
-    import inspect  # pylint: disable=import-outside-toplevel
-
-    for name, (payload, session_pos, req_pos, executor_pos) in TRANSFER_METHODS.items():
-        method = module.MooncakeKVManager.__dict__.get(name)
+def _wrap_transfer_methods(manager, backend: str, methods: dict) -> None:
+    for name, (payload, session_pos, req_pos, executor_pos) in methods.items():
+        method = manager.__dict__.get(name)
         if method is None:
             continue
         params = list(inspect.signature(method).parameters)[1:]
         if "executor" in params:
             executor_pos = params.index("executor")
-        patcher.wrap(module.MooncakeKVManager, name, _transfer_wrapper(payload, session_pos, req_pos, executor_pos))
-    patcher.wrap(module.MooncakeKVManager, "add_transfer_request", _add_transfer_request_wrapper)
+        patcher.wrap(manager, name, _transfer_wrapper(backend, payload, session_pos, req_pos, executor_pos))
+    patcher.wrap(manager, "add_transfer_request", _add_transfer_request_wrapper)
+
+
+def patch_mooncake_conn(module) -> None:
+    register("manager", module.MooncakeKVManager, MOONCAKE)
+    register("sender", module.MooncakeKVSender, MOONCAKE)
+    _wrap_transfer_methods(module.MooncakeKVManager, MOONCAKE, TRANSFER_METHODS)
     patcher.wrap(module.MooncakeKVManager, "send_aux_data_to_endpoint", _aux_tcp_wrapper)
+
+
+def patch_nixl_conn(module) -> None:
+    register("manager", module.NixlKVManager, NIXL)
+    register("sender", module.NixlKVSender, NIXL)
+    _wrap_transfer_methods(module.NixlKVManager, NIXL, NIXL_TRANSFER_METHODS)
 
 
 def patch_prefill(module) -> None:

@@ -4,7 +4,10 @@ with (engine, scheduler, detokenizer), found through the dist-info folder beside
 1. Stand-in for what cannot run here: `MooncakeKVSender.supports_host_tensor_indices` is hard-coded True in
    sglang 0.5.23 and makes the sender stage page indices through pinned memory and a CUDA event; on this CPU-only
    machine it is set False, so sglang takes its plain host path.
-2. Test plumbing: each process serves its OpenTelemetry Prometheus endpoint on a port of its own
+2. Stand-in for what cannot run here (NIXL backend): sglang registers its KV pool with NIXL as VRAM, and UCX
+   built without CUDA refuses VRAM ("VRAM memory is detected as host by UCX"). Before `NixlKVManager.__init__`
+   runs, the KV buffers are declared DRAM (what they are on this machine).
+3. Test plumbing: each process serves its OpenTelemetry Prometheus endpoint on a port of its own
    (OTEL_EXPORTER_PROMETHEUS_PORT=0, as sglang's processes share one environment); when
    KVT_TEST_PROMETHEUS_SD_DIR is set, this writes the port the process got as a Prometheus file_sd target, so the
    real Prometheus finds every engine process.
@@ -15,12 +18,33 @@ import os
 import sys
 
 _MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
+_NIXL_CONN = "sglang.srt.disaggregation.nixl.conn"
 _ROLES = {"run_scheduler_process": "scheduler", "run_detokenizer_process": "detokenizer",
           "run_data_parallel_controller_process": "dp_controller"}
 
 
 def _host_indices_off(module) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+def _kv_pool_as_dram(module) -> None:
+    import wrapt  # pylint: disable=import-outside-toplevel
+
+    def init(wrapped, _instance, args, kwargs):
+        kv_args = args[0] if args else kwargs["args"]
+        kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_args.kv_data_ptrs)
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(module, "NixlKVManager.__init__", init)
+
+
+def _on_import(name, patch) -> None:
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        import wrapt  # pylint: disable=import-outside-toplevel
+
+        wrapt.register_post_import_hook(patch, name)
 
 
 def _role() -> str:
@@ -56,12 +80,8 @@ def _publish_metrics_target(directory: str) -> None:
 
 
 def activate() -> None:
-    if _MOONCAKE_CONN in sys.modules:
-        _host_indices_off(sys.modules[_MOONCAKE_CONN])
-    else:
-        import wrapt  # pylint: disable=import-outside-toplevel
-
-        wrapt.register_post_import_hook(_host_indices_off, _MOONCAKE_CONN)
+    _on_import(_MOONCAKE_CONN, _host_indices_off)
+    _on_import(_NIXL_CONN, _kv_pool_as_dram)
     directory = os.environ.get("KVT_TEST_PROMETHEUS_SD_DIR")
     if directory and os.path.isdir(directory):
         _publish_metrics_target(directory)
