@@ -3,12 +3,12 @@
 Every posted transfer handle is one `kv_transfer.send`, from `transfer()` until its completion is observed:
 `check_xfer_state` answering DONE or ERR, or the handle being released (a release while still in progress is
 a cancelled transfer), by `release()` or by the garbage collector (`__del__` frees it without `release()`:
-sglang, for one, lets its handles go that way). Bytes and descriptor count come from the descriptor lists the handle was made from
-(remembered when `prep_xfer_dlist` prepared them, or read from `initialize_xfer`'s lists); op is the handle's
-READ or WRITE; the peer is the remote agent's name; the notification message travels as an attribute. These
-wrappers only time and count: the call tuple goes to the transfer scope current when the handle was posted
-(or becomes a raw send), through `PendingTransfers`, which bounds the handles waiting for completion and
-counts what it has to drop.
+sglang, for one, lets its handles go that way). Bytes and descriptor count come from the descriptor lists the
+handle was made from (remembered when `prep_xfer_dlist` prepared them, or read from `initialize_xfer`'s lists);
+op is the handle's READ or WRITE; the peer is the remote agent's name; the notification message travels as an
+attribute. These wrappers only time and count: the call tuple goes to the transfer scope current when the handle
+was posted (or becomes a raw send), through `PendingTransfers`, which bounds the handles waiting for completion
+and counts what it has to drop.
 """
 
 import importlib.util

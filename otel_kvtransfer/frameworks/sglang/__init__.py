@@ -13,7 +13,8 @@ What is wrapped, and why there (sglang 0.5.23):
   (request begin, conclusion through `update_status`), the scheduler's early cached-prefix send and its
   batch execution (compute intervals).
 - decode.py here: the Mooncake or NIXL receiver (`send_metadata` opens `kv_transfer.receive`, `poll` /
-  `abort` end it; `DecodePreallocQueue._create_receiver_and_enqueue` tells which Req, hence which sglang span, it serves).
+  `abort` end it; `DecodePreallocQueue._create_receiver_and_enqueue` tells which Req, hence which sglang span,
+  it serves).
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """
 
