@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
 from otel_kvtransfer.aggregate import FIGURE_ATTRIBUTES, RequestAggregate, span_figures, throughput
-from otel_kvtransfer.direct_spans import span_context_of
+from otel_kvtransfer.direct_spans import SendAttributes, span_context_of
 from otel_kvtransfer.kvmetrics import NO_METRICS
 from otel_kvtransfer.sdk_spans import SdkSpans
 from otel_kvtransfer.stitching import key_parent_span_context
@@ -27,7 +27,7 @@ PeerParser = Callable[[object], dict]
 
 
 class _OpenRequest:
-    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent")
+    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent", "statics")
 
     def __init__(self, span, now: float, labels: dict):
         self.span = span
@@ -36,6 +36,7 @@ class _OpenRequest:
         self.touched = now
         self.labels = labels  # attributes every send of the request repeats (framework, role, model)
         self.parent = None  # the request span's context: its children's parent
+        self.statics = {}  # send shape -> its static attributes (SpanBuilder._static)
 
 
 class _OpenPeer:
@@ -47,6 +48,9 @@ class _OpenPeer:
 
 
 _OK = Status(StatusCode.UNSET)
+_MAX_SHAPES = 4096  # cached static attribute sets per request (and for raw sends)
+_PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semconv.THROUGHPUT,
+             semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE)
 
 
 def _error(span, error_type: str) -> None:
@@ -69,6 +73,7 @@ class SpanBuilder:
         self._peer_parsers = peer_parsers if peer_parsers is not None else {}
         self._on_drop = on_drop or (lambda reason, n: None)
         self._clock = clock
+        self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._requests: "OrderedDict[object, _OpenRequest]" = OrderedDict()
         self._peers: "OrderedDict[object, _OpenPeer]" = OrderedDict()
         self._handlers = {
@@ -175,32 +180,89 @@ class SpanBuilder:
     # --- transfers -------------------------------------------------------------------------------------------
     def _send(self, rec, now):
         info, calls, scope_error = rec[r.SEND_INFO], rec[r.SEND_CALLS], rec[r.SEND_ERROR]
-        if calls:
+        failure, return_code = scope_error, None
+        if len(calls) == 1:  # the common case, without the loops
+            first = calls[0]
+            start, end = first[r.CALL_START], first[r.CALL_END]
+            moved = first[r.CALL_BYTES]
+            nbytes = moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+            descriptors = first[r.CALL_DESCRIPTORS]
+            if first[r.CALL_ERROR] is not None:
+                failure, return_code = failure or first[r.CALL_ERROR], first[r.CALL_RETURN_CODE]
+        elif calls:
             start = min(c[r.CALL_START] for c in calls)
             end = max(c[r.CALL_END] for c in calls)
             first = calls[0]
+            nbytes = descriptors = 0
+            for call in calls:
+                moved = call[r.CALL_BYTES]
+                nbytes += moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+                descriptors += call[r.CALL_DESCRIPTORS]
+            for call in calls:
+                if call[r.CALL_ERROR] is not None:  # the first failing engine call names the failure
+                    failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
+                    break
         else:  # a scope that failed before any engine call: its own time, taken on the engine thread
             start, end = rec[r.SEND_SCOPE_SPAN]
             first = None
-        nbytes = descriptors = 0
-        for call in calls:
-            moved = call[r.CALL_BYTES]
-            nbytes += moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
-            descriptors += call[r.CALL_DESCRIPTORS]
+            nbytes = descriptors = 0
         if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
             self._on_drop("invalid_length", 1)
             nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
-        failure, return_code = scope_error, None
-        for call in calls:
-            if call[r.CALL_ERROR] is not None:  # the first failing engine call names the failure
-                failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
-                break
-        attrs = {
-            semconv.BYTES: nbytes,
-            semconv.DESCRIPTOR_COUNT: descriptors,
-            semconv.ENGINE_CALLS: len(calls),
-            semconv.THROUGHPUT: throughput(nbytes, end - start),
-        }
+        # What varies per send first, then what its request, peer and payload repeat (cached: `_static`).
+        attrs = SendAttributes()
+        attrs[semconv.BYTES] = nbytes
+        attrs[semconv.DESCRIPTOR_COUNT] = descriptors
+        attrs[semconv.ENGINE_CALLS] = len(calls)
+        attrs[semconv.THROUGHPUT] = throughput(nbytes, end - start)
+        backend = first[r.CALL_BACKEND] if first is not None else None
+        if info is not None:
+            key, chunk = info[r.INFO_KEY], info[r.INFO_CHUNK]
+            attrs[semconv.CHUNK_INDEX] = chunk
+            state = self._touch_request(key, now) or self._open_request(key, start, now, backend=backend)
+            state.aggregate.add_send(start, end, nbytes, info[r.INFO_REPLICA], chunk)
+            if failure and state.failure is None:
+                state.failure = failure
+            parent = state.parent
+            static = self._static(state.statics, first, info, state)
+        else:
+            parent = span_context_of(rec[r.SEND_CONTEXT])
+            static = self._static(self._raw_statics, first, None, None)
+        if failure:
+            attrs[semconv.ERROR_TYPE] = failure
+            if return_code is not None:
+                attrs[semconv.RETURN_CODE] = return_code
+        attrs.dynamic = len(attrs)
+        attrs.update(static)
+        attrs.static = static
+        status = Status(StatusCode.ERROR, failure) if failure else _OK
+        span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
+        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
+
+    def _static(self, cache: dict, first, info, state) -> dict:
+        """The attributes a send shares with the other sends of its request to the same peer and destination:
+        one dict per distinct shape, reused (never changed once made), so the encoder and the metrics can key
+        their own caches on it."""
+        try:
+            shape = (first[r.CALL_BACKEND], first[r.CALL_OP], first[r.CALL_PEER], first[r.CALL_PROTOCOL],
+                     tuple(first[r.CALL_EXTRA].items()) if first[r.CALL_EXTRA] else None) if first else None
+            if info is not None:
+                shape = (shape, info[r.INFO_PAYLOAD], info[r.INFO_DESTINATION], info[r.INFO_REPLICA],
+                         info[r.INFO_IS_LAST], info[r.INFO_EARLY],
+                         tuple(info[r.INFO_ATTRIBUTES].items()) if info[r.INFO_ATTRIBUTES] else None)
+            static = cache.get(shape)
+        except TypeError:  # an unhashable value somewhere: made afresh, not cached
+            shape, static = None, None
+        if static is None:
+            static = self._static_attributes(first, info, state)
+            if shape is not None:
+                if len(cache) >= _MAX_SHAPES:
+                    cache.clear()
+                cache[shape] = static
+        return static
+
+    def _static_attributes(self, first, info, state) -> dict:
+        attrs = {}
         backend = None
         if first is not None:
             backend = first[r.CALL_BACKEND]
@@ -219,34 +281,21 @@ class SpanBuilder:
                 attrs.update(first[r.CALL_EXTRA])
         if backend:
             attrs[semconv.BACKEND] = backend
-        parent = span_context_of(rec[r.SEND_CONTEXT])
         if info is not None:
-            key, chunk, replica = info[r.INFO_KEY], info[r.INFO_CHUNK], info[r.INFO_REPLICA]
             attrs.update({
-                semconv.REQUEST_KEY: str(key),
-                semconv.CHUNK_INDEX: chunk,
+                semconv.REQUEST_KEY: str(info[r.INFO_KEY]),
                 semconv.PAYLOAD: info[r.INFO_PAYLOAD],
                 semconv.DESTINATION_INDEX: info[r.INFO_DESTINATION],
-                semconv.REPLICA_FACTOR: replica,
+                semconv.REPLICA_FACTOR: info[r.INFO_REPLICA],
                 semconv.IS_LAST_CHUNK: info[r.INFO_IS_LAST],
                 semconv.PREFIX_EARLY_SEND: info[r.INFO_EARLY],
             })
             if info[r.INFO_ATTRIBUTES]:
                 attrs.update(info[r.INFO_ATTRIBUTES])
-            state = self._touch_request(key, now) or self._open_request(key, start, now, backend=backend)
             attrs.update(state.labels)
-            state.aggregate.add_send(start, end, nbytes, replica, chunk)
-            if failure and state.failure is None:
-                state.failure = failure
-            parent = state.parent
-        status = _OK
-        if failure:
-            attrs[semconv.ERROR_TYPE] = failure
-            if return_code is not None:
-                attrs[semconv.RETURN_CODE] = return_code
-            status = Status(StatusCode.ERROR, failure)
-        span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
-        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
+        for name in _PER_SEND:  # a framework's extra attribute may not shadow what each send sets itself
+            attrs.pop(name, None)
+        return attrs
 
     # --- compute ---------------------------------------------------------------------------------------------
     def _compute(self, rec, now):

@@ -43,7 +43,9 @@ def _exporter_classes(group: str, variable: str) -> set:
         name = name.strip()
         if not name or name == "none":
             continue
-        for entry in entry_points(group=group, name=name):
+        # "otlp" is whichever OTLP exporter OTEL_EXPORTER_OTLP_*PROTOCOL picks: accept either.
+        names = (name, "otlp_proto_grpc", "otlp_proto_http") if name == "otlp" else (name,)
+        for entry in (e for n in names for e in entry_points(group=group, name=n)):
             try:
                 classes.add(entry.load())
             except Exception:  # pylint: disable=broad-except

@@ -29,6 +29,14 @@ _UNSET = Status(StatusCode.UNSET)
 _ROOT = Context()
 
 
+class SendAttributes(dict):
+    """A send span's attributes: its first `dynamic` entries are its own, the rest are `static`, a dict shared
+    with the request's other sends of the same shape and never changed (the encoder and the metric tables cache
+    what they derive from it)."""
+
+    __slots__ = ("dynamic", "static")
+
+
 class KVSpan(ReadableSpan):
     """A ReadableSpan of this package's (the OTLP encoder recognises the type and encodes it in fixed shape)."""
 
@@ -67,6 +75,21 @@ class OpenSpan:
         self.status = status
 
 
+def _root_decision(sampler):
+    """For the standard samplers, a function trace_id -> sampled that decides a root span exactly as `sampler`
+    would (with no trace state and no attributes of its own); None for any other sampler (it is asked)."""
+    if isinstance(sampler, ParentBased):
+        sampler = sampler._root  # pylint: disable=protected-access
+    if sampler is ALWAYS_ON:
+        return lambda trace_id: True
+    if sampler is ALWAYS_OFF:
+        return lambda trace_id: False
+    if type(sampler) is TraceIdRatioBased:  # pylint: disable=unidiomatic-typecheck
+        bound, limit = sampler.bound, TraceIdRatioBased.TRACE_ID_LIMIT
+        return lambda trace_id: trace_id & limit < bound
+    return None
+
+
 def _inherits_from_local_parent(sampler) -> bool:
     """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
     `sampler`, so the sampler need not be asked per child: the standard samplers."""
@@ -86,6 +109,7 @@ class DirectSpans:
             sampler = sampler.delegate
         self._sampler = sampler
         self._inherit = _inherits_from_local_parent(sampler)
+        self._root = _root_decision(sampler)
         self._ids = tracer.id_generator
         self._random_flag = _RANDOM if _RANDOM and self._ids.is_trace_id_random() else 0
         self._tracer = tracer
@@ -117,6 +141,9 @@ class DirectSpans:
         if parent is not None and not parent.is_remote and self._inherit:
             flags = _SAMPLED if parent.trace_flags.sampled else _NOT_SAMPLED
             state = parent.trace_state
+        elif (parent is None or synthetic) and self._root is not None:
+            flags = _SAMPLED if self._root(trace_id) else _NOT_SAMPLED
+            state = _EMPTY_STATE
         else:
             if parent is None or synthetic:
                 # The synthetic stitching parent never decides: asked as a root with the same trace id.

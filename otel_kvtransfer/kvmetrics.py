@@ -74,6 +74,12 @@ def metric_labels(attributes) -> dict:
     return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
 
 
+def series_of(attributes) -> Tuple[tuple, dict]:
+    """(key, labels) of the series a span with these attributes belongs to."""
+    labels = metric_labels(attributes)
+    return tuple([labels.get(name) for name in semconv.METRIC_ATTRIBUTES]), labels
+
+
 class _Point:
     """One series of one instrument since `start`: a histogram's buckets (or a counter's sum) and exemplars."""
 
@@ -98,11 +104,10 @@ class _Table:
         self.labels: Dict[tuple, dict] = {}
         self.interval_start = time.time_ns()  # a delta point starts where the previous collection ended
 
-    def record(self, index: int, key: tuple, attributes: dict, value, now: int, exemplar) -> None:
+    def record(self, index: int, key: tuple, labels: dict, value, now: int, exemplar) -> None:
         series = self.series[index]
         point = series.get(key)
         if point is None:
-            labels = metric_labels(attributes)
             if len(series) >= MAX_SERIES:
                 key, labels = _OVERFLOW_KEY, _OVERFLOW_ATTRIBUTES
                 point = series.get(key)
@@ -158,20 +163,18 @@ class KVMetrics:
         self.attached = False
 
     # --- the builder's side -------------------------------------------------------------------------------
-    def record(self, attributes: dict, measurements, span_context=None) -> None:
-        """`measurements`: (instrument index, value) pairs of one span whose attributes are `attributes` (the
-        series is their METRIC_ATTRIBUTES); `span_context`: that span (the exemplar, under the exemplar
-        filter)."""
+    def record(self, key: tuple, labels: dict, measurements, span_context=None) -> None:
+        """`measurements`: (instrument index, value) pairs of one span; `key` and `labels`: its series (from
+        `series_of`); `span_context`: that span (the exemplar, under the exemplar filter)."""
         exemplar = None
         if span_context is not None and self._exemplars != "always_off":
             if self._exemplars == "always_on" or span_context.trace_flags.sampled:
                 exemplar = (span_context.span_id, span_context.trace_id)
-        key = tuple([attributes.get(name) for name in semconv.METRIC_ATTRIBUTES])
         now = time.time_ns()
         with self._lock:
             for table in self._tables.values():
                 for index, value in measurements:
-                    table.record(index, key, attributes, value, now, exemplar)
+                    table.record(index, key, labels, value, now, exemplar)
 
     # --- the readers' side --------------------------------------------------------------------------------
     def attach(self, meter_provider) -> bool:
@@ -277,6 +280,18 @@ class RecordMetrics:
 
     def __init__(self, tables: KVMetrics):
         self.tables = tables
+        self._series = {}  # (id(static attributes), error type) -> (static attributes, key, labels)
+
+    def _send_series(self, attrs, failure):
+        static = getattr(attrs, "static", None)
+        if static is None:
+            return series_of(attrs)
+        cached = self._series.get((id(static), failure))
+        if cached is None or cached[0] is not static:
+            if len(self._series) >= 4096:
+                self._series.clear()
+            cached = self._series[(id(static), failure)] = (static,) + series_of(attrs)
+        return cached[1], cached[2]
 
     def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
         if failure:
@@ -285,8 +300,9 @@ class RecordMetrics:
             extra = ((I_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
         else:
             extra = ()
-        self.tables.record(attrs, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
-                                   (I_DESCRIPTORS, descriptors)) + extra, span_context)
+        key, labels = self._send_series(attrs, failure)
+        self.tables.record(key, labels, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
+                                         (I_DESCRIPTORS, descriptors)) + extra, span_context)
 
     def request(self, figures, span, state, end_ns, failure) -> None:
         attrs = span.attributes
@@ -297,11 +313,11 @@ class RecordMetrics:
             measurements.append((I_REQUEST_THROUGHPUT, figures.get(semconv.THROUGHPUT, 0.0)))
         if semconv.COMPUTE_OVERLAP_RATIO in figures:
             measurements.append((I_REQUEST_OVERLAP, figures[semconv.COMPUTE_OVERLAP_RATIO]))
-        self.tables.record(attrs, measurements, span.context)
+        self.tables.record(*series_of(attrs), measurements, span.context)
 
     def peer(self, span, end_ns) -> None:
-        self.tables.record(span.attributes, ((I_RECEIVE_DURATION,
-                                              (max(end_ns, span.start_time) - span.start_time) / 1e9),),
+        self.tables.record(*series_of(span.attributes),
+                           ((I_RECEIVE_DURATION, (max(end_ns, span.start_time) - span.start_time) / 1e9),),
                            span.context)
 
 
@@ -365,4 +381,4 @@ def _merged(data: Optional[MetricsData], ours: List[Metric], resource) -> Metric
                                                          schema_url=first.schema_url)] + rest)
 
 
-__all__ = ["KVMetrics", "INSTRUMENTS", "metric_labels", "Tuple"]
+__all__ = ["KVMetrics", "INSTRUMENTS", "RecordMetrics", "NO_METRICS", "metric_labels", "series_of", "tables_for"]

@@ -15,9 +15,12 @@ import logging
 import struct
 import sys
 
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
-from otel_kvtransfer.direct_spans import KVSpan
+from itertools import islice
+
+from otel_kvtransfer.direct_spans import _UNSET as _UNSET_STATUS
+from otel_kvtransfer.direct_spans import KVSpan, SendAttributes
 
 _logger = logging.getLogger(__name__)
 
@@ -35,6 +38,9 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags
 _FLAGS_LOCAL = b"\x85\x01" + _pack_i(_HAS_IS_REMOTE)
 _FLAGS_REMOTE = b"\x85\x01" + _pack_i(_HAS_IS_REMOTE | _IS_REMOTE)
 _STATUS_UNSET = b"\x7a\x00"  # the SDK encoder always sets a Status message, empty when unset
+_NO_PARENT = b"\x0a\x10%b\x12\x08%b"  # trace_id, span_id
+_WITH_PARENT = b"\x0a\x10%b\x12\x08%b\x22\x08%b"  # and parent_span_id
+_TIMES = b"\x39%b\x41%b"  # start and end, fixed64
 _CACHE_LIMIT = 16384  # encoded (key, value) pairs kept; cleared whole when full (request keys are unique)
 
 
@@ -54,38 +60,52 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 class _Pieces:
-    """The cached pieces: encoded attribute pairs, double prefixes, names, and per-(resource, scope) wrappers."""
+    """The cached pieces: encoded attribute pairs by key then value (per type: True and 1 are equal keys in a
+    dict), prefixes of double-valued keys, span names, and per-(resource, scope) wrappers."""
 
     def __init__(self):
-        self.pairs = {}
+        self.strings = {}
+        self.ints = {}
         self.double_prefix = {}
         self.names = {}
         self.wrappers = {}
+        self.statics = {}
+        self.size = 0
 
-    def attribute(self, key, value) -> bytes:
-        """One `attributes` entry of a Span (field 9): KeyValue{key, AnyValue}."""
+    def slow(self, key, value) -> bytes:
+        """A pair not cached yet: encoded, and cached unless it is a double."""
         kind = type(value)
         if kind is float:
-            prefix = self.double_prefix.get(key)
-            if prefix is None:
-                head = _field(b"\x0a", key.encode("utf-8"))
-                prefix = self.double_prefix[key] = b"\x4a" + _varint(len(head) + 11) + head + b"\x12\x09\x21"
+            head = _field(b"\x0a", key.encode("utf-8"))
+            prefix = self.double_prefix[key] = b"\x4a" + _varint(len(head) + 11) + head + b"\x12\x09\x21"
             return prefix + _pack_d(value)
-        pair = self.pairs.get((key, kind, value))
-        if pair is None:
-            if kind is str:
-                any_value = _field(b"\x0a", value.encode("utf-8", "surrogatepass"))
-            elif kind is bool:
-                any_value = b"\x10\x01" if value else b"\x10\x00"
-            elif kind is int:
-                any_value = b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)
-            else:
-                raise _Unsupported(kind)
-            pair = _field(b"\x4a", _field(b"\x0a", key.encode("utf-8")) + _field(b"\x12", any_value))
-            if len(self.pairs) >= _CACHE_LIMIT:
-                self.pairs.clear()
-            self.pairs[(key, kind, value)] = pair
+        if kind is str:
+            any_value, table = _field(b"\x0a", value.encode("utf-8", "surrogatepass")), self.strings
+        elif kind is bool:
+            any_value, table = (b"\x10\x01" if value else b"\x10\x00"), self.ints
+        elif kind is int:
+            any_value, table = b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF), self.ints
+        else:
+            raise _Unsupported(kind)
+        pair = _field(b"\x4a", _field(b"\x0a", key.encode("utf-8")) + _field(b"\x12", any_value))
+        if self.size >= _CACHE_LIMIT:
+            self.strings.clear()
+            self.ints.clear()
+            self.size = 0
+        self.size += 1
+        table.setdefault(key, {})[(kind is bool, value)] = pair
         return pair
+
+    def static(self, attributes: dict) -> bytes:
+        """The encoded pairs of a static attribute dict (builder: never changed once made), by identity."""
+        cached = self.statics.get(id(attributes))
+        if cached is not None and cached[0] is attributes:
+            return cached[1]
+        encoded = b"".join(self.slow(key, value) for key, value in attributes.items())
+        if len(self.statics) >= _CACHE_LIMIT:
+            self.statics.clear()
+        self.statics[id(attributes)] = (attributes, encoded)
+        return encoded
 
     def name(self, name: str) -> bytes:
         encoded = self.names.get(name)
@@ -122,32 +142,66 @@ class _Unsupported(Exception):
 _PIECES = _Pieces()
 
 
+def _tuple_context() -> bool:
+    """True when SpanContext keeps (trace_id, span_id, is_remote, flags, state, ...) as its tuple items (the SDK
+    canary test checks it on every release we allow)."""
+    probe = SpanContext(3, 5, True, TraceFlags(1), TraceState([("k", "v")]))
+    try:
+        return (probe[0], probe[1], probe[2], probe[4]) == (3, 5, True, probe.trace_state)
+    except (TypeError, IndexError):
+        return False
+
+
+_TUPLE_CONTEXT = _tuple_context()
+
+
 def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     """One Span message (without its field tag)."""
-    context = span._context  # pylint: disable=protected-access
-    parent = span._parent  # pylint: disable=protected-access
-    parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
-    state = context.trace_state
+    # pylint: disable=protected-access
+    context = span._context
+    if _TUPLE_CONTEXT:  # a SpanContext is a tuple: indexing it skips three property calls
+        trace_id, span_id, state = context[0], context[1], context[4]
+    else:
+        trace_id, span_id, state = context.trace_id, context.span_id, context.trace_state
+    parent = span._parent
+    if parent is None:
+        head = _NO_PARENT % (trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"))
+    else:
+        head = _WITH_PARENT % (trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"),
+                               parent.span_id.to_bytes(8, "big"))
     if state:
-        parts.append(_field(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items()).encode("utf-8")))
-    if parent is not None:
-        parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
-    parts += (pieces.name(span._name), _KIND[span._kind],  # pylint: disable=protected-access
-              b"\x39", _pack_q(span._start_time), b"\x41", _pack_q(span._end_time))  # pylint: disable=W0212
-    attribute = pieces.attribute
-    for key, value in span._attributes.items():  # pylint: disable=protected-access
-        parts.append(attribute(key, value))
-    status = span._status  # pylint: disable=protected-access
-    if status.status_code is StatusCode.UNSET and not status.description:
-        parts.append(_STATUS_UNSET)
+        head += _field(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items()).encode("utf-8"))
+    parts = [head, pieces.name(span._name), _KIND[span._kind], _TIMES % (_pack_q(span._start_time),
+                                                                       _pack_q(span._end_time))]
+    strings, ints, doubles, append = pieces.strings, pieces.ints, pieces.double_prefix, parts.append
+    attributes = span._attributes
+    items, static = attributes.items(), b""
+    if type(attributes) is SendAttributes:  # pylint: disable=unidiomatic-typecheck
+        shared = attributes.static
+        if len(attributes) == attributes.dynamic + len(shared):  # nothing of the static part overridden
+            static = pieces.static(shared)
+            items = islice(items, attributes.dynamic)
+    for key, value in items:
+        kind = type(value)
+        if kind is float:
+            prefix = doubles.get(key)
+            append(prefix + _pack_d(value) if prefix is not None else pieces.slow(key, value))
+            continue
+        table = strings.get(key) if kind is str else ints.get(key)
+        pair = table.get((kind is bool, value)) if table is not None else None
+        append(pair if pair is not None else pieces.slow(key, value))
+    append(static)
+    status = span._status
+    if status is _UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
+        append(_STATUS_UNSET)
     else:
         body = b""
         if status.description:
             body += _field(b"\x12", status.description.encode("utf-8"))
         if status.status_code.value:
             body += b"\x18" + _varint(status.status_code.value)
-        parts.append(_field(b"\x7a", body))
-    parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
+        append(_field(b"\x7a", body))
+    append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
     return b"".join(parts)
 
 
@@ -174,11 +228,31 @@ def _fast_enough(span) -> bool:
     return type(span) is KVSpan and not span._events and not span._links  # pylint: disable=W0212,C0123
 
 
-class AcceleratedEncoder:
-    """Stands in for an exporter module's `encode_spans`: our spans written here, the rest by the original."""
+class PreEncoded:
+    """A request already in wire bytes, for an exporter that only serializes what `encode_spans` returned (the
+    OTLP/HTTP one): no parse and re-serialize of bytes we just wrote."""
 
-    def __init__(self, original):
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def SerializeToString(self, **_):  # pylint: disable=invalid-name
+        return self.data
+
+    SerializePartialToString = SerializeToString
+
+    def ByteSize(self) -> int:  # pylint: disable=invalid-name
+        return len(self.data)
+
+
+class AcceleratedEncoder:
+    """Stands in for an exporter module's `encode_spans`: our spans written here, the rest by the original.
+    `as_message`: the exporter hands the result to a gRPC stub, which needs a real protobuf message."""
+
+    def __init__(self, original, as_message: bool = True):
         self.original = original
+        self.as_message = as_message
         self._failed_logged = False
 
     def __call__(self, sdk_spans, *args, **kwargs):
@@ -188,6 +262,9 @@ class AcceleratedEncoder:
         try:
             encoded = encode_request(ours)
             others = [span for span in sdk_spans if not _fast_enough(span)] if len(ours) < len(sdk_spans) else []
+            if not self.as_message:  # protobuf concatenation is merging: their ResourceSpans, then ours
+                return PreEncoded((self.original(others, *args, **kwargs).SerializePartialToString()
+                                   if others else b"") + encoded)
             message = self.original(others, *args, **kwargs)
             message.MergeFromString(encoded)
             return message
@@ -208,7 +285,7 @@ def accelerate() -> int:
         if current is None:
             continue
         if not isinstance(current, AcceleratedEncoder):
-            module.encode_spans = AcceleratedEncoder(current)
+            module.encode_spans = AcceleratedEncoder(current, as_message=".grpc." in name)
         wrapped += 1
     return wrapped
 

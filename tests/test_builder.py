@@ -18,6 +18,7 @@ from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
 from otel_kvtransfer.aggregate import logical_share
 from otel_kvtransfer.builder import SpanBuilder
+from otel_kvtransfer.direct_spans import DirectSpans
 from otel_kvtransfer.sampler import RecordUnsampledSampler
 from otel_kvtransfer.stitching import key_span_id, key_trace_id
 
@@ -55,6 +56,17 @@ class Tally(SpanProcessor):
         self.last.append(key)
 
 
+PIPELINE = {"now": "direct"}
+
+
+@pytest.fixture(autouse=True, params=["direct", "sdk"])
+def pipeline(request):
+    """Every builder test runs on both pipelines: spans built directly, and through the SDK tracer."""
+    PIPELINE["now"] = request.param
+    yield request.param
+    PIPELINE["now"] = "direct"
+
+
 class Harness:
     def __init__(self, ttl_s=600.0, max_open=65536, processor=None):
         self.exporter = InMemorySpanExporter()
@@ -63,9 +75,13 @@ class Harness:
         self.clock = Clock()
         self.drops = collections.Counter()
         tracer = self.provider.get_tracer(semconv.INSTRUMENTATION_NAME)
-        tracer.sampler = RecordUnsampledSampler(tracer.sampler)  # as the instrumentor does
+        if PIPELINE["now"] == "direct":
+            spans = DirectSpans(tracer)
+        else:
+            tracer.sampler = RecordUnsampledSampler(tracer.sampler)  # as the instrumentor does
+            spans = tracer
         self.builder = SpanBuilder(
-            tracer, ttl_s, max_open,
+            spans, ttl_s, max_open,
             peer_parsers={ENGINE: peer_attributes},
             on_drop=lambda reason, n: self.drops.update({reason: n}), clock=self.clock)
 

@@ -1,0 +1,248 @@
+"""The direct pipeline sends what the SDK pipeline sends: the same records through both, every span and metric
+point compared field by field after the real OTLP exporters' encoding.
+
+Both pipelines get the same sequential id generator, so their span and trace ids are equal where the spans are;
+each pipeline's spans are encoded by the OTLP exporters' own `encode_spans` (the direct pipeline's through our
+fixed-shape encoder inside it, as `span_encoding.accelerate()` installs it) and decoded with opentelemetry-proto.
+Then the same spans travel through the real OTLP/HTTP and OTLP/gRPC exporters to receivers on 127.0.0.1.
+"""
+
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
+
+from otel_kvtransfer import semconv, span_encoding
+from otel_kvtransfer.direct_spans import KVSpan
+from otel_kvtransfer.instrumentor import ENGINES, _Attachment, _load, new_builder
+from otel_kvtransfer import config
+from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
+
+
+class Sequential(IdGenerator):
+    """Ids in creation order, so two pipelines fed the same records give their spans the same ids."""
+
+    def __init__(self):
+        self.next = 0x1000
+
+    def generate_span_id(self) -> int:
+        self.next += 1
+        return self.next
+
+    def generate_trace_id(self) -> int:
+        self.next += 1
+        return (0xABC << 64) | self.next
+
+
+def _records():
+    """A bit of everything the builder makes: requests with sends (multi-call, failed, framework attributes,
+    lists of lengths), compute, peers, raw calls under a remote parent with trace state and under none."""
+    remote = set_span_in_context(NonRecordingSpan(SpanContext(
+        0x1234, 0x99, True, TraceFlags(TraceFlags.SAMPLED), TraceState([("vendor", "x")]))))
+    recs = [begin_request(11, 1_000, attributes={"fw.rid": "r-11", semconv.GEN_AI_REQUEST_MODEL: "tiny"}),
+            begin_request(12, 1_500, framework=None, parent=remote)]
+    for chunk in range(4):
+        recs.append(send(info(11, chunk, last=chunk == 3, attrs={"fw.rid": "r-11"}),
+                         [call(2_000 + chunk * 100, 2_050 + chunk * 100, 4096 * (chunk + 1)),
+                          call(2_010 + chunk * 100, 2_080 + chunk * 100, [100, 200, 300], descriptors=3)]))
+        recs.append(compute([11], 1_900 + chunk * 100, 1_990 + chunk * 100, chunk))
+    recs += [
+        send(info(12, 0, replica=2, destination=1), [call(3_000, 3_100, 1 << 20, rc=-1, error="transfer_failed")]),
+        send(info(12, 1, payload=semconv.PAYLOAD_AUX), [], error="scope_error", scope_span=(3_200, 3_300)),
+        send(None, [call(4_000, 4_001, 7, op=semconv.OP_READ, protocol="rdma")], context=remote),
+        send(None, [call(4_100, 4_150, 0, extra={"nixl.notification": True})]),
+        begin_peer(13, 5_000, attributes={"expected": 123}),
+        end_peer(13, 6_000),
+        begin_peer(14, 5_000, name=semconv.SPAN_SERVE, role=semconv.ROLE_PREFILL),
+        end_peer(14, 5_500, error="peer_failed"),
+        end_request(11, 7_000),
+        end_request(12, 7_100),
+    ]
+    return recs
+
+
+def _run(pipeline, sampler=None):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=Sequential(), **({"sampler": sampler} if sampler else {}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    attachment = _Attachment(meters, pipeline)
+    attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
+    builder = new_builder(attachment, config.Settings(), _load(ENGINES), on_drop=lambda reason, n: None)
+    for rec in _records():
+        builder.handle(rec)
+    spans = exporter.get_finished_spans()
+    metrics = reader.get_metrics_data()
+    attachment.detach()
+    return spans, metrics
+
+
+@pytest.fixture(autouse=True)
+def _accelerated():
+    # The exporter modules must be imported for accelerate() to find them (a deployment has imported its own).
+    import opentelemetry.exporter.otlp.proto.grpc.trace_exporter as grpc_module  # noqa: F401
+    import opentelemetry.exporter.otlp.proto.http.trace_exporter as http_module  # noqa: F401
+    span_encoding.accelerate()
+    yield
+    span_encoding.restore()
+
+
+def _decoded(message) -> ExportTraceServiceRequest:
+    return ExportTraceServiceRequest.FromString(message.SerializeToString())
+
+
+def _sorted_spans(request: ExportTraceServiceRequest):
+    return sorted((span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans),
+                  key=lambda span: span.span_id)
+
+
+@pytest.mark.parametrize("sampler", [None, ParentBased(TraceIdRatioBased(0.5))], ids=["always_on", "ratio"])
+def test_direct_spans_encode_to_exactly_what_the_sdk_pipeline_sends(sampler):
+    direct, _ = _run("direct", sampler)
+    sdk, _ = _run("sdk", sampler)
+    sampled_sdk = [s for s in sdk if s.context.trace_flags.sampled]  # what the SDK pipeline's exporters send
+    assert direct and all(type(s) is KVSpan for s in direct)  # pylint: disable=unidiomatic-typecheck
+    assert len(direct) == len(sampled_sdk)
+    if sampler is None:
+        assert len(direct) == 16  # 2 requests, 6 sends under them, 2 raw sends, 4 compute, 2 peers
+    ours = _sorted_spans(_decoded(span_encoding.AcceleratedEncoder(encode_spans)(direct)))
+    reference = _sorted_spans(encode_spans(sampled_sdk))
+    assert [span.name for span in ours] == [span.name for span in reference]
+    for mine, theirs in zip(ours, reference):
+        assert mine == theirs, (mine.name, mine, theirs)  # every field: ids, times, attributes in order, status
+    # and the fast encoder really wrote ours: the original encoder of the same KVSpans gives the same bytes
+    assert _sorted_spans(encode_spans(direct)) == ours
+
+
+def test_the_http_flavour_is_preencoded_bytes_and_the_grpc_flavour_a_message():
+    direct, _ = _run("direct")
+    http = span_encoding.AcceleratedEncoder(encode_spans, as_message=False)(direct)
+    grpc = span_encoding.AcceleratedEncoder(encode_spans, as_message=True)(direct)
+    assert isinstance(http, span_encoding.PreEncoded) and isinstance(grpc, ExportTraceServiceRequest)
+    assert ExportTraceServiceRequest.FromString(http.SerializePartialToString()) == grpc
+
+
+def test_a_batch_mixing_other_spans_keeps_them_and_ours():
+    direct, _ = _run("direct")
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("the-app").start_as_current_span("app-span", attributes={"a": [1, 2]}):
+        pass
+    other = exporter.get_finished_spans()[0]
+    mixed = list(direct[:3]) + [other] + list(direct[3:])
+    out = _decoded(span_encoding.AcceleratedEncoder(encode_spans)(mixed))
+    names = sorted(span.name for rs in out.resource_spans for ss in rs.scope_spans for span in ss.spans)
+    assert names == sorted(s.name for s in mixed)
+    scopes = {ss.scope.name for rs in out.resource_spans for ss in rs.scope_spans}
+    assert scopes == {"the-app", semconv.INSTRUMENTATION_NAME}
+
+
+def _points(data):
+    out = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.data.data_points:
+                    body = {k: v for k, v in vars(point).items()
+                            if k not in ("start_time_unix_nano", "time_unix_nano", "exemplars")}
+                    body["attributes"] = dict(point.attributes)
+                    body["exemplars"] = sorted((e.span_id, e.trace_id, e.value, dict(e.filtered_attributes or {}))
+                                               for e in point.exemplars)
+                    out.setdefault(metric.name, []).append(body)
+                    out[metric.name].sort(key=repr)
+                out.setdefault(metric.name + " meta", (metric.unit, metric.description,
+                                                       type(metric.data).__name__,
+                                                       getattr(metric.data, "aggregation_temporality", None),
+                                                       getattr(metric.data, "is_monotonic", None)))
+    return out
+
+
+def test_direct_metric_points_equal_the_sdk_instruments_points():
+    _, direct = _run("direct")
+    _, sdk = _run("sdk")
+    mine, theirs = _points(direct), _points(sdk)
+    assert set(mine) == set(theirs)
+    for name in theirs:
+        assert mine[name] == theirs[name], name
+    # and the OTLP metric encoder takes them as it takes the SDK's
+    assert len(encode_metrics(direct).resource_metrics[0].scope_metrics[0].metrics) == \
+        len([n for n in theirs if not n.endswith(" meta")])
+
+
+# --- through the real exporters, to receivers on 127.0.0.1 ---------------------------------------------------------
+
+class _Sink(BaseHTTPRequestHandler):
+    received = []
+
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        _Sink.received.append(ExportTraceServiceRequest.FromString(body))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_real_http_exporter_sends_our_bytes_to_a_receiver():
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # pylint: disable=C0415
+    from opentelemetry.sdk.trace.export import SpanExportResult  # pylint: disable=C0415
+
+    direct, _ = _run("direct")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Sink.received = []
+    try:
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces", timeout=5)
+        assert exporter.export(direct) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
+    (received,) = _Sink.received
+    assert _sorted_spans(received) == _sorted_spans(encode_spans(direct))
+
+
+def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
+    grpc = pytest.importorskip("grpc")
+    # pylint: disable=import-outside-toplevel
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    received = []
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        direct, _ = _run("direct")
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)
+        assert exporter.export(direct) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+    finally:
+        server.stop(0)
+    (request,) = received
+    assert _sorted_spans(request) == _sorted_spans(encode_spans(direct))
