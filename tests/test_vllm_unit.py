@@ -1,4 +1,5 @@
-"""The vLLM framework package without servers: the version gate and the plugin entry point.
+"""The vLLM framework package without servers: the version gate and the plugin entry point (the version policy
+itself: test_vllm_versions.py).
 
 These run in the main project venv, where vLLM is not installed: the gate is driven through
 `installed_version` (the distribution lookup), and the patches are post-import hooks, so nothing of vLLM is
@@ -13,22 +14,22 @@ from otel_kvtransfer.frameworks import vllm as vllm_framework
 
 
 @pytest.mark.parametrize("version,supported", [
-    ("0.32.0", True), ("0.32.7", True), ("0.32.1rc1", True), ("0.33.0", False), ("0.31.9", False),
-    ("1.0.0", False), ("", False), (None, False), ("garbage", False),
+    ("0.32.0", True), ("0.32.7", True), ("0.32.1rc1", True), ("0.33.0", True), ("0.34.0", False),
+    ("0.31.9", False), ("1.0.0", False), ("", False), (None, False), ("garbage", False),
 ])
 def test_version_gate(version, supported):
     assert vllm_framework.is_supported(version) is supported
 
 
 def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
-    monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.31.0")
     monkeypatch.setattr(vllm_framework.HOOKS, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
         assert vllm_framework.instrument() is False
         assert vllm_framework.instrument() is False
     warnings = [r for r in caplog.records if "outside the supported range" in r.getMessage()]
     assert len(warnings) == 1
-    assert "0.33.0" in warnings[0].getMessage()
+    assert "0.31.0" in warnings[0].getMessage()
     assert "vllm" in warnings[0].getMessage()
     assert vllm_framework.patcher.patched() == []
 

@@ -4,11 +4,15 @@
 `activate()` in every vLLM process (API server, engine core, workers). Nothing of vLLM is imported here: each
 connector module is patched when vLLM imports it (wrapt post-import hooks), so `opentelemetry-instrument python -m
 vllm.entrypoints.openai.api_server ...` costs nothing at start-up and the engine-core and worker processes are
-patched when they load their connector. On a vLLM outside `SUPPORTED` one warning is logged and nothing is
-patched (the connectors' internals change between releases).
+patched when they load their connector. Version policy (otel_kvtransfer.activation): `SUPPORTED` is the range
+the tests ran on; a newer vLLM is instrumented too (one warning says so) as long as every patch target in
+targets.py is there when its module loads; a miss is named in one warning and then nothing of vLLM is patched.
+Below the range, one warning and nothing patched.
 
 - mooncake.py: the MooncakeConnector (push; prefill initiates, key = transfer_id).
 - nixl.py: the NixlConnector in pull mode (decode initiates, key = the prefill request id).
+- targets.py: what the wrappers need from vLLM (checked before patching, and by scripts/canary.py).
+- events.py: the connector events no span shows alone (re-registration, re-handshake, layout resend), counted.
 - common.py: names, the one Patcher, bounded id maps.
 - plugin.py: the `vllm.general_plugins` entry point.
 The engine calls themselves are timed by the engine modules (otel_kvtransfer.engines.mooncake / .nixl).
@@ -34,11 +38,18 @@ def _forget():
     nixl.forget()
 
 
-# The vLLM releases whose connector internals these wrappers were written against: 0.32.x.
-HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 33), _patches, patcher=patcher, forget=_forget)
+def _targets():
+    from otel_kvtransfer.frameworks.vllm import targets  # pylint: disable=import-outside-toplevel
+
+    return targets.by_module()
+
+
+# The vLLM releases the tests ran on: 0.32.x (real servers) and 0.33.x (real classes, source checked).
+HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 34), _patches, patcher=patcher, forget=_forget,
+                       targets=_targets)
 SUPPORTED = HOOKS.supported
 is_supported = HOOKS.is_supported
-instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; False on an unsupported vLLM
+instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; False when too old or blocked
 uninstrument = HOOKS.uninstrument
 
 __all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported"]

@@ -11,6 +11,11 @@ patcher = Patcher(FRAMEWORK)
 # Failure kinds (error.type) the connectors report.
 TRANSFER_FAILED = "transfer_failed"
 EXPIRED = "expired"  # the producer freed the KV before the consumer read / acknowledged it
+PEER_DROPPED = "peer_dropped"  # the producer finished a pull without a result for the request (vLLM >= 0.33)
+
+# Span attributes of vLLM >= 0.33's new paths.
+RESEND = "kv_transfer.resend"  # a send that answers a pull sent again (Mooncake: after a LAYOUT_MISS)
+REHANDSHAKE = "kv_transfer.rehandshake"  # a request whose read waits for a new handshake (NIXL: remote re-registered)
 
 _MAX_TRACKED = 65536  # requests in flight per process; beyond that the oldest are forgotten
 
@@ -46,6 +51,13 @@ def request_attributes(worker, request_id, with_model: bool) -> dict:
     if model:
         attributes[semconv.GEN_AI_REQUEST_MODEL] = model
     return attributes
+
+
+def bind(names, args, kwargs) -> dict:
+    """The named parameters of a call, from positional and keyword arguments alike."""
+    params = dict(zip(names, args))
+    params.update((k, v) for k, v in kwargs.items() if k in names)
+    return params
 
 
 def has_blocks(block_ids) -> bool:

@@ -16,16 +16,31 @@ Prefill side (initiator), in `MooncakeConnectorWorker`:
 Decode side (peer), same class:
 - `start_load_kv(metadata)`: each request in `metadata.reqs_to_recv` with local blocks opens `kv_transfer.receive`
   (expected bytes: its blocks x this rank's bytes per block), `_handle_failed_recv` marks failures, and
-  `fetch_finished_recving_reqs()` on the receiver loop ends them.
+  `fetch_finished_recving_reqs()` on the receiver loop ends them. A failure reported right after the prefill
+  side's FINISH response (`process_pulling_result`) is a request that side dropped without a result (vLLM >= 0.33
+  fails it instead of waiting forever): ERROR `peer_dropped`.
+vLLM 0.33's peer-layout cache: a pull that names a layout the prefill side no longer holds is answered
+LAYOUT_MISS (`_lookup_peer_layout` found nothing) and decode sends it again with its layout
+(`_build_pull_metadata` a second time for the same pull): counted (`layout_miss`, `layout_resend`), and the send
+that answers the resent pull carries `kv_transfer.resend` = true. Sleep mode's `unregister_kv_caches` /
+`restore_kv_caches` are counted (`kv_unregistered`, `kv_reregistered`; events.py).
+Every read of vLLM's state happens inside a wrapper's own guard: a renamed attribute costs a counted
+`wrapper_error`, never an exception in vLLM's loops.
 """
+
+import threading
 
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
+from otel_kvtransfer.frameworks.vllm import events
 from otel_kvtransfer.frameworks.vllm.common import (
     EXPIRED,
     FRAMEWORK,
+    PEER_DROPPED,
+    RESEND,
     TRANSFER_FAILED,
     BoundedMap,
+    bind,
     has_blocks,
     patcher,
     request_attributes,
@@ -40,6 +55,9 @@ _failed_sends = BoundedMap()  # transfer_id -> True when one of its sends failed
 _transfer_of_decode = BoundedMap()  # decode request id -> transfer_id (receive span open)
 _failed_recvs = BoundedMap()  # decode request id -> error.type
 _shares = BoundedMap(1024)  # id(src_ptrs list) -> (the list, shares) between build and send
+_layout_missed = BoundedMap()  # transfer_id -> True: its pull was answered LAYOUT_MISS, a resend is due
+_pulls_built = BoundedMap(4096)  # id(pull_metas) -> pull_metas whose metadata was built once (decode)
+_finished = threading.local()  # .pull_metas: the pull whose FINISH response was just processed (decode)
 
 
 def _bytes_per_block(worker) -> int:
@@ -74,49 +92,75 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
 _start_load_kv_wrapper = observe_call(_on_start_load_kv, "read vLLM Mooncake connector metadata")
 
 
+_BUILD_PARAMS = ("ready_reqs", "agent_meta", "local_regions", "remote_regions")
+_splittable = {}  # the function -> True when it returns the five lists it is known to return
+
+
+def _returns_five_lists(wrapped) -> bool:
+    """vLLM's `_build_transfer_params` returns (src_ptrs, dst_ptrs, lengths, err_reqs, err_msg), built request by
+    request: then calling it once per request gives the same lists, concatenated. A release whose annotation
+    says otherwise is called once, whole, and its batches are not split by request."""
+    function = getattr(wrapped, "__func__", wrapped)
+    if function not in _splittable:
+        text = str(getattr(function, "__annotations__", {}).get("return", "")).replace(" ", "")
+        _splittable[function] = text.startswith("tuple[list[int],list[int],list[int],list[") and text.count(",") == 4
+    return _splittable[function]
+
+
 def _build_transfer_params_wrapper(wrapped, instance, args, kwargs):
+    if not active():
+        return wrapped(*args, **kwargs)
+    try:
+        params = bind(_BUILD_PARAMS, args, kwargs)
+        ready = list(params["ready_reqs"])
+        split = len(ready) > 1 and _returns_five_lists(wrapped)
+    except Exception:  # pylint: disable=broad-except
+        own_error("read a vLLM Mooncake batch")
+        return wrapped(*args, **kwargs)
+
     async def build():
-        result = await wrapped(*args, **kwargs)
-        if active():
-            try:
-                await _remember_shares(wrapped, instance, args, kwargs, result)
-            except Exception:  # pylint: disable=broad-except
-                own_error("split a vLLM Mooncake batch by request")
+        if not split:
+            result = await wrapped(*args, **kwargs)
+            parts = [(ready[0][1] if ready else None, result)] if len(ready) == 1 else []
+        else:
+            # Once per request, in order: the same descriptors vLLM builds for the batch, each request's own.
+            parts = []
+            for pair in ready:
+                parts.append((pair[1], await wrapped([pair], params["agent_meta"], params["local_regions"],
+                                                     params["remote_regions"])))
+            result = (
+                [p for _, part in parts for p in part[0]], [p for _, part in parts for p in part[1]],
+                [n for _, part in parts for n in part[2]], [r for _, part in parts for r in part[3]],
+                next((part[4] for _, part in parts if part[4] is not None), None))
+        try:
+            _remember_shares(instance, params["agent_meta"], result[0], parts)
+        except Exception:  # pylint: disable=broad-except
+            own_error("split a vLLM Mooncake batch by request")
         return result
 
     return build()
 
 
-async def _remember_shares(wrapped, instance, args, kwargs, result) -> None:
-    names = ("ready_reqs", "agent_meta", "local_regions", "remote_regions")
-    params = dict(zip(names, args))
-    params.update((k, v) for k, v in kwargs.items() if k in names)
-    src_ptrs, _, lengths, err_reqs, _ = result
-    if not src_ptrs:
+def _remember_shares(instance, agent_meta, src_ptrs, parts) -> None:
+    """Keep each request's share of the descriptor list until `_send_blocks` sends it."""
+    if not src_ptrs or not parts:
         return
-    failed = set(err_reqs or ())
-    ready = [(d_req_id, meta) for d_req_id, meta in params["ready_reqs"] if d_req_id not in failed]
-    if len(ready) == 1:
-        per_request = [(ready[0][1], len(lengths), sum(lengths))]
-    else:
-        # The same function, one request at a time: exactly that request's descriptors, in the same order.
-        per_request = []
-        for pair in ready:
-            _, _, own_lengths, own_errors, _ = await wrapped(
-                [pair], params["agent_meta"], params["local_regions"], params["remote_regions"])
-            if not own_errors and own_lengths:
-                per_request.append((pair[1], len(own_lengths), sum(own_lengths)))
-        if sum(n for _, n, _ in per_request) != len(lengths):
-            own_error("match a vLLM Mooncake batch to its requests")
-            return
-    agent_meta = params["agent_meta"]
     ranks = list(instance.transfer_topo.handshake_target_ranks(agent_meta.remote_tp_size))
     destination = ranks.index(agent_meta.remote_tp_rank) if agent_meta.remote_tp_rank in ranks else 0
     replicas = len(ranks) if getattr(instance, "use_mla", False) else 1
-    _shares[id(src_ptrs)] = (src_ptrs, [
-        {"key": meta.transfer_id, "bytes": nbytes, "descriptors": descriptors, "chunk_index": 0,
-         "is_last_chunk": True, "destination_index": destination, "replica_factor": replicas}
-        for meta, descriptors, nbytes in per_request if descriptors])
+    shares = []
+    for meta, (_, _, lengths, errors, _) in parts:
+        if errors or not lengths:
+            continue
+        share = {"key": meta.transfer_id, "bytes": sum(lengths), "descriptors": len(lengths), "chunk_index": 0,
+                 "is_last_chunk": True, "destination_index": destination, "replica_factor": replicas}
+        if _layout_missed.pop(meta.transfer_id, None):
+            share["attributes"] = {RESEND: True}
+        shares.append(share)
+    if sum(share["descriptors"] for share in shares) != len(src_ptrs):
+        own_error("match a vLLM Mooncake batch to its requests")
+        return
+    _shares[id(src_ptrs)] = (src_ptrs, shares)
 
 
 def _send_blocks_wrapper(wrapped, instance, args, kwargs):
@@ -140,8 +184,14 @@ def _send_blocks_wrapper(wrapped, instance, args, kwargs):
 
 def _fetch_sending_wrapper(wrapped, instance, args, kwargs):
     async def fetch():
-        sent = set(instance.finished_sending_reqs)  # completed sends; the call adds the expired ones
+        sent = None
+        try:
+            sent = set(instance.finished_sending_reqs)  # completed sends; the call adds the expired ones
+        except Exception:  # pylint: disable=broad-except
+            own_error("read vLLM Mooncake finished sends")
         done = await wrapped(*args, **kwargs)
+        if sent is None:
+            return done
         try:
             for p_req_id in done:
                 transfer_id = _transfer_of_prefill.pop(p_req_id, None)
@@ -159,15 +209,61 @@ def _fetch_sending_wrapper(wrapped, instance, args, kwargs):
 
 def _handle_failed_recv_wrapper(wrapped, instance, args, kwargs):
     try:
-        names = ("pull_metas", "req_ids", "reason")
-        params = dict(zip(names, args))
-        params.update((k, v) for k, v in kwargs.items() if k in names)
-        for req_id in params["req_ids"]:
-            pull_meta = params["pull_metas"].get(req_id)
+        params = bind(("pull_metas", "req_ids", "reason"), args, kwargs)
+        pull_metas = params["pull_metas"]
+        # Right after the FINISH response of this very pull: requests the prefill side never reported.
+        error = PEER_DROPPED if getattr(_finished, "pull_metas", None) is pull_metas else TRANSFER_FAILED
+        _finished.pull_metas = None
+        dropped = 0
+        for req_id in params["req_ids"]:  # read before the call: vLLM >= 0.33 pops them from pull_metas
+            pull_meta = pull_metas.get(req_id)
             if pull_meta is not None and not pull_meta.failed:
-                _failed_recvs[req_id] = TRANSFER_FAILED
+                _failed_recvs[req_id] = error
+                dropped += 1
+        if error == PEER_DROPPED:
+            events.count(events.PEER_DROPPED, BACKEND, dropped)
     except Exception:  # pylint: disable=broad-except
         own_error("read a vLLM Mooncake receive failure")
+    return wrapped(*args, **kwargs)
+
+
+def _process_pulling_result_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        _finished.pull_metas = None
+        params = bind(("response", "pull_metas"), args, kwargs)
+        # Only a vLLM that settles peer tasks (>= 0.33) fails what a FINISH left unreported; before, the marker
+        # could outlive the pull and mislabel another peer's error on the same pull_metas.
+        if (getattr(params["response"].status, "name", None) == "FINISH"
+                and hasattr(type(instance), "_complete_pull_task")):
+            _finished.pull_metas = params["pull_metas"]  # read by a _handle_failed_recv that follows at once
+    except Exception:  # pylint: disable=broad-except
+        own_error("read a vLLM Mooncake pull result")
+    return result
+
+
+def _lookup_peer_layout_wrapper(wrapped, instance, args, kwargs):
+    stored = wrapped(*args, **kwargs)
+    if stored is None and active():
+        try:
+            meta = bind(("meta",), args, kwargs)["meta"]
+            for transfer_id, _ in meta.req_blocks.values():
+                _layout_missed[transfer_id] = True
+            events.count(events.LAYOUT_MISS, BACKEND)
+        except Exception:  # pylint: disable=broad-except
+            own_error("read a vLLM Mooncake layout miss")
+    return stored
+
+
+def _build_pull_metadata_wrapper(wrapped, instance, args, kwargs):
+    try:
+        pull_metas = bind(("pull_metas",), args, kwargs)["pull_metas"]
+        if _pulls_built.get(id(pull_metas)) is pull_metas:
+            events.count(events.LAYOUT_RESEND, BACKEND)  # the same pull built again: after a LAYOUT_MISS
+        else:
+            _pulls_built[id(pull_metas)] = pull_metas
+    except Exception:  # pylint: disable=broad-except
+        own_error("read a vLLM Mooncake pull")
     return wrapped(*args, **kwargs)
 
 
@@ -194,8 +290,16 @@ def patch(module) -> None:
     patcher.wrap(worker, "fetch_finished_sending_reqs", _fetch_sending_wrapper)
     patcher.wrap(worker, "_handle_failed_recv", _handle_failed_recv_wrapper)
     patcher.wrap(worker, "fetch_finished_recving_reqs", _fetch_recving_wrapper)
+    patcher.wrap(worker, "process_pulling_result", _process_pulling_result_wrapper)
+    # vLLM >= 0.33 only (absent before: not wrapped, nothing else changes)
+    patcher.wrap(worker, "_lookup_peer_layout", _lookup_peer_layout_wrapper)
+    patcher.wrap(worker, "_build_pull_metadata", _build_pull_metadata_wrapper)
+    patcher.wrap(worker, "unregister_kv_caches", events.registration_wrapper(events.UNREGISTER, BACKEND))
+    patcher.wrap(worker, "restore_kv_caches", events.registration_wrapper(events.REREGISTER, BACKEND))
 
 
 def forget() -> None:
-    for table in (_transfer_of_prefill, _failed_sends, _transfer_of_decode, _failed_recvs, _shares):
+    for table in (_transfer_of_prefill, _failed_sends, _transfer_of_decode, _failed_recvs, _shares, _layout_missed,
+                  _pulls_built):
         table.clear()
+    _finished.pull_metas = None

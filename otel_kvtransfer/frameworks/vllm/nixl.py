@@ -13,13 +13,20 @@ Prefill side (peer), same class:
 - `start_load_kv(metadata)`: a request in `metadata.reqs_to_send` has its KV ready to be read: `kv_transfer.serve`
   opens; `get_transfer_results()` ends it when decode's completion notification arrived (`finished_sending`),
   ERROR `expired` when `_reap_expired_send_leases` freed it unread.
+vLLM 0.33: a remote whose `registration_generation` grew (it slept and registered its KV cache again) is dropped
+and handshaken anew before the read (`_read_blocks_for_req`): the request span carries `kv_transfer.rehandshake`
+= true and the re-handshake is counted (`rehandshake`); sleep mode's `unregister_kv_caches` / `restore_kv_caches`
+are counted (`kv_unregistered`, `kv_reregistered`; events.py). Its strided (Nx5) descriptor rows are the NIXL
+engine module's business (bytes = length x count per row).
+Every read of vLLM's state happens inside a wrapper's own guard: a renamed attribute costs a counted
+`wrapper_error`, never an exception in vLLM's loops.
 Push mode (`NixlPushConnectorWorker`, prefill writes) is not instrumented at the framework level; its handles
 still become raw `kv_transfer.send` spans through the NIXL engine module.
 """
 
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
-from otel_kvtransfer.frameworks.vllm import common
+from otel_kvtransfer.frameworks.vllm import common, events
 from otel_kvtransfer.patching import active, observe_call, own_error
 
 BACKEND = "nixl"
@@ -34,6 +41,16 @@ def _is_pull(worker) -> bool:
     return getattr(worker, "_TRANSFER_MODE", "pull") == "pull"
 
 
+def _rehandshake_due(worker, remote) -> bool:
+    """vLLM >= 0.33 drops a loaded remote whose registration generation grew, and handshakes with it again."""
+    known = getattr(worker, "_remote_registration_generations", None)
+    generation = getattr(remote, "registration_generation", 0)
+    if known is None or not generation:
+        return False
+    loaded = worker._remote_agents  # pylint: disable=protected-access
+    return known.get(remote.engine_id, 0) < generation and remote.engine_id in loaded
+
+
 def _on_start_load_kv(instance, args, kwargs) -> None:
     """The scheduler's metadata for this step: reads to post (decode) and KV ready to be read (prefill)."""
     if not _is_pull(instance):
@@ -44,8 +61,11 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
         if remote is None or not common.has_blocks(meta.local_block_ids) or req_id in _key_of_decode:
             continue
         _key_of_decode[req_id] = remote.request_id
+        attributes = common.request_attributes(instance, req_id, with_model=True)
+        if _rehandshake_due(instance, remote):
+            attributes[common.REHANDSHAKE] = True
         kvt.begin_request(remote.request_id, backend=BACKEND, framework=common.FRAMEWORK, role=semconv.ROLE_DECODE,
-                          attributes=common.request_attributes(instance, req_id, with_model=True))
+                          attributes=attributes)
     for req_id in metadata.reqs_to_send:
         if req_id not in _serving:
             _serving[req_id] = True
@@ -75,15 +95,32 @@ def _read_blocks_wrapper(wrapped, instance, args, kwargs):
 
 
 def _reap_expired_wrapper(wrapped, instance, args, kwargs):
-    done_sending = args[0] if args else kwargs.get("done_sending")
-    before = set(done_sending) if done_sending is not None else set()
+    done_sending, before = None, None
+    try:
+        done_sending = args[0] if args else kwargs.get("done_sending")
+        before = set(done_sending) if done_sending is not None else None
+    except Exception:  # pylint: disable=broad-except
+        own_error("read vLLM NIXL finished sends")
     result = wrapped(*args, **kwargs)
+    if before is None:
+        return result
     try:
         for req_id in set(done_sending) - before:
             _expired[req_id] = True
     except Exception:  # pylint: disable=broad-except
         own_error("read vLLM NIXL expiries")
     return result
+
+
+def _read_blocks_for_req_wrapper(wrapped, instance, args, kwargs):
+    if active():
+        try:
+            meta = common.bind(("req_id", "meta"), args, kwargs)["meta"]
+            if _rehandshake_due(instance, meta.remote):
+                events.count(events.REHANDSHAKE, BACKEND)
+        except Exception:  # pylint: disable=broad-except
+            own_error("read a vLLM NIXL remote's registration")
+    return wrapped(*args, **kwargs)
 
 
 def _transfer_results_wrapper(wrapped, instance, args, kwargs):
@@ -111,6 +148,10 @@ def patch(module) -> None:
     common.patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
     common.patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)
     common.patcher.wrap(base, "get_transfer_results", _transfer_results_wrapper)
+    # vLLM >= 0.33 only (absent before: not wrapped, nothing else changes)
+    common.patcher.wrap(worker, "_read_blocks_for_req", _read_blocks_for_req_wrapper)
+    common.patcher.wrap(base, "unregister_kv_caches", events.registration_wrapper(events.UNREGISTER, BACKEND))
+    common.patcher.wrap(base, "restore_kv_caches", events.registration_wrapper(events.REREGISTER, BACKEND))
 
 
 def forget() -> None:

@@ -1,0 +1,79 @@
+"""What the vLLM wrappers need from vLLM, per patched module: the gate checks it before patching (on any vLLM
+release, tested or newer), and scripts/canary.py checks it in each new release's source.
+
+Keep in step with mooncake.py and nixl.py: every `patcher.wrap`, every parameter a wrapper reads by name, every
+attribute it reads from vLLM's objects. `optional` marks what only newer releases have (0.33's paths); without it
+the wrappers do not see that path, and nothing else changes.
+"""
+
+from otel_kvtransfer.targets import Target
+
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
+MOONCAKE = f"{_V1}.mooncake.mooncake_connector"
+NIXL_PULL = f"{_V1}.nixl.pull_worker"
+NIXL_BASE = f"{_V1}.nixl.base_worker"
+NIXL_METADATA = f"{_V1}.nixl.metadata"
+NIXL_TP = f"{_V1}.nixl.tp_mapping"
+CONNECTOR_BASE = f"{_V1}.base"
+UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
+
+_WORKER = "MooncakeConnectorWorker"
+
+MOONCAKE_TARGETS = [
+    Target(MOONCAKE, _WORKER, "start_load_kv", ("metadata",), ("is_kv_producer", "block_len_per_layer",
+                                                               "vllm_config")),
+    Target(MOONCAKE, _WORKER, "_build_transfer_params", ("ready_reqs", "agent_meta", "local_regions",
+                                                         "remote_regions"), ("transfer_topo", "use_mla")),
+    Target(MOONCAKE, _WORKER, "_send_blocks", ("remote_session", "src_ptrs")),
+    Target(MOONCAKE, _WORKER, "fetch_finished_sending_reqs", (), ("finished_sending_reqs",)),
+    Target(MOONCAKE, _WORKER, "_handle_failed_recv", ("pull_metas", "req_ids", "reason")),
+    Target(MOONCAKE, _WORKER, "fetch_finished_recving_reqs"),
+    Target(MOONCAKE, _WORKER, "process_pulling_result", ("response", "pull_metas")),
+    Target(MOONCAKE, "MooncakeConnectorMetadata", attrs=("reqs_to_send", "reqs_to_recv")),
+    Target(MOONCAKE, "PullReqMeta", attrs=("transfer_id", "local_block_ids", "failed")),
+    Target(MOONCAKE, "SendBlockMeta", attrs=("transfer_id",)),
+    Target(MOONCAKE, "MooncakeXferMetadata", attrs=("remote_tp_size", "remote_tp_rank", "req_blocks")),
+    Target(MOONCAKE, "MooncakeXferResponse", attrs=("status",)),
+    Target(MOONCAKE, "MooncakeXferResponseStatus", attrs=("FINISH",)),
+    Target(UTILS, "TransferTopology", "handshake_target_ranks"),
+    # 0.33: the peer-layout cache (a LAYOUT_MISS makes decode resend its layout) and sleep mode's re-registration.
+    # The receiver fails what a FINISH left unreported.
+    Target(MOONCAKE, _WORKER, "_lookup_peer_layout", ("meta",), optional=True),
+    Target(MOONCAKE, _WORKER, "_build_pull_metadata", ("pull_metas",), optional=True),
+    Target(MOONCAKE, _WORKER, "_complete_pull_task", optional=True),
+    Target(MOONCAKE, "MooncakeXferMetadata", attrs=("layout_id", "kv_caches_base_addr"), optional=True),
+    Target(MOONCAKE, _WORKER, "unregister_kv_caches", (), ("_kv_unregistered",), optional=True),
+    Target(MOONCAKE, _WORKER, "restore_kv_caches", optional=True),
+]
+
+_PULL = "NixlPullConnectorWorker"
+_BASE = "NixlBaseConnectorWorker"
+
+NIXL_TARGETS = [
+    Target(NIXL_PULL, _PULL, "start_load_kv", ("metadata",), ("_TRANSFER_MODE", "vllm_config")),
+    Target(NIXL_PULL, _PULL, "_read_blocks", ("read_spec", "dst_engine_id", "remote_request_id"),
+           ("tp_mappings",)),
+    Target(NIXL_BASE, _BASE, "_reap_expired_send_leases", ("done_sending",)),
+    Target(NIXL_BASE, _BASE, "get_transfer_results"),
+    Target(NIXL_METADATA, "NixlConnectorMetadata", attrs=("reqs_to_recv", "reqs_to_send")),
+    Target(NIXL_METADATA, "ReqMeta", attrs=("local_block_ids", "remote")),
+    Target(NIXL_METADATA, "RemoteMeta", attrs=("request_id", "engine_id")),
+    Target(NIXL_TP, "ReadSpec", attrs=("remote_rank",)),
+    Target(NIXL_TP, "TPMapping", attrs=("all_source_ranks",)),
+    Target(CONNECTOR_BASE, "KVConnectorTransferResults", attrs=("finished_sending", "finished_recving",
+                                                                "failed_recving")),
+    # 0.33: a remote whose registration generation grew (it slept and registered again) is handshaken anew.
+    Target(NIXL_PULL, _PULL, "_read_blocks_for_req", ("req_id", "meta"),
+           ("_remote_registration_generations", "_remote_agents"), optional=True),
+    Target(NIXL_METADATA, "RemoteMeta", attrs=("registration_generation",), optional=True),
+    Target(NIXL_BASE, _BASE, "unregister_kv_caches", (), ("_kv_unregistered",), optional=True),
+    Target(NIXL_BASE, _BASE, "restore_kv_caches", optional=True),
+]
+
+
+def by_module() -> dict:
+    """Patched module -> the targets checked when it is imported (the gate's `targets`)."""
+    return {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS}
+
+
+ALL = MOONCAKE_TARGETS + NIXL_TARGETS
