@@ -59,6 +59,7 @@ RECEIVE_DURATION = (semconv.METRIC_RECEIVE_DURATION, "s",
 INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
                REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION)
 _INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
+_BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
  I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION) = range(len(INSTRUMENTS))
 
@@ -104,29 +105,19 @@ class _Table:
         self.labels: Dict[tuple, dict] = {}
         self.interval_start = time.time_ns()  # a delta point starts where the previous collection ended
 
-    def record(self, index: int, key: tuple, labels: dict, value, now: int, exemplar) -> None:
+    def new_point(self, index: int, key: tuple, labels: dict, now: int) -> _Point:
+        """The point of a series seen for the first time (beyond MAX_SERIES: the overflow series)."""
         series = self.series[index]
-        point = series.get(key)
-        if point is None:
-            if len(series) >= MAX_SERIES:
-                key, labels = _OVERFLOW_KEY, _OVERFLOW_ATTRIBUTES
-                point = series.get(key)
-            if point is None:
-                bounds = INSTRUMENTS[index][3]
-                point = series[key] = _Point(self.interval_start if self.delta[index] else now,
-                                             len(bounds) + 1 if bounds is not None else 1)
-                self.labels.setdefault(key, labels)
-        bounds = INSTRUMENTS[index][3]
-        slot = bisect_left(bounds, value) if bounds is not None else 0
-        point.count += 1
-        point.sum += value
-        if value < point.min:
-            point.min = value
-        if value > point.max:
-            point.max = value
-        point.buckets[slot] += 1
-        if exemplar is not None:
-            point.exemplars[slot] = (value, now, exemplar[0], exemplar[1])
+        if len(series) >= MAX_SERIES:
+            key, labels = _OVERFLOW_KEY, _OVERFLOW_ATTRIBUTES
+            point = series.get(key)
+            if point is not None:
+                return point
+        bounds = _BOUNDS[index]
+        point = series[key] = _Point(self.interval_start if self.delta[index] else now,
+                                     len(bounds) + 1 if bounds else 1)
+        self.labels.setdefault(key, labels)
+        return point
 
 
 _BY_PROVIDER = weakref.WeakKeyDictionary()  # MeterProvider -> its KVMetrics
@@ -166,15 +157,29 @@ class KVMetrics:
     def record(self, key: tuple, labels: dict, measurements, span_context=None) -> None:
         """`measurements`: (instrument index, value) pairs of one span; `key` and `labels`: its series (from
         `series_of`); `span_context`: that span (the exemplar, under the exemplar filter)."""
+        now = time.time_ns()
         exemplar = None
         if span_context is not None and self._exemplars != "always_off":
             if self._exemplars == "always_on" or span_context.trace_flags.sampled:
-                exemplar = (span_context.span_id, span_context.trace_id)
-        now = time.time_ns()
-        with self._lock:
+                exemplar = (now, span_context.span_id, span_context.trace_id)
+        with self._lock:  # the per-measurement work inline: this runs for every transfer
             for table in self._tables.values():
+                series = table.series
                 for index, value in measurements:
-                    table.record(index, key, labels, value, now, exemplar)
+                    point = series[index].get(key)
+                    if point is None:
+                        point = table.new_point(index, key, labels, now)
+                    bounds = _BOUNDS[index]
+                    slot = bisect_left(bounds, value) if bounds else 0
+                    point.count += 1
+                    point.sum += value
+                    if value < point.min:
+                        point.min = value
+                    if value > point.max:
+                        point.max = value
+                    point.buckets[slot] += 1
+                    if exemplar is not None:
+                        point.exemplars[slot] = (value, exemplar)
 
     # --- the readers' side --------------------------------------------------------------------------------
     def attach(self, meter_provider) -> bool:
@@ -337,7 +342,7 @@ def _exemplars(point: _Point, labels) -> list:
     from opentelemetry.sdk.metrics._internal.exemplar import Exemplar  # pylint: disable=import-outside-toplevel
 
     return [Exemplar({}, value, at, span_id, trace_id)
-            for value, at, span_id, trace_id in (e for e in point.exemplars if e is not None)]
+            for value, (at, span_id, trace_id) in (e for e in point.exemplars if e is not None)]
 
 
 def _histogram_point(labels, point: _Point, now: int, bounds) -> HistogramDataPoint:

@@ -41,6 +41,7 @@ TESTS=(
   tests/test_aggregate_and_stitching.py
   tests/test_recorder.py
   tests/test_builder.py
+  tests/test_span_encoding.py
   tests/test_processor.py
   tests/test_integration_api.py
   tests/test_request_spans.py

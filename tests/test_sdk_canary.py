@@ -126,3 +126,81 @@ def test_pyproject_bounds_the_sdk_major_version():
     for name in ("opentelemetry-api", "opentelemetry-sdk"):
         (spec,) = re.findall(rf'^\s*"{name}\s*([^"]*)"', text, re.M)
         assert re.search(r"<\s*2(\.0)*\s*(,|$)", spec), (name, spec)
+
+
+# --- the direct pipeline ------------------------------------------------------------------------------------------
+
+def test_the_tracer_attributes_direct_spans_read():
+    """DirectSpans reads the SDK tracer's sampler, id generator, span processor, resource and scope, and builds
+    ReadableSpans positionally: a reordered constructor would put values in the wrong fields."""
+    import inspect  # pylint: disable=import-outside-toplevel
+
+    from opentelemetry.sdk.trace import ReadableSpan  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer.instrumentor import _is_sdk_tracer  # pylint: disable=import-outside-toplevel
+
+    tracer = TracerProvider().get_tracer("canary", "1")
+    assert _is_sdk_tracer(tracer)
+    assert tracer._instrumentation_scope.name == "canary"  # pylint: disable=protected-access
+    assert list(inspect.signature(ReadableSpan.__init__).parameters)[1:14] == [
+        "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
+        "status", "start_time", "end_time", "instrumentation_scope"]
+    span = ReadableSpan("n", attributes={"a": 1}, start_time=1, end_time=2)
+    assert (span._name, span._attributes, span._start_time, span._end_time) == (  # pylint: disable=W0212
+        "n", {"a": 1}, 1, 2)
+
+
+def test_span_context_is_the_tuple_the_encoder_indexes():
+    from opentelemetry.trace import SpanContext, TraceFlags, TraceState  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import span_encoding  # pylint: disable=import-outside-toplevel
+
+    context = SpanContext(7, 9, True, TraceFlags(1), TraceState([("a", "b")]))
+    assert (context[0], context[1], context[2], context[4]) == (7, 9, True, context.trace_state)
+    assert span_encoding._TUPLE_CONTEXT  # pylint: disable=protected-access
+
+
+def test_the_otlp_exporters_encode_through_their_module_encode_spans():
+    """accelerate() replaces `encode_spans` in the exporter modules: each must look it up there at export time,
+    and the HTTP one only serialize what it returns."""
+    import inspect  # pylint: disable=import-outside-toplevel
+    import importlib  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import span_encoding  # pylint: disable=import-outside-toplevel
+
+    for name in span_encoding.EXPORTER_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue  # not installed here (the minimum-versions job has no gRPC exporter)
+        assert callable(module.encode_spans)
+        source = inspect.getsource(module)
+        assert "encode_spans(" in source
+        if ".http." in name:  # what PreEncoded offers is all it uses
+            uses = set(re.findall(r"encode_spans\([^)]*\)\.(\w+)", source))
+            assert uses and uses <= {"SerializeToString", "SerializePartialToString"}, uses
+
+
+def test_meter_provider_readers_and_their_collect_callback():
+    """KVMetrics wraps each reader's `_collect` (set by the MeterProvider) and reads the provider's readers,
+    resource and exemplar filter; the reader's collect() must go through `_collect`."""
+    from opentelemetry.sdk.metrics import MeterProvider  # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # pylint: disable=import-outside-toplevel
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    readers = getattr(provider, "_metric_readers", None)
+    if readers is None:
+        readers = provider._sdk_config.metric_readers  # pylint: disable=protected-access
+    assert list(readers) == [reader]
+    assert provider._sdk_config.resource is not None  # pylint: disable=protected-access
+    assert hasattr(provider._sdk_config, "exemplar_filter")  # pylint: disable=protected-access
+    original, calls = reader._collect, []  # pylint: disable=protected-access
+
+    def spy(metric_reader, timeout_millis=10_000, **kwargs):
+        calls.append(metric_reader)
+        return original(metric_reader, timeout_millis=timeout_millis, **kwargs)
+
+    reader._collect = spy  # pylint: disable=protected-access
+    reader.get_metrics_data()
+    assert calls == [reader]
