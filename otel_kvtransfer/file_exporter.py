@@ -203,7 +203,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         self._meter_provider = meter_provider
         self._counter = None
         self._lock = threading.Lock()
-        self._logged = set()  # causes already logged, until a write succeeds again
+        self._logged = {"no_path"} if self.path is None else set()  # causes logged, until a write succeeds again
         self._failed = False  # a batch was lost since the last force_flush
         self._start()
 
@@ -277,8 +277,8 @@ class OtlpJsonFileSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
-        if self.path is None:
-            self._failed = True
+        if self.path is None:  # said once, at construction; every lost span is still counted
+            self._drop(len(spans), _Failure("no_path", "no file to write"))
             return SpanExportResult.FAILURE
         ok = True
         try:
@@ -303,7 +303,8 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         if self._pid != os.getpid() or self._thread is None:
             return
         self._jobs.put(None)
-        self._thread.join(min(self.write_timeout_s, max(timeout_millis, 0) / 1000))  # a writer stuck in a hung filesystem is left behind (daemon)
+        # a writer stuck in a hung filesystem is left behind (a daemon thread): the exit does not wait for it
+        self._thread.join(min(self.write_timeout_s, max(timeout_millis, 0) / 1000))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """False when a batch was lost since the last call (every export already waited for its write)."""

@@ -258,3 +258,11 @@ def test_errno_of_a_directory_open_names_it(tmp_path, caplog):
     counted = _Counted(tmp_path)
     counted.exporter.export(_spans(1))
     assert errno.errorcode[errno.EISDIR] and "Is a directory" in _errors(caplog)[0].getMessage()
+
+
+def test_no_path_counts_every_lost_span(monkeypatch, caplog):
+    monkeypatch.delenv(fe.ENV_SPAN_FILE, raising=False)
+    counted = _Counted("")
+    assert counted.exporter.export(_spans(3)) == SpanExportResult.FAILURE
+    assert len(_errors(caplog)) == 1 and fe.ENV_SPAN_FILE in _errors(caplog)[0].getMessage()  # said once
+    assert counted.dropped() == {fe.DROP_REASON: 3} and counted.exporter.force_flush() is False
