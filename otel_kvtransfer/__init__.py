@@ -2,7 +2,7 @@
 
 Every actual KV transfer becomes a `kv_transfer.send` span with its exact bytes, under a `kv_transfer.request`
 span for its request; the peer's wait is a `kv_transfer.receive` (push) or `kv_transfer.serve` (pull) span in the
-same trace; `KVTransferMetricsProcessor` derives the speed metrics from those spans.
+same trace; the speed metrics are recorded from the same figures the spans carry.
 
 Usage, with auto-instrumentation (standard OTEL_* variables only):
 

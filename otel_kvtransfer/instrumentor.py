@@ -4,16 +4,21 @@
     KVTransferInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
 
 instrument() and uninstrument() mirror each other step for step:
-1. the package's tracer gets `RecordUnsampledSampler` (metrics count what sampling leaves out) / gets its own back;
+1. the direct pipeline (the default): the builder gets `DirectSpans` for the package's SDK tracer, the
+   MeterProvider's readers get the metric tables (`kvmetrics`; they outlive uninstrument(), as SDK instruments
+   do), and the OTLP exporters' `encode_spans` our fixed-shape encoder (`span_encoding`) / the encoder is
+   restored. With OTEL_KVTRANSFER_PIPELINE=sdk instead: the package's tracer gets `RecordUnsampledSampler`
+   (metrics count what sampling leaves out) and the provider `KVTransferMetricsProcessor` / both are detached;
 2. the SDK TracerProvider gets `FlushFirstSpanProcessor` in front (flush and shutdown deliver every recorded
-   transfer) and `KVTransferMetricsProcessor` / both are detached;
+   transfer) / it is detached;
 3. the recorder's thread starts with a fresh `SpanBuilder` / is drained (bounded), stopped and joined, and the
    spans the builder still holds open are ended as evicted and counted;
 4. every registered engine module and framework package patches what is importable / undoes every patch.
 When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
-recorder's thread as soon as one is set. With OTEL_KVTRANSFER_BUILDER=process, steps 1-3's builder, sampler and
-metrics live in a helper process (`offload`, `helper_process`): this process's recorder hands it the records, and
-its TracerProvider gets `HelperFlushProcessor` only; uninstrument() closes the helper.
+recorder's thread as soon as one is set. When a helper process builds (`builder_choice`: OTEL_KVTRANSFER_BUILDER,
+`auto` by default), steps 1-3's builder and metrics live there (`offload`, `helper_process`): this process's
+recorder hands it the records, and its TracerProvider gets `HelperFlushProcessor` only; uninstrument() closes the
+helper.
 
 Backends are a registry: a new transfer engine is one module in `engines/` and a line in ENGINES, a new serving
 framework one package in `frameworks/` and a line in FRAMEWORKS.
