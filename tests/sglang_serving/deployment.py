@@ -96,7 +96,8 @@ class Deployment:
     """One deployment; `start()` brings it up (or stops everything it started and raises), `stop()` ends it."""
 
     def __init__(self, workdir=None, *, phoenix=False, prometheus=False, enable_trace=False, instrument=True,
-                 prefill_env=None, extra_env=None, exporters=None, transfer_backend="mooncake"):
+                 prefill_env=None, extra_env=None, exporters=None, transfer_backend="mooncake", model_dir=None,
+                 server_flags=()):
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend: one of {TRANSFER_BACKENDS}")
         self.transfer_backend = transfer_backend
@@ -107,6 +108,9 @@ class Deployment:
         self.prefill_env = dict(prefill_env or {})
         self.extra_env = dict(extra_env or {})
         self.exporters = exporters
+        # another model config (a folder with a config.json) and flags after the common ones (argparse: last wins)
+        self.model_dir = model_dir or MODEL_DIR
+        self.server_flags = list(server_flags)
         self.procs = {}  # name -> Popen, in start order
         self._logs = []
         self.holder = None
@@ -199,9 +203,10 @@ class Deployment:
         return env
 
     def server_argv(self, role: str):
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL_DIR] + COMMON_FLAGS
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_dir] + COMMON_FLAGS
         argv += ["--disaggregation-transfer-backend", self.transfer_backend]
         argv += PREFILL_FLAGS if role == "prefill" else DECODE_FLAGS
+        argv += self.server_flags
         if self.enable_trace:
             argv += ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{PHOENIX_GRPC_PORT}"]
         if self.instrument:
