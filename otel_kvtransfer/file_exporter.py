@@ -215,9 +215,6 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         self._thread = None
 
     def _ensure_thread(self) -> None:
-        if self._pid != os.getpid():  # a forked child: no writer thread, its own file descriptor
-            self._lock = threading.Lock()
-            self._start()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True,
                                             name="kvtransfer-span-file")
@@ -243,6 +240,9 @@ class OtlpJsonFileSpanExporter(SpanExporter):
 
     def _write(self, data: bytes) -> Optional[_Failure]:
         """Hand one line to the writer thread and wait for it, at most write_timeout_s."""
+        if self._pid != os.getpid():  # a forked child: no writer thread, a lock another thread may have held
+            self._lock = threading.Lock()
+            self._start()
         with self._lock:
             self._ensure_thread()
             if self._stuck is not None:

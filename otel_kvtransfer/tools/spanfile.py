@@ -411,7 +411,7 @@ class _TornLine(_LineError):
 
 
 def _parse_line(raw: bytes) -> list:
-    if raw.startswith(b"{") and (b"\x00" in raw or not raw.rstrip(b"\r\n").endswith(b"}")):
+    if raw.startswith(b"{") and (b"\x00" in raw or not raw.rstrip().endswith(b"}")):
         raise _TornLine("the line is cut short")  # a crash leaves zeros, a full disk a partial line
     if not raw.strip(b"\x00\r\n"):
         raise _TornLine("the line holds only zero bytes")
