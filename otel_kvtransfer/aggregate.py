@@ -55,6 +55,16 @@ def logical_share(nbytes: float, replica_factor: Optional[int]) -> float:
     return nbytes / max(int(replica_factor or 1), 1)
 
 
+def tail(busy: Sequence[Interval], compute: Sequence[Interval]) -> dict:
+    """tail_ns, tail_busy_ns, tail_queued_ns of sorted disjoint send and compute intervals (as `union` returns)."""
+    if not busy or not compute:
+        return {"tail_ns": 0, "tail_busy_ns": 0, "tail_queued_ns": 0}
+    compute_end, last_byte = compute[-1][1], busy[-1][1]
+    tail_ns = max(last_byte - compute_end, 0)
+    tail_busy = intersection_length(busy, [(compute_end, last_byte)]) if tail_ns else 0
+    return {"tail_ns": tail_ns, "tail_busy_ns": tail_busy, "tail_queued_ns": tail_ns - tail_busy}
+
+
 def quantile(sorted_values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
     n = len(sorted_values)
@@ -70,7 +80,10 @@ class RequestAggregate:
     """Accumulates one request's sends and compute intervals; `figures()` gives its DESIGN aggregates.
 
     Keys of `figures()`: bytes, logical_bytes, transfer_count, chunk_count, replica_factor, busy_ns,
-    throughput, and when compute is known, overlap_ns and overlap_ratio.
+    throughput, and when compute is known, overlap_ns and overlap_ratio, and the tail: tail_ns (end of the last
+    send - end of the last compute, 0 when the last byte left before compute ended), tail_busy_ns (the part of
+    that interval in which some transfer of the request moved bytes) and tail_queued_ns (the rest: nothing of
+    the request moved).
     """
 
     __slots__ = ("sends", "compute", "chunks", "bytes", "logical", "transfers", "replica")
@@ -114,9 +127,11 @@ class RequestAggregate:
             "throughput": throughput(self.bytes, busy_ns),
         }
         if self.compute:
-            overlap_ns = intersection_length(busy, union(self.compute))
+            compute = union(self.compute)
+            overlap_ns = intersection_length(busy, compute)
             out["overlap_ns"] = overlap_ns
             out["overlap_ratio"] = overlap_ns / busy_ns if busy_ns else 0.0
+            out.update(tail(busy, compute))
         return out
 
 
@@ -126,7 +141,8 @@ FIGURE_ATTRIBUTES = {
     "bytes": semconv.BYTES, "logical_bytes": semconv.LOGICAL_BYTES, "transfer_count": semconv.TRANSFER_COUNT,
     "chunk_count": semconv.CHUNK_COUNT, "replica_factor": semconv.REPLICA_FACTOR, "busy_s": semconv.BUSY_S,
     "throughput": semconv.THROUGHPUT, "compute_overlap_s": semconv.COMPUTE_OVERLAP_S,
-    "compute_overlap_ratio": semconv.COMPUTE_OVERLAP_RATIO,
+    "compute_overlap_ratio": semconv.COMPUTE_OVERLAP_RATIO, "tail_s": semconv.TAIL_S,
+    "tail_busy_s": semconv.TAIL_BUSY_S, "tail_queued_s": semconv.TAIL_QUEUED_S,
 }
 
 
@@ -138,4 +154,7 @@ def span_figures(figures: dict) -> dict:
     if "overlap_ns" in figures:
         out["compute_overlap_s"] = figures["overlap_ns"] / NS_PER_S
         out["compute_overlap_ratio"] = figures["overlap_ratio"]
+    if "tail_ns" in figures:
+        for name in ("tail", "tail_busy", "tail_queued"):
+            out[name + "_s"] = figures[name + "_ns"] / NS_PER_S
     return out

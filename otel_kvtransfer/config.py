@@ -20,6 +20,8 @@ BUILDER = "OTEL_KVTRANSFER_BUILDER"
 # Where spans are built: a helper process, the engine process's own thread, or (auto) the helper when it can set
 # up the same SDK as this process (builder_choice).
 BUILDERS = ("auto", "process", "thread")
+MAX_PEERS = "OTEL_KVTRANSFER_MAX_PEERS"
+STUCK_S = "OTEL_KVTRANSFER_STUCK_S"
 PIPELINE = "OTEL_KVTRANSFER_PIPELINE"
 PIPELINES = ("direct", "sdk")  # how: spans and metric points built directly, or through the SDK tracer/instruments
 
@@ -33,6 +35,8 @@ class Settings:
     max_pending_async: int = 16384  # async submissions waiting for their completion to be observed
     builder: str = "auto"  # one of BUILDERS
     pipeline: str = "direct"  # one of PIPELINES
+    max_peers: int = 64  # distinct peers on kv_transfer.peer.throughput per process; the rest are `other`
+    stuck_s: float = 30.0  # an open transfer, request or peer wait older than this is reported as stuck
 
 
 def _read(name, parse, default, low, high):
@@ -72,4 +76,6 @@ def load() -> Settings:
         max_pending_async=_read(MAX_PENDING_ASYNC, int, Settings.max_pending_async, 1, 1 << 20),
         builder=_read_choice(BUILDER, BUILDERS, Settings.builder),
         pipeline=_read_choice(PIPELINE, PIPELINES, Settings.pipeline),
+        max_peers=_read(MAX_PEERS, int, Settings.max_peers, 1, 1 << 16),
+        stuck_s=_read(STUCK_S, float, Settings.stuck_s, 0.01, 86_400 * 7),
     )

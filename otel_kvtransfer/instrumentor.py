@@ -66,9 +66,10 @@ def _load(names):
 class _Attachment:
     """What instrument() attached to an SDK (sampler, processors), so uninstrument() can detach exactly that."""
 
-    def __init__(self, meter_provider, pipeline: str = "direct"):
+    def __init__(self, meter_provider, pipeline: str = "direct", max_peers: int = 64):
         self._meter_provider = meter_provider
         self._pipeline = pipeline
+        self._max_peers = max_peers
         self.tracer = None
         self._provider = None
         self._original_sampler = None
@@ -99,7 +100,7 @@ class _Attachment:
                 self._original_sampler = tracer.sampler
                 tracer.sampler = RecordUnsampledSampler(tracer.sampler)
             self.spans = SdkSpans(tracer)
-            ours = (KVTransferMetricsProcessor(self._meter_provider),)
+            ours = (KVTransferMetricsProcessor(self._meter_provider, self._max_peers),)
         if not flush_first:
             self._processors = ours
             for processor in ours:
@@ -127,7 +128,7 @@ class _Attachment:
             return True
         self._tables = tables_for(self._meter_provider or metrics.get_meter_provider())
         if self._tables is not None:
-            self.metrics = RecordMetrics(self._tables)
+            self.metrics = RecordMetrics(self._tables, self._max_peers)
             return True
         return False
 
@@ -199,7 +200,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
 
         # 1-2. Sampler and processors (now, or once an SDK appears).
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
-        self._attachment = _Attachment(kwargs.get("meter_provider"), settings.pipeline)
+        self._attachment = _Attachment(kwargs.get("meter_provider"), settings.pipeline, settings.max_peers)
         waiting_for_sdk = isinstance(tracer_provider, trace.ProxyTracerProvider)
         if not waiting_for_sdk:
             self._attachment.attach(tracer, tracer_provider)

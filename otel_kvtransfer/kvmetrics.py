@@ -56,12 +56,23 @@ REQUEST_OVERLAP = (semconv.METRIC_REQUEST_COMPUTE_OVERLAP, "1",
                    "Share of a request's busy transfer time that overlapped its compute", RATIO_BUCKETS)
 RECEIVE_DURATION = (semconv.METRIC_RECEIVE_DURATION, "s",
                     "The peer's wait for a request's KV (receive or serve span)", SECONDS_BUCKETS)
+REQUEST_TAIL = (semconv.METRIC_REQUEST_TAIL, "s",
+                "Time from a request's last compute to its last KV byte: what the first decode step waited for",
+                SECONDS_BUCKETS)
+REQUEST_TAIL_QUEUED = (semconv.METRIC_REQUEST_TAIL_QUEUED, "s",
+                       "The part of a request's tail in which none of its transfers moved bytes (queues, threads)",
+                       SECONDS_BUCKETS)
+PEER_THROUGHPUT = (semconv.METRIC_PEER_THROUGHPUT, "By/s",
+                   "Bytes of one successful KV send of at least 1 MiB over its own duration, per peer",
+                   RATE_BUCKETS)
 INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
-               REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION)
+               REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION, REQUEST_TAIL, REQUEST_TAIL_QUEUED,
+               PEER_THROUGHPUT)
 _INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
 _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
- I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION) = range(len(INSTRUMENTS))
+ I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
+ I_PEER_THROUGHPUT) = range(len(INSTRUMENTS))
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
 _OVERFLOW_KEY = ("__overflow__",)
@@ -73,6 +84,41 @@ SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_NAME, __version__, None, No
 def metric_labels(attributes) -> dict:
     """The low-cardinality metric attributes of a span's attributes (DESIGN)."""
     return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
+
+
+class PeerSeries:
+    """The series of `kv_transfer.peer.throughput` for a send's peer: (server.address, server.port), for at most
+    `max_peers` distinct peers per process; every other peer is `other` (said once in the log)."""
+
+    def __init__(self, max_peers: int):
+        self._max = max_peers
+        self._known = {}
+        self._other = ((semconv.PEER_OTHER, None), {semconv.SERVER_ADDRESS: semconv.PEER_OTHER})
+        self._lock = threading.Lock()
+
+    def of(self, attrs) -> Optional[Tuple[tuple, dict]]:
+        """(key, labels) when `attrs` are a successful kv send's of >= 1 MiB with a known peer, else None."""
+        address = attrs.get(semconv.SERVER_ADDRESS)
+        if (address is None or attrs.get(semconv.PAYLOAD) != semconv.PAYLOAD_KV
+                or attrs.get(semconv.BYTES, 0) < semconv.PEER_THROUGHPUT_MIN_BYTES or semconv.ERROR_TYPE in attrs):
+            return None
+        peer = (address, attrs.get(semconv.SERVER_PORT))
+        found = self._known.get(peer)
+        if found is not None:
+            return found
+        with self._lock:
+            if len(self._known) >= self._max:
+                if len(self._known) == self._max:
+                    self._known[None] = self._other  # the marker that the cap was reached (logged once)
+                    _logger.warning("otel_kvtransfer: more than %d peers (OTEL_KVTRANSFER_MAX_PEERS); "
+                                    "kv_transfer.peer.throughput counts the others as server.address=%s",
+                                    self._max, semconv.PEER_OTHER)
+                return self._other
+            labels = {semconv.SERVER_ADDRESS: address}
+            if peer[1] is not None:
+                labels[semconv.SERVER_PORT] = peer[1]
+            found = self._known[peer] = (peer, labels)
+            return found
 
 
 def series_of(attributes) -> Tuple[tuple, dict]:
@@ -283,9 +329,10 @@ class RecordMetrics:
     """The builder's figures as measurements into `KVMetrics`: the same values the spans carry, the same rules as
     `processor.KVTransferMetricsProcessor` applies to the spans on the SDK path."""
 
-    def __init__(self, tables: KVMetrics):
+    def __init__(self, tables: KVMetrics, max_peers: int = 64):
         self.tables = tables
         self._series = {}  # (id(static attributes), error type) -> (static attributes, key, labels)
+        self._peers = PeerSeries(max_peers)
 
     def _send_series(self, attrs, failure):
         static = getattr(attrs, "static", None)
@@ -308,6 +355,11 @@ class RecordMetrics:
         key, labels = self._send_series(attrs, failure)
         self.tables.record(key, labels, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
                                          (I_DESCRIPTORS, descriptors)) + extra, span_context)
+        if nbytes >= semconv.PEER_THROUGHPUT_MIN_BYTES and not failure:
+            peer = self._peers.of(attrs)
+            if peer is not None:
+                self.tables.record(peer[0], peer[1], ((I_PEER_THROUGHPUT, attrs[semconv.THROUGHPUT]),),
+                                   span_context)
 
     def request(self, figures, span, state, end_ns, failure) -> None:
         attrs = span.attributes
@@ -318,6 +370,9 @@ class RecordMetrics:
             measurements.append((I_REQUEST_THROUGHPUT, figures.get(semconv.THROUGHPUT, 0.0)))
         if semconv.COMPUTE_OVERLAP_RATIO in figures:
             measurements.append((I_REQUEST_OVERLAP, figures[semconv.COMPUTE_OVERLAP_RATIO]))
+        if semconv.TAIL_S in figures:
+            measurements.append((I_REQUEST_TAIL, figures[semconv.TAIL_S]))
+            measurements.append((I_REQUEST_TAIL_QUEUED, figures[semconv.TAIL_QUEUED_S]))
         self.tables.record(*series_of(attrs), measurements, span.context)
 
     def peer(self, span, end_ns) -> None:

@@ -22,7 +22,7 @@ _logger = logging.getLogger(__name__)
 class KVTransferMetricsProcessor(SpanProcessor):
     """Turns this package's spans into the DESIGN histograms and counters."""
 
-    def __init__(self, meter_provider=None):
+    def __init__(self, meter_provider=None, max_peers: int = 64):
         meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)
         self.enabled = True
 
@@ -34,8 +34,10 @@ class KVTransferMetricsProcessor(SpanProcessor):
                                           explicit_bucket_boundaries_advisory=list(buckets))
 
         (self._duration, self._size, self._throughput, self._descriptors, self._failures, self._request_duration,
-         self._request_size, self._request_throughput, self._request_overlap, self._receive_duration) = (
+         self._request_size, self._request_throughput, self._request_overlap, self._receive_duration,
+         self._request_tail, self._request_tail_queued, self._peer_throughput) = (
             instrument(row) for row in kvmetrics.INSTRUMENTS)
+        self._peers = kvmetrics.PeerSeries(max_peers)
         self._on_end = {
             semconv.SPAN_SEND: self._on_send,
             semconv.SPAN_REQUEST: self._on_request,
@@ -68,6 +70,9 @@ class KVTransferMetricsProcessor(SpanProcessor):
             self._failures.add(1, labels, context=context)
         elif nbytes > 0:
             self._throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), labels, context=context)
+            peer = self._peers.of(attrs)
+            if peer is not None:
+                self._peer_throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), peer[1], context=context)
 
     def _on_request(self, span, attrs, labels, context) -> None:
         nbytes = attrs.get(semconv.BYTES, 0)
@@ -77,6 +82,9 @@ class KVTransferMetricsProcessor(SpanProcessor):
             self._request_throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), labels, context=context)
         if semconv.COMPUTE_OVERLAP_RATIO in attrs:
             self._request_overlap.record(attrs[semconv.COMPUTE_OVERLAP_RATIO], labels, context=context)
+        if semconv.TAIL_S in attrs:
+            self._request_tail.record(attrs[semconv.TAIL_S], labels, context=context)
+            self._request_tail_queued.record(attrs[semconv.TAIL_QUEUED_S], labels, context=context)
 
     def _on_peer(self, span, attrs, labels, context) -> None:
         self._receive_duration.record((span.end_time - span.start_time) / 1e9, labels, context=context)

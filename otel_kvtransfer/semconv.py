@@ -31,6 +31,10 @@ BUSY_S = "kv_transfer.busy_s"
 THROUGHPUT = "kv_transfer.throughput"
 COMPUTE_OVERLAP_S = "kv_transfer.compute_overlap_s"
 COMPUTE_OVERLAP_RATIO = "kv_transfer.compute_overlap_ratio"
+# The tail: what the first decode step waited for after the request's compute ended (initiator side, one clock).
+TAIL_S = "kv_transfer.tail_s"
+TAIL_BUSY_S = "kv_transfer.tail_busy_s"
+TAIL_QUEUED_S = "kv_transfer.tail_queued_s"
 DESCRIPTOR_COUNT = "kv_transfer.descriptor_count"
 ENGINE_CALLS = "kv_transfer.engine_calls"
 PAYLOAD = "kv_transfer.payload"
@@ -80,6 +84,11 @@ METRIC_REQUEST_SIZE = "kv_transfer.request.size"
 METRIC_REQUEST_THROUGHPUT = "kv_transfer.request.throughput"
 METRIC_REQUEST_COMPUTE_OVERLAP = "kv_transfer.request.compute_overlap"
 METRIC_RECEIVE_DURATION = "kv_transfer.receive.duration"
+METRIC_REQUEST_TAIL = "kv_transfer.request.tail"
+METRIC_REQUEST_TAIL_QUEUED = "kv_transfer.request.tail_queued"
+METRIC_PEER_THROUGHPUT = "kv_transfer.peer.throughput"  # the only metric that carries a peer
+PEER_THROUGHPUT_MIN_BYTES = 1 << 20  # sends below this say more about latency than about the link
+PEER_OTHER = "other"  # server.address of every peer beyond the per-process cap
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
 DROPPED_DESCRIPTION = "Records the instrumentation had to drop (queue full, evicted requests, own errors)"
 

@@ -167,6 +167,8 @@ def test_request_aggregates_are_exact():
         semconv.BYTES: 4_009, semconv.LOGICAL_BYTES: 2_003, semconv.TRANSFER_COUNT: 3, semconv.CHUNK_COUNT: 2,
         semconv.REPLICA_FACTOR: 3, semconv.BUSY_S: 5_000 / 1e9, semconv.THROUGHPUT: 4_009 * 1e9 / 5_000,
         semconv.COMPUTE_OVERLAP_S: 2_500 / 1e9, semconv.COMPUTE_OVERLAP_RATIO: 0.5,
+        # compute ends at 8,500, the last byte leaves at 9,000, and [8,500, 9,000) is busy: all of the tail moved
+        semconv.TAIL_S: 500 / 1e9, semconv.TAIL_BUSY_S: 500 / 1e9, semconv.TAIL_QUEUED_S: 0.0,
     }
     assert (request.start_time, request.end_time) == (0, 10_000)
     assert request.kind is SpanKind.INTERNAL
@@ -185,6 +187,30 @@ def test_request_aggregates_are_exact():
     assert [(s.start_time, s.end_time, s.attributes[semconv.CHUNK_INDEX]) for s in computed] == [
         (0, 2_500, 0), (4_500, 8_500, 1)]
     assert h.drops == {}
+
+
+@pytest.mark.parametrize("compute_end, tail, busy", [
+    (1_500, 7_500, 3_500),  # all KV left after compute: 1,000 + 2,000 + 500 ns moved, 4,000 ns nothing did
+    (9_500, 0, 0),  # the last byte left before compute ended: no tail
+    (7_000, 2_000, 1_500),  # the tail starts inside a send: its last 1,000 ns, a gap of 500, the aux's 500
+])
+def test_the_tail_is_what_follows_the_last_compute(compute_end, tail, busy):
+    h = Harness()
+    h.feed(begin_request(5, 0))
+    h.feed(send(info(5, 0), [call(3_000, 4_000, 10)]), send(info(5, 1), [call(6_000, 8_000, 10)]),
+           send(info(5, 1, payload=semconv.PAYLOAD_AUX), [call(8_500, 9_000, 1)]))
+    h.feed(compute([5], 0, compute_end), end_request(5, 20_000))
+    (request,) = h.spans(semconv.SPAN_REQUEST)
+    attrs = request.attributes
+    assert (attrs[semconv.TAIL_S], attrs[semconv.TAIL_BUSY_S], attrs[semconv.TAIL_QUEUED_S]) == (
+        tail / 1e9, busy / 1e9, (tail - busy) / 1e9)
+
+
+def test_no_compute_no_tail():
+    h = Harness()
+    h.feed(begin_request(6, 0), send(info(6, 0), [call(3_000, 4_000, 10)]), end_request(6, 5_000))
+    (request,) = h.spans(semconv.SPAN_REQUEST)
+    assert semconv.TAIL_S not in request.attributes and semconv.COMPUTE_OVERLAP_S not in request.attributes
 
 
 def test_send_attributes_are_exact():

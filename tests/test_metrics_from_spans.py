@@ -137,3 +137,33 @@ def test_sampling_exports_the_share_but_metrics_count_every_transfer(engine, rec
     # Exemplars only ever point at exported spans.
     exemplar_ids = {e.span_id for e in size.exemplars}
     assert exemplar_ids <= {s.context.span_id for s in exported}
+
+
+@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+def test_peer_throughput_per_peer_up_to_the_cap_then_other(monkeypatch, caplog, pipeline):
+    """kv_transfer.peer.throughput: successful kv sends of >= 1 MiB, one series per (server.address,
+    server.port), at most OTEL_KVTRANSFER_MAX_PEERS of them; the rest `other`, said once. No engine: the
+    records name three peers (a real link test lives with the alert rule)."""
+    from test_builder import begin_request, call, end_request, info, send  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setenv(config.PIPELINE, pipeline)
+    monkeypatch.setenv(config.MAX_PEERS, "2")
+    telemetry = Telemetry().instrument()
+    try:
+        from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+
+        RECORDER.record(begin_request(1, 0))
+        for n, peer in enumerate(["10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7003", "10.0.0.1:7001"]):
+            RECORDER.record(send(info(1, n), [call(1_000 * n, 1_000 * n + 500, 2 << 20, peer=peer, backend=BACKEND)]))
+        RECORDER.record(send(info(1, 9), [call(9_000, 9_500, (1 << 20) - 1, peer="10.0.0.9:1", backend=BACKEND)]))  # too small
+        RECORDER.record(send(info(1, 9, payload=semconv.PAYLOAD_AUX), [call(9_600, 9_900, 2 << 20, peer="10.0.0.8:1", backend=BACKEND)]))  # not kv
+        RECORDER.record(end_request(1, 20_000))
+        points = telemetry.metrics()[semconv.METRIC_PEER_THROUGHPUT]
+    finally:
+        telemetry.uninstrument()
+    # the Mooncake engine's own peer names ("host:port") parsed by its module
+    by_peer = {(dict(p.attributes)[semconv.SERVER_ADDRESS], dict(p.attributes).get(semconv.SERVER_PORT)): p.count
+               for p in points}
+    assert by_peer == {("10.0.0.1", 7001): 2, ("10.0.0.2", 7002): 1, (semconv.PEER_OTHER, None): 1}
+    assert all(set(dict(p.attributes)) <= {semconv.SERVER_ADDRESS, semconv.SERVER_PORT} for p in points)
+    assert sum("OTEL_KVTRANSFER_MAX_PEERS" in r.getMessage() for r in caplog.records) == 1

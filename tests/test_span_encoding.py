@@ -61,6 +61,7 @@ def _records():
         recs.append(compute([11], 1_900 + chunk * 100, 1_990 + chunk * 100, chunk))
     recs += [
         send(info(12, 0, replica=2, destination=1), [call(3_000, 3_100, 1 << 20, rc=-1, error="transfer_failed")]),
+        send(info(12, 0, replica=2, destination=0), [call(3_000, 3_500, 2 << 20)]),  # a peer throughput point
         send(info(12, 1, payload=semconv.PAYLOAD_AUX), [], error="scope_error", scope_span=(3_200, 3_300)),
         send(None, [call(4_000, 4_001, 7, op=semconv.OP_READ, protocol="rdma")], context=remote),
         send(None, [call(4_100, 4_150, 0, extra={"nixl.notification": True})]),
@@ -121,7 +122,7 @@ def test_direct_spans_encode_to_exactly_what_the_sdk_pipeline_sends(sampler):
     assert direct and all(type(s) is KVSpan for s in direct)  # pylint: disable=unidiomatic-typecheck
     assert len(direct) == len(sampled_sdk)
     if sampler is None:
-        assert len(direct) == 16  # 2 requests, 6 sends under them, 2 raw sends, 4 compute, 2 peers
+        assert len(direct) == 17  # 2 requests, 7 sends under them, 2 raw sends, 4 compute, 2 peers
     ours = _sorted_spans(_decoded(span_encoding.AcceleratedEncoder(encode_spans)(direct)))
     reference = _sorted_spans(encode_spans(sampled_sdk))
     assert [span.name for span in ours] == [span.name for span in reference]
