@@ -1,23 +1,25 @@
-"""What the instrumentation costs a real engine process (issue 12), measured on the real Mooncake engine.
+"""What the instrumentation costs a real engine process, as a deployment pays it: real OTLP exporters, real engine.
 
-One process, a receiver process on 127.0.0.1, a production-shaped SDK pipeline (BatchSpanProcessor with a no-op
-exporter, MeterProvider with an in-memory reader and the default exemplar filter). instrument() and
-uninstrument() alternate round by round; every figure is a median of per-round differences, printed beside the
-A/A noise of the same run (the same difference between two uninstrumented rounds).
+The process sets its SDK up the way a user's deployment does: from OTEL_* through the distro's configurator
+(OTEL_TRACES_EXPORTER=otlp, OTEL_METRICS_EXPORTER=otlp, OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_EXPORTER_OTLP_ENDPOINT,
+OTEL_METRIC_EXPORT_INTERVAL=1000), exporting spans and metrics to bench/otlp_receiver.py, a process of its own on
+127.0.0.1. No OTEL_KVTRANSFER_* is set unless --pipeline / --builder say so: by default the package builds in a
+helper process (its `auto` builder: the SDK came from OTEL_*). Real Mooncake writes go to a receiver process.
+instrument() and uninstrument() alternate round by round in this one process; every figure is a median of
+per-round differences beside the A/A noise of the same run (the same difference between two uninstrumented rounds).
 
-1. thread: time added on the calling thread per engine call (wall and that thread's CPU), for an 8 B
-   `transfer_sync_write`, a 128-descriptor `batch_transfer_sync_write`, the same 8 B call inside a
-   `transfer_scope`, and inside `scope.bind()` on an executor thread.
-2. process: CPU per transfer summed over every thread of the process (/proc/self/task), while one thread makes
-   paced 64 KiB writes; the transfers achieved per second unpaced; and the builder alone (records already queued,
-   one drain, on one core).
-3. neighbour: the slowdown of a CPU-bound pure-Python thread while real transfers run at 1,000/s.
+  process   CPU per transfer while one thread makes paced 64 KiB writes at 700/s: this process (every thread),
+            and in total with every process it started (the helper), the receivers aside
+  thread    time added on the calling thread per engine call (its CPU time, and wall), four call shapes
+  builder   the builder alone: records already queued, then built and exported through the real OTLP exporter;
+            its CPU (the helper's, or this process's Python threads with the in-process builder), and whether the
+            receiver got every span
+  neighbour a CPU-bound pure-Python thread's work rate beside real transfers at 1,000/s, on vs off
+At the end: spans received == transfers made while instrumented, and kv_transfer.size's count == sends received.
+Runs inside a network namespace of its own (re-executes itself under `unshare -rn` with loopback up).
 
-With `--builder process` the same figures are taken with OTEL_KVTRANSFER_BUILDER=process: the engine process
-only queues and hands records over; the helper process builds them on the same pipeline (`common.helper_setup`).
-Its CPU is measured too (/proc/<helper pid>) and printed beside the engine process's, never folded into it.
-
-    python bench/engine_cost.py [--builder thread|process] [--quick] [--out FILE]
+    python bench/engine_cost.py [--protocol http/protobuf|grpc] [--pipeline sdk|direct] [--builder thread|process]
+                                [--parts process,thread,builder,neighbour] [--quick] [--out FILE]
 """
 
 import argparse
@@ -25,93 +27,117 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import HELPER_TOTALS_DIR, Pipeline, machine  # noqa: E402
+from common import in_private_network, machine  # noqa: E402
 
-from otel_kvtransfer import KVTransferInstrumentor  # noqa: E402
-from otel_kvtransfer import integration as kvt  # noqa: E402
-from otel_kvtransfer.demo.loopback import Receiver, open_engine  # noqa: E402
-from otel_kvtransfer.recorder import RECORDER  # noqa: E402
+PARTS = ("process", "thread", "builder", "neighbour")
+SEND = "kv_transfer.send"
+SIZE = "kv_transfer.size"
+DROPPED = "kv_transfer.instrumentation.dropped"
 
 
 def _spread(values):
+    if not values:
+        return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _cpu_ticks(stat_path) -> int:
-    """utime + stime (clock ticks) from a /proc .../stat file; the command name may hold spaces and ')'."""
-    with open(stat_path, encoding="ascii") as handle:
-        stat = handle.read()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def _process_cpu_ns(pid) -> float:
-    """CPU (user + system) a whole process has used so far."""
-    return _cpu_ticks(f"/proc/{pid}/stat") * 1e9 / os.sysconf("SC_CLK_TCK")
+def deployment_environment(protocol: str, endpoint: str, pipeline: str, builder: str) -> dict:
+    """OTEL_* as a deployment sets them; OTEL_KVTRANSFER_* only what the caller chose (the rest unset)."""
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        del os.environ[key]
+    env = {"OTEL_SERVICE_NAME": "kvt-bench", "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
+           "OTEL_LOGS_EXPORTER": "none", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
+    if pipeline != "default":
+        env["OTEL_KVTRANSFER_PIPELINE"] = pipeline
+    if builder != "default":
+        env["OTEL_KVTRANSFER_BUILDER"] = builder
+    os.environ.update(env)
+    return env
 
 
 class Bench:
-    def __init__(self, builder: str):
-        import numpy as np  # pylint: disable=import-outside-toplevel
+    """The engine process under test: SDK from OTEL_*, a Mooncake engine, a Mooncake receiver, the OTLP receiver."""
 
-        self.builder = builder
-        if builder == "process":  # set before the first instrument(): every helper inherits them
-            os.environ["OTEL_KVTRANSFER_BUILDER"] = "process"
-            os.environ["OTEL_KVTRANSFER_HELPER_SETUP"] = "common:helper_setup"
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, os.environ.get("PYTHONPATH")] if p)
-            os.environ[HELPER_TOTALS_DIR] = tempfile.mkdtemp(prefix="kvt-bench-helpers-")
+    def __init__(self, otlp):
+        # pylint: disable=import-outside-toplevel
+        import numpy as np
+        from opentelemetry.distro import OpenTelemetryConfigurator
 
+        from otel_kvtransfer import KVTransferInstrumentor
+        from otel_kvtransfer.demo.loopback import Receiver, open_engine
+
+        OpenTelemetryConfigurator().configure()  # what opentelemetry-instrument does with OTEL_*
+        self.otlp = otlp
         self.receiver = Receiver(8 << 20, env={"MC_FORCE_TCP": "1"})
         self.engine = open_engine()
         self.source = np.ones(8 << 20, dtype=np.uint8)
         assert self.engine.register_memory(self.source.ctypes.data, self.source.nbytes) == 0
         self.base, self.session, self.peer = self.source.ctypes.data, self.receiver.session, self.receiver.base_address
-        self.pipeline = Pipeline()
         self.instrumentor = KVTransferInstrumentor()
-        self.transfers_on = 0  # real transfers made while instrumented: the metrics must count every one
+        self.transfers_on = 0  # real transfers made while instrumented: the receiver must get every one
+        self.helpers = set()  # pids of the builder processes seen
+        self.where = None  # "process" or "thread": where the package chose to build
+
+    def not_ours(self):
+        """The receivers' pids: their CPU is not the engine's."""
+        return [self.otlp.pid, self.receiver.pid]
 
     def on(self):
         if not self.instrumentor.is_instrumented_by_opentelemetry:
-            self.instrumentor.instrument(tracer_provider=self.pipeline.tracer_provider,
-                                     meter_provider=self.pipeline.meter_provider)
-            if self.builder == "process":
-                self.settle()  # starts the helper: its start-up (imports, SDK) is over before anything is measured
-                assert self.helper_pid(), "the builder process did not start"
-
-    def helper_pid(self):
-        link = getattr(self.instrumentor, "_link", None)
-        return link.pid() if link is not None else None
-
-    def settle(self):
-        """Everything recorded so far delivered and, with a builder process, built there and flushed."""
-        RECORDER.drain()
-        if self.builder == "process":
-            assert self.pipeline.tracer_provider.force_flush(60000), "the builder process did not flush"
-
-    def helper_cpu_ns(self) -> float:
-        return _process_cpu_ns(self.helper_pid()) if self.builder == "process" else 0.0
+            self.instrumentor.instrument()  # no providers passed: the global ones, as opentelemetry-instrument
+            link = getattr(self.instrumentor, "_link", None)
+            self.where = "process" if link is not None else "thread"
+            self.settle()  # with a helper: it starts now (imports, SDK), before anything is measured
+            if link is not None and link.pid():
+                self.helpers.add(link.pid())
 
     def off(self):
         if self.instrumentor.is_instrumented_by_opentelemetry:
+            self.settle()
             self.instrumentor.uninstrument()
 
     def mode(self, name):
         (self.on if name == "on" else self.off)()
 
+    @staticmethod
+    def settle():
+        """Everything recorded so far built, exported and acknowledged by the receiver (spans and metrics)."""
+        # pylint: disable=import-outside-toplevel
+        from opentelemetry import metrics, trace
+
+        from otel_kvtransfer.recorder import RECORDER
+
+        RECORDER.drain()
+        assert trace.get_tracer_provider().force_flush(60000), "the span pipeline did not flush"
+        metrics.get_meter_provider().force_flush(60000)
+
     def stop(self):
-        self.off()
-        self.receiver.stop()
+        """Instrumentation off, the SDK shut down while the OTLP receiver still answers (its exporters would
+        retry for seconds at exit otherwise), the Mooncake receiver stopped."""
+        from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+
+        try:
+            self.off()
+            for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+                shutdown = getattr(provider, "shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+        finally:
+            self.receiver.stop()
 
     # --- calls ------------------------------------------------------------------------------------------------
     def call_8b(self):
         return self.engine.transfer_sync_write(self.session, self.base, self.peer, 8)
+
+    def call_64k(self):
+        return self.engine.transfer_sync_write(self.session, self.base, self.peer, 64 << 10)
 
     def call_batch(self):
         srcs = [self.base + 64 * i for i in range(128)]
@@ -119,21 +145,112 @@ class Bench:
         return self.engine.batch_transfer_sync_write(self.session, srcs, dsts, [64] * 128)
 
     def call_scoped(self):
+        from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+
         with kvt.transfer_scope(7, chunk_index=0, payload="kv"):
             return self.call_8b()
 
 
+def _rotations(rounds):
+    order = ["off", "off2", "on"]
+    for r in range(rounds):
+        yield order[r % 3:] + order[:r % 3]
+
+
+def _paced(call, rate, seconds) -> int:
+    """`call` at `rate` per second for `seconds` on a thread of its own; how many calls were made."""
+    stop, made = threading.Event(), [0]
+
+    def run():
+        step, nxt = 1.0 / rate, time.perf_counter()
+        while not stop.is_set():
+            call()
+            made[0] += 1
+            nxt += step
+            delay = nxt - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                nxt = time.perf_counter()
+
+    worker = threading.Thread(target=run, name="transfers")
+    worker.start()
+    time.sleep(seconds)
+    stop.set()
+    worker.join()
+    return made[0]
+
+
+def _received(b: Bench) -> tuple:
+    """(kv_transfer.send spans, kv_transfer.size count) the receiver has so far."""
+    counts = b.otlp.counts()
+    return counts["spans"].get(SEND, 0), counts["metrics"].get(SIZE, {}).get("count", 0)
+
+
+def process_cost(b: Bench, rounds: int, seconds: float, rate: int = 700) -> dict:
+    """CPU per paced 64 KiB transfer: this process, and with its helpers; on, off and off again (A/A)."""
+    import cpu  # pylint: disable=import-outside-toplevel
+
+    def measure(mode):
+        b.mode("on" if mode == "on" else "off")
+        b.settle()
+        before = cpu.Snapshot(b.not_ours())
+        made = _paced(b.call_64k, rate, seconds)
+        b.settle()  # the round's spans and metric points built and received belong to the round
+        after = cpu.Snapshot(b.not_ours())
+        if mode == "on":
+            b.transfers_on += made
+        use = cpu.used(before, after)
+        return {"engine_us": use["own_ns"] / made / 1e3, "total_us": (use["own_ns"] + use["others_ns"]) / made / 1e3,
+                "helper_us": use["others_ns"] / made / 1e3, "made": made, "coarse": use["coarse"],
+                "lost": use["lost"]}
+
+    for mode in ("on", "off"):  # warm-up: the first helper, connections, first exports
+        measure(mode)
+    first, made_before = _received(b), b.transfers_on
+    per = {"off": [], "off2": [], "on": []}
+    for order in _rotations(rounds):
+        for mode in order:
+            per[mode].append(measure(mode))
+    b.off()
+    last = _received(b)
+
+    def diff(key, a, z):
+        return [x[key] - y[key] for x, y in zip(per[a], per[z])]
+
+    return {
+        "paced_rate_per_s": rate, "round_s": seconds, "rounds": rounds,
+        "where_built": b.where,
+        "engine_cpu_us_off": _spread([x["engine_us"] for x in per["off"]]),
+        "engine_cpu_us_on": _spread([x["engine_us"] for x in per["on"]]),
+        "helper_cpu_us_on": _spread([x["helper_us"] for x in per["on"]]),
+        "added_engine_cpu_us": statistics.median(diff("engine_us", "on", "off")),
+        "aa_engine_cpu_us": statistics.median(diff("engine_us", "off2", "off")),
+        "added_total_cpu_us": statistics.median(diff("total_us", "on", "off")),
+        "aa_total_cpu_us": statistics.median(diff("total_us", "off2", "off")),
+        "added_total_cpu_us_rounds": diff("total_us", "on", "off"),
+        "added_engine_cpu_us_rounds": diff("engine_us", "on", "off"),
+        "transfers_per_round": _spread([x["made"] for x in per["on"] + per["off"] + per["off2"]]),
+        "transfers_made_on": b.transfers_on - made_before, "send_spans_received": last[0] - first[0],
+        "size_count_received": last[1] - first[1],
+        "rounds_counted_in_ticks": sum(x["coarse"] for m in per.values() for x in m),
+        "processes_ended_mid_round": sum(x["lost"] for m in per.values() for x in m),
+    }
+
+
 def _block(call, n):
     """(wall ns, this thread's CPU ns) per call over n calls."""
-    wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+    wall, cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
     for _ in range(n):
         call()
-    return (time.perf_counter_ns() - wall) / n, (time.thread_time_ns() - cpu) / n
+    return (time.perf_counter_ns() - wall) / n, (time.thread_time_ns() - cpu_ns) / n
 
 
 def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
-    """Goal 1: per round, blocks in modes off, off (A/A) and on, in rotating order."""
+    """Per call shape, per round: blocks in modes off, off (A/A) and on, in rotating order."""
     from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
 
     pool = ThreadPoolExecutor(1)
 
@@ -155,9 +272,7 @@ def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
     for shape, run in shapes.items():
         per = {"off": [], "off2": [], "on": []}
         run(calls)  # warm the connection and the code
-        for r in range(rounds):
-            order = ["off", "off2", "on"]
-            order = order[r % 3:] + order[:r % 3]
+        for order in _rotations(rounds):
             for mode in order:
                 b.mode("on" if mode == "on" else "off")
                 per[mode].append(run(calls))
@@ -174,157 +289,104 @@ def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
             "aa_wall_us": statistics.median(aa_wall) / 1e3,
             "added_thread_cpu_us": statistics.median(added_cpu) / 1e3,
             "aa_thread_cpu_us": statistics.median(aa_cpu) / 1e3,
-            "added_wall_us_rounds": [x / 1e3 for x in added_wall],
-            "aa_wall_us_rounds": [x / 1e3 for x in aa_wall],
+            "added_thread_cpu_us_rounds": [x / 1e3 for x in added_cpu],
         }
     pool.shutdown()
     return out
 
 
-def _task_cpu_ticks():
-    ticks = {}
-    for tid in os.listdir("/proc/self/task"):
+def _python_threads_ns() -> int:
+    """CPU of this process's Python threads (the builder, the SDK's export threads), not Mooncake's own."""
+    total = 0
+    for thread in threading.enumerate():
         try:
-            ticks[tid] = _cpu_ticks(f"/proc/self/task/{tid}/stat")
-        except (OSError, ValueError, IndexError):
+            with open(f"/proc/self/task/{thread.native_id}/schedstat", encoding="ascii") as handle:
+                total += int(handle.read().split()[0])
+        except (OSError, ValueError, IndexError, TypeError):
             pass
-    return ticks
+    return total
 
 
-def process_cost(b: Bench, rounds: int, seconds: float) -> dict:
-    """Goal 2: CPU of every thread per paced 64 KiB transfer, and the unpaced rate, on vs off (+ A/A)."""
-    tick_ns = 1e9 / os.sysconf("SC_CLK_TCK")
-    stop = threading.Event()
+def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
+    """n real transfers recorded with the builder asleep; then one drain, built and exported through the OTLP
+    exporter until the receiver has acknowledged it all (a flush). The builder's CPU: the helper's, or with the
+    in-process builder this process's Python threads (building on the draining thread, exporting on the SDK's).
+    `bsp_queue`: OTEL_BSP_MAX_QUEUE_SIZE for the helper's BatchSpanProcessor (None: the SDK's default, 2048)."""
+    import cpu  # pylint: disable=import-outside-toplevel
 
-    def paced(rate, counter):
-        step = 1.0 / rate
-        nxt = time.perf_counter()
-        while not stop.is_set():
-            b.engine.transfer_sync_write(b.session, b.base, b.peer, 64 << 10)
-            counter[0] += 1
-            nxt += step
-            delay = nxt - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                nxt = time.perf_counter()
+    from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
 
-    def measure(mode, rate):
-        b.mode("on" if mode == "on" else "off")
-        counter = [0]
-        stop.clear()
-        worker = threading.Thread(target=paced, args=(rate, counter), name="transfers")
-        before = _task_cpu_ticks()
-        helper_before = b.helper_cpu_ns() if mode == "on" else 0.0
-        worker.start()
-        time.sleep(seconds)
-        stop.set()
-        worker.join()
-        if mode == "on":
-            b.settle()  # the round's span building belongs to the round (in the helper too)
-            b.transfers_on += counter[0]
-            helper_cpu[0] = (b.helper_cpu_ns() - helper_before) / max(counter[0], 1) / 1e3
-        after = _task_cpu_ticks()
-        cpu_ns = sum(after[t] - before.get(t, 0) for t in after) * tick_ns
-        return cpu_ns / max(counter[0], 1) / 1e3, counter[0] / seconds
-
-    per = {"off": [], "off2": [], "on": []}
-    rate = {"off": [], "off2": [], "on": []}
-    helper_cpu, helper_per = [0.0], []
-    for r in range(rounds):
-        order = ["off", "off2", "on"]
-        for mode in order[r % 3:] + order[:r % 3]:
-            cpu_us, _ = measure(mode, 700)
-            per[mode].append(cpu_us)
-            if mode == "on":
-                helper_per.append(helper_cpu[0])
-            _, achieved = measure(mode, 1e9)  # unpaced: as fast as the engine goes
-            rate[mode].append(achieved)
-    b.off()
-    return {
-        "helper_cpu_us_per_transfer": _spread(helper_per) if b.builder == "process" else None,
-        "paced_rate_per_s": 700,
-        "cpu_us_per_transfer_off": _spread(per["off"]),
-        "cpu_us_per_transfer_on": _spread(per["on"]),
-        "added_cpu_us_per_transfer": statistics.median(on - off for on, off in zip(per["on"], per["off"])),
-        "aa_cpu_us_per_transfer": statistics.median(o2 - o1 for o1, o2 in zip(per["off"], per["off2"])),
-        "unpaced_rate_off": _spread(rate["off"]),
-        "unpaced_rate_on": _spread(rate["on"]),
-        "rate_change": statistics.median((on - off) / off for on, off in zip(rate["on"], rate["off"])),
-        "rate_change_aa": statistics.median((o2 - o1) / o1 for o1, o2 in zip(rate["off"], rate["off2"])),
-    }
-
-
-def builder_alone(b: Bench, n: int) -> dict:
-    """Records already queued (the background thread asleep), one drain timed on this thread's CPU.
-
-    With a builder process the drain only hands the records over (its CPU is the engine process's share); the
-    building is the helper's CPU from that drain until it has flushed them all."""
-    os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"] = "60000"
+    changed = {"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"}  # the recorder's thread stays asleep
+    if bsp_queue is not None:
+        changed["OTEL_BSP_MAX_QUEUE_SIZE"] = str(bsp_queue)  # read by a helper's SDK when it starts
+    os.environ.update(changed)
     try:
         b.on()
         for _ in range(n):
             b.call_8b()
         b.transfers_on += n
         queued = RECORDER.pending()
-        helper = b.helper_cpu_ns()
-        cpu = time.thread_time_ns()
+        received = b.otlp.counts()["spans"].get(SEND, 0)
+        before, threads_before = cpu.Snapshot(b.not_ours()), _python_threads_ns()
+        wall, drain_cpu = time.perf_counter(), time.thread_time_ns()
         RECORDER.drain()
-        cpu = time.thread_time_ns() - cpu
+        drain_cpu = time.thread_time_ns() - drain_cpu
         b.settle()
-        helper = b.helper_cpu_ns() - helper
+        wall = time.perf_counter() - wall
+        after, threads_after = cpu.Snapshot(b.not_ours()), _python_threads_ns()
+        use = cpu.used(before, after)
+        received = b.otlp.counts()["spans"].get(SEND, 0) - received
         b.off()
     finally:
-        del os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"]
-    if b.builder == "process":
-        return {"records": queued, "records_per_cpu_s": queued / (helper / 1e9),
-                "cpu_us_per_record": helper / queued / 1e3, "handoff_cpu_us_per_record": cpu / queued / 1e3}
-    return {"records": queued, "records_per_cpu_s": queued / (cpu / 1e9), "cpu_us_per_record": cpu / queued / 1e3}
+        for key in changed:
+            del os.environ[key]
+    helper = b.where == "process"
+    builder_ns = use["others_ns"] if helper else threads_after - threads_before
+    return {"records": queued, "where_built": b.where, "bsp_max_queue_size": bsp_queue or 2048,
+            "builder_cpu_s": builder_ns / 1e9,
+            "records_per_cpu_s": queued / (builder_ns / 1e9), "cpu_us_per_record": builder_ns / queued / 1e3,
+            "wall_s": wall, "records_per_wall_s": queued / wall, "spans_received": received,
+            "dropped": queued - received,
+            "handoff_cpu_us_per_record": drain_cpu / queued / 1e3 if helper else None,
+            "counted_in_ticks": bool(use["coarse"])}
+
+
+def builder_parts(b: Bench, n: int) -> dict:
+    """The builder alone as deployed (the SDK's default span queue); with a helper, also with a span queue that
+    holds the whole backlog (OTEL_BSP_MAX_QUEUE_SIZE), which only a helper started afterwards can take."""
+    found = {"default_queue": builder_alone(b, n)}
+    if b.where == "process":
+        found["queue_holds_backlog"] = builder_alone(b, n, bsp_queue=max(2048, n))
+    return found
 
 
 def neighbour(b: Bench, rounds: int, seconds: float) -> dict:
-    """Goal 3: a CPU-bound Python thread's work rate, with real transfers at 1,000/s beside it, on vs off."""
-    stop = threading.Event()
-
-    def spin(result):
-        count, x = 0, 0
-        while not stop.is_set():
-            for i in range(1000):
-                x = (x * 31 + i) % 1000003
-            count += 1
-        result.append(count)
-
-    def transfers(counter):
-        nxt = time.perf_counter()
-        while not stop.is_set():
-            b.call_8b()
-            counter[0] += 1
-            nxt += 0.001
-            delay = nxt - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                nxt = time.perf_counter()
+    """A CPU-bound Python thread's work rate, with real transfers at 1,000/s beside it, on vs off."""
 
     def measure(mode):
         b.mode("on" if mode == "on" else "off")
-        stop.clear()
-        result, counter = [], [0]
-        threads = [threading.Thread(target=spin, args=(result,)), threading.Thread(target=transfers, args=(counter,))]
-        for t in threads:
-            t.start()
-        time.sleep(seconds)
+        stop, result = threading.Event(), []
+
+        def spin():
+            count, x = 0, 0
+            while not stop.is_set():
+                for i in range(1000):
+                    x = (x * 31 + i) % 1000003
+                count += 1
+            result.append(count)
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        made = _paced(b.call_8b, 1000, seconds)
         stop.set()
-        for t in threads:
-            t.join()
+        spinner.join()
         if mode == "on":
-            b.transfers_on += counter[0]
+            b.transfers_on += made
         return result[0] / seconds
 
     per = {"off": [], "off2": [], "on": []}
-    for r in range(rounds):
-        order = ["off", "off2", "on"]
-        for mode in order[r % 3:] + order[:r % 3]:
+    for order in _rotations(rounds):
+        for mode in order:
             per[mode].append(measure(mode))
     b.off()
     slow = [(off - on) / off for on, off in zip(per["on"], per["off"])]
@@ -332,56 +394,74 @@ def neighbour(b: Bench, rounds: int, seconds: float) -> dict:
     return {"slowdown": _spread(slow), "slowdown_aa": _spread(aa), "work_per_s_off": _spread(per["off"])}
 
 
+def agreement(b: Bench) -> dict:
+    """What the receiver got, against what was made: every send a span, and the size histogram counting each."""
+    b.on()
+    b.settle()
+    counts = b.otlp.counts()
+    b.off()
+    sends = counts["spans"].get(SEND, 0)
+    size = counts["metrics"].get(SIZE, {})
+    dropped = counts["metrics"].get(DROPPED, {}).get("by_attributes", {})
+    return {"transfers_made_instrumented": b.transfers_on, "send_spans_received": sends,
+            "size_histogram_count": size.get("count", 0), "size_streams": size.get("streams", 0),
+            "dropped_by_reason": dropped, "spans_by_name": counts["spans"], "receiver_requests": counts["requests"],
+            "spans_complete": sends == b.transfers_on, "metrics_agree": size.get("count", 0) == sends,
+            "builder_processes": len(b.helpers)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--builder", choices=("thread", "process"), default="thread",
-                        help="where spans are built: this process's thread (the default) or a helper process")
+    parser.add_argument("--protocol", choices=("http/protobuf", "grpc"), default="http/protobuf",
+                        help="OTEL_EXPORTER_OTLP_PROTOCOL")
+    parser.add_argument("--pipeline", choices=("default", "direct", "sdk"), default="default",
+                        help="OTEL_KVTRANSFER_PIPELINE (default: unset)")
+    parser.add_argument("--builder", choices=("default", "thread", "process"), default="default",
+                        help="OTEL_KVTRANSFER_BUILDER (default: unset, the package decides)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run, not for quoting")
     parser.add_argument("--out", help="write the JSON here as well as to stdout")
     args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in PARTS for p in parts):
+        parser.error(f"--parts: comma-separated, of {', '.join(PARTS)}")
+    in_private_network()
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from otlp_receiver import ReceiverProcess  # pylint: disable=import-outside-toplevel
+
     quick = args.quick
-    b = Bench(args.builder)
+    otlp = ReceiverProcess()
+    b = None
     try:
-        result = {
-            "builder": args.builder,
-            "engine": "real Mooncake TransferEngine, TCP on 127.0.0.1, receiver in its own process",
-            "machine": machine(),
-            "load_average_before": os.getloadavg()[0],
-            "thread": thread_cost(b, rounds=4 if quick else 12, calls=100 if quick else 400),
-            "process": process_cost(b, rounds=2 if quick else 6, seconds=1.0 if quick else 3.0),
-            "builder_alone": builder_alone(b, 2000 if quick else 20000),
-            "neighbour": neighbour(b, rounds=2 if quick else 10, seconds=1.0 if quick else 3.0),
-            "load_average_after": os.getloadavg()[0],
-        }
-        b.pipeline.tracer_provider.force_flush()
-        if args.builder == "process":
-            b.off()  # the last helper ends and writes its totals
-            totals = helper_totals()
-        else:
-            points = b.pipeline.metric_points()
-            totals = {"transfers_in_metrics": sum(p.count for p in points.get("kv_transfer.size", [])),
-                      "exemplars": sum(len(p.exemplars) for p in points.get("kv_transfer.size", []))}
-        result["metrics_complete"] = dict(transfers_made_instrumented=b.transfers_on, **totals)
+        env = deployment_environment(args.protocol, otlp.endpoint("grpc" if args.protocol == "grpc" else "http"),
+                                     args.pipeline, args.builder)
+        b = Bench(otlp)
+        result = {"protocol": args.protocol, "pipeline": args.pipeline, "builder": args.builder,
+                  "environment": env,
+                  "engine": "real Mooncake TransferEngine, TCP on 127.0.0.1, receiver in its own process",
+                  "exporters": "the SDK's OTLP exporters, set up from OTEL_* by the distro's configurator, to "
+                               "bench/otlp_receiver.py (its own process, 127.0.0.1)",
+                  "machine": machine(), "load_average_before": os.getloadavg()[0]}
+        if "process" in parts:
+            result["process"] = process_cost(b, rounds=2 if quick else 8, seconds=1.0 if quick else 3.0)
+        if "thread" in parts:
+            result["thread"] = thread_cost(b, rounds=3 if quick else 9, calls=100 if quick else 400)
+        if "builder" in parts:
+            result["builder_alone"] = builder_parts(b, 5000 if quick else 40000)
+        if "neighbour" in parts:
+            result["neighbour"] = neighbour(b, rounds=2 if quick else 6, seconds=1.0 if quick else 2.0)
+        result["agreement"] = agreement(b)
+        result["load_average_after"] = os.getloadavg()[0]
     finally:
-        b.stop()
+        if b is not None:
+            b.stop()
+        otlp.stop()
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
             handle.write(text)
     print(text)
-
-
-def helper_totals() -> dict:
-    """The metrics of every builder process of the run (each wrote its totals when it ended)."""
-    folder = os.environ[HELPER_TOTALS_DIR]
-    found = {"transfers_in_metrics": 0, "exemplars": 0, "helpers": 0}
-    for name in os.listdir(folder):
-        with open(os.path.join(folder, name), encoding="utf-8") as handle:
-            one = json.load(handle)
-        found["transfers_in_metrics"] += one["transfers_in_metrics"]
-        found["exemplars"] += one["exemplars"]
-        found["helpers"] += 1
-    return found
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark: the cost of the builder's eviction does not grow with the number of open requests (issue 13).
+"""Benchmark: the cost of the builder's eviction does not grow with the number of open requests.
 
 For 1,000 and 100,000 open fresh requests (none stale): the cost of one TTL tick (`SpanBuilder.evict_stale`,
 which the recorder's thread runs after every drain), and beside it what a tick that walks every open request
