@@ -201,3 +201,16 @@ def test_disjoint_sends_are_merged_a_logarithmic_number_of_times(monkeypatch):
     figures = request.figures()
     assert figures["transfer_count"] == sends and figures["busy_s"] == pytest.approx(sends * 1e-6)
     assert len(merged) <= 3 and sum(merged) <= 2 * sends, merged
+
+
+@pytest.mark.parametrize("where", ["resource", "span"])
+def test_a_list_longer_than_the_reader_accepts_is_refused_before_parsing(tmp_path, where):
+    data = otlp_request(synthetic_records(requests=1)[:1])
+    owner = data["resourceSpans"][0]
+    owner = owner["resource"] if where == "resource" else owner["scopeSpans"][0]["spans"][0]
+    owner["attributes"] = [{"key": f"k{i}", "value": {"intValue": "1"}} for i in range(spanfile.MAX_ITEMS + 1)]
+    path = tmp_path / "many.jsonl"
+    path.write_text(json.dumps(data) + "\n")
+    with pytest.raises(spanfile.SpanFileError) as info:
+        spanfile.read_spans(path)
+    assert info.value.line == 1 and f"{spanfile.MAX_ITEMS + 1} items, more than the reader accepts" in str(info.value)
