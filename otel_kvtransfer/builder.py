@@ -27,7 +27,7 @@ PeerParser = Callable[[object], dict]
 
 
 class _OpenRequest:
-    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent", "statics")
+    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent", "statics", "backend")
 
     def __init__(self, span, now: float, labels: dict):
         self.span = span
@@ -37,20 +37,22 @@ class _OpenRequest:
         self.labels = labels  # attributes every send of the request repeats (framework, role, model)
         self.parent = None  # the request span's context: its children's parent
         self.statics = {}  # send shape -> its static attributes (SpanBuilder._static)
+        self.backend = None
 
 
 class _OpenPeer:
-    __slots__ = ("span", "touched")
+    __slots__ = ("span", "touched", "role", "backend", "expected")
 
-    def __init__(self, span, now: float):
+    def __init__(self, span, now: float, role=None, backend=None, expected=None):
         self.span = span
         self.touched = now
+        self.role, self.backend, self.expected = role, backend, expected
 
 
 _OK = Status(StatusCode.UNSET)
 _MAX_SHAPES = 4096  # cached static attribute sets per request (and for raw sends)
 _PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semconv.THROUGHPUT,
-             semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE)
+             semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE, semconv.END_UNCERTAINTY_S)
 
 
 def _error(span, error_type: str) -> None:
@@ -65,8 +67,10 @@ class SpanBuilder:
 
     def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
-                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None):
+                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None,
+                 watch=None):
         self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
+        self._watch = watch  # stuck.OpenWatch: what is open now, what is stuck (None: not watched)
         self._metrics = metrics or NO_METRICS
         self._ttl = request_ttl_s
         self._max_open = max_open
@@ -83,6 +87,7 @@ class SpanBuilder:
             r.COMPUTE: self._compute,
             r.BEGIN_PEER: self._begin_peer,
             r.END_PEER: self._end_peer,
+            r.INFLIGHT: self._inflight,
         }
 
     def handle(self, rec: tuple) -> None:
@@ -101,6 +106,8 @@ class SpanBuilder:
         """Forget open spans without ending them (a forked child must not end its parent's spans)."""
         self._requests.clear()
         self._peers.clear()
+        if self._watch is not None:
+            self._watch.reset()
 
     # --- top spans -------------------------------------------------------------------------------------------
     def _start_top(self, name, key, role, backend, framework, attributes, parent, start_ns):
@@ -141,6 +148,9 @@ class SpanBuilder:
             labels[semconv.GEN_AI_REQUEST_MODEL] = model
         state = self._requests[key] = _OpenRequest(span, now, labels)
         state.parent = self._spans.context_of(span)
+        state.backend = backend
+        if self._watch is not None:
+            self._watch.opened(semconv.INFLIGHT_REQUEST, key, state, start_ns)
         return state
 
     def _touch_request(self, key, now) -> Optional[_OpenRequest]:
@@ -232,6 +242,8 @@ class SpanBuilder:
             attrs[semconv.ERROR_TYPE] = failure
             if return_code is not None:
                 attrs[semconv.RETURN_CODE] = return_code
+        if first is not None and first[r.CALL_EXTRA] and semconv.END_UNCERTAINTY_S in first[r.CALL_EXTRA]:
+            attrs[semconv.END_UNCERTAINTY_S] = first[r.CALL_EXTRA][semconv.END_UNCERTAINTY_S]
         attrs.dynamic = len(attrs)
         attrs.update(static)
         attrs.static = static
@@ -244,8 +256,11 @@ class SpanBuilder:
         one dict per distinct shape, reused (never changed once made), so the encoder and the metrics can key
         their own caches on it."""
         try:
+            extra = first[r.CALL_EXTRA] if first else None
+            if extra and semconv.END_UNCERTAINTY_S in extra:  # per send: not part of the shape
+                extra = {k: v for k, v in extra.items() if k != semconv.END_UNCERTAINTY_S}
             shape = (first[r.CALL_BACKEND], first[r.CALL_OP], first[r.CALL_PEER], first[r.CALL_PROTOCOL],
-                     tuple(first[r.CALL_EXTRA].items()) if first[r.CALL_EXTRA] else None) if first else None
+                     tuple(extra.items()) if extra else None) if first else None
             if info is not None:
                 shape = (shape, info[r.INFO_PAYLOAD], info[r.INFO_DESTINATION], info[r.INFO_REPLICA],
                          info[r.INFO_IS_LAST], info[r.INFO_EARLY],
@@ -320,7 +335,10 @@ class SpanBuilder:
         self._make_room(self._peers, "peer_limit", self._end_evicted_peer)
         span = self._start_top(rec[r.PEER_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
                                rec[r.PEER_FRAMEWORK], rec[r.PEER_ATTRIBUTES], rec[r.PEER_PARENT], rec[r.TIME])
-        self._peers[key] = _OpenPeer(span, now)
+        state = self._peers[key] = _OpenPeer(span, now, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
+                                             (rec[r.PEER_ATTRIBUTES] or {}).get(semconv.EXPECTED_BYTES))
+        if self._watch is not None:
+            self._watch.opened(semconv.INFLIGHT_PEER, key, state, rec[r.TIME])
 
     def _end_peer(self, rec, now):
         state = self._peers.pop(rec[r.KEY], None)
@@ -339,9 +357,23 @@ class SpanBuilder:
         self._metrics.peer(state.span, end_ns)
 
     # --- eviction --------------------------------------------------------------------------------------------
+    def _inflight(self, rec, now):
+        if self._watch is not None:
+            self._watch.sends(rec, self._requests.get)
+
+    @staticmethod
+    def _describe_open(kind, state):
+        """(peer, bytes, backend, role) of an open request or peer wait, for a stuck report."""
+        if kind == semconv.INFLIGHT_PEER:
+            return None, state.expected, state.backend, state.role
+        return None, state.aggregate.bytes, state.backend, state.labels.get(semconv.ROLE)
+
     def evict_stale(self) -> None:
         """End, as evicted, what has had no activity for longer than the TTL (oldest first, stops at the first
-        fresh one)."""
+        fresh one); then report what just became stuck."""
+        if self._watch is not None:
+            self._watch.tick({semconv.INFLIGHT_REQUEST: self._requests, semconv.INFLIGHT_PEER: self._peers},
+                             self._describe_open)
         deadline = self._clock() - self._ttl
         for table, end, reason in ((self._requests, self._end_evicted_request, "request_evicted"),
                                    (self._peers, self._end_evicted_peer, "peer_evicted")):

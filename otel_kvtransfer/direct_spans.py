@@ -12,7 +12,7 @@ is never built at all (the metrics count it all the same: they come from the rec
 from typing import Optional
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.sampling import (ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler,
                                               TraceIdRatioBased)
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
@@ -73,6 +73,10 @@ class OpenSpan:
 
     def set_status(self, status) -> None:
         self.status = status
+
+    def add_event(self, name, attributes=None, timestamp=None) -> None:
+        """An event on a span still open (a stuck report); rare, so no bound beyond the builder's own."""
+        self.events = tuple(self.events) + (Event(name, attributes, timestamp),)
 
 
 def _root_decision(sampler):

@@ -34,7 +34,7 @@ from typing import Callable, Collection
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_kvtransfer import builder_choice, config, offload, semconv, span_encoding
+from otel_kvtransfer import builder_choice, config, inflight, offload, semconv, span_encoding, stuck
 from otel_kvtransfer.builder import SpanBuilder
 from otel_kvtransfer.direct_spans import DirectSpans
 from otel_kvtransfer.kvmetrics import RecordMetrics, tables_for
@@ -209,8 +209,10 @@ class KVTransferInstrumentor(BaseInstrumentor):
 
         # 3. The recorder's thread and a fresh builder.
         count_dropped = drop_counter(meter_provider)
-        builder = new_builder(self._attachment, settings, engines, on_drop=RECORDER.drop)
+        builder = new_builder(self._attachment, settings, engines, on_drop=RECORDER.drop,
+                              meter_provider=kwargs.get("meter_provider"))
         tick = _LateAttach(builder, self._attachment, done=not waiting_for_sdk)
+        RECORDER.watcher = inflight.Watcher(settings.stuck_s)
         RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset)
         self._end_open = lambda: builder.end_all(count_dropped)
 
@@ -222,6 +224,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         # Close the link after the recorder's exit drain: registered first, so atexit runs it after.
         offload.register_exit(link)
         self._attachment.attach_flush_only(tracer_provider, offload.HelperFlushProcessor(RECORDER, link))
+        RECORDER.watcher = inflight.Watcher(settings.stuck_s)
         RECORDER.start(settings, handle=None, handle_batch=link.send_batch, tick=link.tick,
                        on_drops=link.add_drops, on_fork=link.after_fork_in_child)
         self._end_open = link.end_open
@@ -252,6 +255,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
                 _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
         # 3.
         RECORDER.stop()
+        RECORDER.watcher = None
         try:  # what is still open would never end: end it as evicted, counted (before the processors go)
             self._end_open()
         except Exception:  # pylint: disable=broad-except
@@ -272,12 +276,13 @@ def drop_counter(meter_provider) -> Callable[[str, int], None]:
 
 
 def new_builder(attachment: "_Attachment", settings: config.Settings, engines,
-                on_drop: Callable[[str, int], None]) -> SpanBuilder:
+                on_drop: Callable[[str, int], None], meter_provider=None) -> SpanBuilder:
     """The span builder as both builders run it: what the attachment builds with, the settings' bounds, each
-    engine's peer parser."""
+    engine's peer parser, the stuck watch on the MeterProvider's instruments."""
     return SpanBuilder(attachment.spans, settings.request_ttl_s, settings.max_open_requests,
                        peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
-                       on_drop=on_drop, metrics=attachment.metrics)
+                       on_drop=on_drop, metrics=attachment.metrics,
+                       watch=stuck.OpenWatch(stuck.reporter_for(meter_provider), settings.stuck_s))
 
 
 def _is_sdk_tracer(tracer) -> bool:

@@ -10,8 +10,8 @@ is counted as dropped, never lost silently.
 from time import time_ns
 from typing import Any, Hashable, Optional
 
-from otel_kvtransfer import integration
-from otel_kvtransfer.records import SEND
+from otel_kvtransfer import inflight, integration, semconv
+from otel_kvtransfer.records import INFO_KEY, SEND
 from otel_kvtransfer.recorder import RECORDER
 
 
@@ -19,6 +19,8 @@ class PendingTransfers:
     def __init__(self, backend: str):
         self.backend = backend
         self._pending = {}
+        self._running_seen = {}  # handle -> when a poll last saw it still running
+        inflight.register_pending(self)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -33,19 +35,37 @@ class PendingTransfers:
                                  scope.info if scope is not None else None,
                                  None if scope is not None else integration.capture_context())
 
+    def seen_running(self, handle: Hashable) -> None:
+        """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
+        if handle in self._pending:
+            self._running_seen[handle] = time_ns()
+
+    def in_flight(self):
+        """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
+        for handle, entry in list(self._pending.items()):
+            info = entry[7]
+            yield handle, (entry[0], info[INFO_KEY] if info else None, entry[4] if isinstance(entry[4], str)
+                           else None, entry[1], self.backend)
+
     def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str]) -> bool:
-        """The submission ended (error_type None: success); False when it was not pending."""
+        """The submission ended (error_type None: success); False when it was not pending. Its end was seen by
+        a poll: the true end lies between the previous poll that saw it running (or its start) and now, and
+        the send says how wide that window is (`kv_transfer.end_uncertainty_s`)."""
         entry = self._pending.pop(handle, None)
         if entry is None:
             return False
         start, nbytes, descriptors, op, peer, protocol, extra, info, context = entry
-        call = (start, time_ns(), nbytes, descriptors, op, peer, protocol, return_code, error_type, self.backend,
+        end = time_ns()
+        uncertainty = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
+        extra = {**extra, **uncertainty} if extra else uncertainty
+        call = (start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type, self.backend,
                 extra)
         RECORDER.record((SEND, info, [call], context, None, None))
         return True
 
     def forget(self, handle: Hashable) -> None:
         """The handle was released without its completion being observed: counted as dropped."""
+        self._running_seen.pop(handle, None)
         if self._pending.pop(handle, None) is not None:
             RECORDER.drop("async_released")
 
@@ -54,3 +74,4 @@ class PendingTransfers:
         if self._pending:
             RECORDER.drop("async_uninstrumented", len(self._pending))
         self._pending.clear()
+        self._running_seen.clear()

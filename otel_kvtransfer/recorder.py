@@ -39,6 +39,7 @@ class Recorder:
     def __init__(self, settings: config.Settings):
         self.settings = settings
         self.active = False  # read on the hot path: the wrappers call straight through when False
+        self.watcher = None  # inflight.Watcher while instrumented
         self._queue: deque = deque()
         self._capacity = settings.queue_size
         self._handle: Optional[Callable[[tuple], None]] = None
@@ -125,7 +126,18 @@ class Recorder:
             self._wake.wait(self.settings.flush_interval_s)
             self._wake.clear()
             if not self._stopping:
+                self._watch_inflight()
                 self.drain()
+
+    def _watch_inflight(self) -> None:
+        """Once a second, what the engine is transferring now, as one INFLIGHT record (inflight.py)."""
+        watcher = self.watcher
+        if watcher is not None and watcher.due():
+            try:
+                self.record(watcher.scan())
+            except Exception:  # pylint: disable=broad-except
+                self.drop("wrapper_error")
+                _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)
 
     # --- delivery -----------------------------------------------------------------------------------------
     def drain(self, timeout_s: Optional[float] = None) -> bool:

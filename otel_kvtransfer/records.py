@@ -13,6 +13,7 @@ END_REQUEST = 3
 COMPUTE = 4  # a compute interval serving some requests
 BEGIN_PEER = 5  # the peer's waiting span (receive for a push, serve for a pull) opens
 END_PEER = 6
+INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
 KIND = 0
 
 # SEND: (SEND, info, calls, context, scope_error, scope_span)
@@ -63,6 +64,13 @@ PEER_PARENT = 8
 
 # END_REQUEST / END_PEER: (kind, key, end_ns, error_type)
 END_ERROR = 3
+
+# INFLIGHT: (INFLIGHT, now_ns, open count, oldest start_ns or None, [(start_ns, key, peer, nbytes, backend), ...])
+# where the list holds the open sends that just became stuck (each reported once)
+INFLIGHT_AT = 1
+INFLIGHT_COUNT = 2
+INFLIGHT_OLDEST = 3
+INFLIGHT_STUCK = 4
 
 # COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index)
 COMPUTE_KEYS = 1

@@ -35,6 +35,8 @@ COMPUTE_OVERLAP_RATIO = "kv_transfer.compute_overlap_ratio"
 TAIL_S = "kv_transfer.tail_s"
 TAIL_BUSY_S = "kv_transfer.tail_busy_s"
 TAIL_QUEUED_S = "kv_transfer.tail_queued_s"
+# How late an observed end can be: time since the previous poll that saw the send unfinished.
+END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
 DESCRIPTOR_COUNT = "kv_transfer.descriptor_count"
 ENGINE_CALLS = "kv_transfer.engine_calls"
 PAYLOAD = "kv_transfer.payload"
@@ -89,6 +91,13 @@ METRIC_REQUEST_TAIL_QUEUED = "kv_transfer.request.tail_queued"
 METRIC_PEER_THROUGHPUT = "kv_transfer.peer.throughput"  # the only metric that carries a peer
 PEER_THROUGHPUT_MIN_BYTES = 1 << 20  # sends below this say more about latency than about the link
 PEER_OTHER = "other"  # server.address of every peer beyond the per-process cap
+METRIC_INFLIGHT = "kv_transfer.inflight"
+METRIC_INFLIGHT_OLDEST_AGE = "kv_transfer.inflight.oldest_age"
+METRIC_STUCK = "kv_transfer.stuck"
+INFLIGHT_KIND = "kv_transfer.inflight.kind"
+INFLIGHT_SEND, INFLIGHT_REQUEST, INFLIGHT_PEER = "send", "request", "peer"
+EVENT_STUCK = "kv_transfer.stuck"
+STUCK_AGE_S = "kv_transfer.stuck.age_s"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
 DROPPED_DESCRIPTION = "Records the instrumentation had to drop (queue full, evicted requests, own errors)"
 

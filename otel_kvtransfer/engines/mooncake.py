@@ -13,7 +13,7 @@ from time import time_ns
 
 import wrapt
 
-from otel_kvtransfer import integration, semconv
+from otel_kvtransfer import inflight, integration, semconv
 from otel_kvtransfer.patching import SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, Patcher, active, current_context, own_error
 from otel_kvtransfer.pending import PendingTransfers
 from otel_kvtransfer.records import SEND
@@ -103,6 +103,7 @@ def _sync(original, op, batch):
         ctx = context()
         if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
             return original(self, *args, **kwargs)
+        scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
         start = time_ns()
         try:
             rc = original(self, *args, **kwargs)
@@ -124,7 +125,6 @@ def _sync(original, op, batch):
                     lengths, descriptors = int(lengths), 1
                 call = (start, end, lengths, descriptors, op, args[0],
                         transports.get(id(self), state["fallback_transport"]), rc, error, BACKEND, None)
-            scope = thread.scope
             if scope is not None:
                 scope.calls.append(call)
             elif recorder.active:  # as integration.deliver, with the context already fetched
@@ -133,7 +133,16 @@ def _sync(original, op, batch):
             own_error("record a Mooncake call")
         return rc
 
+    inflight.register_wrapper(transfer.__code__, _in_progress)
     return transfer
+
+
+def _in_progress(frame_locals):
+    """A sync call still inside the engine, from its wrapper's frame (inflight.py): None before it started."""
+    start = frame_locals.get("start")
+    if start is None or "end" in frame_locals:  # not started yet, or already returned
+        return None
+    return inflight.describe_call(start, frame_locals.get("scope"), frame_locals.get("args") or (), BACKEND)
 
 
 def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
@@ -172,6 +181,8 @@ def _check_status(original):
                 # 1 completed, -1 failed (both free the batch id), -2 timed out, 0 still running.
                 if rc == 1:
                     _pending.complete((id(self), batch_id), rc, None)
+                elif rc == 0:
+                    _pending.seen_running((id(self), batch_id))
                 elif rc < 0:
                     _pending.complete((id(self), batch_id), rc, "timeout" if rc == -2 else "transfer_failed")
             except Exception:  # pylint: disable=broad-except
@@ -183,6 +194,12 @@ def _check_status(original):
 
 def _batch_status(original):
     def get_batch_transfer_status(self, *args, **kwargs):
+        if len(_pending):  # the wait starts with the batches unfinished: their ends lie after this moment
+            try:
+                for batch_id in (args[0] if args else next(iter(kwargs.values()))):
+                    _pending.seen_running((id(self), batch_id))
+            except Exception:  # pylint: disable=broad-except
+                own_error("observe a Mooncake wait")
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if len(_pending):
             try:

@@ -181,10 +181,13 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
 
 def _check_state_wrapper(wrapped, instance, args, kwargs):
     state = wrapped(*args, **kwargs)
-    if state != "PROC" and len(_pending):
+    if len(_pending):
         try:
             handle = args[0] if args else kwargs["handle"]
-            _pending.complete(_key(handle), state, None if state == "DONE" else "transfer_failed")
+            if state == "PROC":  # still running: its end, when seen, lies after now
+                _pending.seen_running(_key(handle))
+            else:
+                _pending.complete(_key(handle), state, None if state == "DONE" else "transfer_failed")
         except Exception:  # pylint: disable=broad-except
             own_error("observe a NIXL completion")
     return state

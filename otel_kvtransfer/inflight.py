@@ -1,0 +1,105 @@
+"""What the engine process is transferring right now, seen from the recorder's thread: sync engine calls still
+inside the engine, and async submissions whose completion nobody has observed yet.
+
+A hung sync call is visible only while it hangs, so it must be found without any work on the hot path: once a
+second the recorder's thread reads `sys._current_frames()` and finds the threads whose Python frame is an engine
+wrapper registered here (`register_wrapper`), reading its locals (when the call started, its peer, its bytes, the
+transfer scope it belongs to). Async submissions are the entries of every `pending.PendingTransfers`.
+
+The result travels as one INFLIGHT record (records.py) to whichever builder builds the spans (this process's
+thread or the helper), which keeps the `kv_transfer.inflight` gauges and reports each item that stays open longer
+than OTEL_KVTRANSFER_STUCK_S once, while it is still open (`stuck.py`).
+"""
+
+import sys
+import threading
+import time
+import weakref
+from typing import Callable, Dict, Optional
+
+from otel_kvtransfer import records as r
+
+SCAN_INTERVAL_S = 1.0
+MAX_REPORTED = 65536  # ids of items already reported stuck, kept while they stay open
+
+# code object of a wrapper -> describe(frame locals) -> (start_ns, key, peer, nbytes, backend) or None
+_WRAPPERS: Dict[object, Callable] = {}
+_PENDING = weakref.WeakSet()  # every PendingTransfers
+
+
+def register_wrapper(code, describe: Callable) -> None:
+    _WRAPPERS[code] = describe
+
+
+def register_pending(pending) -> None:
+    _PENDING.add(pending)
+
+
+def _scope_key(scope) -> Optional[object]:
+    info = getattr(scope, "info", None)
+    return info[r.INFO_KEY] if info else None
+
+
+def describe_call(start, scope, args, backend) -> tuple:
+    """(start_ns, key, peer, nbytes, backend) of an engine call in progress, from its wrapper's locals."""
+    peer = args[0] if args else None
+    nbytes = None
+    if len(args) > 3:
+        lengths = args[3]
+        if isinstance(lengths, int):
+            nbytes = lengths
+        elif isinstance(lengths, list) and len(lengths) <= 4096:
+            nbytes = sum(x for x in lengths if isinstance(x, int))
+    return (start, _scope_key(scope), peer if isinstance(peer, str) else None, nbytes, backend)
+
+
+class Watcher:
+    """Scans at most once per SCAN_INTERVAL_S; each scan is one INFLIGHT record for the builder."""
+
+    def __init__(self, stuck_s: float, clock=time.monotonic):
+        self._stuck_ns = int(stuck_s * 1e9)
+        self._clock = clock
+        self._next = 0.0
+        self._reported = set()
+
+    def due(self) -> bool:
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + SCAN_INTERVAL_S
+        return True
+
+    def scan(self, now_ns: Optional[int] = None) -> tuple:
+        """(INFLIGHT, now_ns, open count, oldest start_ns or None, [stuck item, ...]) where an item is
+        (start_ns, key, peer, nbytes, backend), each reported once while it stays open."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        items = {}
+        if _WRAPPERS:
+            me = threading.get_ident()
+            for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+                if ident == me:
+                    continue
+                depth = 0
+                while frame is not None and depth < 4:  # the wrapper is the top frame, or just below
+                    describe = _WRAPPERS.get(frame.f_code)
+                    if describe is not None:
+                        item = describe(frame.f_locals)
+                        if item is not None:
+                            items[("call", ident, item[0])] = item
+                        break
+                    frame, depth = frame.f_back, depth + 1
+        for pending in list(_PENDING):
+            for handle, item in pending.in_flight():
+                items[("async", id(pending), handle, item[0])] = item
+        oldest, stuck = None, []
+        for ident, item in items.items():
+            start = item[0]
+            if oldest is None or start < oldest:
+                oldest = start
+            if now_ns - start >= self._stuck_ns and ident not in self._reported:
+                stuck.append(item)
+                self._reported.add(ident)
+        self._reported &= items.keys()  # forget what has ended
+        if len(self._reported) > MAX_REPORTED:
+            self._reported.clear()
+        return (r.INFLIGHT, now_ns, len(items), oldest, stuck)

@@ -1,0 +1,139 @@
+"""Stuck while it is stuck: a real Mooncake write into a receiver frozen with SIGSTOP is reported while it hangs,
+with both builders (a thread of the engine process, and the helper process).
+
+Real parts: the engine process runs under `opentelemetry-instrument` (spans to a span file, metrics to the console
+exporter every 300 ms, through the standard OTEL_* variables) with OTEL_KVTRANSFER_STUCK_S=1. It opens a request,
+freezes its receiver process with SIGSTOP, and starts a 48 MiB write inside the request's transfer scope (far more
+than the sockets buffer: the call hangs inside the engine). It waits 4 s, then lets the receiver go on (SIGCONT);
+the write completes. Everything runs inside `unshare --net` with loopback up.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import console_json_objects, mooncake_importable, require_part
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ROOM = 777001
+SIZE = 48 << 20
+
+
+def _engine_process(out_path: str) -> None:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
+
+    with Receiver(SIZE, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "60"}) as receiver:
+        engine = open_engine()
+        source = np.ones(SIZE, dtype=np.uint8)
+        assert engine.register_memory(source.ctypes.data, SIZE) == 0
+        assert engine.transfer_sync_write(receiver.session, source.ctypes.data, receiver.base_address, 4096) == 0
+        result = {}
+
+        def write():
+            with kvt.transfer_scope(ROOM, chunk_index=0, is_last_chunk=True):
+                result["rc"] = engine.transfer_sync_write(receiver.session, source.ctypes.data,
+                                                          receiver.base_address, SIZE)
+
+        kvt.begin_request(ROOM, backend="mooncake", framework="test")
+        os.kill(receiver.process.pid, signal.SIGSTOP)
+        thread = threading.Thread(target=write)
+        thread.start()
+        time.sleep(4.0)
+        result["hung"] = thread.is_alive()  # still inside the engine when the receiver is let go
+        print("KVT-RESUME", flush=True)
+        os.kill(receiver.process.pid, signal.SIGCONT)
+        thread.join(60)
+        kvt.end_request(ROOM)
+        trace.get_tracer_provider().force_flush()
+        metrics.get_meter_provider().force_flush()
+        result["session"] = receiver.session
+        with open(out_path, "w", encoding="utf-8") as handle:
+            json.dump(result, handle)
+
+
+def _run(tmp_path, builder: str):
+    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
+    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
+    require_part(importlib.util.find_spec("opentelemetry.instrumentation.auto_instrumentation") is not None,
+                 "opentelemetry-instrumentation")
+    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               OTEL_KVTRANSFER_BUILDER=builder, OTEL_TRACES_EXPORTER="kvtransfer_file",
+               OTEL_KVTRANSFER_SPAN_FILE=spans_path, OTEL_METRICS_EXPORTER="console", OTEL_LOGS_EXPORTER="none",
+               OTEL_METRIC_EXPORT_INTERVAL="300", OTEL_KVTRANSFER_STUCK_S="1", MC_FORCE_TCP="1",
+               MC_LOG_LEVEL="ERROR", MC_TRANSFER_TIMEOUT="60")
+    script = (f"import sys; sys.path.insert(0, {HERE!r}); import test_stuck; "
+              f"test_stuck._engine_process({out_path!r})")
+    proc = subprocess.run(["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", instrument,
+                           sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
+                          check=False, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out_path, encoding="utf-8") as handle:
+        result = json.load(handle)
+    spans = []
+    with open(spans_path, encoding="utf-8") as handle:
+        for line in handle:
+            for rs in json.loads(line)["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    spans.extend(ss["spans"])
+    return proc, result, spans
+
+
+def _attributes(span) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def _points(objects, name):
+    """(attributes, value) of every data point of metric `name` the console exporter printed, in order."""
+    found = []
+    for obj in objects:
+        for rm in obj.get("resource_metrics", []):
+            for sm in rm.get("scope_metrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] == name:
+                        found += [(p.get("attributes", {}), p.get("value")) for p in metric["data"]["data_points"]]
+    return found
+
+
+@pytest.mark.parametrize("builder", ["thread", "process"])
+def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder):
+    proc, result, spans = _run(tmp_path, builder)
+    assert result["hung"] is True and result["rc"] == 0  # it hung for the 4 s, then completed
+    before, _, _ = proc.stdout.partition("KVT-RESUME")
+    while_stuck = console_json_objects(before)
+    # While it hung: the gauges saw one send in flight, at least 1 s old, and the counters one stuck send and
+    # one stuck request (open 1 s+).
+    inflight = [v for a, v in _points(while_stuck, "kv_transfer.inflight") if a["kv_transfer.inflight.kind"] == "send"]
+    ages = [v for a, v in _points(while_stuck, "kv_transfer.inflight.oldest_age")
+            if a["kv_transfer.inflight.kind"] == "send"]
+    assert 1 in inflight and max(ages) >= 1.0
+    stuck = {a["kv_transfer.inflight.kind"]: v for a, v in _points(while_stuck, "kv_transfer.stuck")}
+    assert stuck.get("send") == 1 and stuck.get("request") == 1
+    # One line each in the log, naming the request key, the peer and the bytes.
+    lines = [line for line in proc.stderr.splitlines() if "is stuck" in line]
+    send_lines = [line for line in lines if "a send open" in line]
+    assert len(send_lines) == 1 and str(ROOM) in send_lines[0] and result["session"] in send_lines[0]
+    assert str(SIZE) in send_lines[0]
+    assert len([line for line in lines if "a request open" in line]) == 1
+    # The request span carries both reports as events; the send is whole.
+    (request,) = [s for s in spans if s["name"] == "kv_transfer.request"]
+    kinds = sorted(_attributes(e)["kv_transfer.inflight.kind"] for e in request.get("events", [])
+                   if e["name"] == "kv_transfer.stuck")
+    assert kinds == ["request", "send"]
+    sends = [s for s in spans if s["name"] == "kv_transfer.send" and _attributes(s).get("kv_transfer.request_key")]
+    assert [int(_attributes(s)["kv_transfer.bytes"]) for s in sends] == [SIZE]
