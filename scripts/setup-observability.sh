@@ -23,6 +23,7 @@ need_apt=()
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v tc >/dev/null 2>&1 || need_apt+=(iproute2)  # the rate-limited link of the peer alert test
 command -v unshare >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 command -v nsenter >/dev/null 2>&1 || need_apt+=(util-linux)

@@ -119,4 +119,7 @@ DESIGN_METRICS = [
     ("kv_transfer.receive.duration", "s", HISTOGRAM),
     ("kv_transfer.descriptors", "{descriptor}", HISTOGRAM),
     ("kv_transfer.instrumentation.dropped", "{record}", COUNTER),
+    ("kv_transfer.request.tail", "s", HISTOGRAM),
+    ("kv_transfer.request.tail_queued", "s", HISTOGRAM),
+    ("kv_transfer.peer.throughput", "By/s", HISTOGRAM),
 ]

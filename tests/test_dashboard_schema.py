@@ -55,6 +55,8 @@ def test_dashboards_satisfy_grafana_schema(typecheck_ready):
     (lambda d: d["panels"][1]["gridPos"].__setitem__("x", "0"), "not assignable to type 'number'"),
     (lambda d: d["panels"][6]["options"]["legend"].__setitem__("displayMode", "tables"), '"tables"'),
     (lambda d: d.pop("schemaVersion"), "schemaVersion"),
+    (lambda d: [p for p in d["panels"] if p["type"] == "table"][0]["options"].__setitem__("cellHeight", "tiny"),
+     '"tiny"'),  # table options are checked against the table plugin's own type
 ])
 def test_typecheck_rejects_a_broken_dashboard(typecheck_ready, tmp_path, mutate, expected):
     """The check has teeth: a misspelt key, a wrong type, a bad enum value, a missing required field fail."""
@@ -127,7 +129,8 @@ def test_variables_filter_every_query(dashboard):
         assert variables[name]["query"]["query"].endswith(f", {FILTERS.get(name, 'kv_transfer_payload')})")
     for title, expr in _exprs(dashboard):
         assert 'job=~"$service"' in expr and 'instance=~"$instance"' in expr, title
-        if "instrumentation_dropped" not in expr:  # the dropped counter has none of the request's attributes
+        # the dropped counter has none of the request's attributes; the per-peer throughput carries only the peer
+        if "instrumentation_dropped" not in expr and "peer_throughput" not in expr:
             for name, label in FILTERS.items():
                 assert f'{label}=~"${name}"' in expr, (title, name)
 
@@ -168,6 +171,32 @@ def test_peer_wait_and_descriptor_panels(dashboard):
     assert _panel_with(dashboard, "kv_transfer_receive_duration_seconds_count")
     descriptors = _panel_with(dashboard, "kv_transfer_descriptors_bucket")
     assert any(p["fieldConfig"]["defaults"]["unit"] == "short" for p in descriptors)
+
+
+def test_tail_panel_shows_the_wait_and_its_queued_part(dashboard):
+    """What the first decode step waited for after prefill compute: p50 and p99 of the tail and of its queued part."""
+    (panel,) = [p for p in _panels(dashboard) if p["title"] == "Time to first token spent waiting for KV"]
+    assert panel["type"] == "timeseries" and panel["fieldConfig"]["defaults"]["unit"] == "s"
+    exprs = [t["expr"] for t in panel["targets"]]
+    for series in ("kv_transfer_request_tail_seconds_bucket", "kv_transfer_request_tail_queued_seconds_bucket"):
+        for quantile in ("0.5", "0.99"):
+            assert any(e.startswith(f"histogram_quantile({quantile}, sum by (le) (rate({series}{{") for e in exprs), \
+                (series, quantile)
+
+
+def test_slowest_peers_panel_lists_peers_lowest_first(dashboard):
+    """One row per peer (address and port, per sending service), its median throughput, the slowest on top: the
+    query sorts ascending and the table keeps that order; the window is the alert's (10 minutes)."""
+    (panel,) = _panel_with(dashboard, "kv_transfer_peer_throughput_bytes_per_second_bucket")
+    assert panel["type"] == "table" and panel["fieldConfig"]["defaults"]["unit"] == "Bps"
+    (target,) = panel["targets"]
+    assert target["instant"] and not target["range"] and target["format"] == "table"
+    assert target["expr"].startswith("sort(histogram_quantile(0.5, sum by (job, server_address, server_port, le) (")
+    assert "[10m]" in target["expr"]
+    (sort_by,) = panel["options"]["sortBy"]
+    renamed = panel["transformations"][0]["options"]["renameByName"]
+    assert sort_by == {"displayName": renamed["Value"], "desc": False}
+    assert panel["transformations"][0]["options"]["excludeByName"] == {"Time": True}
 
 
 def test_one_panel_per_engine(dashboard):

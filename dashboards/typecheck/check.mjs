@@ -30,6 +30,7 @@ const out = mkdtempSync(join(root, "generated", "check-"));
 const panelTypes = {
   timeseries: ["TimeSeriesOptions", "@grafana/schema/dist/esm/raw/composable/timeseries/panelcfg/x/TimeSeriesPanelCfg_types.gen", "Options"],
   stat: ["StatOptions", "@grafana/schema/dist/esm/raw/composable/stat/panelcfg/x/StatPanelCfg_types.gen", "Options"],
+  table: ["TableOptions", "@grafana/schema/dist/esm/raw/composable/table/panelcfg/x/TablePanelCfg_types.gen", "Options"],
   heatmap: ["HeatmapOptions", "@grafana/schema/dist/esm/raw/composable/heatmap/panelcfg/x/HeatmapPanelCfg_types.gen", "Options"],
 };
 const names = [];

@@ -1,0 +1,297 @@
+"""Two real Mooncake receivers, one behind a rate-limited link; a real Prometheus scrapes the sender's per-peer
+throughput and evaluates dashboards/alerts.yaml over it. Run by tests/test_peer_alert.py (never imported by pytest):
+
+    unshare -rn python tests/_observability_peers.py --outer-netns NETNS --prometheus BIN --rules ALERTS --workdir DIR
+
+`unshare -rn` gives this process a user namespace in which it is root and a network namespace of its own; it
+refuses to run in the namespace named by --outer-netns (the caller's), so it never touches a real network. In it:
+loopback up; each receiver runs in a further network namespace of its own (`unshare -n`), joined to this one by a
+veth pair on a private /24 (10.231.N.0/24, only inside these namespaces); the slow receiver's veth end here has a
+`tc` token-bucket rate limit (the sick link), the fast one none. The sender (this process, instrumented) pushes
+requests of 1 MiB KV sends to both over Mooncake TCP and serves its metrics on 127.0.0.1 in the Collector's
+exposition; Prometheus, on 127.0.0.1 of this namespace, scrapes them every second and evaluates the rules every
+second. Mooncake binds all interfaces: all of them are inside these namespaces. Every wait is bounded; every
+process started here is stopped by its PID before the script exits.
+
+Protocol on stdout: one line `RESULT {json}` (peers, sends, what Prometheus holds, the alerts), or `ERROR <one line>`.
+"""
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+SEND_BYTES = 1 << 20  # the smallest send kv_transfer.peer.throughput takes
+CHUNKS = 4  # sends per request
+ROUNDS = 10  # requests per peer: 40 sends each, above the alert's minimum of 20 in its window
+ROUND_S = 0.7  # a round lasts at least this: the sends span several scrapes, so rate() sees them arrive
+SLOW_RATE = "50mbit"  # 6.25 MB/s; the unlimited veth moves several hundred MB/s or more here
+PEER_IFNAME = "kvtpeer"
+ALERT = "KVTransferPeerFarBelowFleet"
+RECORD = "kv_transfer:peer_throughput_bytes_per_second:p50_10m"
+SERVICE, INSTANCE = "kvt-prefill", "prefill-0"
+
+
+def _netns(pid="self") -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def _ip(*args) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+def _read_line(proc, prefix: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    raise RuntimeError(f"no {prefix.strip()} line from pid {proc.pid} within {timeout} s (exit {proc.poll()})")
+
+
+def _engine(address: str):
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    engine = TransferEngine()
+    rc = engine.initialize(address, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize({address}) returned {rc}")
+    return engine
+
+
+def receiver(args) -> int:
+    """A decode engine in its own network namespace: waits for its veth end, brings it up, registers a buffer."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    ready, _, _ = select.select([sys.stdin], [], [], 30)
+    if not ready or sys.stdin.readline().strip() != "go":
+        return 1
+    _ip("link", "set", "lo", "up")
+    _ip("addr", "add", f"{args.address}/24", "dev", PEER_IFNAME)
+    _ip("link", "set", PEER_IFNAME, "up")
+    engine = _engine(args.address)
+    buffer = np.zeros(CHUNKS * SEND_BYTES, dtype=np.uint8)
+    rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
+    print("READY " + json.dumps({"port": engine.get_rpc_port(), "buffer": buffer.ctypes.data, "rc": rc}), flush=True)
+    select.select([sys.stdin], [], [], args.linger)  # until the sender closes our stdin (or linger passes)
+    return 0
+
+
+def _stop(proc) -> None:
+    from _observability_parts import stop  # pylint: disable=import-outside-toplevel
+
+    if proc is not None:
+        try:
+            proc.stdin and proc.stdin.close()
+        except OSError:
+            pass
+        stop(proc)
+
+
+def _start_receiver(index: int, rate, env) -> tuple:
+    """A receiver behind veth kvt<index> (rate-limited when `rate`); (process, address, READY payload)."""
+    from _observability_parts import start, wait_until  # pylint: disable=import-outside-toplevel
+
+    ours, address = _netns(), f"10.231.{index + 1}.2"
+    proc = start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_until(lambda: _netns(proc.pid) != ours, 10, 0.05, what="receiver in its own network namespace")
+        link = f"kvt{index}"
+        _ip("link", "add", link, "type", "veth", "peer", "name", PEER_IFNAME, "netns", str(proc.pid))
+        _ip("addr", "add", f"10.231.{index + 1}.1/24", "dev", link)
+        _ip("link", "set", link, "up")
+        if rate:
+            # the sender's egress towards this peer: every byte of its KV crosses the token bucket
+            subprocess.run(["tc", "qdisc", "add", "dev", link, "root", "tbf", "rate", rate, "burst", "32kb",
+                            "latency", "400ms"], check=True, capture_output=True, text=True, timeout=10)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        ready = json.loads(_read_line(proc, "READY ", 60))
+        if ready["rc"] != 0:
+            raise RuntimeError(f"receiver register_memory returned {ready['rc']}")
+        return proc, address, ready
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _prometheus(args, metrics_port: int):
+    from _observability_parts import free_port, http_json, start, wait_until  # pylint: disable=import-outside-toplevel
+
+    port = free_port()
+    config = os.path.join(args.workdir, "prometheus.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        handle.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+                     f"rule_files:\n  - {json.dumps(os.path.abspath(args.rules))}\n"
+                     "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
+                     f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
+    log = open(os.path.join(args.workdir, "prometheus.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    proc = start([args.prometheus, f"--config.file={config}", f"--storage.tsdb.path={args.workdir}/data",
+                  f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+                 stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: http_json(f"{base}/api/v1/status/buildinfo")["status"] == "success", 30,
+               what="prometheus ready")
+    return proc, base, log
+
+
+def _query(base: str, expr: str) -> list:
+    from _observability_parts import http_json  # pylint: disable=import-outside-toplevel
+
+    return [({k: v for k, v in s["metric"].items()}, float(s["value"][1]))
+            for s in http_json(f"{base}/api/v1/query", {"query": expr})["data"]["result"]]
+
+
+def run(args) -> dict:
+    # pylint: disable=import-outside-toplevel,too-many-locals
+    import numpy as np
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from _observability_exposition import ScrapeEndpoint
+    from _observability_parts import http_json, stop, wait_until
+    from otel_kvtransfer import KVTransferInstrumentor, integration
+
+    _ip("link", "set", "lo", "up")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
+    receivers, prometheus, log, endpoint = [], None, None, None
+    resource = Resource.create({"service.name": SERVICE, "service.instance.id": INSTANCE})
+    tracer_provider = TracerProvider(resource=resource)
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+    try:
+        for index, (role, rate) in enumerate((("fast", None), ("slow", SLOW_RATE))):
+            proc, address, ready = _start_receiver(index, rate, env)
+            receivers.append({"proc": proc, "role": role, "address": address, "port": ready["port"],
+                              "buffer": ready["buffer"], "rate": rate})
+        KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+        endpoint = ScrapeEndpoint(reader)
+        prometheus, base, log = _prometheus(args, endpoint.port)
+        engine = _engine("127.0.0.1")
+        source = np.random.default_rng(1).integers(0, 255, CHUNKS * SEND_BYTES, dtype=np.uint8)
+        if engine.register_memory(source.ctypes.data, source.nbytes) != 0:
+            raise RuntimeError("sender register_memory failed")
+        # Prometheus has scraped the endpoint once before the first send: a series' first sample comes before
+        # most of its sends, so increase() and rate() see them (an OTel counter has no zero sample of its own)
+        wait_until(lambda: any(t["health"] == "up" for t in
+                               http_json(f"{base}/api/v1/targets")["data"]["activeTargets"]), 20,
+                   what="first scrape")
+        sent = {peer["address"]: 0 for peer in receivers}
+        failed = 0
+        room = 5000
+        began = time.monotonic()
+        for round_index in range(ROUNDS):
+            time.sleep(max(0.0, began + round_index * ROUND_S - time.monotonic()))
+            for peer in receivers:  # interleaved, so both peers see the same moments of this machine
+                room += 1
+                session = f"{peer['address']}:{peer['port']}"
+                integration.begin_request(room, backend="mooncake", framework="test_peers")
+                for chunk in range(CHUNKS):
+                    offset = chunk * SEND_BYTES
+                    with integration.transfer_scope(room, chunk_index=chunk, payload="kv",
+                                                    is_last_chunk=chunk == CHUNKS - 1):
+                        rc = engine.transfer_sync_write(session, source.ctypes.data + offset,
+                                                        peer["buffer"] + offset, SEND_BYTES)
+                    if rc == 0:
+                        sent[peer["address"]] += 1
+                    else:
+                        failed += 1
+                integration.end_request(room, error_type=None if rc == 0 else "transfer_failed")
+        sent_at = time.monotonic()
+        tracer_provider.force_flush(10_000)
+
+        def scraped():
+            held = {m.get("server_address"): v for m, v in _query(
+                base, "sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_count)")}
+            return held if held == {a: float(n) for a, n in sent.items()} else None
+
+        held = wait_until(scraped, 30, what="Prometheus holding every peer send")
+        # the rules are evaluated every second: a few evaluations over the complete data (the test judges what
+        # the alert says; a rule that never fires is a result, not an error here)
+        try:
+            wait_until(lambda: any(a["labels"].get("alertname") == ALERT
+                                   for a in http_json(f"{base}/api/v1/alerts")["data"]["alerts"]), 15,
+                       what=f"{ALERT} active")
+        except TimeoutError:
+            pass
+        time.sleep(3)
+        alerts = [{"labels": a["labels"], "state": a["state"], "value": float(a["value"])}
+                  for a in http_json(f"{base}/api/v1/alerts")["data"]["alerts"]
+                  if a["labels"].get("alertname") == ALERT]
+        medians = {m["server_address"]: v for m, v in _query(base, RECORD)}
+        direct = {m["server_address"]: v for m, v in _query(
+            base, "histogram_quantile(0.5, sum by (server_address, le) "
+                  "(rate(kv_transfer_peer_throughput_bytes_per_second_bucket[10m])))")}
+        rules = http_json(f"{base}/api/v1/rules")["data"]["groups"]
+        means = {m["server_address"]: v for m, v in _query(
+            base, "sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_sum)"
+                  " / sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_count)")}
+        return {"means": means, "send_s": round(sent_at - began, 3), "peers": [{k: peer[k] for k in ("role", "address", "port", "rate")} for peer in receivers],
+                "sent": sent, "failed": failed, "held": held, "alerts": alerts, "medians": medians,
+                "direct_medians": direct, "job": SERVICE,
+                "rule_health": {r.get("name"): r.get("health") for g in rules for r in g["rules"]}}
+    finally:
+        for peer in receivers:
+            _stop(peer["proc"])
+        if endpoint is not None:
+            endpoint.close()
+        stop(prometheus)
+        if log is not None:
+            log.close()
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", nargs="?", choices=["sender", "receiver"], default="sender")
+    parser.add_argument("--address")
+    parser.add_argument("--linger", type=float, default=120.0)
+    parser.add_argument("--outer-netns")
+    parser.add_argument("--prometheus")
+    parser.add_argument("--rules")
+    parser.add_argument("--workdir")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("OTEL_KVTRANSFER_FLUSH_INTERVAL_MS", "100")
+    if args.mode == "receiver":
+        return receiver(args)
+    if not args.outer_netns or _netns() == args.outer_netns:
+        print("ERROR refusing to run outside a network namespace of its own (run it under `unshare -rn`)",
+              flush=True)
+        return 2
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="kvt-peers-")
+    try:
+        result = run(args)
+    except Exception as exc:  # pylint: disable=broad-except
+        print(f"ERROR {type(exc).__name__}: {str(exc)[:500]}", flush=True)
+        return 1
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The alert "a peer far below the fleet" on data scraped from real transfers: two real Mooncake receivers, one
+behind a rate-limited link (a veth pair with a `tc` token bucket), a real Prometheus that scrapes the sender's
+`kv_transfer.peer.throughput` and evaluates dashboards/alerts.yaml, unmodified, every second.
+
+Everything runs in a user + network namespace of the test's own (`unshare -rn`; tests/_observability_peers.py):
+Mooncake binds all interfaces, so its listeners, the veth links (a private 10.231.N.0/24 each) and Prometheus live
+only there, and the test reads the result from the script's stdout. That is why this test starts its own
+Prometheus instead of sharing the one of tests/test_prometheus_dashboard.py (which scrapes the host's loopback);
+the parts and their start/stop are the same (_observability_parts). promtool's unit tests of the same rule
+(dashboards/alerts.test.yaml) cover its 10-minute window and `for`; here the window holds the whole run (rate()
+over 10 minutes of a series a few seconds old is its rate over those seconds), and `for: 5m` is not waited for:
+the sick peer's alert is active (pending), the healthy peer's is absent.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary
+from conftest import require_part
+
+SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
+ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
+ALERT = "KVTransferPeerFarBelowFleet"
+# what 50mbit lets through, with its 32 KiB burst on top of one 1 MiB send: no send can be faster than this
+SLOW_CEILING = (1 << 20) / (((1 << 20) - (32 << 10)) / 6.25e6)
+
+
+def _namespaces_work() -> bool:
+    """A user + network namespace in which veth pairs and tc qdiscs can be made (kernels or sandboxes may refuse)."""
+    if not (shutil.which("unshare") and shutil.which("ip") and shutil.which("tc")):
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", "ip link add kvtprobe type veth peer name kvtprobe1 && "
+         "tc qdisc add dev kvtprobe root tbf rate 1mbit burst 32kb latency 400ms"],
+        capture_output=True, timeout=20, check=False)
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def result():
+    binary = prometheus_binary()
+    require_part(bool(binary), f"Debian prometheus ({SETUP})")
+    require_part(mooncake_available(), "mooncake-transfer-engine-non-cuda + libibverbs1 (bash scripts/setup.sh)")
+    require_part(_namespaces_work(), "unshare -rn with veth and tc (util-linux, iproute2; user namespaces on)")
+    workdir = tempfile.mkdtemp(prefix="kvt-peers-")
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+        done = subprocess.run(
+            ["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
+             "--prometheus", binary, "--rules", ALERTS, "--workdir", workdir],
+            capture_output=True, text=True, timeout=240, check=False, env=env, cwd=ROOT)
+        lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
+        assert lines and lines[-1].startswith("RESULT "), (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+        yield json.loads(lines[-1][len("RESULT "):])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _peer(result, role):
+    (peer,) = [p for p in result["peers"] if p["role"] == role]
+    return peer
+
+
+def test_every_send_to_each_peer_is_in_the_metric(result):
+    assert result["failed"] == 0
+    assert result["held"] == {address: float(count) for address, count in result["sent"].items()}
+    assert sorted(result["sent"]) == sorted(p["address"] for p in result["peers"])
+    assert all(count == 40 for count in result["sent"].values())
+
+
+def test_the_slow_link_stands_out(result):
+    slow, fast = _peer(result, "slow")["address"], _peer(result, "fast")["address"]
+    # the token bucket bounds what any send to the slow peer can show; the metric measures the link
+    assert result["means"][slow] <= SLOW_CEILING
+    assert result["means"][fast] > 3 * result["means"][slow]
+    # both peers have enough sends for the rule's median; the slow one is under half the median of the two
+    medians = result["medians"]
+    assert set(medians) == {slow, fast}
+    assert medians[slow] < 0.5 * (medians[slow] + medians[fast]) / 2 < medians[fast]
+
+
+def test_the_alert_names_the_slow_peer_only(result):
+    slow = _peer(result, "slow")
+    assert all(health == "ok" for health in result["rule_health"].values()), result["rule_health"]
+    (alert,) = result["alerts"]
+    assert alert["labels"] == {"alertname": ALERT, "job": result["job"], "server_address": slow["address"],
+                               "server_port": str(slow["port"]), "severity": "warning"}
+    assert alert["state"] in ("pending", "firing")  # `for: 5m` is longer than the run
+    assert alert["value"] == pytest.approx(result["medians"][slow["address"]], rel=0.01)
