@@ -3,6 +3,7 @@ the request span's own aggregates are shown as they are, and the output is safe:
 characters, one bounded line and exit 2 for bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,10 @@ def test_figures_from_children_equal_hand_computed_numbers(tmp_path, capsys, fmt
     assert row["last_chunk_rate"] == pytest.approx(20_975_616_000, rel=1e-12)
     assert row["duration_s"] == pytest.approx(0.025, abs=1e-12)
     assert (row["send_spans"], row["compute_spans"], row["peer_spans"]) == (3, 1, 1)
+    # The tail: last byte at 21 ms, compute ends at 12 ms: 9 ms, of which [12, 15) and [20, 21) moved bytes.
+    assert row["tail_s"] == pytest.approx(0.009, abs=1e-12)
+    assert row["tail_busy_s"] == pytest.approx(0.004, abs=1e-12)
+    assert row["tail_queued_s"] == pytest.approx(0.005, abs=1e-12)
     # Per-transfer throughput: a and b move 10 MiB in 10 ms, c 4096 B in 1 ms.
     dist = summary["transfer_throughput"]
     assert dist["count"] == 3
@@ -85,6 +90,85 @@ def test_request_span_aggregates_are_shown_as_they_are(tmp_path, capsys):
     assert (row["bytes"], row["logical_bytes"], row["transfer_count"], row["chunk_count"]) == (123, 100, 9, 4)
     assert (row["replica_factor"], row["busy_s"], row["throughput"]) == (3, 0.5, 246.0)
     assert row["compute_overlap_s"] is None and row["compute_overlap_ratio"] is None
+
+
+def _cell(out: str, key: str, column: str) -> str:
+    """The cell of `column` in the text table's row of request `key`, cut where the dashed rule under the header
+    says the column is."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("-") and set(line) <= {"-", " "})
+    spans = [m.span() for m in re.finditer(r"-+", lines[rule])]
+    names = [lines[rule - 1][a:b].strip() for a, b in spans]
+    row = next(line for line in lines[rule + 1:] if line[spans[0][0]:spans[0][1]].strip() == key)
+    a, b = spans[names.index(column)]
+    return row[a:b].strip()
+
+
+def test_tail_columns_in_the_table(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "k.jsonl", known_request())
+    assert cli_main(["summarize", src]) == 0
+    out = capsys.readouterr().out
+    assert _cell(out, "req-7", "tail**") == "9.00 ms" and _cell(out, "req-7", "queued") == "5.00 ms"
+    assert "** tail: end of the last send - end of the last compute" in out
+
+
+def test_tail_is_dash_and_null_without_compute(tmp_path, capsys):
+    records = [r for r in known_request() if r["name"] != sc.SPAN_COMPUTE]
+    src = write_jsonl(tmp_path / "nc.jsonl", records)
+    (row,) = _summary(src, capsys=capsys)["requests"]
+    assert row["busy_s"] == pytest.approx(0.016, abs=1e-12)  # the sends are known...
+    assert row["tail_s"] is None and row["tail_busy_s"] is None and row["tail_queued_s"] is None  # ...compute not
+    assert cli_main(["summarize", src]) == 0
+    out = capsys.readouterr().out
+    assert _cell(out, "req-7", "tail**") == "-" and _cell(out, "req-7", "queued") == "-"
+
+
+def test_tail_is_zero_when_the_last_byte_left_before_compute_ended(tmp_path, capsys):
+    records = known_request()
+    for record in records:
+        if record["name"] == sc.SPAN_COMPUTE:
+            record["end_time_unix_nano"] = T + 30 * MS  # compute outlasts every send (last byte at 21 ms)
+    (row,) = _summary(write_jsonl(tmp_path / "z.jsonl", records), capsys=capsys)["requests"]
+    assert (row["tail_s"], row["tail_busy_s"], row["tail_queued_s"]) == (0.0, 0.0, 0.0)
+    assert row["compute_overlap_s"] == pytest.approx(0.016, abs=1e-12)
+
+
+def test_tail_of_the_span_is_shown_as_it_is(tmp_path, capsys):
+    own = {sc.BYTES: 123, sc.BUSY_S: 0.5, sc.THROUGHPUT: 246.0, sc.COMPUTE_OVERLAP_S: 0.1,
+           sc.COMPUTE_OVERLAP_RATIO: 0.2, sc.TAIL_S: 0.25, sc.TAIL_BUSY_S: 0.05, sc.TAIL_QUEUED_S: 0.2}
+    (row,) = _summary(write_jsonl(tmp_path / "own.jsonl", known_request(own)), capsys=capsys)["requests"]
+    assert (row["tail_s"], row["tail_busy_s"], row["tail_queued_s"]) == (0.25, 0.05, 0.2)
+
+
+def _brute_tail(spans):
+    """The tail worked out without aggregate: cut time at every span boundary and test each elementary piece."""
+    sends = [(s.start_time_unix_nano, s.end_time_unix_nano) for s in spans if s.name == sc.SPAN_SEND]
+    compute_end = max(s.end_time_unix_nano for s in spans if s.name == sc.SPAN_COMPUTE)
+    last_byte = max(end for _start, end in sends)
+    if last_byte <= compute_end:
+        return 0, 0
+    cuts = sorted({compute_end, last_byte} | {t for pair in sends for t in pair if compute_end < t < last_byte})
+    busy = sum(hi - lo for lo, hi in zip(cuts, cuts[1:]) if any(a <= lo and hi <= b for a, b in sends))
+    return last_byte - compute_end, busy
+
+
+def test_tail_of_every_request_equals_a_brute_force_count(tmp_path, capsys):
+    records = synthetic_records(requests=12, seed=3)
+    src = write_jsonl(tmp_path / "s.jsonl", records)
+    by_key = {}
+    for span in read_spans(src):
+        if span.name in (sc.SPAN_SEND, sc.SPAN_COMPUTE):
+            by_key.setdefault(span.attributes[sc.REQUEST_KEY], []).append(span)
+    rows = _summary(src, capsys=capsys)["requests"]
+    assert len(rows) == 12
+    nonzero = 0
+    for row in rows:
+        tail_ns, busy_ns = _brute_tail(by_key[row["request_key"]])
+        nonzero += tail_ns > 0
+        assert row["tail_s"] == pytest.approx(tail_ns / 1e9, abs=1e-12)
+        assert row["tail_busy_s"] == pytest.approx(busy_ns / 1e9, abs=1e-12)
+        assert row["tail_queued_s"] == pytest.approx((tail_ns - busy_ns) / 1e9, abs=1e-12)
+    assert nonzero >= 6  # the generator sends after compute: most requests have a tail to check
 
 
 def test_peer_only_file_and_empty_figures_are_null_not_nan(tmp_path, capsys):
@@ -169,4 +253,7 @@ def test_demo_summary_shows_the_request_spans_figures(capsys):
         for field, key in (("bytes", sc.BYTES), ("logical_bytes", sc.LOGICAL_BYTES), ("busy_s", sc.BUSY_S),
                            ("throughput", sc.THROUGHPUT), ("transfer_count", sc.TRANSFER_COUNT)):
             assert row[field] == attrs[key], field
+        for field, key in (("tail_s", sc.TAIL_S), ("tail_busy_s", sc.TAIL_BUSY_S),
+                           ("tail_queued_s", sc.TAIL_QUEUED_S)):
+            assert row[field] == attrs[key], field  # the demo computes, so its requests have a tail
         assert row["send_spans"] == attrs[sc.TRANSFER_COUNT]

@@ -6,6 +6,9 @@ file; JSON output is always valid JSON (a figure that cannot be computed is null
 
     otel-kvtransfer summarize spans.jsonl          # table + throughput distribution
     otel-kvtransfer summarize spans.jsonl --json   # the same, machine-readable
+
+The tail columns (tail, of which queued) are the request span's own `kv_transfer.tail_s` / `tail_queued_s`, or
+`aggregate.tail` of its children; "-" (null in JSON) where the request's compute is unknown.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def format_text(summary: dict, limit: Optional[int] = None) -> str:
     lines = [f"{label(summary['file'], 200)}: {summary['span_count']} spans, {summary['request_count']} requests",
              ""]
     header = ("key", "framework/backend", "status", "wire", "logical", "xfers", "chunks", "repl", "busy",
-              "true tput", "last-chunk*", "overlap", "span")
+              "true tput", "last-chunk*", "overlap", "tail**", "queued", "span")
     rows = []
     for request in reqs if limit is None else reqs[:limit]:
         r = request.to_dict()
@@ -76,6 +79,8 @@ def format_text(summary: dict, limit: Optional[int] = None) -> str:
             fmt_rate(r["throughput"]),
             fmt_rate(r["last_chunk_rate"]),
             fmt_ratio(r["compute_overlap_ratio"]),
+            fmt_ms(r["tail_s"]),
+            fmt_ms(r["tail_queued_s"]),
             fmt_ms(r["duration_s"]),
         ))
     widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
@@ -87,6 +92,9 @@ def format_text(summary: dict, limit: Optional[int] = None) -> str:
     lines += ["",
               "* last-chunk: all bytes over the latency of the last chunk only, as engines report it today;",
               "  true tput: bytes over the union of the actual transfer intervals (busy time).",
+              "** tail: end of the last send - end of the last compute (what decode waited for after prefill), on",
+              "  the initiator's own clock; queued: the part of it in which no transfer of the request moved bytes;",
+              "  \"-\" where the request's compute is unknown.",
               ""]
     dist = summary["transfer_throughput"]
     lines.append(f"per-transfer throughput ({dist['count']} successful transfers)")
