@@ -122,4 +122,7 @@ DESIGN_METRICS = [
     ("kv_transfer.request.tail", "s", HISTOGRAM),
     ("kv_transfer.request.tail_queued", "s", HISTOGRAM),
     ("kv_transfer.peer.throughput", "By/s", HISTOGRAM),
+    ("kv_transfer.inflight", "{item}", GAUGE),
+    ("kv_transfer.inflight.oldest_age", "s", GAUGE),
+    ("kv_transfer.stuck", "{item}", COUNTER),
 ]

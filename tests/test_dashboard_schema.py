@@ -113,6 +113,10 @@ def test_units_make_grafana_show_rates_bytes_and_seconds(dashboard):
             assert unit == "bytes", (panel["title"], unit)
         elif "compute_overlap" in exprs:
             assert unit == "percentunit", (panel["title"], unit)
+        elif "inflight_oldest_age_seconds" in exprs:
+            assert unit == "s", (panel["title"], unit)
+        elif "kv_transfer_inflight" in exprs or "kv_transfer_stuck_total" in exprs:
+            assert unit == "short", (panel["title"], unit)
 
 
 FILTERS = {"service": "job", "instance": "instance", "backend": "kv_transfer_backend",
@@ -129,10 +133,21 @@ def test_variables_filter_every_query(dashboard):
         assert variables[name]["query"]["query"].endswith(f", {FILTERS.get(name, 'kv_transfer_payload')})")
     for title, expr in _exprs(dashboard):
         assert 'job=~"$service"' in expr and 'instance=~"$instance"' in expr, title
-        # the dropped counter has none of the request's attributes; the per-peer throughput carries only the peer
-        if "instrumentation_dropped" not in expr and "peer_throughput" not in expr:
-            for name, label in FILTERS.items():
-                assert f'{label}=~"${name}"' in expr, (title, name)
+        # a filter on a label the metric never has would hide everything once a value is picked: only those the
+        # metric carries (job and instance come from the resource, on every metric)
+        applicable = next((names for family, names in FILTERS_OF.items() if family in expr), FILTERS)
+        for name, label in FILTERS.items():
+            assert (f'{label}=~"${name}"' in expr) == (name in applicable), (title, name)
+
+
+# The metrics that do not carry the request's attributes, and the filters they do carry.
+FILTERS_OF = {
+    "instrumentation_dropped": ("service", "instance"),
+    "peer_throughput": ("service", "instance"),  # only the peer
+    "kv_transfer_inflight{": ("service", "instance"),  # only the kind
+    "kv_transfer_inflight_oldest_age_seconds{": ("service", "instance"),
+    "kv_transfer_stuck_total{": ("service", "instance", "backend", "role"),
+}
 
 
 def test_throughput_quantiles_and_heatmap_are_kv_only_by_default(dashboard):

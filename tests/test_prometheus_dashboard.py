@@ -74,6 +74,9 @@ VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "framework": ".
     ("kv_transfer.request.tail", "s", HISTOGRAM, "kv_transfer_request_tail_seconds"),
     ("kv_transfer.request.tail_queued", "s", HISTOGRAM, "kv_transfer_request_tail_queued_seconds"),
     ("kv_transfer.peer.throughput", "By/s", HISTOGRAM, "kv_transfer_peer_throughput_bytes_per_second"),
+    ("kv_transfer.inflight", "{item}", GAUGE, "kv_transfer_inflight"),
+    ("kv_transfer.inflight.oldest_age", "s", GAUGE, "kv_transfer_inflight_oldest_age_seconds"),
+    ("kv_transfer.stuck", "{item}", COUNTER, "kv_transfer_stuck_total"),
 ])
 def test_collector_metric_name_translation(name, unit, kind, expected):
     assert metric_name(name, unit, kind) == expected
@@ -97,6 +100,7 @@ def test_python_prometheus_exporter_agrees_on_names():
         from prometheus_client import CollectorRegistry, generate_latest  # pylint: disable=import-outside-toplevel
     except ImportError:
         require_part(False, "pip package opentelemetry-exporter-prometheus")
+    from opentelemetry.metrics import Observation  # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.metrics import MeterProvider  # pylint: disable=import-outside-toplevel
 
     registry = CollectorRegistry()
@@ -107,6 +111,9 @@ def test_python_prometheus_exporter_agrees_on_names():
     for name, unit, kind in DESIGN_METRICS:
         if kind == HISTOGRAM:
             meter.create_histogram(name, unit=unit).record(1.0, {"kv_transfer.backend": "mooncake"})
+        elif kind == GAUGE:
+            meter.create_observable_gauge(name, callbacks=[lambda _options: [Observation(1, {"error.type": "x"})]],
+                                          unit=unit)
         else:
             meter.create_counter(name, unit=unit).add(1, {"error.type": "x"})
     text = generate_latest(registry).decode()
