@@ -1,10 +1,17 @@
-"""The builder process of `OTEL_KVTRANSFER_BUILDER=process`: `python -m otel_kvtransfer.helper_process`.
+"""The builder process of `OTEL_KVTRANSFER_BUILDER=process`.
 
-Started by `offload.HelperLink` with the engine's environment, standard output and error. It sets up the SDK as the engine's would be (the
-opentelemetry_configurator entry point reading OTEL_*, or the function named by OTEL_KVTRANSFER_HELPER_SETUP),
-attaches the same sampler wrapper and metrics processor the in-process mode attaches, and feeds every record
-it reads to a `SpanBuilder`. Standard input carries `wire` frames; flush acknowledgements go back on the pipe
-whose descriptor is the one argument. End-of-file ends it: the SDK's own exit handlers export what it holds.
+Started by `offload.HelperLink` with the engine's environment, working directory, standard output and error,
+in a session of its own (a terminal's Ctrl-C or a service manager's group signal to the engine's process group
+does not reach it), with the working directory kept off its import path (a stray `select.py` there is not
+imported). It sets up the SDK as the engine's would be (the opentelemetry_configurator entry point reading
+OTEL_*, or the function named by OTEL_KVTRANSFER_HELPER_SETUP), attaches the same sampler wrapper and metrics
+processor the in-process mode attaches, and feeds every record it reads to a `SpanBuilder`.
+
+Its standard input is one end of a socket pair: `wire` frames come in, acknowledgements go back. Each frame is
+acknowledged once handled; a flush runs on a thread of its own and is acknowledged again when done, so a
+collector outage never stops the frame loop (the engine would drop what it cannot write). End-of-file ends it:
+the SDK's own exit handlers export what it holds. SIGINT is ignored; SIGTERM flushes what it holds and the helper
+goes on until its engine's end-of-file (a second SIGTERM ends it at once, exporting on the way out).
 """
 
 import importlib
@@ -12,7 +19,9 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
+import threading
 import time
 
 from opentelemetry import metrics, trace
@@ -21,10 +30,7 @@ from otel_kvtransfer import config, offload, semconv, wire
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.helper_process")
-
-# After SIGINT or SIGTERM, how long the helper waits for its engine's end-of-file (the engine got the signal too:
-# a terminal's Ctrl-C, a service manager's stop) before it lets the signal end it.
-STOP_GRACE_S = 10
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def _set_up_sdk() -> None:
@@ -49,100 +55,196 @@ def _read_exact(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Acks:
+    """Acknowledgements back to the engine, from the frame loop and the flusher thread."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, value: int) -> None:
+        with self._lock:
+            try:
+                self._sock.sendall(wire.ACK.pack(value), _NOSIGNAL)
+            except OSError:  # the engine ended or gave this helper up: nobody reads acknowledgements any more
+                pass
+
+
+class _Flusher:
+    """Flushes the providers on its own thread. A FLUSH frame is acknowledged a second time (FLUSHED) by the
+    first flush that began after the frame was handled; the requests that arrive during a flush are served by
+    the next one, together."""
+
+    def __init__(self, providers, acks: _Acks):
+        self._providers = providers
+        self._acks = acks
+        self._asked = 0  # flushes asked for, and done
+        self._done = 0
+        self._sequence = 0  # the latest FLUSH frame among them (0: only SIGTERM asked)
+        self._cond = threading.Condition(threading.Lock())
+        self._thread = None
+
+    def request(self, sequence: int = 0) -> None:
+        with self._cond:
+            self._asked += 1
+            self._sequence = max(self._sequence, sequence)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-flusher", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._asked == self._done:
+                    self._cond.wait()
+                asked, sequence = self._asked, self._sequence
+            for provider in self._providers:
+                flush = getattr(provider, "force_flush", None)
+                if flush is not None:
+                    try:
+                        flush()
+                    except Exception:  # pylint: disable=broad-except
+                        _logger.debug("otel_kvtransfer builder process: a flush failed", exc_info=True)
+            with self._cond:
+                self._done = asked
+            if sequence:
+                self._acks.send(wire.FLUSHED | sequence)
+
+
 class Helper:
-    def __init__(self, ack_fd: int):
+    def __init__(self, acks: _Acks):
         from otel_kvtransfer.instrumentor import (  # pylint: disable=import-outside-toplevel
             ENGINES, _Attachment, _load, drop_counter, new_builder)
 
-        self._ack_fd = ack_fd
+        self._acks = acks
         self.settings = config.load()
         self.tracer_provider = trace.get_tracer_provider()
         self.meter_provider = metrics.get_meter_provider()
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, self.tracer_provider)
-        self._attachment = _Attachment(self.meter_provider)
+        self._attachment = _Attachment(self.meter_provider, self.settings.pipeline, self.settings.max_peers)
         self._attachment.attach(tracer, self.tracer_provider, flush_first=False)
         self.drop = drop_counter(self.meter_provider)  # drop(reason, count)
-        self.builder = new_builder(tracer, self.settings, _load(ENGINES), on_drop=self.drop)
+        self.builder = new_builder(self._attachment, self.settings, _load(ENGINES), on_drop=self.drop,
+                                   meter_provider=self.meter_provider)
+        self.flusher = _Flusher((self.tracer_provider, self.meter_provider), acks)
+        self._unknown_logged = False
 
-    def handle(self, frame: tuple) -> None:
-        """One frame, then its acknowledgement (the engine counts what was never acknowledged as dropped)."""
-        kind, sequence = frame[0], frame[1]
-        try:
-            if kind == wire.BATCH:
-                handle = self.builder.handle
-                for rec in wire.records_in(frame[2]):
-                    try:
-                        handle(rec)
-                    except Exception:  # pylint: disable=broad-except
-                        self.drop("builder_error", 1)
-                        _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
-                for reason, count in frame[3].items():
-                    self.drop(reason, count)
-            elif kind == wire.FLUSH:
-                for provider in (self.tracer_provider, self.meter_provider):
-                    flush = getattr(provider, "force_flush", None)
-                    if flush is not None:
-                        flush()
-            elif kind == wire.END_OPEN:
-                self.builder.end_all(self.drop)
-        finally:
-            try:
-                os.write(self._ack_fd, wire.ACK.pack(sequence))
-            except OSError:  # the engine gave this helper up: it reads no more
-                pass
+    def handle(self, frame: tuple, unknown=()) -> None:
+        """One decoded frame. Never waits for an exporter: a flush is handed to the flusher's thread."""
+        kind = frame[0]
+        if kind == wire.BATCH:
+            batch = frame[1]
+            if unknown:
+                batch = self._plain(batch, unknown)
+            handle = self.builder.handle
+            for rec in batch:
+                try:
+                    handle(rec)
+                except Exception:  # pylint: disable=broad-except
+                    self.drop("builder_error", 1)
+                    _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+            for reason, count in frame[2].items():
+                self.drop(reason, count)
+        elif kind == wire.END_OPEN:
+            self.builder.end_all(self.drop)
+
+    def _plain(self, batch: list, unknown) -> list:
+        if not self._unknown_logged:
+            self._unknown_logged = True
+            _logger.warning("otel_kvtransfer builder process: records carry values of classes it does not load "
+                            "(%s); they are built with plain values instead", ", ".join(unknown[:5]))
+        return [wire.unknown_to_plain(rec) for rec in batch]
 
     def run(self, fd: int) -> None:
         interval = self.settings.flush_interval_s
         next_tick = time.monotonic() + interval
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while True:
-            readable, _, _ = select.select([fd], [], [], max(next_tick - time.monotonic(), 0))
-            if readable:
-                header = _read_exact(fd, wire.HEADER.size)
-                if len(header) < wire.HEADER.size:
-                    return  # end-of-file: the engine closed the pipe or ended
-                size = wire.HEADER.unpack(header)[0]
-                if size > wire.MAX_FRAME:
-                    _logger.warning("otel_kvtransfer builder process: a frame of %d bytes; stopping", size)
-                    return
-                body = _read_exact(fd, size)
-                if len(body) < size:
-                    return  # the engine gave this helper up in the middle of a frame
-                try:
-                    self.handle(wire.decode(body))
-                except Exception:  # pylint: disable=broad-except
-                    self.drop("builder_error", 1)
-                    _logger.warning("otel_kvtransfer builder process: a frame failed", exc_info=True)
+            if poller.poll(max(next_tick - time.monotonic(), 0) * 1000) and not self._read_frame(fd):
+                return
+            if _signals.pop_flush():
+                self.flusher.request()
             if time.monotonic() >= next_tick:
                 self.builder.evict_stale()
                 next_tick = time.monotonic() + interval
 
+    def _read_frame(self, fd: int) -> bool:
+        """One frame read, handled and acknowledged (the engine counts what was never acknowledged as dropped);
+        False at end-of-file, or on a frame no engine of ours would write."""
+        header = _read_exact(fd, wire.HEADER.size)
+        if len(header) < wire.HEADER.size:
+            return False  # end-of-file: the engine closed its end or ended
+        size, records, sequence = wire.HEADER.unpack(header)
+        if size > wire.MAX_FRAME:
+            _logger.warning("otel_kvtransfer builder process: a frame of %d bytes; stopping", size)
+            return False
+        body = _read_exact(fd, size)
+        if len(body) < size:
+            return False  # the engine ended in the middle of a frame
+        try:
+            frame, unknown = wire.decode(body)
+            if frame[0] == wire.FLUSH:
+                self.flusher.request(sequence)
+            else:
+                self.handle(frame, unknown)
+        except Exception as exc:  # pylint: disable=broad-except
+            # This frame's records are lost, counted here as what they are; the engine counts nothing for a frame
+            # the helper acknowledged.
+            self.drop("builder_error", records)
+            _logger.warning("otel_kvtransfer builder process: a frame of %d records failed (%s: %s)",
+                            records, type(exc).__name__, str(exc)[:200])
+        self._acks.send(sequence)
+        return True
 
-def _on_stop_signal(signum, frame):  # pylint: disable=unused-argument
-    # Not now: the engine's last frames are on their way. SIGALRM's default action ends the process if the
-    # end-of-file has not come (and the exporters not finished) by then.
-    signal.alarm(STOP_GRACE_S)
+
+class _Signals:
+    """SIGTERM is usually meant for the engine (a service manager signals every process of its unit): export
+    what is held now, then keep building until the engine itself ends. A second SIGTERM ends the helper, which
+    exports on its way out. The handler only sets a flag: the frame loop asks the flusher."""
+
+    def __init__(self):
+        self.terms = 0
+        self._flush = False
+
+    def on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
+        self.terms += 1
+        if self.terms > 1:
+            raise SystemExit(0)
+        self._flush = True
+
+    def pop_flush(self) -> bool:
+        flush, self._flush = self._flush, False
+        return flush
+
+
+_signals = _Signals()
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, _on_stop_signal)
-    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the engine
+    signal.signal(signal.SIGTERM, _signals.on_sigterm)
     os.environ[offload.HELPER_ENV] = "1"
     try:
-        ack_fd = int(sys.argv[1])
-        os.fstat(ack_fd)
-    except (IndexError, ValueError, OSError):
-        print("usage: python -m otel_kvtransfer.helper_process ACK_FD (started by otel_kvtransfer itself)",
+        sock = socket.socket(fileno=os.dup(0))
+        if sock.family != socket.AF_UNIX:
+            raise OSError
+    except OSError:
+        print("otel_kvtransfer builder process: started by otel_kvtransfer itself, its standard input a socket",
               file=sys.stderr)
         sys.exit(2)
+    sock.setblocking(True)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    acks = _Acks(sock)
     try:
         _set_up_sdk()
-        helper = Helper(ack_fd)
+        helper = Helper(acks)
     except Exception as exc:  # pylint: disable=broad-except
         _logger.warning("otel_kvtransfer builder process: could not set up the SDK (%s: %s); spans and metrics "
                         "of this engine process are counted as dropped", type(exc).__name__, str(exc)[:200])
         sys.exit(1)
-    helper.run(sys.stdin.fileno())
+    helper.run(0)
     # The SDK's exit handlers shut the providers down: spans and metrics still held are exported.
 
 

@@ -1,35 +1,45 @@
-"""How records travel to the builder process (`OTEL_KVTRANSFER_BUILDER=process`): frames on a pipe.
+"""How records travel to the builder process (`OTEL_KVTRANSFER_BUILDER=process`): frames on a socket.
 
-A frame is a 4-byte big-endian length and a pickle: records are plain tuples, and pickle (C, about as fast as
-marshal here) keeps every value's exact type, so the helper's builder sees what the in-process builder would (a
-numpy integer stays one; marshal would turn it into bytes). An OpenTelemetry `Context` (a raw send's current
-context, a request's real parent) travels as the span context it holds. The pipe runs from a process to the
-helper it started itself, nothing else can write to it, so the helper unpickles its frames; it still bounds
-their size. A value pickle cannot carry (a framework's odd attribute) travels as a plain equivalent.
+A frame is a header (body length, record count) and a pickle: records are plain tuples, and pickle (C, about as
+fast as marshal here) keeps every value's exact type, so the helper's builder sees what the in-process builder
+would (a numpy integer stays one; marshal would turn it into bytes). The record count in the header lets the
+helper count a frame it cannot read as that many records, not as one. An OpenTelemetry `Context` (a raw send's
+current context, a request's real parent) travels as the span context it holds: the pickler reduces it so, with
+no pass over the records in the engine process.
+
+Both ends are ours (a process and the helper it started, on a private socket pair), so the helper unpickles its
+frames; it still bounds their size, and it loads no class from a module it has not imported already (other than
+the standard library and numpy): a value of a class defined in the engine's `__main__`, or in a heavy framework
+the helper never imports, arrives as a placeholder and is built as a plain value, the rest of its frame intact.
+A value pickle cannot carry at all (a framework's odd attribute) travels as a plain equivalent too.
 """
 
+import copyreg
+import io
 import pickle
 import struct
+import sys
 from typing import Optional
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-from otel_kvtransfer import records as r
 
-# Frame kinds: every payload is (kind, sequence, ...); the helper writes each frame's sequence back (ACK) once it
-# has handled it, in order.
-BATCH = "b"  # ("b", sequence, [record, ...], {drop reason: count})
-FLUSH = "f"  # ("f", sequence): acknowledged once the helper's providers have flushed
-END_OPEN = "e"  # ("e", sequence): end the spans still open as evicted (uninstrument)
+# Frame kinds: every payload is (kind, ...). The helper writes each frame's sequence (from the header) back, an
+# ACK, once it has handled it, in order; a FLUSH frame's sequence comes back a second time, with FLUSHED set, once
+# the helper's providers have flushed (on a thread of its own: its frame loop never waits for an exporter).
+BATCH = "b"  # ("b", [record, ...], {drop reason: count})
+FLUSH = "f"  # ("f",)
+END_OPEN = "e"  # ("e",): end the spans still open as evicted (uninstrument)
 
-HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">IIQ")  # body length, records in it, sequence
 ACK = struct.Struct(">Q")
+FLUSHED = 1 << 63  # in an ACK: the flush asked by that sequence is done
 MAX_FRAME = 256 << 20  # far above any real frame (a full queue is ~140 MiB in memory, less on the wire)
 
-# Where a record kind keeps a Context.
-_CONTEXT_FIELD = {r.SEND: r.SEND_CONTEXT, r.BEGIN_REQUEST: r.REQ_PARENT, r.BEGIN_PEER: r.PEER_PARENT}
+# Modules the helper may import to rebuild a value; any other class must be loaded already.
+_IMPORTABLE = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy"}
 
 
 def context_out(context) -> Optional[tuple]:
@@ -52,29 +62,18 @@ def context_in(wired) -> Optional[Context]:
     return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
 
 
-def _map_contexts(batch: list, convert) -> list:
-    """The records with `convert` applied to their context field (a new list; the other tuples are the same
-    objects)."""
-    out = []
-    for rec in batch:
-        field = _CONTEXT_FIELD.get(rec[r.KIND])
-        if field is not None and rec[field] is not None:
-            rec = rec[:field] + (convert(rec[field]),) + rec[field + 1:]
-        out.append(rec)
-    return out
+def _reduce_context(context):
+    return context_in, (context_out(context),)
 
 
-def records_out(batch: list) -> list:
-    return _map_contexts(batch, context_out)
-
-
-def records_in(batch: list) -> list:
-    return _map_contexts(batch, context_in)
+_DISPATCH = copyreg.dispatch_table.copy()
+_DISPATCH[Context] = _reduce_context
+_KEPT = (bool, int, float, str, bytes, Context)  # what _plain leaves as it is (a Context: reduced as above)
 
 
 def _plain(value, depth=0):
     """A value pickle can carry: containers rebuilt, numbers as numbers, anything else its bounded str()."""
-    if value is None or type(value) in (bool, int, float, str, bytes):  # pylint: disable=unidiomatic-typecheck
+    if value is None or type(value) in _KEPT:  # pylint: disable=unidiomatic-typecheck
         return value
     if isinstance(value, bool):
         return bool(value)
@@ -94,13 +93,87 @@ def _plain(value, depth=0):
     return str(value)[:256]
 
 
-def encode(payload: tuple) -> bytes:
+def _dumps(payload) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(payload)
+    return buffer.getvalue()
+
+
+def encode(payload: tuple, records: int = 0, sequence: int = 0) -> bytes:
     try:
-        body = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        body = _dumps(payload)
     except Exception:  # pylint: disable=broad-except  # something unpicklable deep inside: plain values instead
-        body = pickle.dumps(_plain(payload), pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(body)) + body
+        body = _dumps(_plain(payload))
+    return HEADER.pack(len(body), records, sequence) + body
 
 
-def decode(body: bytes) -> tuple:
-    return pickle.loads(body)  # nosec B301: written by the process that started this one, on a private pipe
+class Unknown:
+    """What a value of a class the helper does not load becomes while its frame is read: it accepts whatever
+    pickle hands it (arguments, state, items) and keeps the arguments, for `unknown_to_plain`."""
+
+    origin = "?"
+
+    def __new__(cls, *args, **kwargs):  # pylint: disable=unused-argument
+        obj = object.__new__(cls)
+        obj.args = args
+        return obj
+
+    def __init__(self, *args, **kwargs):  # pylint: disable=unused-argument
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, body: bytes):
+        super().__init__(io.BytesIO(body))
+        self.unknown = {}  # "module.name" -> its Unknown subclass
+
+    def find_class(self, module, name):
+        if module != "__main__" and (module in sys.modules or module.partition(".")[0] in _IMPORTABLE):
+            try:
+                return super().find_class(module, name)
+            except Exception:  # pylint: disable=broad-except  # an engine-only class: a placeholder below
+                pass
+        origin = f"{module}.{name}"[:256]
+        stand_in = self.unknown.get(origin)
+        if stand_in is None:
+            stand_in = self.unknown[origin] = type("Unknown", (Unknown,), {"origin": origin})
+        return stand_in
+
+
+def decode(body: bytes):
+    """(payload, names of the classes that arrived as placeholders: empty in the common case)."""
+    unpickler = _Unpickler(body)
+    payload = unpickler.load()  # nosec B301: written by the process that started this one, on a private socket
+    return payload, tuple(unpickler.unknown)
+
+
+def unknown_to_plain(value, depth=0):
+    """`value` with every placeholder replaced by a plain value: its one simple argument (an enum's or an int
+    subclass's value), else the class's name in angle brackets."""
+    if isinstance(value, Unknown):
+        args = value.args
+        if len(args) == 1 and type(args[0]) in (bool, int, float, str):  # pylint: disable=unidiomatic-typecheck
+            return args[0]
+        return f"<{value.origin}>"
+    if depth < 8 and type(value) is not Context:  # pylint: disable=unidiomatic-typecheck
+        if isinstance(value, tuple):
+            return tuple(unknown_to_plain(v, depth + 1) for v in value)
+        if isinstance(value, list):
+            return [unknown_to_plain(v, depth + 1) for v in value]
+        if isinstance(value, dict):
+            return {unknown_to_plain(k, depth + 1): unknown_to_plain(v, depth + 1) for k, v in value.items()}
+    return value

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this check
 SIZE = 4096
 
 
-def _run(tmp_path, *steps, **extra_env):
+def _run(tmp_path, *steps, cwd=None, **extra_env):
     require_part(mooncake_importable(), "the Mooncake engine")
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
@@ -36,8 +36,10 @@ def _run(tmp_path, *steps, **extra_env):
         "PYTHONPATH": os.pathsep.join(p for p in [APPS, ROOT, env.get("PYTHONPATH", "")] if p),
     })
     env.update(extra_env)
+    # In a session of its own: the app signals its own process group in some tests.
     result = subprocess.run([sys.executable, os.path.join(APPS, "builder_process_app.py"), *steps], env=env,
-                            capture_output=True, text=True, timeout=240, check=False)
+                            cwd=cwd, capture_output=True, text=True, timeout=240, check=False,
+                            start_new_session=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     totals = [json.loads(p.read_text()) for p in metrics_dir.iterdir()]
@@ -74,18 +76,31 @@ def test_flush_returns_only_after_the_helper_exported(tmp_path):
     assert len(_sends(tmp_path)) == 25  # the killed helper exported nothing after the flush
 
 
-def test_a_killed_helper_loses_nothing_uncounted_and_a_fresh_one_takes_over(tmp_path):
-    # Drains only when flushed: the 15 writes after the kill travel in one frame, to the dead helper.
-    outcomes, totals, stderr = _run(tmp_path, "send:20", "flush", "kill-helper", "send:15", "flush", "send:5",
-                                    OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000")
+def test_a_helper_killed_between_frames_loses_nothing_and_a_fresh_one_takes_over(tmp_path):
+    # Drains only when flushed: the 15 writes after the kill travel in one frame, which finds the helper dead
+    # before any of it was written, and goes to a fresh one.
+    outcomes, totals, _ = _run(tmp_path, "send:20", "flush", "kill-helper", "send:15", "flush", "send:5", "flush",
+                               "local-drops", OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000")
     killed = outcomes[3]["killed"]
     assert outcomes[4]["return_codes"] == [0] and outcomes[6]["return_codes"] == [0]  # the engine never noticed
-    assert outcomes[5]["flushed"] is True
-    assert outcomes[6]["helper"] not in (None, killed)
-    # The first helper built the 20 before the kill, the fresh one the last 5; the frame written to the dead one
-    # is counted: 15 requests of 3 records each (begin, send, end). The killed helper wrote no totals.
+    assert outcomes[5]["flushed"] is True and outcomes[7]["flushed"] is True
+    assert outcomes[5]["helper"] not in (None, killed) and outcomes[7]["helper"] == outcomes[5]["helper"]
+    assert len(_sends(tmp_path)) == 40
+    assert totals == [{"sizes": 20, "dropped": {}}]  # the fresh helper's; the killed one wrote none
+    assert outcomes[8]["local_drops"] == {}
+
+
+def test_a_helper_killed_with_a_frame_it_never_read_counts_exactly_that_frame(tmp_path):
+    # The helper is stopped, so the 15 writes' frame waits unread in its socket when it is killed.
+    outcomes, totals, stderr = _run(tmp_path, "send:20", "flush", "stop-helper", "send:15", "drain", "kill-helper",
+                                    "send:5", "flush", "local-drops", OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000")
+    assert outcomes[7]["return_codes"] == [0] and outcomes[8]["flushed"] is True
+    assert outcomes[8]["helper"] not in (None, outcomes[6]["killed"])
+    # The first helper built the 20 before it stopped, the fresh one the last 5; the frame the dead one never read
+    # is counted by the fresh one: 15 requests of 3 records each (begin, send, end).
     assert len(_sends(tmp_path)) == 25
     assert totals == [{"sizes": 5, "dropped": {"builder_process": 45}}]
+    assert outcomes[9]["local_drops"] == {}
     assert "counted as dropped (builder_process)" in stderr
 
 
@@ -130,11 +145,15 @@ def test_uninstrument_ends_the_helper(tmp_path):
 
 
 def test_a_helper_that_cannot_set_up_its_sdk_says_so_in_one_line_and_the_engine_goes_on(tmp_path):
-    outcomes, totals, stderr = _run(tmp_path, "send:5", "flush", "send:2",
-                                    OTEL_KVTRANSFER_HELPER_SETUP="no_such_module:setup")
+    # Drains only on flush and uninstrument: no record but the requests' (no in-flight scan) is handed over.
+    outcomes, totals, stderr = _run(tmp_path, "send:5", "flush", "send:2", "uninstrument", "local-drops",
+                                    OTEL_KVTRANSFER_HELPER_SETUP="no_such_module:setup",
+                                    OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000")
     assert outcomes[1]["return_codes"] == [0] and outcomes[3]["return_codes"] == [0]
     assert outcomes[2]["flushed"] is False
     assert totals == [] and not _sends(tmp_path)
+    # No helper could carry them: every record (7 requests x 3) is counted in the engine's own metrics, once.
+    assert outcomes[5]["local_drops"] == {"builder_process": 21}
     said = [line for line in stderr.splitlines() if "could not set up the SDK" in line]
     assert said and all("No module named 'no_such_module'" in line for line in said)
     assert "Traceback" not in stderr
@@ -158,7 +177,7 @@ def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):
 def test_an_unknown_builder_value_is_one_warning_and_the_default(monkeypatch, caplog):
     monkeypatch.setenv(config.BUILDER, "elsewhere")
     with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.config"):
-        assert config.load().builder == "thread"
+        assert config.load().builder == config.Settings.builder
     assert len(caplog.records) == 1 and "OTEL_KVTRANSFER_BUILDER" in caplog.records[0].getMessage()
 
 
@@ -173,18 +192,22 @@ def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
     records = [(r.SEND, None, [(1, 2, [numpy.int64(7), 9], 2, "write", "p", None, 0, None, "mooncake", None)],
                 context, None, None),
                (r.BEGIN_REQUEST, 5, 10, "prefill", "mooncake", None, {"n": numpy.float32(1.5)}, None)]
-    frame = wire.encode((wire.BATCH, wire.records_out(records), {}))
-    kind, back, drops = wire.decode(frame[wire.HEADER.size:])
-    assert (kind, drops) == (wire.BATCH, {})
-    back = wire.records_in(back)
+    frame = wire.encode((wire.BATCH, records, {}), len(records), 7)
+    assert wire.HEADER.unpack(frame[:wire.HEADER.size]) == (len(frame) - wire.HEADER.size, 2, 7)
+    (kind, back, drops), unknown = wire.decode(frame[wire.HEADER.size:])
+    assert (kind, drops, unknown) == (wire.BATCH, {}, ())
     carried = trace.get_current_span(back[0][r.SEND_CONTEXT]).get_span_context()
     assert (carried.trace_id, carried.span_id, carried.is_remote, int(carried.trace_flags)) == (0xABC, 0xDEF, True, 1)
     assert carried.trace_state.get("k") == "v"
     lengths = back[0][r.SEND_CALLS][0][r.CALL_BYTES]
     assert lengths == [7, 9] and type(lengths[0]) is numpy.int64  # as the in-process builder would see it
     assert back[1][r.REQ_ATTRIBUTES] == {"n": 1.5}
-    # What pickle cannot carry travels as a plain value instead of failing the whole frame.
-    odd = (r.BEGIN_REQUEST, 6, 10, "prefill", "mooncake", None, {"lock": __import__("threading").Lock()}, None)
-    frame = wire.encode((wire.BATCH, [odd], {}))
-    assert wire.decode(frame[wire.HEADER.size:])[1][0][r.REQ_ATTRIBUTES]["lock"].startswith("<unlocked")
-    assert wire.HEADER.unpack(frame[:wire.HEADER.size])[0] == len(frame) - wire.HEADER.size
+    # What pickle cannot carry travels as a plain value instead of failing the whole frame; contexts still travel
+    # as span contexts, and an empty one (a raw call with no span current) as None.
+    odd = (r.BEGIN_REQUEST, 6, 10, "prefill", "mooncake", None, {"lock": __import__("threading").Lock()}, context)
+    empty = (r.SEND, None, [], trace.set_span_in_context(trace.INVALID_SPAN), None, None)
+    frame = wire.encode((wire.BATCH, [odd, empty], {}), 2, 8)
+    back = wire.decode(frame[wire.HEADER.size:])[0][1]
+    assert back[0][r.REQ_ATTRIBUTES]["lock"].startswith("<unlocked")
+    assert trace.get_current_span(back[0][r.REQ_PARENT]).get_span_context().span_id == 0xDEF
+    assert back[1][r.SEND_CONTEXT] is None

@@ -2,30 +2,52 @@
 writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
 
     python builder_process_app.py STEP [STEP ...]
-    steps: many-fds (hold ~1,100 descriptors first), send:N (N 4,096 B writes in requests of one write each), open (one write in a request that never
-    ends), fork (a forked child makes one), flush, interrupt-helper, kill-helper, uninstrument
+    steps: many-fds (hold ~1,100 descriptors first), send:N (N 4,096 B writes in requests of one write each),
+    open (one write in a request that never ends), main-class (one request whose attributes are of classes
+    defined here, in __main__), fork (a forked child makes one), flush[:MS], drain (the recorder's, no flush),
+    await-acks (until the helper's acknowledgements wait unread), interrupt-helper, stop-helper (SIGSTOP),
+    kill-helper (and reap it), kill-helper-nowait, signal-group (SIGINT and SIGTERM to this process group, and
+    SIGTERM to the helper), sigpipe-default, sleep:S, hold / release (the helper's exporter blocks while held),
+    zombies (this process's zombie children after a drain), local-drops (this process's own drop counts),
+    uninstrument
 """
 
+import enum
 import json
 import os
+import select
 import signal
 import sys
 import time
 
 import numpy as np
-from opentelemetry import trace
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
-from otel_kvtransfer import KVTransferInstrumentor
+from otel_kvtransfer import KVTransferInstrumentor, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.demo.loopback import Receiver, open_engine
+from otel_kvtransfer.recorder import RECORDER
 
 SIZE = 4096
+
+
+class Tag:  # a class only this process has: the helper's __main__ is not this module
+    def __init__(self, name):
+        self.name = name
+
+
+class Tier(enum.IntEnum):
+    GOLD = 3
 
 
 def main(steps):
     provider = TracerProvider()  # this process's own SDK: its flush must reach the helper
     trace.set_tracer_provider(provider)
+    reader = InMemoryMetricReader()  # what the link counts in this process (no helper could carry it)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
     instrumentor = KVTransferInstrumentor()
     instrumentor.instrument()
     link = instrumentor._link  # pylint: disable=protected-access
@@ -55,10 +77,57 @@ def main(steps):
                     outcome["return_codes"] = [engine.transfer_sync_write(
                         receiver.session, buffer.ctypes.data, receiver.base_address, SIZE)]
                 room += 1
+            elif name == "main-class":
+                kvt.begin_request(room, backend="mooncake", framework="test",
+                                  attributes={"test.tag": Tag("x"), "test.tier": Tier.GOLD})
+                with kvt.transfer_scope(room):
+                    outcome["return_codes"] = [engine.transfer_sync_write(
+                        receiver.session, buffer.ctypes.data, receiver.base_address, SIZE)]
+                kvt.end_request(room)
+                room += 1
             elif name == "flush":
                 started = time.monotonic()
-                outcome["flushed"] = provider.force_flush(30000)
+                outcome["flushed"] = provider.force_flush(int(arg or 30000))
                 outcome["seconds"] = round(time.monotonic() - started, 3)
+            elif name == "drain":
+                RECORDER.drain()
+            elif name == "await-acks":  # the helper has answered, and the link has not read it yet
+                answers = link._sock  # pylint: disable=protected-access
+                outcome["acks_waiting"] = bool(select.select([answers], [], [], 10)[0])
+            elif name == "sleep":
+                time.sleep(float(arg))
+            elif name == "hold":
+                with open(os.environ["KVT_TEST_HOLD"], "w", encoding="ascii"):
+                    pass
+            elif name == "release":
+                os.unlink(os.environ["KVT_TEST_HOLD"])
+            elif name == "sigpipe-default":  # as a C++ host, or a CLI that wants quiet pipes, runs Python
+                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            elif name == "signal-group":  # a terminal's Ctrl-C, a service manager's stop; this engine goes on
+                seen = []
+                signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+                signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+                # What a group signal reaches: this process and its children in its group. Not the receiver,
+                # which stands for a decode engine: in a deployment a process of its own, elsewhere.
+                group = [pid for pid in _children() if pid != receiver.pid and _group(pid) == os.getpgid(0)]
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    for pid in group + [os.getpid()]:
+                        os.kill(pid, signum)
+                os.kill(link.pid(), signal.SIGTERM)  # and to the helper itself (a stop of every process of a unit)
+                outcome["signalled"] = link.pid()
+                outcome["seen"] = sorted(set(seen))
+            elif name == "stop-helper":
+                os.kill(link.pid(), signal.SIGSTOP)
+            elif name == "kill-helper-nowait":  # not reaped here: the link must reap it
+                pid = outcome["killed"] = link.pid()
+                os.kill(pid, signal.SIGKILL)
+                # Until every thread of it has ended (its socket closed), leaving it a zombie for the link to reap.
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            elif name == "zombies":
+                RECORDER.drain()
+                outcome["zombies"] = _children("Z")
+            elif name == "local-drops":
+                outcome["local_drops"] = _drops(reader)
             elif name == "many-fds":  # what a big engine holds: the pipe's descriptors land above 1,024
                 import resource  # pylint: disable=import-outside-toplevel
 
@@ -98,11 +167,45 @@ def main(steps):
             elif name == "uninstrument":
                 helper = link.pid()
                 instrumentor.uninstrument()
-                outcome["helper_exited"] = _gone(helper)
+                outcome["helper_exited"] = helper is None or _gone(helper)
             outcome["helper"] = link.pid()
             print(json.dumps(outcome), flush=True)
     finally:
         receiver.stop()
+
+
+def _children(state=None):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as handle:
+                    fields = handle.read().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and state in (None, fields[0]):
+                found.append(int(entry))
+    return found
+
+
+def _group(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _drops(reader):
+    totals = {}
+    data = reader.get_metrics_data()
+    for resource_metrics in (data.resource_metrics if data else []):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == semconv.METRIC_DROPPED:
+                    for point in metric.data.data_points:
+                        reason = point.attributes[semconv.DROP_REASON]
+                        totals[reason] = totals.get(reason, 0) + point.value
+    return totals
 
 
 def _gone(pid):

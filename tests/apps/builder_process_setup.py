@@ -1,9 +1,11 @@
 """OTEL_KVTRANSFER_HELPER_SETUP for tests/test_builder_process.py: the helper's SDK writes its spans to
-$KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json."""
+$KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json. While the file
+$KVT_TEST_HOLD exists, its span exporter hangs (a collector that does not answer)."""
 
 import atexit
 import json
 import os
+import time
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -17,7 +19,10 @@ from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
 
 def setup():
     provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(os.environ["KVT_TEST_SPAN_FILE"])))
+    exporter = OtlpJsonFileSpanExporter(os.environ["KVT_TEST_SPAN_FILE"])
+    if os.environ.get("KVT_TEST_HOLD"):
+        exporter = _Held(exporter, os.environ["KVT_TEST_HOLD"])
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     reader = InMemoryMetricReader()
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
@@ -39,3 +44,22 @@ def _write_totals(reader):
     path = os.path.join(os.environ["KVT_TEST_METRICS_DIR"], f"{os.getpid()}.json")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(totals, handle)
+
+
+class _Held:
+    """The exporter, hanging in export() while the hold file exists."""
+
+    def __init__(self, exporter, hold):
+        self._exporter = exporter
+        self._hold = hold
+
+    def export(self, spans):
+        while os.path.exists(self._hold):
+            time.sleep(0.01)
+        return self._exporter.export(spans)
+
+    def force_flush(self, timeout_millis=30000):
+        return self._exporter.force_flush(timeout_millis)
+
+    def shutdown(self):
+        self._exporter.shutdown()
