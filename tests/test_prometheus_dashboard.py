@@ -287,6 +287,33 @@ def test_exemplars_point_at_the_send_spans_traces(run):
 
 # --- alert rules users import (dashboards/alerts.yaml) -----------------------------------------------------------
 
+def _alert_exprs():
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    with open(ALERTS, encoding="utf-8") as handle:
+        groups = yaml.safe_load(handle)["groups"]
+    return {rule["alert"]: rule["expr"] for group in groups for rule in group["rules"] if "alert" in rule}
+
+
+def test_alerts_on_the_workloads_own_faults(run):
+    """The real run has one forgotten room (evicted: one drop) and receives and that room open past
+    OTEL_KVTRANSFER_STUCK_S (stuck): evaluated by the real Prometheus over what it scraped, those alerts'
+    expressions hold for the processes that had them. Both counters are born at their first increment, with no
+    zero sample, so increase() alone sees nothing of a single drop."""
+    exprs = _alert_exprs()
+
+    def holds(name):
+        return [s["metric"] for s in http_json(f"{run['base']}/api/v1/query", {
+            "query": exprs[name], "time": f"{run['end']:.3f}"})["data"]["result"]]
+
+    assert holds("KVTransferInstrumentationDropping") == [
+        {"job": "kvt-prefill", "instance": "prefill-0", "kv_transfer_drop_reason": "request_evicted"}]
+    stuck = holds("KVTransferStuck")
+    assert {(m["job"], m["kv_transfer_inflight_kind"]) for m in stuck} <= {
+        ("kvt-prefill", "request"), ("kvt-prefill", "send"), ("kvt-decode", "peer")}
+    assert ("kvt-prefill", "request") in {(m["job"], m["kv_transfer_inflight_kind"]) for m in stuck}
+
+
 ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
 ALERT_TESTS = os.path.join(ROOT, "dashboards", "alerts.test.yaml")
 
@@ -313,6 +340,9 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests():
     (">= 20", ">= 1"),                                    # no minimum of sends: one peer's few slow sends page
     ("0.5 * quantile", "0.2 * quantile"),                 # "far below" loosened: the sick peer is missed
     ("quantile by (job) (0.5,", "quantile by (job) (0.25,"),  # the bar from the slow end of the fleet: missed
+    # without the young-series branch, a process's first drop / first stuck item never pages
+    ("unless kv_transfer_instrumentation_dropped_total offset 10m", "unless kv_transfer_instrumentation_dropped_total"),
+    ("unless kv_transfer_stuck_total offset 10m", "unless kv_transfer_stuck_total"),
 ])
 def test_alert_unit_tests_have_teeth(tmp_path, old, new):
     with open(ALERTS, encoding="utf-8") as handle:
@@ -335,7 +365,7 @@ def test_alert_rules_use_the_collector_names():
     alerts = [rule for rule in rules if "alert" in rule]
     assert {a["alert"] for a in alerts} >= {"KVTransferFailureRatioHigh", "KVTransferInstrumentationDropping",
                                             "KVTransferRequestThroughputFarBelowLink", "KVTransferPeerWaitP99High",
-                                            "KVTransferPeerFarBelowFleet"}
+                                            "KVTransferPeerFarBelowFleet", "KVTransferStuck"}
     for rule in rules:
         # metric names: before a selector or a range; recording rules: the names with a colon
         names = set(re.findall(r"\b(kv_transfer[a-z_]*)\s*(?:\{|\[)", rule["expr"])) | \
