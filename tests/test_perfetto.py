@@ -6,6 +6,8 @@ naming every process and thread; no two events of one thread overlap; each durat
 import json
 import numbers
 
+import pytest
+
 from test_spanfile_reader import demo_span_file, synthetic_records, write_jsonl
 from test_timeline import overlapping_sends
 
@@ -55,7 +57,7 @@ def validate_trace_events(data: dict) -> list:
 
 
 def _check_durations(spans, complete, origin):
-    by_id = {e["args"]["span_id"]: e for e in complete}
+    by_id = {e["args"]["span_id"]: e for e in complete if e["cat"] != "tail"}
     assert len(by_id) == len(spans)
     for span in spans:
         event = by_id[span.span_id]
@@ -79,7 +81,20 @@ def test_demo_perfetto_json_validates(tmp_path):
     names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert all(any(str(s.resource.get("service.name")) in n for n in names) for s in spans)
     lanes = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {"requests", "compute", "receive"} <= {lane.split(" · ")[0] for lane in lanes}
+    assert {"requests", "compute", "tail", "receive"} <= {lane.split(" · ")[0] for lane in lanes}
+    # One tail slice per request, with the figures its request span states, in the request's own process.
+    requests = {s.attributes[sc.REQUEST_KEY]: s for s in spans if s.name == sc.SPAN_REQUEST}
+    tails = [e for e in complete if e["cat"] == "tail"]
+    assert sorted(e["args"][sc.REQUEST_KEY] for e in tails) == sorted(requests)
+    pid_of_span = {e["args"]["span_id"]: e["pid"] for e in complete if e["cat"] != "tail"}
+    for event in tails:
+        span = requests[event["args"][sc.REQUEST_KEY]]
+        for key in (sc.TAIL_S, sc.TAIL_BUSY_S, sc.TAIL_QUEUED_S):
+            assert event["args"][key] == span.attributes[key]
+        assert event["pid"] == pid_of_span[span.span_id]
+        if span.attributes[sc.TAIL_S] > 0:  # on the one clock of the request's process: exact to the ns
+            assert event["args"]["last_byte_unix_nano"] - event["args"]["compute_end_unix_nano"] == \
+                round(span.attributes[sc.TAIL_S] * 1e9)
     assert any(lane.startswith("dest 0") for lane in lanes) and any(lane.startswith("dest 1") for lane in lanes)
 
 
@@ -88,9 +103,9 @@ def test_overlapping_requests_get_their_own_threads(tmp_path):
     data = _perfetto(tmp_path, src)
     complete = validate_trace_events(data)
     _check_durations(read_spans(src), complete, data["otherData"]["origin_unix_nano"])
-    failed = [e for e in complete if e["args"]["status"] == "ERROR"]
+    failed = [e for e in complete if e["args"].get("status") == "ERROR"]
     assert failed and all(e.get("cname") == "terrible" for e in failed)
-    assert {e["cat"] for e in complete if e["args"]["span.name"] == sc.SPAN_SEND} == {"kv", "aux"}
+    assert {e["cat"] for e in complete if e["args"].get("span.name") == sc.SPAN_SEND} == {"kv", "aux"}
 
 
 def test_five_thousand_overlapping_sends_pack_into_as_many_threads(tmp_path):
@@ -113,3 +128,30 @@ def test_pack_uses_the_fewest_rows_and_the_lowest_free_row():
     for row in set(rows):
         mine = sorted(i for i, r in zip(items, rows) if r == row)
         assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:]))
+
+
+def test_tail_slice_of_a_known_request(tmp_path):
+    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+
+    data = _perfetto(tmp_path, write_jsonl(tmp_path / "k.jsonl", known_request()))
+    complete = validate_trace_events(data)
+    (tail,) = [e for e in complete if e["cat"] == "tail"]
+    origin = data["otherData"]["origin_unix_nano"]
+    # By hand: compute ends at 12 ms, the last byte leaves at 21 ms, [15, 20) ms moved nothing.
+    assert tail["name"] == "tail 9.00 ms (queued 5.00 ms)"
+    assert tail["ts"] == (T + 12 * MS - origin) / 1000 and tail["dur"] == 9000
+    assert (tail["args"][sc.TAIL_S], tail["args"][sc.TAIL_BUSY_S], tail["args"][sc.TAIL_QUEUED_S]) == \
+        pytest.approx((0.009, 0.004, 0.005), abs=1e-12)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+    assert threads[(tail["pid"], tail["tid"])] == "tail"
+    request = next(e for e in complete if e["args"].get("span.name") == sc.SPAN_REQUEST)
+    assert tail["pid"] == request["pid"]  # the initiator's process, not the peer's
+    assert "clocks of different hosts may disagree" in data["otherData"]["note"]
+
+
+def test_no_tail_slice_without_compute(tmp_path):
+    from test_summarize import known_request  # pylint: disable=import-outside-toplevel
+
+    records = [r for r in known_request() if r["name"] != sc.SPAN_COMPUTE]
+    complete = validate_trace_events(_perfetto(tmp_path, write_jsonl(tmp_path / "nc.jsonl", records)))
+    assert complete and not [e for e in complete if e["cat"] == "tail"]

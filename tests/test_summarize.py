@@ -257,3 +257,15 @@ def test_demo_summary_shows_the_request_spans_figures(capsys):
                            ("tail_queued_s", sc.TAIL_QUEUED_S)):
             assert row[field] == attrs[key], field  # the demo computes, so its requests have a tail
         assert row["send_spans"] == attrs[sc.TRANSFER_COUNT]
+
+
+@pytest.mark.parametrize("value", ["'abc'", "-5", "true"])
+def test_a_tail_figure_that_is_not_a_number_is_one_line_and_exit_2(tmp_path, value):
+    own = {sc.BYTES: 123, sc.BUSY_S: 0.5, sc.THROUGHPUT: 246.0, sc.TAIL_S: "@"}
+    text = "".join(json.dumps(r) + "\n" for r in known_request(own)).replace('"@"', value.replace("'", '"'))
+    src = tmp_path / "bad-tail.jsonl"
+    src.write_text(text)
+    proc = _run_cli("summarize", str(src))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert len(lines) == 1 and f"{sc.TAIL_S} must be a finite number >= 0" in lines[0], proc.stderr

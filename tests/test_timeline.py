@@ -242,3 +242,99 @@ def test_failed_render_leaves_no_partial_file(tmp_path, capsys):
     assert cli_main(["timeline", src, "--html", str(target), "--png", str(tmp_path / "no" / "x.png")]) == 2
     leftovers = [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
     assert not leftovers
+
+
+# --------------------------------------------------------------------------------------------------- the tail
+
+
+def _tail_rects(page):
+    """(attributes of the tail rect, [(start, end) of each queued gap]) of every block, in page order."""
+    out = []
+    for section in re.findall(r'<section class="request.*?</section>', page, re.S):
+        tail = re.search(r'<rect ([^>]*)class="tail"([^>]*)>', section)
+        attrs = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', tail.group(0))) if tail else None
+        if tail:
+            attrs["x"] = float(re.search(r' x="([^"]*)"', tail.group(0)).group(1))
+            attrs["w"] = float(re.search(r' width="([^"]*)"', tail.group(0)).group(1))
+        gaps = [(int(a), int(b)) for a, b in
+                re.findall(r'class="tail-queued" data-start-ns="(\d+)" data-end-ns="(\d+)"', section)]
+        labels = re.findall(r'class="tail-label">([^<]*)<', section)
+        out.append((attrs, gaps, labels, section))
+    return out
+
+
+def _pixels(png_path, rgb) -> int:
+    with PIL.open(png_path) as image:
+        return dict((c, n) for n, c in image.convert("RGB").getcolors(1 << 20)).get(rgb, 0)
+
+
+def test_tail_is_marked_with_its_figures_and_queued_gaps(tmp_path):
+    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+
+    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "k.jsonl", known_request()))
+    ((attrs, gaps, labels, section),) = _tail_rects(html_path.read_text())
+    # By hand (test_summarize.known_request): compute ends at 12 ms, the last byte leaves at 21 ms; sends are
+    # busy over [12, 15) and [20, 21), so nothing moved over [15, 20).
+    assert (int(attrs["compute-end-ns"]), int(attrs["last-byte-ns"])) == (T + 12 * MS, T + 21 * MS)
+    assert (float(attrs["tail-s"]), float(attrs["tail-busy-s"]), float(attrs["tail-queued-s"])) == \
+        pytest.approx((0.009, 0.004, 0.005), abs=1e-12)
+    assert gaps == [(T + 15 * MS, T + 20 * MS)] and attrs["queued-gaps"] == "1"
+    assert labels == ["tail 9.00 ms (queued 5.00 ms)"]
+    assert re.search(r'class="lane-label">tail<', section) and 'class="tail-band"' in section
+    # The mark starts where the compute bar ends and is as wide as 9 of the block's 25 ms.
+    compute = re.search(r'<rect x="([^"]*)" y="[^"]*" width="([^"]*)"[^>]*class="compute"', section)
+    assert attrs["x"] == pytest.approx(float(compute.group(1)) + float(compute.group(2)), abs=0.11)
+    plot_w = 1200 - 170 - 20
+    assert attrs["w"] == pytest.approx(plot_w * 9 / 25, abs=0.11)
+    # The queued shading (202 x 10 pixels here) and the band are drawn, beyond the legend's 13 x 13 swatches.
+    assert _pixels(png_path, (0xE8, 0xA2, 0x02)) > 1500 and _pixels(png_path, (0xFB, 0xEC, 0xC6)) > 1500
+
+
+def test_no_tail_mark_without_compute_and_zero_tail_said(tmp_path):
+    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+
+    records = [r for r in known_request() if r["name"] != sc.SPAN_COMPUTE]
+    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "nc.jsonl", records))
+    ((attrs, gaps, labels, section),) = _tail_rects(html_path.read_text())
+    assert attrs is None and not gaps and not labels and 'class="tail-band"' not in section
+    assert _pixels(png_path, (0xE8, 0xA2, 0x02)) <= 13 * 13 and _pixels(png_path, (0xFB, 0xEC, 0xC6)) <= 13 * 13
+    records = known_request()
+    for record in records:
+        if record["name"] == sc.SPAN_COMPUTE:
+            record["end_time_unix_nano"] = T + 30 * MS  # compute outlasts every send
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "z.jsonl", records))
+    ((attrs, gaps, labels, _section),) = _tail_rects(html_path.read_text())
+    assert float(attrs["tail-s"]) == 0.0 and not gaps
+    assert labels == ["tail 0: the last byte left before compute ended"]
+
+
+def test_tail_with_many_queued_gaps_is_bounded(tmp_path):
+    from otel_kvtransfer.tools.timeline import MAX_TAIL_GAPS  # pylint: disable=import-outside-toplevel
+
+    trace, req, t, count = "ab" * 16, "cd" * 8, 1_700_000_000_000_000_000, 1000
+    # Compute ends at t; then 1 us sends every 2 us: 1000 gaps of 1 us, a tail of 2 ms, half of it queued.
+    records = [span_record(sc.SPAN_SEND, trace, f"{i + 1:016x}", req, t + 2000 * i + 1000, t + 2000 * i + 2000,
+                           {sc.REQUEST_KEY: "gappy", sc.BYTES: 4096, sc.PAYLOAD: "kv"}, kind="CLIENT")
+               for i in range(count)]
+    records.append(span_record(sc.SPAN_COMPUTE, trace, "ee" * 8, req, t - 1_000_000, t, {sc.REQUEST_KEY: "gappy"}))
+    records.append(span_record(sc.SPAN_REQUEST, trace, req, None, t - 1_000_000, t + 2000 * count,
+                               {sc.REQUEST_KEY: "gappy"}))
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "g.jsonl", records))
+    ((attrs, gaps, labels, _section),) = _tail_rects(html_path.read_text())
+    assert attrs["queued-gaps"] == str(count) and len(gaps) == MAX_TAIL_GAPS
+    assert float(attrs["tail-s"]) == pytest.approx(0.002, abs=1e-12)
+    assert float(attrs["tail-queued-s"]) == pytest.approx(0.001, abs=1e-12)
+    assert labels == ["tail 2.00 ms (queued 1.00 ms)"]
+
+
+def test_demo_timeline_marks_every_requests_tail_as_its_span_states_it(tmp_path):
+    src = demo_span_file()
+    html_path, _png = _timeline(tmp_path, src)
+    spans = {s.attributes[sc.REQUEST_KEY]: s.attributes for s in read_spans(src) if s.name == sc.SPAN_REQUEST}
+    blocks = _tail_rects(html_path.read_text())
+    assert len(blocks) == len(spans)
+    for attrs, _gaps, labels, section in blocks:
+        key = re.search(r'data-key="([^"]*)"', section).group(1)
+        assert float(attrs["tail-s"]) == spans[key][sc.TAIL_S]
+        assert float(attrs["tail-queued-s"]) == spans[key][sc.TAIL_QUEUED_S]
+        assert len(labels) == 1 and labels[0].startswith("tail ")

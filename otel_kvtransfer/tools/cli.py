@@ -232,10 +232,11 @@ def run_timeline(args) -> int:
     if args.perfetto:  # rendered before any file is written: all outputs appear together or none
         import json
 
-        from otel_kvtransfer.tools.perfetto import request_spans, trace_events
+        from otel_kvtransfer.tools.perfetto import request_spans, tail_marks, trace_events
 
         try:
-            text = json.dumps(trace_events(request_spans(loaded.shown)), separators=(",", ":"), allow_nan=False)
+            text = json.dumps(trace_events(request_spans(loaded.shown), tails=tail_marks(loaded.shown)),
+                              separators=(",", ":"), allow_nan=False)
         except ValueError as exc:
             return _error(f"{args.file}: cannot write Perfetto JSON: {exc}")
         extra.append(("perfetto", args.perfetto, text + "\n"))

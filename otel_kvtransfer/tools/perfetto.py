@@ -1,25 +1,45 @@
 """Chrome trace-event JSON from span files, for the Perfetto UI (ui.perfetto.dev) and chrome://tracing.
 
 Processes are the engines/ranks that emitted the spans (one per resource: service name, instance id, pid);
-threads are lanes: ``requests``, ``compute``, one per transfer destination, ``receive`` / ``serve``. Every span
+threads are lanes: ``requests``, ``compute``, ``tail``, one per transfer destination, ``receive`` / ``serve``. Every span
 becomes one complete event (``ph: "X"``) with ``ts`` and ``dur`` in microseconds, measured from the earliest span
 (``otherData.origin_unix_nano``), so durations are the span durations to the nanosecond. The trace-event format
 wants the events of one thread to nest, and concurrent requests overlap, so each lane is packed
 (`lanes.pack`, as the timeline packs its rows) into as many threads as it needs (``dest 0 · 2``).
+
+A request whose tail is known (`Request.tail_mark`) gets a slice of its own in the ``tail`` lane of its process,
+from the end of its last compute to its last byte (0 long when the last byte left before compute ended), named
+``tail X ms (queued Y ms)`` with the figures in its args. Spans of several processes share one time axis; clocks
+of different hosts may disagree (the note in ``otherData`` says so).
 
     otel-kvtransfer timeline spans.jsonl --perfetto trace.json   # then open trace.json in ui.perfetto.dev
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.tools.lanes import pack
 from otel_kvtransfer.tools.requests import PEER_SPANS, engine_label
 from otel_kvtransfer.tools.spanfile import Span
+from otel_kvtransfer.tools.text import fmt_ms
 
-__all__ = ["trace_events", "lane_of", "request_spans"]
+__all__ = ["trace_events", "lane_of", "request_spans", "tail_marks", "TAIL_LANE"]
+
+TAIL_LANE = "tail"
+_TAIL_SORT = (1, 1)  # after compute, before the destinations
+
+
+class TailSlice(NamedTuple):
+    """A request's tail as the trace shows it: packed like a span (start/end), drawn in its process's tail lane."""
+
+    start_time_unix_nano: int
+    end_time_unix_nano: int
+    resource: dict
+    trace_id: str
+    key: Optional[str]
+    mark: object  # requests.TailMark
 
 
 def lane_of(span: Span) -> tuple:
@@ -66,15 +86,29 @@ def request_spans(requests) -> list:
     return list(out.values())
 
 
-def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None) -> dict:
-    """The trace-event JSON object for `spans`."""
+def tail_marks(requests) -> list:
+    """The tail slices of `requests` (children attached) whose tail is known, in their initiator's process."""
+    out = []
+    for request in requests:
+        mark = request.tail_mark()
+        if mark is None:
+            continue
+        owner = request.span or request.sends[0]
+        end = max(mark.last_byte_ns, mark.compute_end_ns)
+        out.append(TailSlice(mark.compute_end_ns, end, owner.resource, owner.trace_id, request.key, mark))
+    return out
+
+
+def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: Iterable[TailSlice] = ()) -> dict:
+    """The trace-event JSON object for `spans`, and the `tails` (`tail_marks`) in lanes of their own."""
     spans = sorted(spans, key=lambda s: (s.start_time_unix_nano, -s.end_time_unix_nano))
     if origin_ns is None:
         origin_ns = min((s.start_time_unix_nano for s in spans), default=0)
 
     # Processes: one per resource; the OS pid when it is unique, else a small number.
     resources = {}
-    for span in spans:
+    tails = sorted(tails, key=lambda t: (t.start_time_unix_nano, t.end_time_unix_nano))
+    for span in [*spans, *tails]:
         resources.setdefault(_process_key(span.resource), span.resource)
     os_pids = [r.get("process.pid") for r in resources.values()]
     use_os_pid = all(isinstance(p, int) and 0 < p < 1 << 31 for p in os_pids) and len(set(os_pids)) == len(os_pids)
@@ -92,6 +126,8 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None) -> dict
     for span in spans:
         sort_key, lane = lane_of(span)
         lanes.setdefault((pid_of[_process_key(span.resource)], sort_key, lane), []).append(span)
+    for tail in tails:
+        lanes.setdefault((pid_of[_process_key(tail.resource)], _TAIL_SORT, TAIL_LANE), []).append(tail)
     next_tid = {}
     for (pid, _sort_key, lane), members in sorted(lanes.items(), key=lambda kv: kv[0][:2]):
         rows = pack(members, lambda s: s.start_time_unix_nano, lambda s: s.end_time_unix_nano)
@@ -104,12 +140,14 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None) -> dict
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": first + number,
                            "args": {"sort_index": first + number}})
         for span, row in zip(members, rows):
-            events.append(_event(span, pid, first + row, origin_ns))
+            make = _tail_event if isinstance(span, TailSlice) else _event
+            events.append(make(span, pid, first + row, origin_ns))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"origin_unix_nano": origin_ns, "generator": "otel_kvtransfer",
-                      "note": "ts/dur in microseconds after origin_unix_nano"},
+                      "note": "ts/dur in microseconds after origin_unix_nano; spans of different processes share "
+                              "this axis, and clocks of different hosts may disagree"},
     }
 
 
@@ -139,3 +177,21 @@ def _event(span: Span, pid: int, tid: int, origin_ns: int) -> dict:
     if span.is_error:
         event["cname"] = "terrible"
     return event
+
+
+def _tail_event(tail: TailSlice, pid: int, tid: int, origin_ns: int) -> dict:
+    mark = tail.mark
+    name = (f"tail {fmt_ms(mark.tail_s)} (queued {fmt_ms(mark.tail_queued_s)})" if mark.tail_s > 0
+            else "tail 0 (last byte before compute end)")
+    return {
+        "name": name,
+        "cat": TAIL_LANE,
+        "ph": "X",
+        "ts": (tail.start_time_unix_nano - origin_ns) / 1000.0,
+        "dur": (tail.end_time_unix_nano - tail.start_time_unix_nano) / 1000.0,
+        "pid": pid,
+        "tid": tid,
+        "args": {sc.REQUEST_KEY: tail.key, "trace_id": tail.trace_id, sc.TAIL_S: mark.tail_s,
+                 sc.TAIL_BUSY_S: mark.tail_busy_s, sc.TAIL_QUEUED_S: mark.tail_queued_s,
+                 "compute_end_unix_nano": mark.compute_end_ns, "last_byte_unix_nano": mark.last_byte_ns},
+    }

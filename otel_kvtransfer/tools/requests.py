@@ -14,7 +14,7 @@ its aggregates is shown as it is; otherwise `RequestAggregate` computes them fro
 from __future__ import annotations
 
 from array import array
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from otel_kvtransfer import aggregate
 from otel_kvtransfer import semconv as sc
@@ -74,6 +74,17 @@ def _key_of(attributes: dict) -> Optional[str]:
     if key is None and attributes.get(sc.BOOTSTRAP_ROOM) is not None:
         key = str(attributes[sc.BOOTSTRAP_ROOM])
     return key
+
+
+class TailMark(NamedTuple):
+    """Where a request's tail lies (ns, on the initiator's clock; the last byte may precede the compute end, a tail
+    of 0) and its figures (s) as the request states them."""
+
+    compute_end_ns: int
+    last_byte_ns: int
+    tail_s: float
+    tail_busy_s: float
+    tail_queued_s: float
 
 
 class Request:
@@ -219,6 +230,19 @@ class Request:
         if self.sends or self.aggregate is None:
             return aggregate.union((s.start_time_unix_nano, s.end_time_unix_nano) for s in self.sends)
         return aggregate.union(self.aggregate.sends)
+
+    def tail_mark(self) -> Optional[TailMark]:
+        """The tail to draw: from the end of the last compute to the last byte of the attached children, with the
+        request's tail figures (its span's own, else `aggregate.tail` of the children); None where the request
+        states no tail (compute unknown) or its children are not attached."""
+        figures = self.figures()
+        if figures["tail_s"] is None or not self.sends or not self.computes:
+            return None
+        # The last ends are what aggregate.tail takes from the unions: the greatest end of each kind.
+        compute_end = max(s.end_time_unix_nano for s in self.computes)
+        last_byte = max(s.end_time_unix_nano for s in self.sends)
+        return TailMark(compute_end, last_byte, figures["tail_s"], figures["tail_busy_s"] or 0.0,
+                        figures["tail_queued_s"] or 0.0)
 
     def last_chunk_rate(self, nbytes: Optional[float]) -> Optional[float]:
         """What engines report today: all of a request's bytes over the latency of only its last chunk."""

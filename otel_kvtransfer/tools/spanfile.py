@@ -59,7 +59,8 @@ _MAX_NS = (1 << 63) - 1
 COUNTS = frozenset({sc.BYTES, sc.LOGICAL_BYTES, sc.EXPECTED_BYTES, sc.TRANSFER_COUNT, sc.CHUNK_COUNT,
                     sc.REPLICA_FACTOR, sc.DESCRIPTOR_COUNT, sc.ENGINE_CALLS, sc.CHUNK_INDEX, sc.DESTINATION_INDEX,
                     sc.BOOTSTRAP_ROOM, sc.SERVER_PORT})
-MEASURES = frozenset({sc.BUSY_S, sc.THROUGHPUT, sc.COMPUTE_OVERLAP_S, sc.COMPUTE_OVERLAP_RATIO})
+MEASURES = frozenset({sc.BUSY_S, sc.THROUGHPUT, sc.COMPUTE_OVERLAP_S, sc.COMPUTE_OVERLAP_RATIO, sc.TAIL_S,
+                      sc.TAIL_BUSY_S, sc.TAIL_QUEUED_S})
 
 # A progress callback gets (bytes read so far, total bytes, spans so far).
 Progress = Callable[[int, int, int], None]

@@ -4,7 +4,9 @@ One block per request: a header with the request's busy time (union of its trans
 (bytes over busy time), compute-overlap ratio and the figure engines report today (all bytes over the last
 chunk's latency); under it a lane for compute and one lane per destination, each transfer a bar coloured by payload
 (kv, aux, state; errors red) and labelled with its bytes and throughput; the union of the transfers is drawn as
-a "busy" strip. Above the blocks an overview of the whole selection (true throughput per request over time, and
+a "busy" strip. Where the request's compute is known, its tail (from the end of its last compute to its last
+byte: what the first decode step waited for) is a band across the block and a lane of its own labelled with the
+tail and the part of it in which nothing of the request moved (queued), those gaps shaded. Above the blocks an overview of the whole selection (true throughput per request over time, and
 the distribution of per-transfer throughput) keeps a file of 1,000 requests readable; the page shows the blocks
 a page at a time (the PNG shows the first few), with filters by request key and time window. The peer's
 waiting spans (receive for a push, serve for a pull) have lanes of their own.
@@ -52,6 +54,7 @@ MAX_ROWS = 12
 MAX_DEST_LANES = 8
 MAX_PEER_LANES = 4
 MAX_POINTS = 20_000
+MAX_TAIL_GAPS = 200  # queued gaps shaded in one tail (the longest; narrower ones are under a pixel anyway)
 MAX_PNG_HEIGHT = 8000
 OVERVIEW_ALLOWANCE = 320  # pixels kept for the overview panel when fitting request blocks into the PNG
 
@@ -65,6 +68,9 @@ COMPUTE_COLOR = "#a0a0a0"
 RECEIVE_COLOR = "#b07aa1"
 ERROR_COLOR = "#e15759"
 BUSY_COLOR = "#2f4b7c"
+TAIL_COLOR = "#8a5a00"  # the tail's outline and label
+TAIL_BAND = "#fbecc6"  # the tail across the block, behind every lane
+QUEUED_COLOR = "#e8a202"  # parts of the tail in which no transfer of the request moved bytes
 TEXT = "#222222"
 MUTED = "#666666"
 GRID = "#e4e4e4"
@@ -253,9 +259,64 @@ def _bar(kind: str, span, x0: float, by: float, w: float) -> list:
     return ops
 
 
+def _tail_text(mark) -> str:
+    if mark.tail_s <= 0:
+        return "tail 0: the last byte left before compute ended"
+    return f"tail {fmt_ms(mark.tail_s)} (queued {fmt_ms(mark.tail_queued_s)})"
+
+
+def _queued_gaps(busy: Sequence[tuple], lo: int, hi: int) -> list:
+    """The parts of [lo, hi) that no interval of the sorted disjoint `busy` covers."""
+    gaps, cursor = [], lo
+    for start, end in busy:
+        if end <= cursor:
+            continue
+        if start >= hi:
+            break
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < hi:
+        gaps.append((cursor, hi))
+    return gaps
+
+
+def _tail_lane(mark, busy, x_of, y: float, width: int) -> list:
+    """The tail lane: the interval from the last compute end to the last byte, its queued gaps shaded (at most
+    MAX_TAIL_GAPS, the longest), and its label inside the interval when it fits, else beside it."""
+    end = max(mark.last_byte_ns, mark.compute_end_ns)
+    x0, x1 = x_of(mark.compute_end_ns), x_of(end)
+    w = max(x1 - x0, 2)
+    gaps = _queued_gaps(busy, mark.compute_end_ns, end)
+    drawn = sorted(gaps, key=lambda g: g[0] - g[1])[:MAX_TAIL_GAPS]
+    more = f"; the {len(drawn)} longest of {len(gaps)} queued gaps shaded" if len(gaps) > len(drawn) else ""
+    title = (f"tail {fmt_ms(mark.tail_s)}: from the end of the last compute to the last byte; "
+             f"{fmt_ms(mark.tail_busy_s)} moving bytes, {fmt_ms(mark.tail_queued_s)} queued (nothing of the "
+             f"request moved){more}")
+    by = y + (ROW_H - BAR_H) / 2
+    ops = [Rect(x0, by, w, BAR_H, TAIL_BAND, TAIL_COLOR, cls="tail", title=title,
+                data={"tail-s": mark.tail_s, "tail-busy-s": mark.tail_busy_s, "tail-queued-s": mark.tail_queued_s,
+                      "compute-end-ns": mark.compute_end_ns, "last-byte-ns": mark.last_byte_ns,
+                      "queued-gaps": len(gaps)})]
+    for lo, hi in sorted(drawn):
+        ops.append(Rect(x_of(lo), by + 3, max(x_of(hi) - x_of(lo), 1), BAR_H - 6, QUEUED_COLOR, cls="tail-queued",
+                        title=f"queued {fmt_ms((hi - lo) / aggregate.NS_PER_S)}",
+                        data={"start-ns": lo, "end-ns": hi}))
+    text = _tail_text(mark)
+    if _fits(text, w):
+        ops.append(Text(x0 + 4, by + BAR_H - 4, text, FONT, TEXT, bold=True, cls="tail-label"))
+    elif _fits(text, width - RIGHT - x1 - 4):
+        ops.append(Text(x1 + 4, by + BAR_H - 4, text, FONT, TAIL_COLOR, bold=True, cls="tail-label"))
+    else:
+        ops.append(Text(max(x0 - 4, LEFT + 4), by + BAR_H - 4, _clip(text, max(x0 - LEFT - 8, 0)), FONT, TAIL_COLOR,
+                        bold=True, anchor="end" if x0 - 4 > LEFT + 4 else "start", cls="tail-label"))
+    return ops
+
+
 def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = None) -> Panel:
-    """One request block: header, busy strip, compute lane, one lane per destination, peer lanes, axis. A lane
-    shows at most MAX_ROWS rows of overlapping spans; what does not fit is counted in a "+N more" row."""
+    """One request block: header, busy strip, compute lane, the tail (where compute is known), one lane per
+    destination, peer lanes, axis. A lane shows at most MAX_ROWS rows of overlapping spans; what does not fit is
+    counted in a "+N more" row."""
     ops = []
     first, second = request_header(req)
     ops.append(Text(8, 17, first, 13, TEXT, bold=True, cls="req-title"))
@@ -272,7 +333,18 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
 
     y = grid_top = 46
     body = []
-    for text, kind, spans in _lanes(req):
+    busy = req.busy_intervals()
+    mark = req.tail_mark()
+    lanes = _lanes(req)
+    if mark is not None:
+        lanes.insert(2, ("tail", "tail", []))
+    for text, kind, spans in lanes:
+        if kind == "tail":
+            body.append(Text(LEFT - 8, y + ROW_H / 2 + 4, text, FONT, TAIL_COLOR, bold=True, anchor="end",
+                             cls="lane-label"))
+            body.extend(_tail_lane(mark, busy, x_of, y, width))
+            y += ROW_H + 4
+            continue
         if kind in ("busy", "more"):
             lane_h = 10 if kind == "busy" else ROW_H
             rows, row_count, hidden = [], 1, 0
@@ -284,7 +356,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
         body.append(Text(LEFT - 8, y + min(lane_h, ROW_H) / 2 + 4, _clip(text, LEFT - 16), FONT, MUTED,
                          anchor="end", cls="lane-label"))
         if kind == "busy":
-            for lo, hi in req.busy_intervals():
+            for lo, hi in busy:
                 body.append(Rect(x_of(lo), y + 2, max(x_of(hi) - x_of(lo), 1), 6, BUSY_COLOR, cls="busy",
                                  title=f"busy {fmt_ms((hi - lo) / 1e9)}"))
         for span, row in zip(spans, rows):
@@ -307,6 +379,11 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
         grid.append(Line(x, grid_top, x, y, GRID))
         grid.append(Text(x, y + 13, _fmt_axis_s(tick, step), FONT - 1, MUTED, anchor="middle", cls="tick"))
     grid.append(Line(LEFT, y, LEFT + plot_w, y, "#bbbbbb"))
+    if mark is not None:  # the tail across every lane, under the grid and the bars
+        x0 = x_of(mark.compute_end_ns)
+        end = max(mark.last_byte_ns, mark.compute_end_ns)
+        grid.insert(0, Rect(x0, grid_top, max(x_of(end) - x0, 2), y - grid_top, TAIL_BAND,
+                            cls="tail-band"))
     return Panel(width, int(y + 22), ops + grid + body, cls="request")
 
 
@@ -395,10 +472,16 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
     for text, color in (("kv", PAYLOAD_COLORS["kv"]), ("aux", PAYLOAD_COLORS["aux"]),
                         ("state", PAYLOAD_COLORS["state"]), ("compute", COMPUTE_COLOR),
                         ("peer receive / serve", RECEIVE_COLOR), ("busy (union of transfers)", BUSY_COLOR),
-                        ("failed", ERROR_COLOR)):
-        ops.append(Rect(lx, ly - 10, 12, 12, color, cls="legend"))
+                        ("failed", ERROR_COLOR), ("tail (compute end → last byte)", TAIL_BAND),
+                        ("tail queued", QUEUED_COLOR)):
+        ops.append(Rect(lx, ly - 10, 12, 12, color, TAIL_COLOR if color == TAIL_BAND else None, cls="legend"))
         ops.append(Text(lx + 16, ly, text, FONT, TEXT))
         lx += 16 + len(text) * FONT * CHAR_W + 18
+    if any(r.peers for r in requests):
+        ly += 18
+        ops.append(Text(8, ly, "Peer lanes (receive / serve) are on the peer engines' clocks: clocks of different "
+                               "hosts may disagree. Busy time and the tail are on the initiator's clock alone.",
+                        FONT, MUTED, cls="clock-note"))
     return Panel(width, ly + 10, ops, cls="overview")
 
 
