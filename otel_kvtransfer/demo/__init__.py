@@ -7,7 +7,8 @@ chunk 0, then chunked prefill computes 8192 and 1655 tokens, and chunk i is sent
 transfer worker sends each chunk to the K destinations one after another, as sglang does for MLA fan-out.
 
 It prints, per request, what the spans say (wire and logical bytes, transfers, busy time, true throughput,
-compute overlap) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30 over the time from
+compute overlap, and the tail: the time from the end of the request's last compute to its last byte, and the
+part of it in which none of its transfers moved bytes) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30 over the time from
 the last chunk's enqueue to success), and the link figure measured in the same run: plain (uninstrumented)
 writes shaped exactly like one request's sends (the same chunks, one descriptor per KV page), several rounds
 before the requests and several after, the best round as the figure and all rounds as its spread. On a shared
@@ -275,19 +276,26 @@ def _request_spans(span_file: str) -> dict:
             if span.name == semconv.SPAN_REQUEST}
 
 
+def _ms(seconds: Optional[float]) -> str:
+    """A tail figure in ms; '-' where the request span has none (its compute was not known)."""
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def format_table(rows, link) -> str:
     """The demo's table; `link` is `link_figure()`'s dict (or a bare By/s figure, for older callers)."""
     if not isinstance(link, dict):
         link = {"best_bytes_per_s": link, "worst_bytes_per_s": link, "rounds_before": [link], "rounds_after": []}
     head = (f"{'room':>6} {'chunks':>6} {'xfers':>5} {'wire MiB':>9} {'logical MiB':>11} {'busy ms':>8} "
-            f"{'true GiB/s':>10} {'legacy GiB/s':>12} {'legacy/true':>11} {'enq->done GiB/s':>15} {'overlap':>7}")
+            f"{'true GiB/s':>10} {'legacy GiB/s':>12} {'legacy/true':>11} {'enq->done GiB/s':>15} {'overlap':>7} "
+            f"{'tail ms':>7} {'queued ms':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['room']:>6} {r['chunks']:>6} {r['transfers']:>5} {r['wire_bytes'] / 2**20:>9.1f} "
             f"{r['logical_bytes'] / 2**20:>11.1f} {r['busy_s'] * 1e3:>8.1f} {r['true_gib_s']:>10.2f} "
             f"{r['legacy_gib_s']:>12.2f} {r['legacy_gib_s'] / max(r['true_gib_s'], 1e-12):>10.1f}x "
-            f"{r['enqueue_to_done_gib_s']:>15.2f} {r['overlap_ratio']:>7.0%}")
+            f"{r['enqueue_to_done_gib_s']:>15.2f} {r['overlap_ratio']:>7.0%} {_ms(r.get('tail_s')):>7} "
+            f"{_ms(r.get('tail_queued_s')):>9}")
     best, worst = link["best_bytes_per_s"] / GIB, link["worst_bytes_per_s"] / GIB
     count = len([r for r in link["rounds_before"] + link["rounds_after"] if r])
     lines.append(f"link figure of this run: {best:.2f} GiB/s, the best of {count} rounds of plain writes shaped like "
@@ -382,6 +390,8 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
             "busy_s": attrs.get("kv_transfer.busy_s", 0.0),
             "true_gib_s": attrs.get("kv_transfer.throughput", 0.0) / GIB,
             "overlap_ratio": attrs.get("kv_transfer.compute_overlap_ratio", 0.0),
+            "tail_s": attrs.get(semconv.TAIL_S),
+            "tail_queued_s": attrs.get(semconv.TAIL_QUEUED_S),
             "legacy_gib_s": item["legacy_gib_s"],
             "enqueue_to_done_gib_s": item["enqueue_to_done_gib_s"],
             "error": item["error"],
