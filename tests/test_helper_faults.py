@@ -102,3 +102,17 @@ def test_group_signals_and_a_sigterm_leave_the_helper_building_until_its_engine_
     assert outcomes[6]["flushed"] is True
     assert len(_sends(tmp_path)) == 10 and totals == [{"sizes": 10, "dropped": {}}]
     assert "Traceback" not in stderr
+
+
+def test_a_full_socket_drops_and_counts_what_it_cannot_write_and_nothing_twice(tmp_path):
+    # The helper is stopped (as busy as can be, and alive). A first drain of more records than its socket holds
+    # is written in part, the rest kept; the next drain cannot go and is counted here, before any of it is
+    # written; once the helper goes on, it builds the first whole. (Records of requests with no transfer: only
+    # their number matters here, and they are quick to make; the socket's buffer is made small to be filled.)
+    outcomes, totals, _ = _run(tmp_path, "send:1", "flush", "small-socket", "stop-helper", "requests:10000",
+                               "drain", "requests:100", "drain", "cont-helper", "flush", "local-drops",
+                               OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000", KVT_TEST_COUNT_REQUESTS="1")
+    assert outcomes[6]["frame_waiting"] is True  # the socket took only part of the first frame
+    assert outcomes[10]["flushed"] is True and outcomes[10]["helper"] == outcomes[2]["helper"]  # never given up
+    assert outcomes[11]["local_drops"] == {"builder_process": 200}  # the 100 requests' begin and end records
+    assert totals == [{"sizes": 1, "dropped": {}, "requests": 10001}]

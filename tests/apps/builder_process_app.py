@@ -3,9 +3,11 @@ writes to a receiver process, in steps the test names, each step's outcome print
 
     python builder_process_app.py STEP [STEP ...]
     steps: many-fds (hold ~1,100 descriptors first), send:N (N 4,096 B writes in requests of one write each),
-    open (one write in a request that never ends), main-class (one request whose attributes are of classes
+    open (one write in a request that never ends), requests:N (N requests that make no transfer: records
+    only, fast), main-class (one request whose attributes are of classes
     defined here, in __main__), fork (a forked child makes one), flush[:MS], drain (the recorder's, no flush),
     await-acks (until the helper's acknowledgements wait unread), interrupt-helper, stop-helper (SIGSTOP),
+    cont-helper (SIGCONT), small-socket (the link's socket buffer made small),
     kill-helper (and reap it), kill-helper-nowait, signal-group (SIGINT and SIGTERM to this process group, and
     SIGTERM to the helper), sigpipe-default, sleep:S, hold / release (the helper's exporter blocks while held),
     zombies (this process's zombie children after a drain), local-drops (this process's own drop counts),
@@ -17,6 +19,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
@@ -77,6 +80,11 @@ def main(steps):
                     outcome["return_codes"] = [engine.transfer_sync_write(
                         receiver.session, buffer.ctypes.data, receiver.base_address, SIZE)]
                 room += 1
+            elif name == "requests":  # records without engine calls: enough of them to fill the helper's socket
+                for _ in range(int(arg)):
+                    kvt.begin_request(room, backend="mooncake", framework="test")
+                    kvt.end_request(room)
+                    room += 1
             elif name == "main-class":
                 kvt.begin_request(room, backend="mooncake", framework="test",
                                   attributes={"test.tag": Tag("x"), "test.tier": Tier.GOLD})
@@ -91,6 +99,7 @@ def main(steps):
                 outcome["seconds"] = round(time.monotonic() - started, 3)
             elif name == "drain":
                 RECORDER.drain()
+                outcome["frame_waiting"] = link._tail is not None  # pylint: disable=protected-access
             elif name == "await-acks":  # the helper has answered, and the link has not read it yet
                 answers = link._sock  # pylint: disable=protected-access
                 outcome["acks_waiting"] = bool(select.select([answers], [], [], 10)[0])
@@ -118,6 +127,10 @@ def main(steps):
                 outcome["seen"] = sorted(set(seen))
             elif name == "stop-helper":
                 os.kill(link.pid(), signal.SIGSTOP)
+            elif name == "small-socket":  # a few thousand records fill it (the link asks for megabytes)
+                link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)  # noqa: E501 pylint: disable=protected-access
+            elif name == "cont-helper":
+                os.kill(link.pid(), signal.SIGCONT)
             elif name == "kill-helper-nowait":  # not reaped here: the link must reap it
                 pid = outcome["killed"] = link.pid()
                 os.kill(pid, signal.SIGKILL)

@@ -1,5 +1,6 @@
 """OTEL_KVTRANSFER_HELPER_SETUP for tests/test_builder_process.py: the helper's SDK writes its spans to
-$KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json. While the file
+$KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json (with the request
+count when $KVT_TEST_COUNT_REQUESTS is set). While the file
 $KVT_TEST_HOLD exists, its span exporter hangs (a collector that does not answer)."""
 
 import atexit
@@ -31,6 +32,7 @@ def setup():
 
 def _write_totals(reader):
     totals = {"sizes": 0, "dropped": {}}
+    requests = 0
     data = reader.get_metrics_data()
     for resource_metrics in (data.resource_metrics if data else []):
         for scope_metrics in resource_metrics.scope_metrics:
@@ -38,9 +40,13 @@ def _write_totals(reader):
                 for point in metric.data.data_points:
                     if metric.name == semconv.METRIC_SIZE:
                         totals["sizes"] += point.count
+                    elif metric.name == semconv.METRIC_REQUEST_DURATION:
+                        requests += point.count
                     elif metric.name == semconv.METRIC_DROPPED:
                         reason = point.attributes[semconv.DROP_REASON]
                         totals["dropped"][reason] = totals["dropped"].get(reason, 0) + point.value
+    if os.environ.get("KVT_TEST_COUNT_REQUESTS"):  # only where a test counts them: others compare totals whole
+        totals["requests"] = requests
     path = os.path.join(os.environ["KVT_TEST_METRICS_DIR"], f"{os.getpid()}.json")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(totals, handle)
