@@ -95,23 +95,34 @@ def receiver(args) -> int:
     return 0
 
 
-def _stop(proc) -> None:
-    from _observability_parts import stop  # pylint: disable=import-outside-toplevel
+def _start(argv, **kwargs) -> subprocess.Popen:
+    """A child in this script's process group: if the test has to kill this script's group, it ends them too."""
+    return subprocess.Popen(argv, **kwargs)  # pylint: disable=consider-using-with
 
-    if proc is not None:
-        try:
-            proc.stdin and proc.stdin.close()
-        except OSError:
-            pass
-        stop(proc)
+
+def _stop(proc) -> None:
+    """Close its stdin (a receiver exits on that), then SIGTERM and, after 10 s, SIGKILL, by its PID."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+    except OSError:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def _start_receiver(index: int, rate, env) -> tuple:
     """A receiver behind veth kvt<index> (rate-limited when `rate`); (process, address, READY payload)."""
-    from _observability_parts import start, wait_until  # pylint: disable=import-outside-toplevel
+    from _observability_parts import wait_until  # pylint: disable=import-outside-toplevel
 
     ours, address = _netns(), f"10.231.{index + 1}.2"
-    proc = start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
+    proc = _start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         wait_until(lambda: _netns(proc.pid) != ours, 10, 0.05, what="receiver in its own network namespace")
@@ -135,7 +146,7 @@ def _start_receiver(index: int, rate, env) -> tuple:
 
 
 def _prometheus(args, metrics_port: int):
-    from _observability_parts import free_port, http_json, start, wait_until  # pylint: disable=import-outside-toplevel
+    from _observability_parts import free_port, http_json, wait_until  # pylint: disable=import-outside-toplevel
 
     port = free_port()
     config = os.path.join(args.workdir, "prometheus.yml")
@@ -144,8 +155,9 @@ def _prometheus(args, metrics_port: int):
                      f"rule_files:\n  - {json.dumps(os.path.abspath(args.rules))}\n"
                      "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
                      f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
-    log = open(os.path.join(args.workdir, "prometheus.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    proc = start([args.prometheus, f"--config.file={config}", f"--storage.tsdb.path={args.workdir}/data",
+    # pylint: disable-next=consider-using-with
+    log = open(os.path.join(args.workdir, "prometheus.log"), "w", encoding="utf-8")
+    proc = _start([args.prometheus, f"--config.file={config}", f"--storage.tsdb.path={args.workdir}/data",
                   f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
                  stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
@@ -170,7 +182,7 @@ def run(args) -> dict:
     from opentelemetry.sdk.trace import TracerProvider
 
     from _observability_exposition import ScrapeEndpoint
-    from _observability_parts import http_json, stop, wait_until
+    from _observability_parts import http_json, wait_until
     from otel_kvtransfer import KVTransferInstrumentor, integration
 
     _ip("link", "set", "lo", "up")
@@ -247,7 +259,8 @@ def run(args) -> dict:
         means = {m["server_address"]: v for m, v in _query(
             base, "sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_sum)"
                   " / sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_count)")}
-        return {"means": means, "send_s": round(sent_at - began, 3), "peers": [{k: peer[k] for k in ("role", "address", "port", "rate")} for peer in receivers],
+        return {"means": means, "send_s": round(sent_at - began, 3),
+                "peers": [{k: peer[k] for k in ("role", "address", "port", "rate")} for peer in receivers],
                 "sent": sent, "failed": failed, "held": held, "alerts": alerts, "medians": medians,
                 "direct_medians": direct, "job": SERVICE,
                 "rule_health": {r.get("name"): r.get("health") for g in rules for r in g["rules"]}}
@@ -256,7 +269,7 @@ def run(args) -> dict:
             _stop(peer["proc"])
         if endpoint is not None:
             endpoint.close()
-        stop(prometheus)
+        _stop(prometheus)
         if log is not None:
             log.close()
         tracer_provider.shutdown()

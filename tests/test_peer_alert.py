@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary
+from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary, start, stop
 from conftest import require_part
 
 SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
@@ -51,12 +51,17 @@ def result():
     workdir = tempfile.mkdtemp(prefix="kvt-peers-")
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-        done = subprocess.run(
-            ["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
-             "--prometheus", binary, "--rules", ALERTS, "--workdir", workdir],
-            capture_output=True, text=True, timeout=240, check=False, env=env, cwd=ROOT)
-        lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
-        assert lines and lines[-1].startswith("RESULT "), (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+        # its own process group, with the receivers and Prometheus it starts: a run past the bound ends them all
+        proc = start(["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
+                      "--prometheus", binary, "--rules", ALERTS, "--workdir", workdir],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            stdout, stderr = proc.communicate()
+        lines = [line for line in stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
+        assert lines and lines[-1].startswith("RESULT "), (proc.returncode, stdout[-2000:], stderr[-3000:])
         yield json.loads(lines[-1][len("RESULT "):])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
