@@ -256,13 +256,15 @@ def run(args) -> dict:
             base, "histogram_quantile(0.5, sum by (server_address, le) "
                   "(rate(kv_transfer_peer_throughput_bytes_per_second_bucket[10m])))")}
         rules = http_json(f"{base}/api/v1/rules")["data"]["groups"]
+        # the dashboard's slowest-peers query, rows in the order Prometheus returns them
+        panel = [[m.get("server_address"), v] for m, v in _query(base, args.panel_query)] if args.panel_query else None
         means = {m["server_address"]: v for m, v in _query(
             base, "sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_sum)"
                   " / sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_count)")}
         return {"means": means, "send_s": round(sent_at - began, 3),
                 "peers": [{k: peer[k] for k in ("role", "address", "port", "rate")} for peer in receivers],
                 "sent": sent, "failed": failed, "held": held, "alerts": alerts, "medians": medians,
-                "direct_medians": direct, "job": SERVICE,
+                "direct_medians": direct, "job": SERVICE, "panel": panel,
                 "rule_health": {r.get("name"): r.get("health") for g in rules for r in g["rules"]}}
     finally:
         for peer in receivers:
@@ -285,6 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prometheus")
     parser.add_argument("--rules")
     parser.add_argument("--workdir")
+    parser.add_argument("--panel-query", help="a PromQL expression evaluated at the end, rows kept in order")
     args = parser.parse_args(argv)
     os.environ.setdefault("MC_FORCE_TCP", "1")
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")

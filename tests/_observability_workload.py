@@ -16,9 +16,12 @@ name on every request and receive), the way frameworks/ packages do; the engines
 Every room: decode begins to receive, prefill opens the request, pushes 3 chunks x 2 destinations (replica
 factor 2) of KV, each chunk one `batch_transfer_sync_write` of DESCRIPTORS blocks (so descriptors per transfer
 is more than one), plus one aux payload (a single `transfer_sync_write`), while a "forward pass" of the next chunk
-runs on another thread (real compute overlap), then ends the request; decode ends its receive. Every 4th room has
+runs on another thread (real compute overlap), then ends the request; decode ends its receive. The KV chunks are
+4 MiB (>= 1 MiB: kv_transfer.peer.throughput counts them) and the compute is recorded, so the request tail and its
+queued part have data too. Every 4th room has
 one failing transfer (a destination outside the peer's registered memory: Mooncake answers -1 at once). One room is
-opened and never ended, so the TTL evicts it and the instrumentation's dropped counter moves.
+opened and never ended, so the TTL evicts it and the instrumentation's dropped counter moves. In metrics mode
+OTEL_KVTRANSFER_STUCK_S is 0.5 s, so that room (and slower receives) are reported stuck while open.
 """
 
 import argparse
