@@ -477,7 +477,8 @@ class HelperLink:
         if not self._logged:
             self._logged = True
             _logger.warning("otel_kvtransfer: %s; %d records are counted as dropped (%s) in this process's own "
-                            "metrics", why, records, DROP_REASON)
+                            "metrics, and what follows until a helper takes records again",
+                            why, sum(drops.values()), ", ".join(sorted(drops)))
 
 
 class HelperFlushProcessor(SpanProcessor):

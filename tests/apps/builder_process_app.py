@@ -128,7 +128,8 @@ def main(steps):
             elif name == "stop-helper":
                 os.kill(link.pid(), signal.SIGSTOP)
             elif name == "small-socket":  # a few thousand records fill it (the link asks for megabytes)
-                link._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)  # noqa: E501 pylint: disable=protected-access
+                sock = link._sock  # pylint: disable=protected-access
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
             elif name == "cont-helper":
                 os.kill(link.pid(), signal.SIGCONT)
             elif name == "kill-helper-nowait":  # not reaped here: the link must reap it
