@@ -265,7 +265,7 @@ def _tail_rects(page):
 
 def _pixels(png_path, rgb) -> int:
     with PIL.open(png_path) as image:
-        return dict((c, n) for n, c in image.convert("RGB").getcolors(1 << 20)).get(rgb, 0)
+        return {c: n for n, c in image.convert("RGB").getcolors(1 << 20)}.get(rgb, 0)
 
 
 def test_tail_is_marked_with_its_figures_and_queued_gaps(tmp_path):

@@ -6,14 +6,14 @@ chunk 0, then chunked prefill computes 8192 and 1655 tokens, and chunk i is sent
 (compute is simulated by sleeping, so the transfers have the CPU); the last chunk carries the aux payload. One
 transfer worker sends each chunk to the K destinations one after another, as sglang does for MLA fan-out.
 
-It prints, per request, what the spans say (wire and logical bytes, transfers, busy time, true throughput,
-compute overlap, and the tail: the time from the end of the request's last compute to its last byte, and the
-part of it in which none of its transfers moved bytes) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30 over the time from
-the last chunk's enqueue to success), and the link figure measured in the same run: plain (uninstrumented)
-writes shaped exactly like one request's sends (the same chunks, one descriptor per KV page), several rounds
-before the requests and several after, the best round as the figure and all rounds as its spread. On a shared
-machine a request can still run faster than every calibration round; the table then says so and by how much,
-instead of calling the figure a ceiling.
+It prints, per request, what the spans say (wire and logical bytes, transfers, busy time, true throughput, compute
+overlap, and the tail: the time from the end of the request's last compute to its last byte, and the part of it in
+which none of its transfers moved bytes) beside the legacy figure that sglang computes (KV bytes x replicas / 2^30
+over the time from the last chunk's enqueue to success), and the link figure measured in the same run: plain
+(uninstrumented) writes shaped exactly like one request's sends (the same chunks, one descriptor per KV page),
+several rounds before the requests and several after, the best round as the figure and all rounds as its spread. On
+a shared machine a request can still run faster than every calibration round; the table then says so and by how
+much, instead of calling the figure a ceiling.
 """
 
 import argparse

@@ -1,11 +1,11 @@
 """Chrome trace-event JSON from span files, for the Perfetto UI (ui.perfetto.dev) and chrome://tracing.
 
-Processes are the engines/ranks that emitted the spans (one per resource: service name, instance id, pid);
-threads are lanes: ``requests``, ``compute``, ``tail``, one per transfer destination, ``receive`` / ``serve``. Every span
+Processes are the engines/ranks that emitted the spans (one per resource: service name, instance id, pid); threads
+are lanes: ``requests``, ``compute``, ``tail``, one per transfer destination, ``receive`` / ``serve``. Every span
 becomes one complete event (``ph: "X"``) with ``ts`` and ``dur`` in microseconds, measured from the earliest span
 (``otherData.origin_unix_nano``), so durations are the span durations to the nanosecond. The trace-event format
-wants the events of one thread to nest, and concurrent requests overlap, so each lane is packed
-(`lanes.pack`, as the timeline packs its rows) into as many threads as it needs (``dest 0 · 2``).
+wants the events of one thread to nest, and concurrent requests overlap, so each lane is packed (`lanes.pack`, as
+the timeline packs its rows) into as many threads as it needs (``dest 0 · 2``).
 
 A request whose tail is known (`Request.tail_mark`) gets a slice of its own in the ``tail`` lane of its process,
 from the end of its last compute to its last byte (0 long when the last byte left before compute ended), named

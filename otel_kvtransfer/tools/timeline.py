@@ -1,15 +1,16 @@
 """Timeline pictures of KV transfers from span files: a self-contained HTML page and a PNG.
 
 One block per request: a header with the request's busy time (union of its transfer intervals), true throughput
-(bytes over busy time), compute-overlap ratio and the figure engines report today (all bytes over the last
-chunk's latency); under it a lane for compute and one lane per destination, each transfer a bar coloured by payload
-(kv, aux, state; errors red) and labelled with its bytes and throughput; the union of the transfers is drawn as
-a "busy" strip. Where the request's compute is known, its tail (from the end of its last compute to its last
-byte: what the first decode step waited for) is a band across the block and a lane of its own labelled with the
-tail and the part of it in which nothing of the request moved (queued), those gaps shaded. Above the blocks an overview of the whole selection (true throughput per request over time, and
-the distribution of per-transfer throughput) keeps a file of 1,000 requests readable; the page shows the blocks
-a page at a time (the PNG shows the first few), with filters by request key and time window. The peer's
-waiting spans (receive for a push, serve for a pull) have lanes of their own.
+(bytes over busy time), compute-overlap ratio and the figure engines report today (all bytes over the last chunk's
+latency); under it a lane for compute and one lane per destination, each transfer a bar coloured by payload (kv,
+aux, state; errors red) and labelled with its bytes and throughput; the union of the transfers is drawn as a "busy"
+strip. Where the request's compute is known, its tail (from the end of its last compute to its last byte: what the
+first decode step waited for) is a band across the block and a lane of its own labelled with the tail and the part
+of it in which nothing of the request moved (queued), those gaps shaded. Above the blocks an overview of the whole
+selection (true throughput per request over time, and the distribution of per-transfer throughput) keeps a file of
+1,000 requests readable; the page shows the blocks a page at a time (the PNG shows the first few), with filters by
+request key and time window. The peer's waiting spans (receive for a push, serve for a pull) have lanes of their
+own.
 
 The layout is computed once as drawing operations; `_svg` writes them as inline SVG, `_draw_panel` draws them
 with Pillow, so the PNG needs no browser. Every value from the span file is escaped in text and attributes; the
