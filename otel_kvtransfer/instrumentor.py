@@ -24,6 +24,7 @@ Backends are a registry: a new transfer engine is one module in `engines/` and a
 framework one package in `frameworks/` and a line in FRAMEWORKS.
 """
 
+import functools
 import importlib
 import logging
 import multiprocessing
@@ -239,12 +240,16 @@ class KVTransferInstrumentor(BaseInstrumentor):
             except Exception:  # pylint: disable=broad-except
                 _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
 
-        # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out.
+        # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out. A
+        # child forked from this process inherits the instrumentation without running this: the recorder's
+        # after-fork hook calls child_exit there, with the providers given here.
+        RECORDER.child_exit = functools.partial(_flush_providers, tracer_provider, meter_provider, self._link)
         if multiprocessing.parent_process() is not None:
             self._finalizer = multiprocessing.util.Finalize(
                 None, _flush_providers, args=(tracer_provider, meter_provider, self._link), exitpriority=100)
 
     def _uninstrument(self, **kwargs):
+        RECORDER.child_exit = None
         if self._finalizer is not None:
             self._finalizer.cancel()
         # 4.

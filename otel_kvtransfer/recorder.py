@@ -62,7 +62,8 @@ class Recorder:
 
     def _fresh_locks(self) -> None:
         self._drain_lock = threading.Lock()
-        self._drop_lock = threading.Lock()
+        # Reentrant: a NIXL handle freed by the garbage collector may count a drop on a thread already counting one.
+        self._drop_lock = threading.RLock()
         self._pending_drops = {}  # reason -> count, reported by the background thread
         self._drops_logged = set()
         self._wake = threading.Event()
