@@ -194,7 +194,9 @@ class KVTransferInstrumentor(BaseInstrumentor):
         engines, frameworks = _load(ENGINES), _load(FRAMEWORKS)
         if builder_choice.choose(settings, tracer_provider, meter_provider,
                                  provider_given=kwargs.get("tracer_provider") is not None) == "process":
-            self._link = offload.HelperLink()  # the helper starts with the first records: none, no helper
+            # The helper starts with the first records (none, no helper); drops no helper can carry are counted
+            # in instrument()'s own MeterProvider.
+            self._link = offload.HelperLink(count_dropped=drop_counter(meter_provider))
         if self._link is not None:
             self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
             return
