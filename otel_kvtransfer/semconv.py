@@ -1,4 +1,4 @@
-"""The names of DESIGN.md in one place: spans, attributes, metrics.
+"""The names of the design contract (docs/telemetry.md) in one place: spans, attributes, metrics.
 
 Every other module takes its names from here, so a rename is one edit and a typo is an ImportError. Names that
 belong to one engine or framework (its backend value, its id attributes) live in that engine's module or that
@@ -80,7 +80,7 @@ METRIC_DURATION = "kv_transfer.duration"
 METRIC_SIZE = "kv_transfer.size"
 METRIC_THROUGHPUT = "kv_transfer.throughput"
 METRIC_FAILURES = "kv_transfer.failures"
-METRIC_DESCRIPTORS = "kv_transfer.descriptors"  # not in DESIGN's table: asked for by the dashboards (issue 13)
+METRIC_DESCRIPTORS = "kv_transfer.descriptors"  # not in the contract's table: asked for by the dashboards
 METRIC_REQUEST_DURATION = "kv_transfer.request.duration"
 METRIC_REQUEST_SIZE = "kv_transfer.request.size"
 METRIC_REQUEST_THROUGHPUT = "kv_transfer.request.throughput"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real parts for the timeline tests (issue 5): Debian chromium renders the HTML timeline headless.
+# Real parts for the timeline tests: Debian chromium renders the HTML timeline headless.
 # Idempotent: installs nothing when chromium is already there. Pillow (the PNG) comes from pip with the package.
 set -euo pipefail
 

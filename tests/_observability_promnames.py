@@ -106,7 +106,7 @@ def job_and_instance(resource_attributes: dict):
     return job, resource_attributes.get("service.instance.id")
 
 
-# The package's metrics (DESIGN.md) and the names a Collector exposes them under.
+# The package's metrics (docs/telemetry.md) and the names a Collector exposes them under.
 DESIGN_METRICS = [
     ("kv_transfer.duration", "s", HISTOGRAM),
     ("kv_transfer.size", "By", HISTOGRAM),

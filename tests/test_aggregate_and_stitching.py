@@ -1,5 +1,5 @@
 """The aggregate rules (busy time, throughput, logical bytes, overlap, quantiles) against hand-computed values,
-and the stitching formula of DESIGN.md ("Trace stitching") written out independently here."""
+and the stitching formula of the design contract ("Trace stitching", docs/telemetry.md) written out independently here."""
 
 import hashlib
 import math
@@ -92,7 +92,7 @@ def test_request_aggregate_without_sends():
 
 
 def design_ids(data: bytes):
-    """DESIGN.md's formula, verbatim."""
+    """The design contract's formula, verbatim."""
     trace_id = int.from_bytes(hashlib.blake2b(data, digest_size=16, person=b"kv_transfer").digest(), "big")
     span_id = int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"kv_transfer.req").digest(), "big")
     return trace_id, span_id
@@ -123,5 +123,5 @@ def test_the_synthetic_parent_is_remote_unsampled_and_marked():
     parent = get_current_span(key_parent_context(99)).get_span_context()
     assert (parent.trace_id, parent.span_id) == design_ids((99).to_bytes(8, "big"))
     assert parent.is_remote
-    assert not parent.trace_flags.sampled  # it must never decide sampling (issue 13)
+    assert not parent.trace_flags.sampled  # it must never decide sampling
     assert is_synthetic(parent)

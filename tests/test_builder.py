@@ -234,7 +234,7 @@ def test_send_attributes_are_exact():
 
 
 def test_scope_error_without_engine_call_keeps_its_own_time():
-    """Issue 9: the send of a scope that failed before any engine call was stamped with the builder's clock
+    """The send of a scope that failed before any engine call was stamped with the builder's clock
     (up to a flush interval late, possibly after its request had ended)."""
     h = Harness()
     h.feed(begin_request(7, 1_000))
@@ -451,7 +451,7 @@ def test_count_bound_holds_across_requests_and_peers():
 
 
 def test_requests_that_never_end_stay_bounded_by_number():
-    """Issue 13: open requests were bounded only by time (200,000 that never end held 754 MiB); now by number
+    """Open requests were once bounded only by time (200,000 that never end held 754 MiB); now by number
     too, the rest ended as evicted and counted. 20,000 against a bound of 1,000 shows it in a few seconds
     (bench/eviction.py shows the cost does not grow with the number open)."""
     tally = Tally()

@@ -1,5 +1,5 @@
 """Every OTEL_KVTRANSFER_* setting: its range bounds memory; a value outside it, or garbage, falls back to the
-default (issue 13: a queue of 67,108,864 records, ~34 GiB behind a stuck builder, was accepted).
+default (once a queue of 67,108,864 records, ~34 GiB behind a stuck builder, was accepted).
 Garbage of every kind is covered in test_recorder_delivery.py; here: the edges of each range."""
 
 import pytest

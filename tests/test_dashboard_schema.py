@@ -215,7 +215,7 @@ def test_slowest_peers_panel_lists_peers_lowest_first(dashboard):
 
 
 def test_one_panel_per_engine(dashboard):
-    """Issue 11: a panel per engine, i.e. Grafana repeats it for each value of $backend (multi-value, All)."""
+    """A panel per engine, i.e. Grafana repeats it for each value of $backend (multi-value, All)."""
     repeated = [p for p in _panels(dashboard) if p.get("repeat")]
     assert [p["repeat"] for p in repeated] == ["backend"]
     (panel,) = repeated

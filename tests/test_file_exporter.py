@@ -140,7 +140,7 @@ APP = textwrap.dedent("""
 
 
 def test_opentelemetry_instrument_writes_a_file_the_cli_reads(tmp_path):
-    """The real path of issue 9: `OTEL_TRACES_EXPORTER=kvtransfer_file opentelemetry-instrument python app.py`
+    """The real path users take: `OTEL_TRACES_EXPORTER=kvtransfer_file opentelemetry-instrument python app.py`
     (the distro configures the SDK from the environment, the entry point names our exporter), no Collector."""
     instrument = _instrument()
     app, spans = tmp_path / "app.py", tmp_path / "spans.jsonl"

@@ -1,9 +1,9 @@
 """The integration API through the real instrumentor and recorder, with no engine: engine calls are handed over
 the way engine modules do it (`integration.deliver` with a records.CALL_* tuple).
 
-Proves: a scope entered on two threads, or nested, is one send (issue 9: it made two and doubled the request's
+Proves: a scope entered on two threads, or nested, is one send (it once made two and doubled the request's
 bytes); a split scope gives each request its share; a scope that failed before any engine call keeps its own
-time; bad input of every kind is counted as `api_error` and never raised into the caller (issue 13).
+time; bad input of every kind is counted as `api_error` and never raised into the caller.
 """
 
 import math
@@ -188,7 +188,7 @@ def test_a_failed_engine_call_in_a_split_scope_fails_every_share(telemetry):
 
 
 def test_scope_error_without_engine_call_is_stamped_with_the_scope_time(telemetry):
-    """Issue 9: it was stamped with the builder's clock at drain time, after the scope (and maybe its request)
+    """It was once stamped with the builder's clock at drain time, after the scope (and maybe its request)
     had ended."""
     kvt.begin_request(20, backend=ENGINE)
     before = time_ns()

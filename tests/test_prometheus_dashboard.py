@@ -58,7 +58,7 @@ VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "framework": ".
     ("requests_total", "", COUNTER, "requests_total"),
     ("cpu_usage_ratio", "1", GAUGE, "cpu_usage_ratio"),
     ("response_time_seconds", "s", GAUGE, "response_time_seconds"),
-    # this package's metrics (DESIGN.md)
+    # this package's metrics (docs/telemetry.md)
     ("kv_transfer.duration", "s", HISTOGRAM, "kv_transfer_duration_seconds"),
     ("kv_transfer.size", "By", HISTOGRAM, "kv_transfer_size_bytes"),
     ("kv_transfer.throughput", "By/s", HISTOGRAM, "kv_transfer_throughput_bytes_per_second"),

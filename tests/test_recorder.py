@@ -103,7 +103,7 @@ def test_the_background_thread_delivers_without_any_flush(monkeypatch):
         telemetry.uninstrument()
 
 
-# --- process exit with a hung exporter (issue 9) --------------------------------------------------------------------
+# --- process exit with a hung exporter -----------------------------------------------------------------------------
 
 _EXIT = r"""
 import atexit, json, os, threading
@@ -156,7 +156,7 @@ assert hung.wait(120)  # the recorder's thread is stuck inside a batch it took f
 
 
 def test_at_exit_with_a_hung_exporter_every_transfer_is_delivered_or_counted(tmp_path):
-    """Issue 9: records the builder thread had already taken from the queue were in no span, no metric and no
+    """Records the builder thread had already taken from the queue were in no span, no metric and no
     drop count (5,000 transfers: 2,499 counted, 2,501 vanished)."""
     script = tmp_path / "exit_hung.py"
     script.write_text(_EXIT)

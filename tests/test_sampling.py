@@ -1,4 +1,4 @@
-"""The synthetic stitching parent never decides sampling (issue 13, DESIGN "Trace stitching").
+"""The synthetic stitching parent never decides sampling (the design contract's "Trace stitching", docs/telemetry.md).
 
 Under each standard sampler, chosen the way deployments choose it (OTEL_TRACES_SAMPLER / _ARG), a prefill
 process (request spans with a send each) and a decode process (receive spans), each with its own TracerProvider

@@ -1,4 +1,4 @@
-"""Real sglang PD serving end to end (issue 10): prefill server + decode server (both under
+"""Real sglang PD serving end to end: prefill server + decode server (both under
 `opentelemetry-instrument`, standard OTEL_* variables), sglang-router in PD mode, real streaming /generate
 requests through the router, a tiny config-only Llama with dummy weights, Mooncake over TCP on 127.0.0.1, all in
 one private network namespace (tests/sglang_serving/deployment.py).

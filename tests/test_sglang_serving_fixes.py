@@ -1,4 +1,4 @@
-"""The sglang fixes of issue 10 that need no server: on sglang 0.5.23's real classes and methods, in-process.
+"""The sglang fixes that need no server: on sglang 0.5.23's real classes and methods, in-process.
 
 - every method the package patches is really ours after instrument() and the very original after uninstrument()
   (sglang's functools.wraps-decorated `Scheduler.run_batch` included);

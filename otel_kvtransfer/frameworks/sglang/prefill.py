@@ -407,7 +407,7 @@ def _fake_host():
     return _FAKE_HOST["host"]
 
 
-# --- patching, module by module (called by the post-import hooks of otel_kvtransfer.sglang) -----------------
+# --- patching, module by module (called by the post-import hooks of this package's __init__) -----------------
 
 
 def patch_common_utils(module) -> None:
