@@ -58,10 +58,28 @@ def _run_one(name: str, quick: bool) -> dict:
         with open(out, encoding="utf-8") as handle:
             result = json.load(handle)
     result["wall_s"] = round(elapsed, 1)
+    result["stderr_lines"] = _distinct_lines(proc.stderr)
     # Other processes on the machine (another developer's tests, say) add noise: say how busy it was.
     result["load_average_1min_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"bench: {name} done in {elapsed:.0f} s", file=sys.stderr)
     return result
+
+
+def _distinct_lines(text: str, keep: int = 40) -> list:
+    """What a benchmark said on stderr (a helper's warnings land there too): distinct lines without their
+    timestamps, most frequent first, bounded; [count, line]."""
+    counts = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("{", "}", '"')):
+            continue
+        # glog lines start "E1130 20:56:52.384230 10616 file.cpp:1098]": drop the time and thread id
+        head, _, rest = line.partition("]")
+        key = (head.split()[0][:1] + " " + head.split()[-1] + "]" + rest) if rest and head[:1] in "IWEF" \
+            and len(head.split()) >= 3 else line
+        key = key[:300]
+        counts[key] = counts.get(key, 0) + 1
+    return [[n, line] for line, n in sorted(counts.items(), key=lambda kv: -kv[1])[:keep]]
 
 
 def _fmt(value, digits=1):
@@ -217,7 +235,13 @@ def _cost_section(cost: dict, title: str) -> list:
     if n:
         lines.append(f"- A CPU-bound Python thread beside real 8 B transfers at 1,000/s slows by "
                      f"**{n['slowdown']['median']:+.1%}** (rounds {n['slowdown']['min']:+.1%} .. "
-                     f"{n['slowdown']['max']:+.1%}; A/A {n['slowdown_aa']['median']:+.1%}).")
+                     f"{n['slowdown']['max']:+.1%}; A/A {n['slowdown_aa']['median']:+.1%})"
+                     + (f"; the transfers reached {n['transfers_per_s_achieved']['median']:,.0f}/s beside it."
+                        if n.get("transfers_per_s_achieved") else "."))
+    noted = [f"{n} x `{line[:160]}`" for n, line in cost.get("stderr_lines", [])
+             if "otel" in line.lower() or "queue full" in line.lower()]
+    if noted:
+        lines.append("- Said on stderr (this process and its helpers): " + "; ".join(noted[:6]) + ".")
     a = cost["agreement"]
     sends, made, size = a["send_spans_received"], a["transfers_made_instrumented"], a["size_histogram_count"]
     dropped = ", ".join(f"{_labels(label)} {count:,}" for label, count in a["dropped_by_reason"].items())
