@@ -97,7 +97,7 @@ class Deployment:
 
     def __init__(self, workdir=None, *, phoenix=False, prometheus=False, enable_trace=False, instrument=True,
                  prefill_env=None, extra_env=None, exporters=None, transfer_backend="mooncake", model_dir=None,
-                 server_flags=()):
+                 server_flags=(), router_flags=()):
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend: one of {TRANSFER_BACKENDS}")
         self.transfer_backend = transfer_backend
@@ -111,6 +111,7 @@ class Deployment:
         # another model config (a folder with a config.json) and flags after the common ones (argparse: last wins)
         self.model_dir = model_dir or MODEL_DIR
         self.server_flags = list(server_flags)
+        self.router_flags = list(router_flags)
         self.procs = {}  # name -> Popen, in start order
         self._logs = []
         self.holder = None
@@ -229,7 +230,7 @@ class Deployment:
             self._start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                    "--prefill", f"http://127.0.0.1:{PREFILL_PORT}", str(BOOTSTRAP_PORT),
                                    "--decode", f"http://127.0.0.1:{DECODE_PORT}",
-                                   "--host", "127.0.0.1", "--port", str(ROUTER_PORT)])
+                                   "--host", "127.0.0.1", "--port", str(ROUTER_PORT)] + self.router_flags)
             for name, port in (("prefill", PREFILL_PORT), ("decode", DECODE_PORT), ("router", ROUTER_PORT)):
                 wait_for(lambda n=name, p=port: self._healthy(n, f"http://127.0.0.1:{p}/health"),
                          SERVER_START_S, 2.0, what=f"sglang {name} healthy")
