@@ -82,14 +82,6 @@ def _distinct_lines(text: str, keep: int = 40) -> list:
     return [[n, line] for line, n in sorted(counts.items(), key=lambda kv: -kv[1])[:keep]]
 
 
-def _fmt(value, digits=1):
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return f"{value:,}"
-
-
 def _verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -325,7 +317,8 @@ def render(results: dict) -> str:
               f"| beyond capacity: drops counted, engine unaffected | spans + dropped == calls: "
               f"{pipe['overload']['accounted']}, wrong return values: {pipe['overload']['wrong_return_values']} "
               f"| {_verdict(s['overload_accounted'])} |",
-              f"| RSS flat over {mem['transfers']:,} transfers after warm-up | growth {s['rss_growth_mib_after_warmup']:+.2f} MiB "
+              f"| RSS flat over {mem['transfers']:,} transfers after warm-up | growth "
+              f"{s['rss_growth_mib_after_warmup']:+.2f} MiB "
               f"| {_verdict(s['rss_flat'])} |",
               f"| per-transfer throughput within 2% of an independent timer | median error by size: "
               + ", ".join(f"{int(size) >> 20} MiB {err:+.2%}" for size, err in s["truth_median_error_by_bytes"].items())
