@@ -47,6 +47,22 @@ def _spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def helper_debug_setup():
+    """OTEL_KVTRANSFER_HELPER_SETUP=engine_cost:helper_debug_setup (--helper-debug): a helper that logs its own
+    errors with their tracebacks, its SDK set up from OTEL_* as without the option."""
+    # pylint: disable=import-outside-toplevel
+    import logging
+
+    from opentelemetry.distro import OpenTelemetryConfigurator
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("helper %(process)d %(name)s: %(message)s"))
+    logger = logging.getLogger("otel_kvtransfer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    OpenTelemetryConfigurator().configure()
+
+
 def deployment_environment(protocol: str, endpoint: str, pipeline: str, builder: str) -> dict:
     """OTEL_* as a deployment sets them; OTEL_KVTRANSFER_* only what the caller chose (the rest unset)."""
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
@@ -425,6 +441,8 @@ def main():
                         help="OTEL_KVTRANSFER_BUILDER (default: unset, the package decides)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run, not for quoting")
+    parser.add_argument("--helper-debug", action="store_true",
+                        help="diagnosis, not for figures: helpers log their own errors with tracebacks on stderr")
     parser.add_argument("--out", help="write the JSON here as well as to stdout")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -441,6 +459,9 @@ def main():
     try:
         env = deployment_environment(args.protocol, otlp.endpoint("grpc" if args.protocol == "grpc" else "http"),
                                      args.pipeline, args.builder)
+        if args.helper_debug:
+            os.environ["OTEL_KVTRANSFER_HELPER_SETUP"] = "engine_cost:helper_debug_setup"
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
         b = Bench(otlp)
         result = {"protocol": args.protocol, "pipeline": args.pipeline, "builder": args.builder,
                   "environment": env,
