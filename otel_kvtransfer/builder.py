@@ -70,12 +70,13 @@ class SpanBuilder:
                  on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None,
                  watch=None):
         self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
+        self._on_drop = on_drop or (lambda reason, n: None)
+        self._count_queue_drops()
         self._watch = watch  # stuck.OpenWatch: what is open now, what is stuck (None: not watched)
         self._metrics = metrics or NO_METRICS
         self._ttl = request_ttl_s
         self._max_open = max_open
         self._peer_parsers = peer_parsers if peer_parsers is not None else {}
-        self._on_drop = on_drop or (lambda reason, n: None)
         self._clock = clock
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._requests: "OrderedDict[object, _OpenRequest]" = OrderedDict()
@@ -98,6 +99,12 @@ class SpanBuilder:
         """The factory (and metrics) to build with from now on (an SDK that appeared after instrument())."""
         self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
         self._metrics = metrics or NO_METRICS
+        self._count_queue_drops()
+
+    def _count_queue_drops(self) -> None:
+        room = getattr(self._spans, "room", None)  # the direct path's back-pressure from the export queues
+        if room is not None:
+            room.on_drop = self._on_drop
 
     def open_count(self) -> int:
         return len(self._requests) + len(self._peers)

@@ -9,6 +9,7 @@ the user's exporters and processors receive a genuine ReadableSpan. What differs
 is never built at all (the metrics count it all the same: they come from the records, not from spans).
 """
 
+import time
 from typing import Optional
 
 from opentelemetry import trace
@@ -104,10 +105,55 @@ def _inherits_from_local_parent(sampler) -> bool:
     return type(sampler) in (StaticSampler, TraceIdRatioBased)  # pylint: disable=unidiomatic-typecheck
 
 
+class _QueueRoom:
+    """Back-pressure from the batch span processors' queues.
+
+    The SDK's BatchSpanProcessor drops a span when its queue (2,048 by default) is full, with only a log line. The
+    direct path can build faster than an exporter sends, so before each span it looks at every batch processor's
+    queue: when one is full it waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
+    what cannot wait is counted where it queues (the recorder's queue, or the helper's socket); after WAIT_S
+    (a hung exporter) the span goes on, and is counted as dropped (`export_queue_full`).
+    """
+
+    WAIT_S = 5.0
+
+    def __init__(self, provider_processor):
+        self._multi = provider_processor
+        self._seen = None
+        self._queues = []
+        self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
+
+    def _rescan(self, processors) -> None:
+        """The batch processors' queues, again whenever the provider's processor tuple changed."""
+        self._seen, self._queues = processors, []
+        for processor in processors:
+            inner = getattr(processor, "_batch_processor", None)
+            queue, size = getattr(inner, "_queue", None), getattr(inner, "_max_queue_size", None)
+            if queue is not None and isinstance(size, int):
+                self._queues.append((queue, size, inner))
+
+    def wait(self) -> None:
+        processors = getattr(self._multi, "_span_processors", ())
+        if processors is not self._seen:
+            self._rescan(processors)
+        for queue, size, inner in self._queues:
+            if len(queue) < size:
+                continue
+            deadline = time.monotonic() + self.WAIT_S
+            awaken = getattr(inner, "_worker_awaken", None)
+            while len(queue) >= size and time.monotonic() < deadline:
+                if awaken is not None:
+                    awaken.set()  # the worker exports at once instead of at its next scheduled time
+                time.sleep(0.001)
+            if len(queue) >= size:
+                self.on_drop("export_queue_full", 1)
+
+
 class DirectSpans:
     """Builds this package's spans for one SDK tracer (its provider's sampler, ids, resource, processors)."""
 
     def __init__(self, tracer):
+        self.room = _QueueRoom(tracer.span_processor)
         sampler = tracer.sampler
         while isinstance(sampler, RecordUnsampledSampler):  # the SDK path's wrapper: not needed here
             sampler = sampler.delegate
@@ -189,6 +235,7 @@ class DirectSpans:
         return context
 
     def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
+        self.room.wait()
         self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
                                       status, start_ns, end_ns, self._scope))
 

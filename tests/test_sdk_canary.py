@@ -204,3 +204,17 @@ def test_meter_provider_readers_and_their_collect_callback():
     reader._collect = spy  # pylint: disable=protected-access
     reader.get_metrics_data()
     assert calls == [reader]
+
+
+def test_the_batch_span_processor_queue_the_direct_path_waits_on():
+    """DirectSpans waits for room in each BatchSpanProcessor's queue (`_batch_processor._queue`, a deque, and
+    `_max_queue_size`) and wakes its worker (`_worker_awaken`): the SDK drops what does not fit."""
+    import collections  # pylint: disable=import-outside-toplevel
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter  # pylint: disable=C0415
+
+    processor = BatchSpanProcessor(SpanExporter(), max_queue_size=8, max_export_batch_size=4)
+    inner = processor._batch_processor  # pylint: disable=protected-access
+    assert isinstance(inner._queue, collections.deque) and inner._max_queue_size == 8  # pylint: disable=W0212
+    assert hasattr(inner._worker_awaken, "set")  # pylint: disable=protected-access
+    processor.shutdown()

@@ -9,6 +9,7 @@ Then the same spans travel through the real OTLP/HTTP and OTLP/gRPC exporters to
 
 import importlib
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -251,3 +252,35 @@ def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
         server.stop(0)
     (request,) = received
     assert _sorted_spans(request) == _sorted_spans(encode_spans(direct))
+
+
+def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
+    """The SDK's BatchSpanProcessor drops a span when its queue is full, with a log line only. The direct path
+    waits for room (its worker woken at once), so every span of a burst far beyond the queue is exported."""
+    # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from test_builder import call, send
+
+    class Slow(SpanExporter):
+        def __init__(self):
+            self.count = 0
+
+        def export(self, spans):
+            time.sleep(0.002)  # an exporter slower than the builder
+            self.count += len(spans)
+            return SpanExportResult.SUCCESS
+
+    exporter = Slow()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=64, max_export_batch_size=16,
+                                                   schedule_delay_millis=60_000))
+    attachment = _Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), "direct")
+    attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
+    drops = []
+    builder = new_builder(attachment, config.Settings(), _load(ENGINES), on_drop=lambda r, n: drops.append(r))
+    for n in range(2_000):
+        builder.handle(send(None, [call(n, n + 10, 64)]))
+    provider.force_flush()
+    assert exporter.count == 2_000 and drops == []
+    provider.shutdown()
