@@ -111,8 +111,9 @@ class _QueueRoom:
     The SDK's BatchSpanProcessor drops a span when its queue (2,048 by default) is full, with only a log line. The
     direct path can build faster than an exporter sends, so before each span it looks at every batch processor's
     queue: when one is full it waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
-    what cannot wait is counted where it queues (the recorder's queue, or the helper's socket); after WAIT_S
-    (a hung exporter) the span goes on, and is counted as dropped (`export_queue_full`).
+    what cannot wait is counted where it queues (the recorder's queue, or the helper's socket). After WAIT_S (a
+    hung exporter) the span goes on and is counted as dropped (`export_queue_full`), and so is every span that
+    finds that queue still full, without waiting again, until it has room.
     """
 
     WAIT_S = 5.0
@@ -130,14 +131,19 @@ class _QueueRoom:
             inner = getattr(processor, "_batch_processor", None)
             queue, size = getattr(inner, "_queue", None), getattr(inner, "_max_queue_size", None)
             if queue is not None and isinstance(size, int):
-                self._queues.append((queue, size, inner))
+                self._queues.append([queue, size, inner, False])  # False: not stalled
 
     def wait(self) -> None:
         processors = getattr(self._multi, "_span_processors", ())
         if processors is not self._seen:
             self._rescan(processors)
-        for queue, size, inner in self._queues:
+        for entry in self._queues:
+            queue, size, inner, stalled = entry
             if len(queue) < size:
+                entry[3] = False
+                continue
+            if stalled:  # its exporter did not make room last time: count, do not wait again
+                self.on_drop("export_queue_full", 1)
                 continue
             deadline = time.monotonic() + self.WAIT_S
             awaken = getattr(inner, "_worker_awaken", None)
@@ -146,6 +152,7 @@ class _QueueRoom:
                     awaken.set()  # the worker exports at once instead of at its next scheduled time
                 time.sleep(0.001)
             if len(queue) >= size:
+                entry[3] = True
                 self.on_drop("export_queue_full", 1)
 
 

@@ -27,6 +27,7 @@ import time
 from opentelemetry import metrics, trace
 
 from otel_kvtransfer import config, offload, semconv, wire
+from otel_kvtransfer.recorder import log_own_error
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.helper_process")
@@ -141,9 +142,9 @@ class Helper:
             for rec in batch:
                 try:
                     handle(rec)
-                except Exception:  # pylint: disable=broad-except
+                except Exception as exc:  # pylint: disable=broad-except
                     self.drop("builder_error", 1)
-                    _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                    log_own_error("building a span", exc)
             for reason, count in frame[2].items():
                 self.drop(reason, count)
         elif kind == wire.END_OPEN:

@@ -33,6 +33,21 @@ EXIT_DRAIN_TIMEOUT_S = 5.0
 JOIN_TIMEOUT_S = 5.0
 
 
+_OWN_ERRORS_LOGGED = set()
+
+
+def log_own_error(what: str, exc: BaseException) -> None:
+    """The first failure of each kind, with what failed, at WARNING (the drop counter says how many); the rest
+    at debug, with the traceback."""
+    kind = (what, type(exc).__name__)
+    if kind not in _OWN_ERRORS_LOGGED and len(_OWN_ERRORS_LOGGED) < 64:
+        _OWN_ERRORS_LOGGED.add(kind)
+        _logger.warning("otel_kvtransfer: %s failed (%s: %s); counted as builder_error", what, type(exc).__name__,
+                        str(exc)[:200], exc_info=True)
+    else:
+        _logger.debug("otel_kvtransfer: %s failed", what, exc_info=True)
+
+
 class Recorder:
     """Bounded hand-off from engine threads to one background span-building thread."""
 
@@ -165,9 +180,9 @@ class Recorder:
                 if batch:
                     try:
                         handle_batch(batch)
-                    except Exception:  # pylint: disable=broad-except
+                    except Exception as exc:  # pylint: disable=broad-except
                         self.drop("builder_error", len(batch))
-                        _logger.debug("otel_kvtransfer batch hand-off failed", exc_info=True)
+                        log_own_error("handing records to the builder", exc)
                     self._done = len(batch)
             else:
                 for rec in batch:
@@ -175,10 +190,10 @@ class Recorder:
                         return True  # an exit drain counted the rest of this batch; stop delivering it
                     try:
                         handle(rec)
-                    except Exception:  # pylint: disable=broad-except
+                    except Exception as exc:  # pylint: disable=broad-except
                         # A bug of ours loses only this record, and is counted.
                         self.drop("builder_error")
-                        _logger.debug("otel_kvtransfer span builder failed", exc_info=True)
+                        log_own_error("building a span", exc)
                     self._done += 1
             self._batch = []
             if self._tick is not None:
