@@ -181,9 +181,6 @@ class DirectSpans:
     def _resource(self):
         return self._tracer.resource
 
-    def enabled(self) -> bool:
-        return self._enabled is None or self._enabled()
-
     # --- decisions --------------------------------------------------------------------------------------------
     def _context(self, name, parent: Optional[SpanContext], kind, attributes,
                  synthetic=False) -> SpanContext:
@@ -242,6 +239,8 @@ class DirectSpans:
         return context
 
     def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
+        if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
+            return
         self.room.wait()
         self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
                                       status, start_ns, end_ns, self._scope))
