@@ -82,7 +82,7 @@ SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_NAME, __version__, None, No
 
 
 def metric_labels(attributes) -> dict:
-    """The low-cardinality metric attributes of a span's attributes (DESIGN)."""
+    """The low-cardinality metric attributes of a span's attributes (the design contract's list)."""
     return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
 
 
@@ -139,7 +139,7 @@ class _Point:
         self.min = float("inf")
         self.max = float("-inf")
         self.buckets = [0] * buckets
-        self.exemplars: list = [None] * buckets  # per bucket: (value, time_ns, span_id, trace_id) or None
+        self.exemplars: list = [None] * buckets  # per bucket: (value, (time_ns, span_id, trace_id)) or None
 
 
 class _Table:
