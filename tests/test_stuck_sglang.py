@@ -1,0 +1,273 @@
+"""Stuck while it is stuck, on the real SGLang PD deployment: the decode server's scheduler is frozen (SIGSTOP)
+while a long prompt's KV is on its way, and the prefill server reports its request and its send stuck while the
+decode stays frozen; once the decode goes on (SIGCONT) the request completes and its request span carries the
+reports as `kv_transfer.stuck` events.
+
+Real parts: prefill + decode servers under `opentelemetry-instrument`, sglang-router, a real streaming /generate
+request, Mooncake over TCP, all in one private network namespace (tests/sglang_serving/deployment.py and its
+stand-ins: an import-only `sgl_kernel` and a test-only sglang plugin, for what cannot run on this CPU machine).
+The prefill server runs with OTEL_KVTRANSFER_STUCK_S=2 and the console metric exporter every 500 ms (its output
+goes to the prefill log, as the WARNING lines do). The model is the serving tests' tiny Llama with more layers and
+KV heads (20 KiB of KV per token), so the 4000-token prompt's 78 MiB of KV is far more than the loopback
+sockets buffer (the prefill's engine call cannot finish while the decode is frozen), and its prefill computes
+for seconds (the window in which the test sees the request open and freezes the decode).
+
+A deployment of its own (no Phoenix, no Prometheus): freezing the session-wide one would stall the other
+serving tests' requests. Here it costs one server start (1-3 minutes) and ~20 s of requests.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import console_json_objects, require_part
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STUCK_S = 2
+TOKENS = 4000
+FROZEN_MAX_S = 90  # bounded: the stuck lines come within STUCK_S + the 1 s scan once the send hangs
+RID = "kvt-stuck-0"
+def _parts_ready():
+    have = {name: importlib.util.find_spec(name) is not None for name in ("sglang", "sglang_router", "uvicorn",
+                                                                           "mooncake", "psutil")}
+    require_part(all(have.values()), f"sglang server, sglang-router, mooncake, psutil ({have})")
+    require_part(all(shutil.which(t) for t in ("unshare", "nsenter", "ip")),
+                 "unshare/nsenter (util-linux) and ip (iproute2)")
+
+
+def _model(dest: str) -> str:
+    """The serving tests' tiny Llama with 20 layers and 4 KV heads: 20 x 2 x 4 x 64 x 2 B = 20 KiB per token."""
+    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+
+    config = dict(dep.model_config(), num_hidden_layers=20, num_key_value_heads=4)
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle)
+    return dest
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as handle:
+        return handle.read().decode("utf-8", "replace")
+
+
+class _Tail:
+    """A growing log read from where the last read stopped (the console exporter makes it megabytes)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.seen = path, 0, ""
+
+    def read(self) -> str:
+        """The whole lines added since the last call."""
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return data[:end].decode("utf-8", "replace")
+
+
+def _wait(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _scheduler_pids(deployment) -> list:
+    """The decode server's scheduler process(es): the one that holds the KV manager and the Mooncake engine."""
+    import psutil  # pylint: disable=import-outside-toplevel
+
+    found = []
+    for pid in deployment.server_pids("decode"):
+        try:
+            proc = psutil.Process(pid)
+            if "scheduler" in (proc.name() + " " + " ".join(proc.cmdline())):
+                found.append(pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _prefill_spans(path: str) -> list:
+    spans = []
+    if os.path.exists(path):
+        for line in _read(path).splitlines():
+            try:
+                for rs in json.loads(line)["resourceSpans"]:
+                    for ss in rs["scopeSpans"]:
+                        spans.extend(ss["spans"])
+            except (ValueError, KeyError):
+                continue  # a line still being written
+    return spans
+
+
+def _attributes(item) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in item.get("attributes", [])}
+
+
+def _request_span(path: str):
+    found = [s for s in _prefill_spans(path) if s["name"] == "kv_transfer.request"
+             and _attributes(s).get("sglang.rid") == RID]
+    return found[0] if len(found) == 1 else None
+
+
+@pytest.fixture(scope="module")
+def frozen_run(tmp_path_factory):
+    _parts_ready()
+    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+
+    workdir = str(tmp_path_factory.mktemp("sglang-stuck"))
+    deployment = dep.Deployment(
+        workdir, model_dir=_model(os.path.join(workdir, "model")), server_flags=["--max-total-tokens", "8192"],
+        prefill_env={"OTEL_KVTRANSFER_STUCK_S": str(STUCK_S), "OTEL_METRICS_EXPORTER": "console",
+                     "OTEL_METRIC_EXPORT_INTERVAL": "500"})
+    frozen, run = [], {"started": time.monotonic()}
+    try:
+        deployment.start()
+        run["up_s"] = time.monotonic() - run["started"]
+        log = deployment.log_path("prefill")
+        tail = _Tail(log)
+        tail.read()  # what the warm-up printed
+        (request,) = dep.prompts(1, TOKENS, 4, repeat_every=0, rid_prefix="kvt-stuck")
+        answer = {}
+
+        def generate():
+            try:
+                answer["results"] = deployment.generate([request])
+            except Exception as exc:  # pylint: disable=broad-except  # asserted on below
+                answer["error"] = repr(exc)[:2000]
+
+        client = threading.Thread(target=generate, daemon=True)
+        client.start()
+        # The prefill opens the request span once the decode's destination reached it (bootstrap done; sglang's
+        # health checks use a fake sender and open none): freeze the decode now, while the prefill computes the
+        # prompt (seconds here), before any of its KV moved.
+        seen = {"text": "", "send": False, "request": False}
+
+        def read():
+            new = tail.read()
+            seen["text"] = (seen["text"] + new)[-400_000:]
+            for kind in ("send", "request"):
+                seen[kind] = seen[kind] or f"otel_kvtransfer: a {kind} open for" in new
+
+        def request_open():
+            read()
+            return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
+                       for a, v in _points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
+
+        _wait(request_open, 300, "the prefill's request span to open")
+        frozen = _scheduler_pids(deployment)
+        assert frozen, "no decode scheduler process found"
+        _signal_all(frozen, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        run["frozen_at_offset"] = tail.offset  # the log from here on was written while the decode was frozen
+        run["send_reported_before_freeze"] = seen["send"]
+
+        def reported():
+            read()
+            return seen["send"] and seen["request"]
+
+        try:
+            _wait(reported, FROZEN_MAX_S, "the prefill's stuck lines")
+        except AssertionError as exc:
+            if _request_span(deployment.span_file("prefill")) is not None:  # the prompt was computed faster
+                raise AssertionError(f"{exc}: the prefill's request had ended, its KV sent before the decode was "
+                                     "frozen") from exc
+            raise
+        time.sleep(1.5)  # at least two more metric exports while still frozen
+        tail.read()
+        with open(log, "rb") as handle:
+            whole = handle.read(tail.offset)
+        run["log_while_frozen"] = whole.decode("utf-8", "replace")
+        run["log_since_freeze"] = whole[run["frozen_at_offset"]:].decode("utf-8", "replace")
+        run["frozen_s"] = time.monotonic() - frozen_at
+        run["answered_while_frozen"] = "results" in answer or "error" in answer
+        _signal_all(frozen, signal.SIGCONT)
+        frozen = []
+        client.join(600)
+        run["answer"] = answer
+        run["request"] = _wait(lambda: _request_span(deployment.span_file("prefill")), 60,
+                               "the request span in the prefill's span file")
+        run["log"] = _read(log)
+        run["total_s"] = time.monotonic() - run["started"]
+        yield run
+    finally:
+        _signal_all(frozen, signal.SIGCONT)  # a frozen process would never see the SIGTERM that stops it
+        deployment.stop()
+
+
+def _points(objects, name) -> list:
+    found = []
+    for obj in objects:
+        for rm in obj.get("resource_metrics", []):
+            for sm in rm.get("scope_metrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] == name:
+                        found += [(p.get("attributes", {}), p.get("value")) for p in metric["data"]["data_points"]]
+    return found
+
+
+def _stuck_lines(text: str, kind: str, room: str) -> list:
+    """The stuck lines of one request (a health-check request slowed by the shared CPU may be reported too)."""
+    return [line for line in text.splitlines() if re.search(rf"otel_kvtransfer: a {kind} open for \d+ s is stuck: "
+                                                            rf"request key {room},", line)]
+
+
+def test_the_prefill_reports_its_request_and_send_stuck_while_the_decode_is_frozen(frozen_run):
+    assert not frozen_run["answered_while_frozen"]  # the request really waited on the frozen decode
+    room = str(_attributes(frozen_run["request"])["kv_transfer.request_key"])
+    text = frozen_run["log_while_frozen"]
+    # The request is open longer than STUCK_S whatever the decode does (the prefill computes for seconds here);
+    # its send hangs only because the decode is frozen, so its line comes after the freeze.
+    assert len(_stuck_lines(text, "request", room)) == 1
+    assert not frozen_run["send_reported_before_freeze"]
+    (send_line,) = _stuck_lines(frozen_run["log_since_freeze"], "send", room)
+    # The send names the decode's Mooncake session on 127.0.0.1 and its bytes.
+    assert "peer 127.0.0.1:" in send_line
+    assert int(re.search(r"bytes (\d+)", send_line).group(1)) > 0
+    stuck = {a["kv_transfer.inflight.kind"]: (a, v) for a, v in
+             _points(console_json_objects(text), "kv_transfer.stuck")}
+    for kind in ("request", "send"):
+        labels, value = stuck[kind]
+        assert value == 1
+        assert labels["kv_transfer.backend"] == "mooncake" and labels["kv_transfer.role"] == "prefill"
+    inflight = [v for a, v in _points(console_json_objects(text), "kv_transfer.inflight.oldest_age")
+                if a["kv_transfer.inflight.kind"] == "send"]
+    assert max(inflight) >= STUCK_S
+
+
+def test_once_the_decode_goes_on_the_request_completes_and_its_span_carries_the_reports(frozen_run):
+    answer = frozen_run["answer"]
+    assert "error" not in answer, answer.get("error")
+    (result,) = answer["results"]
+    assert result["rid"] == RID and result["tokens"] == 4
+    request = frozen_run["request"]
+    assert request.get("status", {}).get("code") in (None, 0, 1, "STATUS_CODE_UNSET", "STATUS_CODE_OK")
+    events = [_attributes(e) for e in request.get("events", []) if e["name"] == "kv_transfer.stuck"]
+    assert sorted(e["kv_transfer.inflight.kind"] for e in events) == ["request", "send"]
+    (send_event,) = [e for e in events if e["kv_transfer.inflight.kind"] == "send"]
+    assert str(send_event["server.address"]).startswith("127.0.0.1:") and send_event["kv_transfer.stuck.age_s"] >= 1
+    # Reported once: no second line after the decode went on.
+    room = str(_attributes(request)["kv_transfer.request_key"])
+    assert len(_stuck_lines(frozen_run["log"], "send", room)) == len(_stuck_lines(frozen_run["log"], "request",
+                                                                                  room)) == 1
