@@ -13,7 +13,8 @@ sockets buffer (the prefill's engine call cannot finish while the decode is froz
 for seconds (the window in which the test sees the request open and freezes the decode).
 
 A deployment of its own (no Phoenix, no Prometheus): freezing the session-wide one would stall the other
-serving tests' requests. Here it costs one server start (1-3 minutes) and ~20 s of requests.
+serving tests' requests. Here it costs one server start (1-3 minutes) and under a minute for the request: 3.5-4.5
+minutes in all on a shared 2-core machine.
 """
 
 import importlib.util
@@ -34,6 +35,8 @@ STUCK_S = 2
 TOKENS = 4000
 FROZEN_MAX_S = 90  # bounded: the stuck lines come within STUCK_S + the 1 s scan once the send hangs
 RID = "kvt-stuck-0"
+
+
 def _parts_ready():
     have = {name: importlib.util.find_spec(name) is not None for name in ("sglang", "sglang_router", "uvicorn",
                                                                            "mooncake", "psutil")}
@@ -145,6 +148,7 @@ def frozen_run(tmp_path_factory):
     try:
         deployment.start()
         run["up_s"] = time.monotonic() - run["started"]
+        run["kv_bytes"] = dep.expected_kv_bytes(TOKENS, dep.model_config(deployment.model_dir))
         log = deployment.log_path("prefill")
         tail = _Tail(log)
         tail.read()  # what the warm-up printed
@@ -242,9 +246,9 @@ def test_the_prefill_reports_its_request_and_send_stuck_while_the_decode_is_froz
     assert len(_stuck_lines(text, "request", room)) == 1
     assert not frozen_run["send_reported_before_freeze"]
     (send_line,) = _stuck_lines(frozen_run["log_since_freeze"], "send", room)
-    # The send names the decode's Mooncake session on 127.0.0.1 and its bytes.
+    # The send names the decode's Mooncake session on 127.0.0.1 and its bytes: the prompt's whole KV.
     assert "peer 127.0.0.1:" in send_line
-    assert int(re.search(r"bytes (\d+)", send_line).group(1)) > 0
+    assert int(re.search(r"bytes (\d+)", send_line).group(1)) == frozen_run["kv_bytes"]
     stuck = {a["kv_transfer.inflight.kind"]: (a, v) for a, v in
              _points(console_json_objects(text), "kv_transfer.stuck")}
     for kind in ("request", "send"):
