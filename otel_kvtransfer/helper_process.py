@@ -46,9 +46,13 @@ def _set_up_sdk() -> None:
 
 
 def _read_exact(fd: int, size: int) -> bytes:
+    """Up to `size` bytes; fewer only at end-of-file. A reset connection (the engine was killed) is end-of-file."""
     chunks, left = [], size
     while left:
-        chunk = os.read(fd, min(left, 1 << 20))
+        try:
+            chunk = os.read(fd, min(left, 1 << 20))
+        except ConnectionError:
+            break
         if not chunk:
             break
         chunks.append(chunk)

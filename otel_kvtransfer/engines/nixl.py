@@ -180,7 +180,11 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
 
 
 def _check_state_wrapper(wrapped, instance, args, kwargs):
-    state = wrapped(*args, **kwargs)
+    try:
+        state = wrapped(*args, **kwargs)
+    except Exception as exc:  # e.g. the peer is gone (nixlRemoteDisconnectError): the transfer failed
+        _failed(args, kwargs, type(exc).__qualname__)
+        raise
     if len(_pending):
         try:
             handle = args[0] if args else kwargs["handle"]
@@ -193,12 +197,26 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
     return state
 
 
+def _failed(args, kwargs, error_type: str) -> None:
+    """A status query that raised: the pending transfer ends as a failed send named after the error."""
+    if len(_pending):
+        try:
+            handle = args[0] if args else kwargs["handle"]
+            _pending.complete(_key(handle), "ERR", error_type)
+        except Exception:  # pylint: disable=broad-except
+            own_error("observe a failed NIXL transfer")
+
+
 def _observe_release(handle) -> None:
     """The handle is about to be freed: the last chance to observe how its transfer ended."""
     key = _key(handle)
     _handles.pop(key, None)
     if len(_pending) and not handle._released:  # pylint: disable=protected-access
-        state = _state_of(handle)
+        try:
+            state = _state_of(handle)
+        except Exception as exc:  # pylint: disable=broad-except  # the peer is gone: the transfer failed
+            _pending.complete(key, "ERR", type(exc).__qualname__)
+            return
         # Releasing a handle still in progress makes NIXL cancel it.
         _pending.complete(key, state, {"DONE": None, "PROC": "cancelled"}.get(state, "transfer_failed"))
 
