@@ -61,6 +61,7 @@ class Watcher:
         self._clock = clock
         self._next = 0.0
         self._reported = set()
+        self._last_count = 0
 
     def due(self) -> bool:
         now = self._clock()
@@ -69,9 +70,11 @@ class Watcher:
         self._next = now + SCAN_INTERVAL_S
         return True
 
-    def scan(self, now_ns: Optional[int] = None) -> tuple:
+    def scan(self, now_ns: Optional[int] = None) -> Optional[tuple]:
         """(INFLIGHT, now_ns, open count, oldest start_ns or None, [stuck item, ...]) where an item is
-        (start_ns, key, peer, nbytes, backend), each reported once while it stays open."""
+        (start_ns, key, peer, nbytes, backend), each reported once while it stays open; None when nothing is in
+        flight and nothing was at the last scan (a process that never transfers sends no record at all, and so
+        never starts a builder process)."""
         now_ns = time.time_ns() if now_ns is None else now_ns
         items = {}
         if _WRAPPERS:
@@ -102,4 +105,7 @@ class Watcher:
         self._reported &= items.keys()  # forget what has ended
         if len(self._reported) > MAX_REPORTED:
             self._reported.clear()
+        if not items and not self._last_count:
+            return None
+        self._last_count = len(items)
         return (r.INFLIGHT, now_ns, len(items), oldest, stuck)

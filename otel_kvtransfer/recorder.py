@@ -150,7 +150,9 @@ class Recorder:
         watcher = self.watcher
         if watcher is not None and watcher.due():
             try:
-                self.record(watcher.scan())
+                rec = watcher.scan()
+                if rec is not None:
+                    self.record(rec)
             except Exception:  # pylint: disable=broad-except
                 self.drop("wrapper_error")
                 _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)

@@ -211,3 +211,22 @@ def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
     assert back[0][r.REQ_ATTRIBUTES]["lock"].startswith("<unlocked")
     assert trace.get_current_span(back[0][r.REQ_PARENT]).get_span_context().span_id == 0xDEF
     assert back[1][r.SEND_CONTEXT] is None
+
+
+def test_a_process_that_never_transfers_starts_no_helper(tmp_path):
+    """The once-a-second in-flight scan sends nothing while nothing is in flight: an engine's processes that
+    never transfer (sglang's tokenizer, detokenizer, resource tracker) start no builder process."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    script = ("import time, os; from otel_kvtransfer import KVTransferInstrumentor; "
+              "from otel_kvtransfer.recorder import RECORDER; "
+              "KVTransferInstrumentor().instrument(); time.sleep(3.5); "
+              "kids = [p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/stat') "
+              "and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]; "
+              "print('children', len(kids), RECORDER.pending())")
+    env = dict(os.environ, OTEL_KVTRANSFER_BUILDER="process", OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="100",
+               OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert "children 0 0" in out.stdout, out.stdout + out.stderr[-2000:]
