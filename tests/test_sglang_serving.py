@@ -395,3 +395,32 @@ def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced
         assert {s.resource["process.pid"] for s in ours} <= helpers
         assert all(s.resource["process.parent_pid"] in set(tree) - helpers for s in ours)
         assert not {s.resource["process.pid"] for s in sglang_own} & helpers
+
+
+def test_the_tail_is_what_the_spans_own_intervals_say(main_run):
+    """On the real deployment, every request with compute carries the tail, and it is exactly what its own send
+    and compute spans say: from the last compute end to the last byte, the part of it some send moved bytes in,
+    and the rest. Both shapes occur: a first prompt whose KV all leaves after compute, and a repeated one whose
+    cached prefix left early, during compute."""
+    shapes = set()
+    for span in main_run.named(REQUEST, "prefill"):
+        computes = main_run.children(span, COMPUTE)
+        sends = main_run.children(span, SEND)
+        if not computes or not sends:
+            continue
+        compute_end = max(c.end_time_unix_nano for c in computes)
+        last_byte = max(s.end_time_unix_nano for s in sends)
+        tail = max(last_byte - compute_end, 0)
+        # the union of the send intervals, clipped to [compute_end, last_byte), by brute force over the edges
+        edges = sorted({compute_end, last_byte} | {t for s in sends for t in (s.start_time_unix_nano,
+                                                                              s.end_time_unix_nano)
+                                                  if compute_end <= t <= last_byte})
+        busy = sum(b - a for a, b in zip(edges, edges[1:])
+                   if any(s.start_time_unix_nano <= a and b <= s.end_time_unix_nano for s in sends))
+        attrs = span.attributes
+        assert attrs["kv_transfer.tail_s"] == pytest.approx(tail / 1e9, abs=1e-9)
+        assert attrs["kv_transfer.tail_busy_s"] == pytest.approx(busy / 1e9, abs=1e-9)
+        assert attrs["kv_transfer.tail_queued_s"] == pytest.approx((tail - busy) / 1e9, abs=1e-9)
+        early = any(s.attributes.get("kv_transfer.prefix_early_send") for s in sends)
+        shapes.add("early" if early else "after")
+    assert shapes == {"early", "after"}

@@ -191,3 +191,22 @@ def test_expired_and_failed_transfers_end_as_errors(pair):
         assert not pair.named("decode", "kv_transfer.request", key)
         prefill_metrics = pair.results["metrics"]["prefill"]
         assert harness.prometheus_value(prefill_metrics, "vllm:nixl_num_kv_expired_reqs_total") == 1
+
+
+def test_our_send_time_and_vllms_xfer_time_differ_by_at_most_the_end_uncertainty(pair):
+    """NIXL: vLLM times each transfer handle from its post until its own poll sees it done; so do we, and a
+    polled end is late by at most `kv_transfer.end_uncertainty_s`. Over all handles, the two totals differ by no
+    more than the sum of those windows (plus 1 ms per handle for the two clocks' reading points)."""
+    if pair.connector != "nixl":
+        pytest.skip("vLLM exports a transfer-time histogram for its NIXL connector only")
+    keys = [pair.key_of(r) for r in pair.results["requests"]]
+    sends = [s for key in keys for s in pair.named(pair.facts["initiator"], "kv_transfer.send", key)]
+    calls = {}
+    for send in sends:  # split sends share their handle's times: one handle, one figure
+        calls[(send.start_time_unix_nano, send.end_time_unix_nano)] = send.attributes.get(
+            "kv_transfer.end_uncertainty_s", 0.0)
+    ours = sum((end - start) / 1e9 for start, end in calls)
+    window = sum(calls.values())
+    theirs = harness.prometheus_value(pair.results["metrics"]["decode"], "vllm:nixl_xfer_time_seconds_sum")
+    assert calls and any(calls.values())  # the ends were polled
+    assert abs(ours - theirs) <= window + 0.001 * len(calls), (ours, theirs, window)
