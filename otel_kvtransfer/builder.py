@@ -61,9 +61,9 @@ def _error(span, error_type: str) -> None:
 
 
 class SpanBuilder:
-    """`spans`: a span factory (`span_factories`), or an SDK tracer (the SDK path). `metrics`: where the
-    builder's figures go as measurements (`span_factories.RecordMetrics`), or nothing when a span processor
-    derives them from the spans (the SDK path)."""
+    """`spans`: `direct_spans.DirectSpans`, or `sdk_spans.SdkSpans` (an SDK tracer given here is wrapped in one).
+    `metrics`: where the builder's figures go as measurements (`kvmetrics.RecordMetrics`), or nothing when a
+    span processor derives them from the spans (the SDK pipeline). `watch`: `stuck.OpenWatch`."""
 
     def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
