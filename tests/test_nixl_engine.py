@@ -233,11 +233,14 @@ def freed_by_gc(receiver, _originals):
         local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
         remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
         states = []
-        for _ in range(3):
-            handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
-            states.append(init.agent.transfer(handle))
-            del handle  # the last reference
-        gc.collect()
+        for _ in range(20):  # rounds of 3, until one had a handle still pending when dropped (a race it may win)
+            for _ in range(3):
+                handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+                states.append(init.agent.transfer(handle))
+                del handle  # the last reference
+            gc.collect()
+            if "PROC" in states:
+                break
         time.sleep(0.5)  # a cancelled write may still be landing: let it settle before the next scenario
         return dict(_seen(tel), states=states)
     finally:
@@ -253,8 +256,14 @@ def address_reused(receiver, _originals):
         init = Initiator(receiver)
         local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
         remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
-        first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
-        first_state = init.agent.transfer(first)
+        done_first = 0  # posts that finished inside transfer() itself: plain sends, then tried again
+        for _ in range(20):  # a post still pending when transfer() returns is a race it may win
+            first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+            first_state = init.agent.transfer(first)
+            if first_state == "PROC":
+                break
+            init.agent.release_xfer_handle(first)
+            done_first += 1
         raw = init.agent.agent  # the binding: nothing of ours sees these calls
         deadline = time.monotonic() + 30
         while raw.getXferStatus(first._handle) != 0 and time.monotonic() < deadline:  # 0: NIXL_SUCCESS
@@ -272,7 +281,8 @@ def address_reused(receiver, _originals):
         second_state = init.wait(second) if second is not None else None
         for handle in kept + [h for h in (second,) if h is not None]:
             init.agent.release_xfer_handle(handle)
-        return dict(_seen(tel), first_state=first_state, second_state=second_state, reused=second is not None)
+        return dict(_seen(tel), first_state=first_state, second_state=second_state, reused=second is not None,
+                    done_first=done_first)
     finally:
         tel.uninstrument()
 
@@ -392,7 +402,7 @@ def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
     result = _result(outcomes, "freed_by_gc")
     assert "PROC" in result["states"], result["states"]  # at least one was still pending when dropped
     sends = _named(result, "kv_transfer.send")
-    assert len(sends) == len(result["states"]) == 3
+    assert len(sends) == len(result["states"]) >= 3
     for send in sends:
         assert send["attributes"]["kv_transfer.bytes"] == SIZE
         assert send["ok"] or send["attributes"]["error.type"] in ("cancelled", "transfer_failed")
@@ -404,7 +414,7 @@ def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
     assert result["reused"], "NIXL never handed the freed address out again"
     assert result["first_state"] == "PROC" and result["second_state"] == "DONE"
     sends = _named(result, "kv_transfer.send")
-    assert len(sends) == 1 and sends[0]["ok"]  # the second handle's transfer ...
+    assert len(sends) == 1 + result["done_first"] and all(s["ok"] for s in sends)  # the second handle's ...
     assert _dropped(result, "async_released") == 1  # ... and the first one, counted: 2 posts, 2 accounted for
 
 
