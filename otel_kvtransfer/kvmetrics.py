@@ -193,9 +193,7 @@ class KVMetrics:
     def __init__(self, exemplar_filter: str = "trace_based"):
         self._lock = threading.Lock()
         self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
-        self._hooked = []  # (reader, original collect)
         self._resource = None
-        self._provider = None
         self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
         self.attached = False
 
@@ -240,7 +238,6 @@ class KVMetrics:
         if getattr(meter_provider, "_disabled", False):  # OTEL_SDK_DISABLED: the SDK records nothing either
             self.attached = True
             return True
-        self._provider = meter_provider
         self._resource = config.resource
         self._exemplars = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
         for reader in readers:
@@ -258,19 +255,8 @@ class KVMetrics:
             with self._lock:
                 self._tables[id(reader)] = _Table(delta_histograms, delta_counters)
             reader._collect = self._collect_hook(reader, original)  # pylint: disable=protected-access
-            self._hooked.append((reader, original))
         self.attached = True
         return True
-
-    def detach(self) -> None:
-        for reader, original in self._hooked:
-            current = getattr(reader, "_collect", None)
-            if getattr(current, "_kvt_metrics", None) is self:
-                reader._collect = original  # pylint: disable=protected-access
-        self._hooked = []
-        with self._lock:
-            self._tables = {}
-        self.attached = False
 
     def _collect_hook(self, reader, original):
         def collect(metric_reader, timeout_millis: float = 10_000, **kwargs):
@@ -283,7 +269,6 @@ class KVMetrics:
                 _logger.debug("otel_kvtransfer could not add its metric points", exc_info=True)
             return data
 
-        collect._kvt_metrics = self  # pylint: disable=protected-access
         return collect
 
     def _points(self, reader) -> List[Metric]:
