@@ -128,7 +128,7 @@ class Bench:
         # pylint: disable=import-outside-toplevel
         from opentelemetry import metrics, trace
 
-        from otel_kvtransfer.recorder import RECORDER
+        from otel_kvtransfer.recording.recorder import RECORDER
 
         RECORDER.drain()
         assert trace.get_tracer_provider().force_flush(60000), "the span pipeline did not flush"
@@ -332,7 +332,7 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
     `bsp_queue`: OTEL_BSP_MAX_QUEUE_SIZE for the helper's BatchSpanProcessor (None: the SDK's default, 2048)."""
     import cpu  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
 
     changed = {"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"}  # the recorder's thread stays asleep
     if bsp_queue is not None:

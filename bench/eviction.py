@@ -12,13 +12,13 @@ exporter (the figure is the builder's own work); its clock is controlled, so not
 
 import time
 
+from common import machine, main_wrapper, quantile
 from opentelemetry.sdk.trace import TracerProvider
 
-from common import machine, main_wrapper, quantile
-from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
-from otel_kvtransfer.builder import SpanBuilder
-from otel_kvtransfer.sampler import RecordUnsampledSampler
+from otel_kvtransfer.building.builder import SpanBuilder
+from otel_kvtransfer.building.sampler import RecordUnsampledSampler
+from otel_kvtransfer.recording import records as r
 
 
 def _begin(key):

@@ -12,9 +12,10 @@ transfer becomes a span and metric points.
 import gc
 
 from common import Pipeline, WrappedStandIn, main_wrapper, register_transport, rss_bytes, wrap_stand_ins
+
 from otel_kvtransfer import KVTransferInstrumentor
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 SESSION = "127.0.0.1:12345"
 CHUNKS = 4

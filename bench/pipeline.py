@@ -19,8 +19,9 @@ import os
 import time
 
 from common import Pipeline, WrappedStandIn, main_wrapper, median, register_transport, wrap_stand_ins
+
 from otel_kvtransfer import KVTransferInstrumentor, config
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 SESSION = "127.0.0.1:12345"
 

@@ -24,7 +24,7 @@ sys.path.insert(0, HERE)
 from common import WrappedStandIn, register_transport, wrap_stand_ins  # noqa: E402
 
 from otel_kvtransfer import KVTransferInstrumentor, config  # noqa: E402
-from otel_kvtransfer.recorder import RECORDER  # noqa: E402
+from otel_kvtransfer.recording.recorder import RECORDER  # noqa: E402
 
 # Cumulative time of these functions, as shares of the drain (within one pipeline they do not overlap).
 PARTS = {

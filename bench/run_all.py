@@ -320,7 +320,7 @@ def render(results: dict) -> str:
               f"| RSS flat over {mem['transfers']:,} transfers after warm-up | growth "
               f"{s['rss_growth_mib_after_warmup']:+.2f} MiB "
               f"| {_verdict(s['rss_flat'])} |",
-              f"| per-transfer throughput within 2% of an independent timer | median error by size: "
+              "| per-transfer throughput within 2% of an independent timer | median error by size: "
               + ", ".join(f"{int(size) >> 20} MiB {err:+.2%}" for size, err in s["truth_median_error_by_bytes"].items())
               + f" (worst single {s['truth_worst_error']:.2%}) "
               f"| {_verdict(s['truth_goal_met'])} |",
@@ -334,8 +334,8 @@ def render(results: dict) -> str:
     b = pipe["builder_only"]
     lines += ["## 2. Pipeline capacity (counting exporter)", "",
               "Records made by the package's Mooncake hot-path function around a stand-in method (not the engine) "
-              f"(the exact tuples and hot "
-              f"path of a real call), turned into spans (BatchSpanProcessor + no-op exporter) and metrics.", "",
+              "(the exact tuples and hot "
+              "path of a real call), turned into spans (BatchSpanProcessor + no-op exporter) and metrics.", "",
               f"- Builder alone ({b['records']:,} queued records, one drain): **{b['spans_per_s']:,.0f} transfers/s** "
               f"({b['us_per_transfer']:.1f} us of builder time per transfer); spans exported {b['spans_exported']:,}, "
               f"transfers in metrics {b['transfers_in_metrics']:,}, dropped {b['dropped'] or 0}.",

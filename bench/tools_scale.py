@@ -22,8 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from otel_kvtransfer import aggregate  # noqa: E402
-from otel_kvtransfer.tools.cli import load, main as cli_main  # noqa: E402
+from otel_kvtransfer.building import aggregate  # noqa: E402
+from otel_kvtransfer.tools.cli import load  # noqa: E402
+from otel_kvtransfer.tools.cli import main as cli_main
 
 T0 = 1_700_000_000_000_000_000
 BATCH = 512

@@ -13,13 +13,13 @@ seed          The seed scenario of DESIGN.md with `demo.run_request`: chunked pr
 
 import time
 
+from common import main_wrapper, median
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common import main_wrapper, median
 from otel_kvtransfer import KVTransferInstrumentor, semconv
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 GIB = float(1 << 30)
 MIB = 1 << 20

@@ -13,14 +13,17 @@ or by hand:
     from otel_kvtransfer import KVTransferInstrumentor
     KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-Names: `otel_kvtransfer.semconv`. The API a serving framework calls: `otel_kvtransfer.integration`. Transfer
-engines: `otel_kvtransfer.engines`; serving frameworks: `otel_kvtransfer.frameworks`; offline tools (span files,
-summaries, timelines): `otel_kvtransfer.tools`.
+The layout says where code runs: `recording/` on the engine's threads, `building/` in the builder (a thread, or
+the builder process), `wiring/` at start-up, `tools/` offline; `engines/` and `frameworks/` hold the wrappers
+(engine threads) of each transfer engine and serving framework; `semconv`, `config` and `registry` are the names,
+settings and backends every part shares. The API a serving framework calls: `otel_kvtransfer.integration`.
 """
 
-from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-from otel_kvtransfer.processor import KVTransferMetricsProcessor
-from otel_kvtransfer.sampler import RecordUnsampledSampler
+from otel_kvtransfer.building.processor import KVTransferMetricsProcessor
+from otel_kvtransfer.building.sampler import RecordUnsampledSampler
+from otel_kvtransfer.recording import integration
 from otel_kvtransfer.version import __version__
+from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
-__all__ = ["KVTransferInstrumentor", "KVTransferMetricsProcessor", "RecordUnsampledSampler", "__version__"]
+__all__ = ["KVTransferInstrumentor", "KVTransferMetricsProcessor", "RecordUnsampledSampler", "__version__",
+           "integration"]

@@ -14,9 +14,8 @@ import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
-
 from _observability_promnames import COUNTER, GAUGE, HISTOGRAM, job_and_instance, label_name, metric_name
+from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
 
 CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -176,13 +176,13 @@ def _query(base: str, expr: str) -> list:
 def run(args) -> dict:
     # pylint: disable=import-outside-toplevel,too-many-locals
     import numpy as np
+    from _observability_exposition import ScrapeEndpoint
+    from _observability_parts import http_json, wait_until
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from _observability_exposition import ScrapeEndpoint
-    from _observability_parts import http_json, wait_until
     from otel_kvtransfer import KVTransferInstrumentor, integration
 
     _ip("link", "set", "lo", "up")

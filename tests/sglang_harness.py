@@ -223,14 +223,13 @@ def _setup_instrumentation(cfg):
         return None
     if mode != "api":
         return None
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -251,7 +250,7 @@ def _setup_instrumentation(cfg):
 def _flush() -> None:
     """Let the background recorder turn every pending record into spans."""
     try:
-        from otel_kvtransfer.recorder import RECORDER
+        from otel_kvtransfer.recording.recorder import RECORDER
 
         RECORDER.drain()
     except Exception:  # pragma: no cover - the package is not importable: nothing was recorded
@@ -310,7 +309,7 @@ def prefill_main(cfg, events, go) -> None:
         )
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
-        bootstrap = MooncakeKVBootstrapServer(HOST, cfg["bootstrap_port"])
+        _bootstrap = MooncakeKVBootstrapServer(HOST, cfg["bootstrap_port"])
         args, kv, aux = _make_buffers(cfg, "prefill", 0)
         mgr = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, cfg["mla"])
         events.put(("prefill_ready", None))

@@ -7,9 +7,9 @@ import math
 import pytest
 from opentelemetry.trace import get_current_span
 
-from otel_kvtransfer import aggregate
-from otel_kvtransfer.aggregate import RequestAggregate
-from otel_kvtransfer.stitching import is_synthetic, key_parent_context, key_span_id, key_trace_id
+from otel_kvtransfer.building import aggregate
+from otel_kvtransfer.building.aggregate import RequestAggregate
+from otel_kvtransfer.building.stitching import is_synthetic, key_parent_context, key_span_id, key_trace_id
 
 # --- aggregate ------------------------------------------------------------------------------------------------------
 

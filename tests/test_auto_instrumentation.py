@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from conftest import console_json_objects, mooncake_importable, require_part
+
 from otel_kvtransfer import semconv
 
 APP = os.path.join(os.path.dirname(__file__), "apps", "auto_app.py")

@@ -1,6 +1,6 @@
 """SpanBuilder fed records directly: no engine, no recorder thread, a controlled clock.
 
-Each record is built with the field positions of otel_kvtransfer/records.py; the spans come out of a real SDK
+Each record is built with the field positions of otel_kvtransfer/recording/records.py; the spans come out of a real SDK
 TracerProvider into an in-memory exporter, and drops go to a counter. Every figure is compared with a value
 computed by hand from the intervals and bytes given.
 """
@@ -14,13 +14,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
-from otel_kvtransfer.aggregate import logical_share
-from otel_kvtransfer.builder import SpanBuilder
-from otel_kvtransfer.direct_spans import DirectSpans
-from otel_kvtransfer.sampler import RecordUnsampledSampler
-from otel_kvtransfer.stitching import key_span_id, key_trace_id
+from otel_kvtransfer.building.aggregate import logical_share
+from otel_kvtransfer.building.builder import SpanBuilder
+from otel_kvtransfer.building.direct_spans import DirectSpans
+from otel_kvtransfer.building.sampler import RecordUnsampledSampler
+from otel_kvtransfer.building.stitching import key_span_id, key_trace_id
+from otel_kvtransfer.recording import records as r
 
 ENGINE = "test-engine"
 PEER = "127.0.0.1:4242"

@@ -11,9 +11,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import mooncake_importable, require_part
-from otel_kvtransfer import KVTransferInstrumentor, config, semconv, wire
+
+from otel_kvtransfer import KVTransferInstrumentor, config, semconv
+from otel_kvtransfer.recording import wire
 from otel_kvtransfer.tools.spanfile import read_spans
 
 APPS = os.path.join(os.path.dirname(__file__), "apps")
@@ -165,7 +166,7 @@ def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):
     monkeypatch.setenv(config.BUILDER, "process")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     instrumentor = KVTransferInstrumentor()
-    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.instrumentor"):
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.instrumentor"):
         instrumentor.instrument()
     try:
         assert instrumentor._link is None  # pylint: disable=protected-access
@@ -184,7 +185,8 @@ def test_an_unknown_builder_value_is_one_warning_and_the_default(monkeypatch, ca
 def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
     from opentelemetry import trace  # pylint: disable=import-outside-toplevel
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState  # noqa: E501 pylint: disable=C0415
-    from otel_kvtransfer import records as r  # pylint: disable=import-outside-toplevel
+
+    from otel_kvtransfer.recording import records as r  # pylint: disable=import-outside-toplevel
 
     parent = SpanContext(0xABC, 0xDEF, True, TraceFlags(1), TraceState([("k", "v")]))
     context = trace.set_span_in_context(NonRecordingSpan(parent))
@@ -219,7 +221,7 @@ def test_a_process_that_never_transfers_starts_no_helper(tmp_path):
     import subprocess  # pylint: disable=import-outside-toplevel
 
     script = ("import time, os; from otel_kvtransfer import KVTransferInstrumentor; "
-              "from otel_kvtransfer.recorder import RECORDER; "
+              "from otel_kvtransfer.recording.recorder import RECORDER; "
               "KVTransferInstrumentor().instrument(); time.sleep(3.5); "
               "kids = [p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/stat') "
               "and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]; "

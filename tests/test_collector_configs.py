@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from _observability_parts import ROOT, SETUP
 from conftest import require_part
 

@@ -9,7 +9,6 @@ import re
 import subprocess
 
 import pytest
-
 from _observability_parts import NODE_DIR, ROOT, SETUP, node_ready
 from _observability_promnames import DESIGN_METRICS, series_names
 from conftest import require_part

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from conftest import metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -21,11 +22,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from conftest import metric_points
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.demo.loopback import digest
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 
 class _Setup:

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import set_span_in_context
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.file_exporter import ENV_SPAN_FILE, OtlpJsonFileSpanExporter
+from otel_kvtransfer.building.file_exporter import ENV_SPAN_FILE, OtlpJsonFileSpanExporter
 from otel_kvtransfer.tools.spanfile import read_spans
 
 T = 1_700_000_000_000_000_000

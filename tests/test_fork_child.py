@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import mooncake_importable, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))

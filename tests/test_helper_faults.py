@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 
-from otel_kvtransfer import offload, semconv
-from otel_kvtransfer.tools.spanfile import read_spans
 from test_builder_process import _run, _sends
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import offload
+from otel_kvtransfer.tools.spanfile import read_spans
 
 
 def test_helpers_are_restarted_after_any_number_of_losses_and_every_one_is_reaped(tmp_path):

@@ -13,9 +13,9 @@ from time import time_ns
 import pytest
 from opentelemetry.trace import StatusCode
 
-from otel_kvtransfer import records as r
-from otel_kvtransfer import semconv
 from otel_kvtransfer import integration as kvt
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import records as r
 
 ENGINE = "test-engine"
 
@@ -296,7 +296,7 @@ def test_huge_strings_are_bounded_not_raised(telemetry):
 
 
 def test_the_api_is_a_no_op_when_not_instrumented():
-    from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
 
     assert not RECORDER.active
     before = RECORDER.pending()

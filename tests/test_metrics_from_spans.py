@@ -1,12 +1,12 @@
 """The DESIGN metrics come from the spans: values, exemplars, and counting every transfer under sampling."""
 
 import pytest
+from conftest import Telemetry
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
-from conftest import Telemetry
-from otel_kvtransfer import config, integration as kvt
-from otel_kvtransfer import semconv
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.engines.mooncake import BACKEND
 
 
@@ -150,7 +150,7 @@ def test_peer_throughput_per_peer_up_to_the_cap_then_other(monkeypatch, caplog, 
     monkeypatch.setenv(config.MAX_PEERS, "2")
     telemetry = Telemetry().instrument()
     try:
-        from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
 
         RECORDER.record(begin_request(1, 0))
         for n, peer in enumerate(["10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7003", "10.0.0.1:7001"]):

@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.engines import mooncake
 from otel_kvtransfer.demo.loopback import Receiver, digest
+from otel_kvtransfer.engines import mooncake
 
 
 def _only(spans):
@@ -215,7 +215,7 @@ def test_both_suppression_keys_are_honoured_raw_and_in_a_scope(telemetry, engine
     )
 
     from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.patching import active, current_context  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.patching import active, current_context  # pylint: disable=import-outside-toplevel
 
     def write():
         return engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8)

@@ -21,7 +21,6 @@ import time
 import traceback
 
 import pytest
-
 from conftest import require_part
 
 BLOCK = 64 << 10
@@ -42,8 +41,8 @@ class Initiator:
     """A NIXL agent in the child with a registered source buffer, connected to `receiver`."""
 
     def __init__(self, receiver):
-        import numpy as np  # pylint: disable=import-outside-toplevel
         import nixl._api as api  # pylint: disable=import-outside-toplevel
+        import numpy as np  # pylint: disable=import-outside-toplevel
 
         from otel_kvtransfer.demo.nixl_loopback import _peers  # pylint: disable=import-outside-toplevel
 
@@ -446,7 +445,7 @@ def test_instrument_never_imports_nixl_and_patches_it_on_import():
     probe = (
         "import sys\n"
         "from otel_kvtransfer.engines import nixl as engine\n"
-        "from otel_kvtransfer.patching import is_ours\n"
+        "from otel_kvtransfer.recording.patching import is_ours\n"
         "assert engine.instrument()\n"
         "assert 'nixl' not in sys.modules, 'imported too early'\n"
         "import nixl._api as api\n"

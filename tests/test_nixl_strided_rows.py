@@ -10,7 +10,6 @@ import os
 import time
 
 import pytest
-
 from conftest import require_part
 
 BLOCK = 4096

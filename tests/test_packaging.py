@@ -19,7 +19,6 @@ import tempfile
 import zipfile
 
 import pytest
-
 from _observability_parts import CACHE, ROOT, mooncake_available
 from conftest import require_part
 
@@ -222,13 +221,13 @@ def test_dashboard_and_alert_rules_ship_in_the_wheel(wheel, venv):
 
 def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):
     """opentelemetry-instrument skips the instrumentor when none of `instruments-any` is installed (this venv has
-    no engine), and `otel_kvtransfer.package._instruments_any` says the same as the extra."""
+    no engine), and `otel_kvtransfer.wiring.package._instruments_any` says the same as the extra."""
     declared = sorted(r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])
                       if re.search(r'extra\s*==\s*"instruments-any"', r))
     result = _in_venv(venv, (
         "import json, importlib.metadata as m\n"
         "from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts\n"
-        "from otel_kvtransfer import package\n"
+        "from otel_kvtransfer.wiring import package\n"
         "conflict = get_dist_dependency_conflicts(m.distribution('otel_kvtransfer'))\n"
         "print(json.dumps({'conflict': str(conflict) if conflict else None,\n"
         "                  'required_any': sorted(getattr(conflict, 'required_any', None) or []),\n"
@@ -246,8 +245,7 @@ def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):
 
 def test_instruments_any_is_satisfied_where_an_engine_is_installed(wheel_metadata):
     """The other side, in the project's own environment: the Mooncake CPU wheel installed there satisfies it."""
-    from opentelemetry.instrumentation.dependencies import (  # pylint: disable=import-outside-toplevel
-        get_dependency_conflicts)
+    from opentelemetry.instrumentation.dependencies import get_dependency_conflicts  # pylint: disable=import-outside-toplevel
 
     require_part(mooncake_available(), "the Mooncake engine (bash scripts/setup.sh)")
     declared = [r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])

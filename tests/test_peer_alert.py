@@ -20,7 +20,6 @@ import sys
 import tempfile
 
 import pytest
-
 from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary, start, stop
 from conftest import require_part
 

@@ -22,12 +22,28 @@ import tempfile
 import time
 
 import pytest
-
 from _observability_parts import (
-    ROOT, SETUP, free_port, http_json, mooncake_available, prometheus_binary, read_line_with_prefix, start, stop,
-    wait_until)
+    ROOT,
+    SETUP,
+    free_port,
+    http_json,
+    mooncake_available,
+    prometheus_binary,
+    read_line_with_prefix,
+    start,
+    stop,
+    wait_until,
+)
 from _observability_promnames import (
-    COUNTER, DESIGN_METRICS, GAUGE, HISTOGRAM, job_and_instance, label_name, metric_name, series_names)
+    COUNTER,
+    DESIGN_METRICS,
+    GAUGE,
+    HISTOGRAM,
+    job_and_instance,
+    label_name,
+    metric_name,
+    series_names,
+)
 from conftest import require_part
 
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")

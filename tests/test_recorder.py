@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-
+from conftest import Telemetry, metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -20,10 +20,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from conftest import Telemetry, metric_points
 from otel_kvtransfer import KVTransferInstrumentor, RecordUnsampledSampler, config, semconv
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
 
 THREAD_NAME = "otel-kvtransfer-recorder"

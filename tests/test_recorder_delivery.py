@@ -5,14 +5,14 @@ import os
 import time
 
 import pytest
+from conftest import Telemetry
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
 
-from conftest import Telemetry
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 
 def _dropped(telemetry):
@@ -137,8 +137,9 @@ def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
     if pid == 0:  # child: new engine connection, same instrumentation
         code = 1
         try:
-            from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
             import numpy as np  # pylint: disable=import-outside-toplevel
+
+            from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
 
             child_engine = open_engine()
             buf = np.ones(4096, dtype=np.uint8)
@@ -201,7 +202,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otel_kvtransfer import KVTransferInstrumentor
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 KVTransferInstrumentor().instrument()  # no SDK yet: only the API's proxy providers exist
 exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()

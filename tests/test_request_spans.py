@@ -7,10 +7,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import integration as kvt
-from otel_kvtransfer import aggregate, semconv
+from otel_kvtransfer import semconv
+from otel_kvtransfer.building import aggregate
+from otel_kvtransfer.building.stitching import key_span_id, key_trace_id
 from otel_kvtransfer.demo.loopback import digest
 from otel_kvtransfer.engines.mooncake import BACKEND
-from otel_kvtransfer.stitching import key_span_id, key_trace_id
 
 
 def test_scope_aggregates_engine_calls_into_one_send(telemetry, engine, receiver):

@@ -15,7 +15,7 @@ import sys
 import pytest
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
-from otel_kvtransfer.stitching import key_trace_id
+from otel_kvtransfer.building.stitching import key_trace_id
 
 KEYS = list(range(10**6, 10**6 + 1000)) + [f"xfer-{i:04x}" for i in range(1000)]
 RATIO = 0.01
@@ -30,7 +30,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from otel_kvtransfer import KVTransferInstrumentor, records, semconv
+from otel_kvtransfer import KVTransferInstrumentor, semconv
+from otel_kvtransfer.recording import records
 from otel_kvtransfer import integration as kvt
 
 side, samplers, keys = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])

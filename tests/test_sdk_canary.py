@@ -12,7 +12,12 @@ import re
 import threading
 
 from opentelemetry.sdk.trace import (
-    ConcurrentMultiSpanProcessor, SpanProcessor, SynchronousMultiSpanProcessor, Tracer, TracerProvider)
+    ConcurrentMultiSpanProcessor,
+    SpanProcessor,
+    SynchronousMultiSpanProcessor,
+    Tracer,
+    TracerProvider,
+)
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +114,7 @@ def test_the_suppress_keys_and_the_context_variable_the_hot_path_reads():
     from opentelemetry import context as otel_context  # pylint: disable=import-outside-toplevel
     from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=C0415
 
-    from otel_kvtransfer import patching  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording import patching  # pylint: disable=import-outside-toplevel
 
     assert hasattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY")
     assert patching.current_context is not otel_context.get_current  # the fast path is in use, not the fallback
@@ -137,10 +142,10 @@ def test_the_tracer_attributes_direct_spans_read():
 
     from opentelemetry.sdk.trace import ReadableSpan  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer.instrumentor import _is_sdk_tracer  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building.attachment import is_sdk_tracer  # pylint: disable=import-outside-toplevel
 
     tracer = TracerProvider().get_tracer("canary", "1")
-    assert _is_sdk_tracer(tracer)
+    assert is_sdk_tracer(tracer)
     assert tracer._instrumentation_scope.name == "canary"  # pylint: disable=protected-access
     assert list(inspect.signature(ReadableSpan.__init__).parameters)[1:14] == [
         "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
@@ -153,7 +158,7 @@ def test_the_tracer_attributes_direct_spans_read():
 def test_span_context_is_the_tuple_the_encoder_indexes():
     from opentelemetry.trace import SpanContext, TraceFlags, TraceState  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer import span_encoding  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building import span_encoding  # pylint: disable=import-outside-toplevel
 
     context = SpanContext(7, 9, True, TraceFlags(1), TraceState([("a", "b")]))
     assert (context[0], context[1], context[2], context[4]) == (7, 9, True, context.trace_state)
@@ -163,10 +168,10 @@ def test_span_context_is_the_tuple_the_encoder_indexes():
 def test_the_otlp_exporters_encode_through_their_module_encode_spans():
     """accelerate() replaces `encode_spans` in the exporter modules: each must look it up there at export time,
     and the HTTP one only serialize what it returns."""
-    import inspect  # pylint: disable=import-outside-toplevel
     import importlib  # pylint: disable=import-outside-toplevel
+    import inspect  # pylint: disable=import-outside-toplevel
 
-    from otel_kvtransfer import span_encoding  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building import span_encoding  # pylint: disable=import-outside-toplevel
 
     for name in span_encoding.EXPORTER_MODULES:
         try:

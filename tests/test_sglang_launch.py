@@ -100,7 +100,7 @@ def test_plugin_respects_disabled_instrumentations(monkeypatch, value):
 
     monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", value)
     assert plugin.is_disabled()
-    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+    from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
     was = KVTransferInstrumentor().is_instrumented_by_opentelemetry
     plugin.activate()

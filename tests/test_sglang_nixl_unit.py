@@ -27,7 +27,7 @@ def test_nixl_manager_methods_are_wrapped_and_restored():
     from sglang.srt.disaggregation.nixl import conn  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer.frameworks.sglang import common  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.patching import is_ours  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.patching import is_ours  # pylint: disable=import-outside-toplevel
 
     before = {name: conn.NixlKVManager.__dict__[name] for name in NIXL_PATCHED}
     telemetry = Telemetry().instrument()
@@ -69,7 +69,7 @@ class _Manager:
 def test_nixl_state_generator_gives_one_send_per_handle_of_its_request(telemetry):
     from otel_kvtransfer.engines.nixl import BACKEND  # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.frameworks.sglang import common, prefill  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.pending import PendingTransfers  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.pending import PendingTransfers  # pylint: disable=import-outside-toplevel
 
     room, peer = 4711, "decode-agent-0"
     pending = PendingTransfers(BACKEND)

@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import pytest
-
 from conftest import IN_CI, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -387,7 +386,7 @@ def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced
 
     for role in ("prefill", "decode"):
         tree = {pid: psutil.Process(pid) for pid in traced_run.deployment.server_pids(role)}
-        helpers = {pid for pid, proc in tree.items() if "otel_kvtransfer.helper_process" in " ".join(proc.cmdline())}
+        helpers = {pid for pid, proc in tree.items() if "otel_kvtransfer.building.helper_process" in " ".join(proc.cmdline())}
         assert helpers, f"no builder process under the {role} server"
         ours = [s for r, s in traced_run.spans if r == role and s.name.startswith("kv_transfer.")]
         sglang_own = [s for r, s in traced_run.spans if r == role and not s.name.startswith("kv_transfer.")]

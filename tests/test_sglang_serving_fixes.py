@@ -60,8 +60,8 @@ PATCHED = [
 PATCH_CHECK = r"""
 import importlib, json, os, sys
 from opentelemetry.sdk.trace import TracerProvider
-from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-from otel_kvtransfer.patching import is_ours
+from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
+from otel_kvtransfer.recording.patching import is_ours
 targets = json.loads(sys.argv[1])
 owners = [(getattr(importlib.import_module(m), c), a) for m, c, a in targets]
 before = [o.__dict__.get(a) for o, a in owners]

@@ -19,7 +19,6 @@ import tempfile
 import time
 
 import pytest
-
 from conftest import IN_CI, require_part
 
 REQUEST, SEND, COMPUTE, RECEIVE = ("kv_transfer.request", "kv_transfer.send", "kv_transfer.compute",

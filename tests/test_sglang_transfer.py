@@ -6,12 +6,10 @@ from the processes' in-memory exporters.
 """
 
 import importlib.util
-import os
 
 import pytest
-from conftest import require_part
-
 import sglang_harness as harness
+from conftest import require_part
 
 from otel_kvtransfer import semconv as sc
 

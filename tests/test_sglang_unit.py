@@ -8,17 +8,14 @@ import logging
 
 import pytest
 from conftest import require_part
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.frameworks import sglang as kvt_sglang
-from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-from otel_kvtransfer.activation import FrameworkHooks
-from otel_kvtransfer.patching import is_ours
-from otel_kvtransfer.recorder import RECORDER
 from otel_kvtransfer.frameworks.sglang import common, prefill
+from otel_kvtransfer.recording.patching import is_ours
+from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.wiring.activation import FrameworkHooks
+from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
 
 def _require_sglang():
@@ -30,11 +27,11 @@ def _wrapped(owner, attr) -> bool:
 
 
 def _targets():
+    from sglang.srt.disaggregation import decode as sg_decode
+    from sglang.srt.disaggregation import prefill as sg_prefill
     from sglang.srt.disaggregation.common import conn as common_conn
     from sglang.srt.disaggregation.common import utils as common_utils
     from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
-    from sglang.srt.disaggregation import decode as sg_decode
-    from sglang.srt.disaggregation import prefill as sg_prefill
     from sglang.srt.managers import scheduler as sg_scheduler
 
     return [
@@ -99,7 +96,7 @@ def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog)
     hooks = FrameworkHooks("sglang", ("sglang",), kvt_sglang.HOOKS.minimum, kvt_sglang.HOOKS.below,
                            kvt_sglang._patches)  # a fresh gate like sglang's: the process-wide one warned already
     monkeypatch.setattr(hooks, "installed_version", lambda: "0.4.9")
-    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.activation"):
         assert hooks.instrument() is False
         assert hooks.instrument() is False
     assert not any(_wrapped(owner, attr) for owner, attr in targets)

@@ -25,12 +25,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
-
-from otel_kvtransfer import semconv, span_encoding
-from otel_kvtransfer.direct_spans import KVSpan
-from otel_kvtransfer.instrumentor import ENGINES, _Attachment, _load, new_builder
-from otel_kvtransfer import config
 from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
+
+from otel_kvtransfer import config, registry, semconv
+from otel_kvtransfer.building import span_encoding
+from otel_kvtransfer.building.attachment import Attachment, new_builder
+from otel_kvtransfer.building.direct_spans import KVSpan
 
 
 class Sequential(IdGenerator):
@@ -82,9 +82,9 @@ def _run(pipeline, sampler=None):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     reader = InMemoryMetricReader()
     meters = MeterProvider(metric_readers=[reader])
-    attachment = _Attachment(meters, pipeline)
+    attachment = Attachment(meters, pipeline)
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
-    builder = new_builder(attachment, config.Settings(), _load(ENGINES), on_drop=lambda reason, n: None)
+    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES), on_drop=lambda reason, n: None)
     for rec in _records():
         builder.handle(rec)
     spans = exporter.get_finished_spans()
@@ -259,7 +259,6 @@ def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
     waits for room (its worker woken at once), so every span of a burst far beyond the queue is exported."""
     # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-
     from test_builder import call, send
 
     class Slow(SpanExporter):
@@ -275,10 +274,10 @@ def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=64, max_export_batch_size=16,
                                                    schedule_delay_millis=60_000))
-    attachment = _Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), "direct")
+    attachment = Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), "direct")
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
     drops = []
-    builder = new_builder(attachment, config.Settings(), _load(ENGINES), on_drop=lambda r, n: drops.append(r))
+    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES), on_drop=lambda r, n: drops.append(r))
     for n in range(2_000):
         builder.handle(send(None, [call(n, n + 10, 64)]))
     provider.force_flush()

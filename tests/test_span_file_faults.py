@@ -18,8 +18,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from otel_kvtransfer import file_exporter as fe
 from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.building import file_exporter as fe
 from otel_kvtransfer.tools import spanfile
 from otel_kvtransfer.tools.spanfile import Skipped, iter_spans, read_spans
 
@@ -90,7 +90,7 @@ _TEARING_CHILD = """
     import logging, resource, signal, sys
     sys.path.insert(0, "tests")
     from test_span_file_faults import _Counted, _spans
-    from otel_kvtransfer import file_exporter as fe
+    from otel_kvtransfer.building import file_exporter as fe
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
     path, limit = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0
     counted = _Counted(path)
@@ -133,7 +133,7 @@ def test_the_file_size_limit_tears_a_line_and_the_next_batch_starts_a_new_one(tm
     first = _child("""
         import sys; sys.path.insert(0, "tests")
         from test_span_file_faults import _spans
-        from otel_kvtransfer.file_exporter import encode_line
+        from otel_kvtransfer.building.file_exporter import encode_line
         print(len(encode_line(_spans(3, "before"))))
     """)
     limit = int(first.stdout) + 3000  # room for the first line and part of the next
@@ -177,7 +177,7 @@ def test_a_fifo_is_refused_at_once_and_never_holds_the_process(tmp_path):
         logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
+        from otel_kvtransfer.building.file_exporter import OtlpJsonFileSpanExporter
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter({str(fifo)!r})))
         for _ in range(10):

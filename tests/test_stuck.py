@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-
 from conftest import console_json_objects, mooncake_importable, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +29,6 @@ SIZE = 48 << 20
 
 def _engine_process(out_path: str) -> None:
     import numpy as np  # pylint: disable=import-outside-toplevel
-
     from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel

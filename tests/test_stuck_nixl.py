@@ -23,7 +23,6 @@ import time
 import traceback
 
 import pytest
-
 from conftest import require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,10 +54,10 @@ def _points(tel, name) -> list:
 
 def _scenario(end: str) -> dict:
     """Post a 64 MiB write to a frozen peer, poll it for FROZEN_S, then `end` it: resume or kill the peer."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
     import nixl._api as api  # pylint: disable=import-outside-toplevel
-
+    import numpy as np  # pylint: disable=import-outside-toplevel
     from conftest import Telemetry  # pylint: disable=import-outside-toplevel
+
     from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.demo.nixl_loopback import Receiver, _peers  # pylint: disable=import-outside-toplevel
 

@@ -27,7 +27,6 @@ import threading
 import time
 
 import pytest
-
 from conftest import console_json_objects, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -12,7 +12,7 @@ import pytest
 from test_spanfile_reader import otlp_request, synthetic_records, write_otlp
 from test_tools_sizes import T0, _span, _write_batches
 
-from otel_kvtransfer import aggregate
+from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools import source as source_module
 from otel_kvtransfer.tools import spanfile
 from otel_kvtransfer.tools.cli import main as cli_main

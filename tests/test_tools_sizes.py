@@ -9,8 +9,8 @@ the tests check at small scale; the measurements in docs/tools.md come from the 
 """
 
 import argparse
-import json
 import gc
+import json
 import sys
 
 import pytest

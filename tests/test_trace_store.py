@@ -14,13 +14,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-
 from _observability_parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
 from _observability_workload import AUX_BYTES, CHUNK_BYTES, CHUNKS, DESCRIPTORS, FRAMEWORK, MODEL, RECV_BYTES, REPLICAS
 from conftest import require_part
+
 from otel_kvtransfer import semconv
 
 WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")

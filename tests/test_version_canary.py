@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 import version_canary
 from conftest import mooncake_importable, require_part
 

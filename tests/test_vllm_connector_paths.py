@@ -16,7 +16,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import require_part
 from vllm_serving import harness
 

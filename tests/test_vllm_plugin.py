@@ -13,8 +13,8 @@ PROBE = """
 import os, sys
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from otel_kvtransfer.instrumentor import KVTransferInstrumentor
-from otel_kvtransfer.patching import is_ours
+from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
+from otel_kvtransfer.recording.patching import is_ours
 assert KVTransferInstrumentor().is_instrumented_by_opentelemetry, "not instrumented"
 import vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector as mooncake
 import vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker as pull

@@ -24,7 +24,6 @@ names its python).
 import os
 
 import pytest
-
 from conftest import require_part
 from vllm_serving import harness
 

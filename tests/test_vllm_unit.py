@@ -24,7 +24,7 @@ def test_version_gate(version, supported):
 def test_unsupported_version_warns_once_and_patches_nothing(monkeypatch, caplog):
     monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.31.0")
     monkeypatch.setattr(vllm_framework.HOOKS, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.activation"):
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.activation"):
         assert vllm_framework.instrument() is False
         assert vllm_framework.instrument() is False
     warnings = [r for r in caplog.records if "outside the supported range" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The version policy (otel_kvtransfer.activation + otel_kvtransfer.targets) and the wrappers' own guards.
+"""The version policy (otel_kvtransfer.wiring.activation + otel_kvtransfer.wiring.targets) and the wrappers' own guards.
 
 Runs in the main project venv, where vLLM is not installed. A release that renamed something is made here as a
 module of our own (named as such): no real vLLM release has broken a target yet, and the policy must be tested
@@ -14,14 +14,14 @@ import types
 
 import pytest
 
-from otel_kvtransfer.activation import FrameworkHooks
 from otel_kvtransfer.frameworks import vllm as vllm_framework
 from otel_kvtransfer.frameworks.vllm import mooncake as vllm_mooncake
 from otel_kvtransfer.frameworks.vllm import nixl as vllm_nixl
-from otel_kvtransfer.patching import Patcher, is_ours
-from otel_kvtransfer.targets import Target, missing, missing_in_source
+from otel_kvtransfer.recording.patching import Patcher, is_ours
+from otel_kvtransfer.wiring.activation import FrameworkHooks
+from otel_kvtransfer.wiring.targets import Target, missing, missing_in_source
 
-LOGGER = "otel_kvtransfer.activation"
+LOGGER = "otel_kvtransfer.wiring.activation"
 
 
 @pytest.mark.parametrize("version,tested,newer", [

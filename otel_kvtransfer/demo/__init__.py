@@ -113,7 +113,7 @@ def _setup_tracing(cfg: DemoConfig, span_file: str):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
+    from otel_kvtransfer.building.file_exporter import OtlpJsonFileSpanExporter
 
     resource = Resource.create({"service.name": "kv-prefill"})
     tracer_provider = TracerProvider(resource=resource)
@@ -313,9 +313,9 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     # pylint: disable=import-outside-toplevel
     import numpy as np
 
-    from otel_kvtransfer import integration as kvt
-    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
     from otel_kvtransfer.demo.loopback import digest
+    from otel_kvtransfer.recording import integration as kvt
+    from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
     if cfg.engine == "nixl":
         from otel_kvtransfer.demo.nixl_loopback import Receiver, open_engine

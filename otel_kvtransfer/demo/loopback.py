@@ -60,8 +60,8 @@ def _decode_side_tracing(span_file: str, service_name: str):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
-    from otel_kvtransfer.instrumentor import KVTransferInstrumentor
+    from otel_kvtransfer.building.file_exporter import OtlpJsonFileSpanExporter
+    from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(span_file)))
@@ -93,7 +93,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
 def serve_requests(conn, buffer, backend: str, provider, extra=None) -> None:
     """A receiver child's message loop, until "stop" or the parent goes away: checksums and fills of its buffer,
     and the decode side's receive spans. `extra` maps more message names to functions giving the reply."""
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording import integration  # pylint: disable=import-outside-toplevel
 
     while True:
         try:

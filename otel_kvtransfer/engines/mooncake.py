@@ -13,11 +13,19 @@ from time import time_ns
 
 import wrapt
 
-from otel_kvtransfer import inflight, integration, semconv
-from otel_kvtransfer.patching import SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, Patcher, active, current_context, own_error
-from otel_kvtransfer.pending import PendingTransfers
-from otel_kvtransfer.records import SEND
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import inflight, integration
+from otel_kvtransfer.recording.patching import (
+    SUPPRESS_KEY,
+    SUPPRESS_KEY_PLAIN,
+    Patcher,
+    active,
+    current_context,
+    own_error,
+)
+from otel_kvtransfer.recording.pending import PendingTransfers
+from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.records import SEND
 
 _logger = logging.getLogger(__name__)
 

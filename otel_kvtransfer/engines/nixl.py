@@ -19,10 +19,10 @@ from typing import Optional
 
 import wrapt
 
-from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
-from otel_kvtransfer.patching import Patcher, active, own_error
-from otel_kvtransfer.pending import PendingTransfers
+from otel_kvtransfer.recording import integration as kvt
+from otel_kvtransfer.recording.patching import Patcher, active, own_error
+from otel_kvtransfer.recording.pending import PendingTransfers
 
 _logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Offline tools for span files: read them (`spanfile`), group them into requests with the figures of
-`otel_kvtransfer.aggregate` (`requests`), and show them (`summarize`, `timeline`, `perfetto`); `cli` is the
+`otel_kvtransfer.building.aggregate` (`requests`), and show them (`summarize`, `timeline`, `perfetto`); `cli` is the
 `otel-kvtransfer` command.
 
 Nothing here is imported by the instrumentation; these modules import only `semconv`, `aggregate` and the span
-file encoding of `otel_kvtransfer.file_exporter` from the core.
+file encoding of `otel_kvtransfer.building.file_exporter` from the core.
 """

@@ -7,7 +7,7 @@ write them); sends outside any request span (raw engine calls) group by their pa
 ``kv_transfer.serve`` for a pull) join the requests of the same (trace, request key), falling back to the
 bootstrap room of older files, then to the trace.
 
-Every figure comes from `otel_kvtransfer.aggregate`, the rules the span builder uses: a request span that carries
+Every figure comes from `otel_kvtransfer.building.aggregate`, the rules the span builder uses: a request span that carries
 its aggregates is shown as it is; otherwise `RequestAggregate` computes them from the children.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from array import array
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from otel_kvtransfer import aggregate
 from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools.spanfile import Span
 
 PEER_SPANS = (sc.SPAN_RECEIVE, sc.SPAN_SERVE)

@@ -42,7 +42,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.file_exporter import MAX_LINE, ids_from_hex
+from otel_kvtransfer.building.file_exporter import MAX_LINE, ids_from_hex
 from otel_kvtransfer.tools.source import SourceError, SpanSource, open_source
 from otel_kvtransfer.tools.text import bounded
 

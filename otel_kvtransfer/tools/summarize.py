@@ -17,7 +17,7 @@ import json
 import math
 from typing import Optional, Sequence, TextIO
 
-from otel_kvtransfer import aggregate
+from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, label
 
 QUANTILES = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90), ("p99", 0.99))

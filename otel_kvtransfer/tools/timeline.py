@@ -31,8 +31,8 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from otel_kvtransfer import aggregate
 from otel_kvtransfer import semconv as sc
+from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools.lanes import pack
 from otel_kvtransfer.tools.output import atomic_output, staged_outputs
 from otel_kvtransfer.tools.requests import Request, engine_label, send_bytes, send_throughput

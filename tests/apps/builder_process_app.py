@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from otel_kvtransfer import KVTransferInstrumentor, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.demo.loopback import Receiver, open_engine
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 SIZE = 4096
 

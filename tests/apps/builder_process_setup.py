@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.file_exporter import OtlpJsonFileSpanExporter
+from otel_kvtransfer.building.file_exporter import OtlpJsonFileSpanExporter
 
 
 def setup():

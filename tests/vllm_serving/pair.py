@@ -77,7 +77,7 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
 
 def _has_file_exporter() -> bool:
     try:
-        import otel_kvtransfer.file_exporter  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        import otel_kvtransfer.building.file_exporter  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     except Exception:  # pylint: disable=broad-except
         return False
     return True

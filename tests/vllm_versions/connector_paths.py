@@ -30,6 +30,8 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 # pylint: disable=wrong-import-position,protected-access,too-many-locals,too-many-statements
+from importlib import metadata as dist_metadata
+
 import msgspec
 import numpy as np
 import zmq
@@ -40,8 +42,6 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-from importlib import metadata as dist_metadata
 
 V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 TIMEOUT_S = 20.0
@@ -135,7 +135,7 @@ def events(reader) -> dict:
 
 def spans(exporter, tracer_provider) -> list:
     tracer_provider.force_flush()
-    from otel_kvtransfer.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
 
     RECORDER.drain(5)
     tracer_provider.force_flush()

@@ -18,8 +18,8 @@ What is wrapped, and why there (sglang 0.5.23):
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """
 
-from otel_kvtransfer.activation import FrameworkHooks
 from otel_kvtransfer.frameworks.sglang.common import FRAMEWORK, patcher
+from otel_kvtransfer.wiring.activation import FrameworkHooks
 
 
 def _patches():

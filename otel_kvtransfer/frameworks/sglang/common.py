@@ -5,7 +5,7 @@ from typing import Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.engines import mooncake, nixl
-from otel_kvtransfer.patching import Patcher
+from otel_kvtransfer.recording.patching import Patcher
 
 FRAMEWORK = "sglang"
 RID = "sglang.rid"

@@ -7,9 +7,9 @@ by room (DESIGN), or goes under sglang's own request span when sglang's tracing 
 
 import threading
 
-from otel_kvtransfer import integration
 from otel_kvtransfer.frameworks.sglang import common
-from otel_kvtransfer.patching import active, own_error, remember_argument
+from otel_kvtransfer.recording import integration
+from otel_kvtransfer.recording.patching import active, own_error, remember_argument
 
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
 _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sglang's tracing is on

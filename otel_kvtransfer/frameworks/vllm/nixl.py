@@ -24,10 +24,10 @@ Push mode (`NixlPushConnectorWorker`, prefill writes) is not instrumented at the
 still become raw `kv_transfer.send` spans through the NIXL engine module.
 """
 
-from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import common, events
-from otel_kvtransfer.patching import active, observe_call, own_error
+from otel_kvtransfer.recording import integration as kvt
+from otel_kvtransfer.recording.patching import active, observe_call, own_error
 
 BACKEND = "nixl"
 PULL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"

@@ -5,10 +5,10 @@ vLLM calls `load_general_plugins()` in every process that matters (API server, e
 `opentelemetry-instrument`. Under `opentelemetry-instrument` the instrumentor is already on and nothing happens
 twice. `OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=kv_transfer` switches it off here too (`VLLM_PLUGINS` can keep vLLM
 from loading it at all). With no SDK configured yet, one is configured from the standard OTEL_* variables
-(otel_kvtransfer.activation, shared by every framework's plugin).
+(otel_kvtransfer.wiring.activation, shared by every framework's plugin).
 """
 
-from otel_kvtransfer.activation import ENTRY_POINT_NAME, activate_plugin, is_disabled
+from otel_kvtransfer.wiring.activation import ENTRY_POINT_NAME, activate_plugin, is_disabled
 
 FRAMEWORK_NAME = "vllm"
 

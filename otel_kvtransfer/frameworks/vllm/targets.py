@@ -6,7 +6,7 @@ attribute it reads from vLLM's objects. `optional` marks what only newer release
 the wrappers do not see that path, and nothing else changes.
 """
 
-from otel_kvtransfer.targets import Target
+from otel_kvtransfer.wiring.targets import Target
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 MOONCAKE = f"{_V1}.mooncake.mooncake_connector"

@@ -26,11 +26,14 @@ import time
 
 from opentelemetry import metrics, trace
 
-from otel_kvtransfer import config, offload, semconv, wire
-from otel_kvtransfer.recorder import log_own_error
+from otel_kvtransfer import config, registry, semconv
+from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
+from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
+from otel_kvtransfer.recording import offload, wire
+from otel_kvtransfer.recording.recorder import log_own_error
 from otel_kvtransfer.version import __version__
 
-_logger = logging.getLogger("otel_kvtransfer.helper_process")
+_logger = logging.getLogger("otel_kvtransfer.building.helper_process")  # run as __main__
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
@@ -40,8 +43,6 @@ def _set_up_sdk() -> None:
         module, _, function = setup.partition(":")
         getattr(importlib.import_module(module), function or "setup")()
         return
-    from otel_kvtransfer.activation import configure_sdk_if_absent  # pylint: disable=import-outside-toplevel
-
     configure_sdk_if_absent("the builder process")
 
 
@@ -119,18 +120,15 @@ class _Flusher:
 
 class Helper:
     def __init__(self, acks: _Acks):
-        from otel_kvtransfer.instrumentor import (  # pylint: disable=import-outside-toplevel
-            ENGINES, _Attachment, _load, drop_counter, new_builder)
-
         self._acks = acks
         self.settings = config.load()
         self.tracer_provider = trace.get_tracer_provider()
         self.meter_provider = metrics.get_meter_provider()
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, self.tracer_provider)
-        self._attachment = _Attachment(self.meter_provider, self.settings.pipeline, self.settings.max_peers)
+        self._attachment = Attachment(self.meter_provider, self.settings.pipeline, self.settings.max_peers)
         self._attachment.attach(tracer, self.tracer_provider, flush_first=False)
         self.drop = drop_counter(self.meter_provider)  # drop(reason, count)
-        self.builder = new_builder(self._attachment, self.settings, _load(ENGINES), on_drop=self.drop,
+        self.builder = new_builder(self._attachment, self.settings, registry.load(registry.ENGINES), on_drop=self.drop,
                                    meter_provider=self.meter_provider)
         self.flusher = _Flusher((self.tracer_provider, self.meter_provider), acks)
         self._unknown_logged = False

@@ -14,13 +14,12 @@ original encoder. tests/test_span_encoding.py decodes both encoders' output and 
 import logging
 import struct
 import sys
+from itertools import islice
 
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
-from itertools import islice
-
-from otel_kvtransfer.direct_spans import _UNSET as _UNSET_STATUS
-from otel_kvtransfer.direct_spans import KVSpan, SendAttributes
+from otel_kvtransfer.building.direct_spans import _UNSET as _UNSET_STATUS
+from otel_kvtransfer.building.direct_spans import KVSpan, SendAttributes
 
 _logger = logging.getLogger(__name__)
 
@@ -121,8 +120,7 @@ class _Pieces:
         if cached is not None and cached[0] is resource and cached[1] is scope:
             return cached[2], cached[3]
         # pylint: disable=import-outside-toplevel
-        from opentelemetry.exporter.otlp.proto.common._internal import (_encode_instrumentation_scope,
-                                                                        _encode_resource)
+        from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
         resource_part = ResourceSpans(resource=_encode_resource(resource),

@@ -9,7 +9,7 @@ to load the instrumentor only where one of them is installed; tests/test_packagi
 engine and framework modules are importable.
 
 Minimum versions only: which framework releases are instrumented is the framework gate's decision
-(otel_kvtransfer.activation: the declared range, and past it the check of every patch target as its module
+(otel_kvtransfer.wiring.activation: the declared range, and past it the check of every patch target as its module
 loads). An upper bound here would keep `opentelemetry-instrument` from loading the instrumentor on a newer
 release before that check could say yes.
 """

@@ -14,7 +14,8 @@ from opentelemetry import metrics, trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import NonRecordingSpan, StatusCode
 
-from otel_kvtransfer import kvmetrics, semconv
+from otel_kvtransfer import semconv
+from otel_kvtransfer.building import kvmetrics
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)

@@ -10,9 +10,10 @@ is counted as dropped, never lost silently.
 from time import time_ns
 from typing import Any, Hashable, Optional
 
-from otel_kvtransfer import inflight, integration, semconv
-from otel_kvtransfer.records import INFO_KEY, SEND
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import inflight, integration
+from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.records import INFO_KEY, SEND
 
 
 class PendingTransfers:

@@ -14,7 +14,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import get_current_span
 
-from otel_kvtransfer.stitching import is_synthetic
+from otel_kvtransfer.building.stitching import is_synthetic
 
 _ROOT = Context()
 

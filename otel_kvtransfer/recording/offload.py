@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otel_kvtransfer import semconv, wire
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import wire
 
 _logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 SAFE_PATH = ("import sys\n"
              "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
              "if sys.argv[1] not in sys.path:\n    sys.path.append(sys.argv[1])\n")
-_BOOTSTRAP = SAFE_PATH + "from otel_kvtransfer.helper_process import main\nmain()\n"
+_BOOTSTRAP = SAFE_PATH + "from otel_kvtransfer.building.helper_process import main\nmain()\n"
 
 
 def unavailable_reason() -> Optional[str]:

@@ -20,8 +20,17 @@ import weakref
 from bisect import bisect_left
 from typing import Dict, List, Optional, Tuple
 
-from opentelemetry.sdk.metrics.export import (AggregationTemporality, Histogram, HistogramDataPoint, Metric,
-                                              MetricsData, NumberDataPoint, ResourceMetrics, ScopeMetrics, Sum)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricsData,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+    Sum,
+)
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_kvtransfer import semconv

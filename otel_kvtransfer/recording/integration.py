@@ -4,7 +4,7 @@ over the calls it timed.
 Every function here is cheap (it appends one tuple to the recorder's queue) and never raises into the caller:
 bad input is counted as dropped (`api_error`) and ignored.
 
-    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.recording import integration as kvt
 
     kvt.begin_request(key, backend="<engine>", framework="<framework>")   # initiator: first enqueue/bootstrap
     scope = kvt.transfer_scope(key, chunk_index=0, payload="kv", destination_index=0, replica_factor=2)
@@ -34,9 +34,9 @@ from typing import Iterable, Optional
 from opentelemetry.context import Context
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.patching import current_context
-from otel_kvtransfer.records import BEGIN_PEER, BEGIN_REQUEST, COMPUTE, END_PEER, END_REQUEST, SEND
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.patching import current_context
+from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.records import BEGIN_PEER, BEGIN_REQUEST, COMPUTE, END_PEER, END_REQUEST, SEND
 
 _logger = logging.getLogger(__name__)
 

@@ -13,14 +13,13 @@ import time
 from typing import Optional
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.sampling import (ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler,
-                                              TraceIdRatioBased)
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler, TraceIdRatioBased
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from otel_kvtransfer.sampler import RecordUnsampledSampler
-from otel_kvtransfer.stitching import is_synthetic
+from otel_kvtransfer.building.sampler import RecordUnsampledSampler
+from otel_kvtransfer.building.stitching import is_synthetic
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)

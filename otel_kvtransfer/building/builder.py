@@ -14,13 +14,13 @@ from typing import Callable, Dict, Optional
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from otel_kvtransfer import records as r
 from otel_kvtransfer import semconv
-from otel_kvtransfer.aggregate import FIGURE_ATTRIBUTES, RequestAggregate, span_figures, throughput
-from otel_kvtransfer.direct_spans import SendAttributes, span_context_of
-from otel_kvtransfer.kvmetrics import NO_METRICS
-from otel_kvtransfer.sdk_spans import SdkSpans
-from otel_kvtransfer.stitching import key_parent_span_context
+from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, RequestAggregate, span_figures, throughput
+from otel_kvtransfer.building.direct_spans import SendAttributes, span_context_of
+from otel_kvtransfer.building.kvmetrics import NO_METRICS
+from otel_kvtransfer.building.sdk_spans import SdkSpans
+from otel_kvtransfer.building.stitching import key_parent_span_context
+from otel_kvtransfer.recording import records as r
 
 # backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
 PeerParser = Callable[[object], dict]

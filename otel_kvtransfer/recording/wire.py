@@ -25,7 +25,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-
 # Frame kinds: every payload is (kind, ...). The helper writes each frame's sequence (from the header) back, an
 # ACK, once it has handled it, in order; a FLUSH frame's sequence comes back a second time, with FLUSHED set, once
 # the helper's providers have flushed (on a thread of its own: its frame loop never waits for an exporter).

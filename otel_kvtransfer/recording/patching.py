@@ -15,7 +15,7 @@ import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry.instrumentation import utils as otel_utils
 
-from otel_kvtransfer.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
 _MARK = "__otel_kvtransfer__"

@@ -5,7 +5,7 @@ Every framework package does the same three things, so they live here once:
   and nothing patched; inside the declared (tested) range, or past it, each of the framework's modules is patched
   now if it is imported, else the moment it is (wrapt post-import hooks, registered once per process because
   wrapt keeps them forever; they consult the on/off state). Past the range it says so once. Before a module is
-  patched, what the wrappers need from it (otel_kvtransfer.targets: classes, methods, parameters, attributes) is
+  patched, what the wrappers need from it (otel_kvtransfer.wiring.targets: classes, methods, parameters, attributes) is
   checked; when anything is missing, one warning names it and nothing of that framework stays patched.
 - `activate_plugin()` is what a framework's plugin entry point calls in every process the framework starts: it
   respects OTEL_PYTHON_DISABLED_INSTRUMENTATIONS, sets up the SDK from the standard OTEL_* variables when nobody
@@ -18,7 +18,8 @@ import sys
 from importlib import metadata
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
-from otel_kvtransfer.patching import own_error
+from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
+from otel_kvtransfer.recording.patching import own_error
 
 _logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class FrameworkHooks:
         """The module has what the wrappers read; on the first miss the whole framework is unpatched."""
         if module_name in self._checked:
             return self._checked[module_name]
-        from otel_kvtransfer import targets as checks  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.wiring import targets as checks  # pylint: disable=import-outside-toplevel
 
         try:
             wanted = checks.required((self._targets() if self._targets else {}).get(module_name, ()))
@@ -174,35 +175,12 @@ def is_disabled() -> bool:
     return ENTRY_POINT_NAME in wanted or "*" in wanted
 
 
-NO_EXPORTER_MESSAGE = (
-    "otel_kvtransfer: instrumenting %s, but no OpenTelemetry exporter is configured, so its spans and metrics go "
-    "nowhere; set OTEL_TRACES_EXPORTER=otlp (with OTEL_EXPORTER_OTLP_ENDPOINT) or OTEL_TRACES_EXPORTER=kvtransfer_file "
-    "(with OTEL_KVTRANSFER_SPAN_FILE=PATH), and OTEL_METRICS_EXPORTER, or start the server under "
-    "opentelemetry-instrument")
-
-
-def configure_sdk_if_absent(framework: str) -> None:
-    """Set up the SDK from the standard OTEL_* variables when nobody has; say so when that means 'nowhere'."""
-    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
-
-    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        return  # opentelemetry-instrument or the application already set one up
-    if not os.environ.get("OTEL_TRACES_EXPORTER") and not os.environ.get("OTEL_METRICS_EXPORTER"):
-        _logger.warning(NO_EXPORTER_MESSAGE, framework)
-        return  # nothing asked for: do not invent an exporter
-    try:
-        from opentelemetry.distro import OpenTelemetryConfigurator as Configurator  # pylint: disable=C0415
-    except ImportError:
-        from opentelemetry.sdk._configuration import _OTelSDKConfigurator as Configurator  # pylint: disable=C0415
-    Configurator().configure()
-
-
 def activate_plugin(framework: str) -> None:
     """What a framework's plugin entry point does; never raises into the framework."""
     if is_disabled():
         return
     try:
-        from otel_kvtransfer.instrumentor import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
 
         instrumentor = KVTransferInstrumentor()
         if instrumentor.is_instrumented_by_opentelemetry:

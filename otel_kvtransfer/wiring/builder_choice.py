@@ -14,7 +14,8 @@ import logging
 import os
 from importlib.metadata import entry_points
 
-from otel_kvtransfer import config, offload
+from otel_kvtransfer import config
+from otel_kvtransfer.recording import offload
 
 _logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Callable, Dict, Optional
 
-from otel_kvtransfer import records as r
+from otel_kvtransfer.recording import records as r
 
 SCAN_INTERVAL_S = 1.0
 MAX_REPORTED = 65536  # ids of items already reported stuck, kept while they stay open

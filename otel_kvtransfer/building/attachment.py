@@ -1,0 +1,141 @@
+"""What the builder builds with, attached to an SDK: the span path (direct or through the SDK tracer), the metric
+tables or processor, and the builder assembled from them. The engine process (instrument()) and the builder
+process (helper_process) assemble it the same way, here.
+"""
+
+import logging
+from typing import Callable
+
+from opentelemetry import metrics
+
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer.building import span_encoding, stuck
+from otel_kvtransfer.building.builder import SpanBuilder
+from otel_kvtransfer.building.direct_spans import DirectSpans
+from otel_kvtransfer.building.kvmetrics import RecordMetrics, tables_for
+from otel_kvtransfer.building.processor import KVTransferMetricsProcessor
+from otel_kvtransfer.building.sampler import RecordUnsampledSampler
+from otel_kvtransfer.building.sdk_spans import SdkSpans
+from otel_kvtransfer.recording.recorder import RECORDER, FlushFirstSpanProcessor
+from otel_kvtransfer.version import __version__
+
+_logger = logging.getLogger(__name__)
+
+
+class Attachment:
+    """What instrument() attached to an SDK (sampler, processors), so uninstrument() can detach exactly that."""
+
+    def __init__(self, meter_provider, pipeline: str = "direct", max_peers: int = 64):
+        self._meter_provider = meter_provider
+        self._pipeline = pipeline
+        self._max_peers = max_peers
+        self.tracer = None
+        self._provider = None
+        self._original_sampler = None
+        self._processors = ()
+        self._direct = False
+        self._tables = None  # the direct path's metric tables (KVMetrics), once attached
+        self.spans = None  # what the builder builds with: DirectSpans or SdkSpans
+        self.metrics = None  # the direct path's RecordMetrics (None: a processor derives them)
+
+    def attach(self, tracer, provider, flush_first: bool = True) -> None:
+        """`flush_first`: drain this process's recorder when the provider flushes (not in the builder process,
+        whose records arrive on a pipe)."""
+        self.tracer = tracer
+        if not hasattr(provider, "add_span_processor"):
+            _logger.warning("otel_kvtransfer: the tracer provider is not the OpenTelemetry SDK's; spans are built "
+                            "but no metrics are derived from them")
+            self.spans = SdkSpans(tracer)
+            return
+        self._provider = provider
+        if self._pipeline == "direct" and is_sdk_tracer(tracer):
+            self.spans = DirectSpans(tracer)
+            self._direct = True
+            self.attach_metrics()
+            span_encoding.accelerate()
+            ours = ()
+        else:
+            if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
+                self._original_sampler = tracer.sampler
+                tracer.sampler = RecordUnsampledSampler(tracer.sampler)
+            self.spans = SdkSpans(tracer)
+            ours = (KVTransferMetricsProcessor(self._meter_provider, self._max_peers),)
+        if not flush_first:
+            self._processors = ours
+            for processor in ours:
+                provider.add_span_processor(processor)
+            return
+        flush_first = FlushFirstSpanProcessor(RECORDER)
+        self._processors = (flush_first,) + ours
+        for processor in self._processors:
+            provider.add_span_processor(processor)
+        # The SDK offers no "insert first" and no "remove": reorder its tuple so draining precedes exporting
+        # (tests/test_sdk_canary.py checks these private attributes on every SDK release we allow).
+        self._replace_processors(lambda current: (flush_first,) + tuple(p for p in current if p is not flush_first))
+
+    def attach_flush_only(self, provider, processor) -> None:
+        """The builder-process mode: this provider only needs its flush and shutdown to reach the helper."""
+        if hasattr(provider, "add_span_processor"):
+            self._provider = provider
+            self._processors = (processor,)
+            provider.add_span_processor(processor)
+
+    def attach_metrics(self) -> bool:
+        """The direct path's metric tables onto the MeterProvider's readers; False while there is no SDK
+        MeterProvider yet (retried on every tick)."""
+        if not self._direct or self._tables is not None:
+            return True
+        self._tables = tables_for(self._meter_provider or metrics.get_meter_provider())
+        if self._tables is not None:
+            self.metrics = RecordMetrics(self._tables, self._max_peers)
+            return True
+        return False
+
+    def tick(self) -> bool:
+        """True when the metric tables just got attached (the builder should take the new metrics)."""
+        return self._direct and self._tables is None and self.attach_metrics()
+
+    def detach(self) -> None:
+        if self._direct:
+            span_encoding.restore()
+        self._direct, self._tables, self.metrics = False, None, None
+        if self._processors and self._provider is not None:
+            ours = self._processors
+            self._replace_processors(lambda current: tuple(p for p in current if p not in ours))
+            for processor in ours:
+                if isinstance(processor, KVTransferMetricsProcessor):
+                    processor.enabled = False
+        if self._original_sampler is not None and self.tracer is not None:
+            self.tracer.sampler = self._original_sampler
+        self._processors, self._provider, self._original_sampler, self.tracer = (), None, None, None
+
+    def _replace_processors(self, change) -> None:
+        multi = self._provider._active_span_processor  # pylint: disable=protected-access
+        with multi._lock:  # pylint: disable=protected-access
+            multi._span_processors = change(multi._span_processors)  # pylint: disable=protected-access
+
+
+
+def drop_counter(meter_provider) -> Callable[[str, int], None]:
+    """`count(reason, n)`: adds to kv_transfer.instrumentation.dropped (here, and in the builder process)."""
+    counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
+        semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
+    return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
+
+
+def new_builder(attachment: "Attachment", settings: config.Settings, engines,
+                on_drop: Callable[[str, int], None], meter_provider=None) -> SpanBuilder:
+    """The span builder as both builders run it: what the attachment builds with, the settings' bounds, each
+    engine's peer parser, the stuck watch on the MeterProvider's instruments."""
+    return SpanBuilder(attachment.spans, settings.request_ttl_s, settings.max_open_requests,
+                       peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
+                       on_drop=on_drop, metrics=attachment.metrics,
+                       watch=stuck.OpenWatch(stuck.reporter_for(meter_provider), settings.stuck_s))
+
+
+def is_sdk_tracer(tracer) -> bool:
+    """An SDK tracer that is not switched off: what the direct path reads from it is there."""
+    return all(hasattr(tracer, name) for name in ("sampler", "id_generator", "span_processor", "resource",
+                                                   "_instrumentation_scope"))
+
+

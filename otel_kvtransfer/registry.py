@@ -1,0 +1,24 @@
+"""The backends the package knows, by module name: a new transfer engine is one module in `engines/` and a line in
+ENGINES, a new serving framework one package in `frameworks/` and a line in FRAMEWORKS. Loaded by name, so the
+code that loads them (the instrumentor, the builder process) depends on none of them.
+"""
+
+import importlib
+import logging
+
+_logger = logging.getLogger(__name__)
+
+# Each engine module exposes BACKEND, instrument() -> bool, uninstrument(), peer_attributes(peer);
+# each framework package FRAMEWORK, instrument() -> bool, uninstrument().
+ENGINES = ("otel_kvtransfer.engines.mooncake", "otel_kvtransfer.engines.nixl")
+FRAMEWORKS = ("otel_kvtransfer.frameworks.sglang", "otel_kvtransfer.frameworks.vllm")
+
+
+def load(names):
+    loaded = []
+    for name in names:
+        try:
+            loaded.append(importlib.import_module(name))
+        except Exception:  # pylint: disable=broad-except
+            _logger.warning("otel_kvtransfer: could not load %s", name, exc_info=True)
+    return loaded
