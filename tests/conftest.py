@@ -38,19 +38,15 @@ class Telemetry:
 
     def __init__(self, sampler=None):
         # pylint: disable=import-outside-toplevel
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from opentelemetry.test.test_base import TestBase
 
         from otel_kvtransfer import KVTransferInstrumentor
 
-        self.exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+        # opentelemetry-test-utils' providers: a SimpleSpanProcessor into an in-memory exporter, an in-memory
+        # metric reader. Handed to instrument() explicitly: the global providers stay untouched.
+        self.tracer_provider, self.exporter = TestBase.create_tracer_provider(**({"sampler": sampler} if sampler
+                                                                                 else {}))
+        self.meter_provider, self.reader = TestBase.create_meter_provider()
         self.instrumentor = KVTransferInstrumentor()
 
     def instrument(self):
@@ -137,3 +133,15 @@ def console_json_objects(text: str) -> list:
             continue
         found.append(obj)
         index = end
+
+
+def console_points(objects: list, name: str) -> list:
+    """(attributes, value) of every data point of metric `name` in console-exporter JSON `objects`, in order."""
+    found = []
+    for obj in objects:
+        for rm in obj.get("resource_metrics", []):
+            for sm in rm.get("scope_metrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] == name:
+                        found += [(p.get("attributes", {}), p.get("value")) for p in metric["data"]["data_points"]]
+    return found

@@ -8,25 +8,19 @@ background drain is set to run only once a minute, so nothing but the child's ex
 Everything runs inside `unshare --net` with loopback up: Mooncake's handshake listener binds all interfaces.
 """
 
-import importlib.util
 import json
 import multiprocessing
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import mooncake_importable, require_part
+from support import instrumented_app
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 ROOM = 424242  # the child's request key
 WRITES = 3
 SIZE = 256 << 10
 
 
-# --- the engine process (this file run as a script) --------------------------------------------------------
+# --- the engine process (run by instrumented_app) ---------------------------------------------------------
 
 
 def _child(session: str, base_address: int) -> None:
@@ -47,7 +41,7 @@ def _child(session: str, base_address: int) -> None:
     kvt.end_request(ROOM)
 
 
-def _engine_process(out_path: str) -> None:
+def engine_process(out_path: str) -> None:
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer.demo.loopback import Receiver, digest  # pylint: disable=import-outside-toplevel
@@ -67,22 +61,9 @@ def _engine_process(out_path: str) -> None:
 
 
 def _run(tmp_path, builder: str):
-    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
-    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
-    require_part(importlib.util.find_spec("opentelemetry.instrumentation.auto_instrumentation") is not None,
-                 "opentelemetry-instrumentation")
-    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OTEL_KVTRANSFER_BUILDER=builder, OTEL_TRACES_EXPORTER="kvtransfer_file",
-               OTEL_KVTRANSFER_SPAN_FILE=spans_path, OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
-               OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="60000", MC_FORCE_TCP="1", MC_LOG_LEVEL="ERROR")
-    script = f"ip link set lo up && exec {instrument} {sys.executable} {os.path.abspath(__file__)} {out_path}"
-    done = subprocess.run(["unshare", "--net", "sh", "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0 and os.path.exists(out_path), done.stderr[-3000:]
-    with open(out_path, encoding="utf-8") as handle:
-        outcome = json.load(handle)
+    _, outcome, spans_path = instrumented_app.run(
+        tmp_path, "test_fork_child", "engine_process", builder, timeout_s=300,
+        env={"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"})
     assert outcome["exitcode"] == 0 and outcome["arrived"], outcome
     # The engine process waits for its helpers at exit, not for its child's: the child's helper may still write.
     spans = _wait_for_spans(spans_path, WRITES + 1)
@@ -114,7 +95,3 @@ def test_a_forked_child_delivers_its_last_records(tmp_path, builder):
     assert all(s.parent_span_id == request.span_id for s in sends)
     assert request.attributes["kv_transfer.bytes"] == WRITES * SIZE
     assert not request.is_error
-
-
-if __name__ == "__main__":
-    _engine_process(sys.argv[1])

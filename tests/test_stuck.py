@@ -8,26 +8,21 @@ than the sockets buffer: the call hangs inside the engine). It waits 6 s, then l
 the write completes. Everything runs inside `unshare --net` with loopback up.
 """
 
-import importlib.util
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from conftest import console_json_objects, mooncake_importable, require_part
+from conftest import console_json_objects, console_points
+from support import instrumented_app
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 ROOM = 777001
 SIZE = 48 << 20
 
 
-def _engine_process(out_path: str) -> None:
+def engine_process(out_path: str) -> None:
     import numpy as np  # pylint: disable=import-outside-toplevel
     from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
 
@@ -64,25 +59,10 @@ def _engine_process(out_path: str) -> None:
 
 
 def _run(tmp_path, builder: str):
-    require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
-    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
-    require_part(importlib.util.find_spec("opentelemetry.instrumentation.auto_instrumentation") is not None,
-                 "opentelemetry-instrumentation")
-    instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
-    spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-               OTEL_KVTRANSFER_BUILDER=builder, OTEL_TRACES_EXPORTER="kvtransfer_file",
-               OTEL_KVTRANSFER_SPAN_FILE=spans_path, OTEL_METRICS_EXPORTER="console", OTEL_LOGS_EXPORTER="none",
-               OTEL_METRIC_EXPORT_INTERVAL="300", OTEL_KVTRANSFER_STUCK_S="1", MC_FORCE_TCP="1",
-               MC_LOG_LEVEL="ERROR", MC_TRANSFER_TIMEOUT="60")
-    script = (f"import sys; sys.path.insert(0, {HERE!r}); import test_stuck; "
-              f"test_stuck._engine_process({out_path!r})")
-    proc = subprocess.run(["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", instrument,
-                           sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
-                          check=False, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out_path, encoding="utf-8") as handle:
-        result = json.load(handle)
+    proc, result, spans_path = instrumented_app.run(
+        tmp_path, "test_stuck", "engine_process", builder, timeout_s=180, own_user=True,
+        env={"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_KVTRANSFER_STUCK_S": "1",
+             "MC_TRANSFER_TIMEOUT": "60"})
     spans = []
     with open(spans_path, encoding="utf-8") as handle:
         for line in handle:
@@ -96,18 +76,6 @@ def _attributes(span) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
 
 
-def _points(objects, name):
-    """(attributes, value) of every data point of metric `name` the console exporter printed, in order."""
-    found = []
-    for obj in objects:
-        for rm in obj.get("resource_metrics", []):
-            for sm in rm.get("scope_metrics", []):
-                for metric in sm.get("metrics", []):
-                    if metric["name"] == name:
-                        found += [(p.get("attributes", {}), p.get("value")) for p in metric["data"]["data_points"]]
-    return found
-
-
 @pytest.mark.parametrize("builder", ["thread", "process"])
 def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder):
     proc, result, spans = _run(tmp_path, builder)
@@ -116,11 +84,12 @@ def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_pat
     while_stuck = console_json_objects(before)
     # While it hung: the gauges saw one send in flight, at least 1 s old, and the counters one stuck send and
     # one stuck request (open 1 s+).
-    inflight = [v for a, v in _points(while_stuck, "kv_transfer.inflight") if a["kv_transfer.inflight.kind"] == "send"]
-    ages = [v for a, v in _points(while_stuck, "kv_transfer.inflight.oldest_age")
+    inflight = [v for a, v in console_points(while_stuck, "kv_transfer.inflight")
+                if a["kv_transfer.inflight.kind"] == "send"]
+    ages = [v for a, v in console_points(while_stuck, "kv_transfer.inflight.oldest_age")
             if a["kv_transfer.inflight.kind"] == "send"]
     assert 1 in inflight and max(ages) >= 1.0
-    stuck = {a["kv_transfer.inflight.kind"]: v for a, v in _points(while_stuck, "kv_transfer.stuck")}
+    stuck = {a["kv_transfer.inflight.kind"]: v for a, v in console_points(while_stuck, "kv_transfer.stuck")}
     assert stuck.get("send") == 1 and stuck.get("request") == 1
     # One line each in the log, naming the request key, the peer and the bytes.
     lines = [line for line in proc.stderr.splitlines() if "is stuck" in line]

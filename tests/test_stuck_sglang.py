@@ -27,7 +27,7 @@ import threading
 import time
 
 import pytest
-from conftest import console_json_objects, require_part
+from conftest import console_json_objects, console_points, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2
@@ -176,7 +176,7 @@ def frozen_run(tmp_path_factory):
         def request_open():
             read()
             return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
-                       for a, v in _points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
+                       for a, v in console_points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
 
         _wait(request_open, 300, "the prefill's request span to open")
         frozen = _scheduler_pids(deployment)
@@ -219,17 +219,6 @@ def frozen_run(tmp_path_factory):
         deployment.stop()
 
 
-def _points(objects, name) -> list:
-    found = []
-    for obj in objects:
-        for rm in obj.get("resource_metrics", []):
-            for sm in rm.get("scope_metrics", []):
-                for metric in sm.get("metrics", []):
-                    if metric["name"] == name:
-                        found += [(p.get("attributes", {}), p.get("value")) for p in metric["data"]["data_points"]]
-    return found
-
-
 def _stuck_lines(text: str, kind: str, room: str) -> list:
     """The stuck lines of one request (a health-check request slowed by the shared CPU may be reported too)."""
     return [line for line in text.splitlines() if re.search(rf"otel_kvtransfer: a {kind} open for \d+ s is stuck: "
@@ -249,12 +238,12 @@ def test_the_prefill_reports_its_request_and_send_stuck_while_the_decode_is_froz
     assert "peer 127.0.0.1:" in send_line
     assert int(re.search(r"bytes (\d+)", send_line).group(1)) == frozen_run["kv_bytes"]
     stuck = {a["kv_transfer.inflight.kind"]: (a, v) for a, v in
-             _points(console_json_objects(text), "kv_transfer.stuck")}
+             console_points(console_json_objects(text), "kv_transfer.stuck")}
     for kind in ("request", "send"):
         labels, value = stuck[kind]
         assert value == 1
         assert labels["kv_transfer.backend"] == "mooncake" and labels["kv_transfer.role"] == "prefill"
-    inflight = [v for a, v in _points(console_json_objects(text), "kv_transfer.inflight.oldest_age")
+    inflight = [v for a, v in console_points(console_json_objects(text), "kv_transfer.inflight.oldest_age")
                 if a["kv_transfer.inflight.kind"] == "send"]
     assert max(inflight) >= STUCK_S
 

@@ -1,0 +1,9 @@
+"""What the tests on real engines share, one module per concern.
+
+- netns: a process in a private network namespace with only loopback up (what binds all interfaces runs there);
+- instrumented_app: a test's own app under `opentelemetry-instrument`, inside such a namespace;
+- nixl_agents: NIXL agents kept out of the pytest process, and an initiator connected to a loopback receiver;
+- sglang_runs: the requests sent to a real SGLang deployment and the spans its servers wrote.
+
+The SGLang and vLLM deployments themselves live in tests/sglang_serving/ and tests/vllm_serving/.
+"""
