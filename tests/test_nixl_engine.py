@@ -5,23 +5,20 @@ The initiator agent is instrumented; the target agent lives in a spawned process
 notification messages that arrived. Each test asserts the exact bytes moved, the send span's attributes and, for
 failures, the ERROR status with error.type.
 
-No NIXL agent ever lives in the pytest process: NIXL 1.5.1's UCX backend crashes the interpreter at exit
-(SIGSEGV after all Python code has run) in any process that created an agent, which would turn a passing run
-into exit code 139. So the scenarios run in ONE child process (this file run as a script:
-`python tests/test_nixl_engine.py OUT.json`) that writes what it saw (spans, metric points, bytes checks) and
-leaves with os._exit; the tests below assert on that.
+No NIXL agent ever lives in the pytest process (tests/support/nixl_agents.py says why): the scenarios run in ONE
+child process (this file run as a script: `python tests/test_nixl_engine.py OUT.json`) that writes what it saw
+(spans, metric points, bytes checks) and leaves with os._exit; the tests below assert on that.
 """
 
-import importlib.util
-import json
+import functools
 import os
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
-from conftest import require_part
+from support import nixl_agents
+from support.nixl_agents import Initiator, result_of
 
 BLOCK = 64 << 10
 BLOCKS = 16
@@ -35,37 +32,6 @@ def scenario(function):
 
 
 # --- the child process -----------------------------------------------------------------------------------------
-
-
-class Initiator:
-    """A NIXL agent in the child with a registered source buffer, connected to `receiver`."""
-
-    def __init__(self, receiver):
-        import nixl._api as api  # pylint: disable=import-outside-toplevel
-        import numpy as np  # pylint: disable=import-outside-toplevel
-
-        from otel_kvtransfer.demo.nixl_loopback import _peers  # pylint: disable=import-outside-toplevel
-
-        self.agent = api.nixl_agent(f"kvt-test-{os.getpid()}-{time.monotonic_ns()}",
-                                    api.nixl_agent_config(backends=["UCX"]))
-        self.buffer = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
-        self.agent.register_memory(self.agent.get_reg_descs([(self.buffer.ctypes.data, SIZE, 0, "")], "DRAM"))
-        self.peer = self.agent.add_remote_agent(_peers[receiver.session])
-        self.receiver = receiver
-
-    def local_blocks(self):
-        return [(self.buffer.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)]
-
-    def remote_blocks(self):
-        return [(self.receiver.base_address + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)]
-
-    def wait(self, handle, timeout_s=30.0, post=True):
-        state = self.agent.transfer(handle) if post else "PROC"
-        deadline = time.monotonic() + timeout_s
-        while state == "PROC" and time.monotonic() < deadline:
-            time.sleep(0.001)
-            state = self.agent.check_xfer_state(handle)
-        return state
 
 
 def _digest(data):
@@ -93,7 +59,7 @@ def _telemetry():
 def prepped_write(receiver, _originals):
     tel = _telemetry()
     try:
-        init = Initiator(receiver)
+        init = Initiator(receiver, SIZE, BLOCK)
         receiver.notifications()  # start from an empty notification queue
         local = init.agent.prep_xfer_dlist("NIXL_INIT_AGENT", init.local_blocks(), "DRAM")
         remote = init.agent.prep_xfer_dlist(init.peer, init.remote_blocks(), "DRAM")
@@ -120,11 +86,10 @@ def read_in_scope(receiver, _originals):
 
     tel = _telemetry()
     try:
-        init = Initiator(receiver)
+        init = Initiator(receiver, SIZE, BLOCK)
         receiver.fill(7)
         kvt.begin_request("prefill-req-1", backend="nixl", framework="test", role="decode")
-        local = init.agent.get_xfer_descs(init.local_blocks()[:4], "DRAM")
-        remote = init.agent.get_xfer_descs(init.remote_blocks()[:4], "DRAM")
+        local, remote = init.descs(4)
         with kvt.transfer_scope("prefill-req-1", chunk_index=0, is_last_chunk=True):
             handle = init.agent.initialize_xfer("READ", local, remote, init.peer)
             init.agent.transfer(handle)
@@ -145,9 +110,8 @@ def peer_gone(_receiver, _originals):
     try:
         doomed = Receiver(SIZE)
         try:
-            init = Initiator(doomed)
-            local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
-            remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+            init = Initiator(doomed, SIZE, BLOCK)
+            local, remote = init.descs()
             handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
         finally:
             doomed.kill()  # the peer process is gone (SIGKILL) before the transfer is posted
@@ -165,9 +129,8 @@ def bounded(receiver, _originals):
     os.environ["OTEL_KVTRANSFER_MAX_PENDING_ASYNC"] = "1"  # read by instrument()
     tel = _telemetry()
     try:
-        init = Initiator(receiver)
-        local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
-        remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+        init = Initiator(receiver, SIZE, BLOCK)
+        local, remote = init.descs()
         handles = [init.agent.initialize_xfer("WRITE", local, remote, init.peer) for _ in range(3)]
         states = [init.agent.transfer(h) for h in handles]
         for handle in handles:
@@ -187,9 +150,8 @@ def uninstrumented(receiver, originals):
     wrapped = {name: api.nixl_agent.__dict__[name] is not original for name, original in originals.items()}
     tel.uninstrument()
     restored = {name: api.nixl_agent.__dict__[name] is original for name, original in originals.items()}
-    init = Initiator(receiver)  # and the agent still works, recording nothing
-    local = init.agent.get_xfer_descs(init.local_blocks()[:1], "DRAM")
-    remote = init.agent.get_xfer_descs(init.remote_blocks()[:1], "DRAM")
+    init = Initiator(receiver, SIZE, BLOCK)  # and the agent still works, recording nothing
+    local, remote = init.descs(1)
     state = init.wait(init.agent.initialize_xfer("WRITE", local, remote, init.peer))
     return dict(_seen(tel), wrapped=wrapped, restored=restored, state=state)
 
@@ -228,9 +190,8 @@ def freed_by_gc(receiver, _originals):
 
     tel = _telemetry()
     try:
-        init = Initiator(receiver)
-        local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
-        remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+        init = Initiator(receiver, SIZE, BLOCK)
+        local, remote = init.descs()
         states = []
         for _ in range(20):  # rounds of 3, until one had a handle still pending when dropped (a race it may win)
             for _ in range(3):
@@ -252,9 +213,8 @@ def address_reused(receiver, _originals):
     NIXL allocates at the same address: the first is counted as dropped, not overwritten silently."""
     tel = _telemetry()
     try:
-        init = Initiator(receiver)
-        local = init.agent.get_xfer_descs(init.local_blocks(), "DRAM")
-        remote = init.agent.get_xfer_descs(init.remote_blocks(), "DRAM")
+        init = Initiator(receiver, SIZE, BLOCK)
+        local, remote = init.descs()
         done_first = 0  # posts that finished inside transfer() itself: plain sends, then tried again
         for _ in range(20):  # a post still pending when transfer() returns is a race it may win
             first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
@@ -294,18 +254,10 @@ def _child(out_path: str) -> None:
     from otel_kvtransfer.demo.nixl_loopback import Receiver  # pylint: disable=import-outside-toplevel
 
     originals = {name: api.nixl_agent.__dict__[name] for name in ("transfer", "check_xfer_state", "make_prepped_xfer")}
-    results = {}
     with Receiver(SIZE) as receiver:
-        for name, function in SCENARIOS.items():
-            try:
-                results[name] = function(receiver, originals)
-            except Exception:  # pylint: disable=broad-except
-                results[name] = {"error": traceback.format_exc()[-3000:]}
-    with open(out_path, "w", encoding="utf-8") as handle:
-        json.dump(results, handle, default=str)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # pylint: disable=protected-access  # see the module docstring
+        results = nixl_agents.run_scenarios({name: functools.partial(function, receiver, originals)
+                                             for name, function in SCENARIOS.items()})
+    nixl_agents.leave(out_path, results)
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -313,21 +265,9 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    require_part(importlib.util.find_spec("nixl") is not None,
-                 "NIXL (pip install --no-deps -r scripts/requirements-nixl.txt)")
     out = str(tmp_path_factory.mktemp("nixl") / "outcomes.json")
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert done.returncode == 0 and os.path.exists(out), done.stderr[-3000:]
-    with open(out, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def _result(outcomes, name) -> dict:
-    result = outcomes[name]
-    assert "error" not in result, result.get("error")
-    return result
+    return nixl_agents.run_apart(__file__, out, env, timeout_s=600)
 
 
 def _named(result, name) -> list:
@@ -335,7 +275,7 @@ def _named(result, name) -> list:
 
 
 def test_prepped_write_is_one_send_with_its_bytes_peer_and_notification(outcomes):
-    result = _result(outcomes, "prepped_write")
+    result = result_of(outcomes, "prepped_write")
     assert result["state"] == "DONE"
     assert result["arrived"]  # the bytes arrived where they were sent
     assert result["notes"] == ["req-42:1"]
@@ -354,7 +294,7 @@ def test_prepped_write_is_one_send_with_its_bytes_peer_and_notification(outcomes
 
 
 def test_read_in_a_transfer_scope_belongs_to_its_request(outcomes):
-    result = _result(outcomes, "read_in_scope")
+    result = result_of(outcomes, "read_in_scope")
     assert result["state"] == "DONE"
     assert result["read_back"]  # READ brought the target's bytes here
     (send,) = _named(result, "kv_transfer.send")
@@ -370,7 +310,7 @@ def test_read_in_a_transfer_scope_belongs_to_its_request(outcomes):
 
 
 def test_transfer_to_a_peer_that_is_gone_is_a_failed_send(outcomes):
-    result = _result(outcomes, "peer_gone")
+    result = result_of(outcomes, "peer_gone")
     assert result["state"] == "ERR" or result["state"].startswith("raised")
     (send,) = _named(result, "kv_transfer.send")
     assert not send["ok"]
@@ -380,7 +320,7 @@ def test_transfer_to_a_peer_that_is_gone_is_a_failed_send(outcomes):
 
 
 def test_pending_handles_are_bounded_and_drops_counted(outcomes):
-    result = _result(outcomes, "bounded")
+    result = result_of(outcomes, "bounded")
     pending = sum(1 for state in result["states"] if state == "PROC")
     sends = _named(result, "kv_transfer.send")
     full = sum(p["value"] for p in result["metrics"].get("kv_transfer.instrumentation.dropped", [])
@@ -398,7 +338,7 @@ def _dropped(result, reason) -> int:
 def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
     """Every handle posted is one send even when only the garbage collector frees it; one still in progress
     then is a cancelled send, one already done a successful one."""
-    result = _result(outcomes, "freed_by_gc")
+    result = result_of(outcomes, "freed_by_gc")
     assert "PROC" in result["states"], result["states"]  # at least one was still pending when dropped
     sends = _named(result, "kv_transfer.send")
     assert len(sends) == len(result["states"]) >= 3
@@ -409,7 +349,7 @@ def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
 
 
 def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
-    result = _result(outcomes, "address_reused")
+    result = result_of(outcomes, "address_reused")
     assert result["reused"], "NIXL never handed the freed address out again"
     assert result["first_state"] == "PROC" and result["second_state"] == "DONE"
     sends = _named(result, "kv_transfer.send")
@@ -418,7 +358,7 @@ def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
 
 
 def test_uninstrument_restores_the_agent(outcomes):
-    result = _result(outcomes, "uninstrumented")
+    result = result_of(outcomes, "uninstrumented")
     assert all(result["wrapped"].values())
     assert all(result["restored"].values())
     assert result["state"] == "DONE"
@@ -427,7 +367,7 @@ def test_uninstrument_restores_the_agent(outcomes):
 
 def test_demo_loopback_engine_writes_are_sends_of_their_request(outcomes):
     """The NIXL loopback engine behind the demo's Mooncake-style calls: each call in a scope is one send."""
-    result = _result(outcomes, "demo_engine")
+    result = result_of(outcomes, "demo_engine")
     assert result["codes"] == [0, 0, 0]
     assert result["arrived"]
     (request,) = _named(result, "kv_transfer.request")
@@ -440,8 +380,7 @@ def test_demo_loopback_engine_writes_are_sends_of_their_request(outcomes):
 
 def test_instrument_never_imports_nixl_and_patches_it_on_import():
     """vLLM sets UCX variables before its first NIXL import; instrumenting first must not import NIXL early."""
-    require_part(importlib.util.find_spec("nixl") is not None,
-                 "NIXL (pip install --no-deps -r scripts/requirements-nixl.txt)")
+    nixl_agents.require_nixl()
     probe = (
         "import sys\n"
         "from otel_kvtransfer.engines import nixl as engine\n"

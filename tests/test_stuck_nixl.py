@@ -7,26 +7,22 @@ Receiver is the peer), UCX over TCP on the loopback device only (UCX_TLS=tcp,sel
 would write straight into the frozen peer's memory and nothing would ever wait), all inside `unshare --net`
 with loopback up. The initiator is instrumented with OTEL_KVTRANSFER_STUCK_S=1 and in-memory SDK readers.
 
-As in test_nixl_engine.py no NIXL agent lives in the pytest process (UCX crashes the interpreter at exit): this
-file run as a script is the initiator's process, writes what it saw to a JSON file and leaves with os._exit.
+No NIXL agent lives in the pytest process (tests/support/nixl_agents.py says why): this file run as a script is
+the initiator's process, writes what it saw to a JSON file and leaves with os._exit.
 """
 
-import importlib.util
-import json
+import functools
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
-import traceback
 
 import pytest
-from conftest import require_part
+from support import netns, nixl_agents
+from support.nixl_agents import Initiator, result_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SIZE = 64 << 20  # far more than the TCP socket buffers: the write cannot finish while the peer is frozen
 BLOCK = 1 << 20
 FROZEN_S = 4.0  # well past OTEL_KVTRANSFER_STUCK_S=1 and the watcher's 1 s scan
@@ -54,31 +50,22 @@ def _points(tel, name) -> list:
 
 def _scenario(end: str) -> dict:
     """Post a 64 MiB write to a frozen peer, poll it for FROZEN_S, then `end` it: resume or kill the peer."""
-    import nixl._api as api  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     from conftest import Telemetry  # pylint: disable=import-outside-toplevel
 
     from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.nixl_loopback import Receiver, _peers  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.nixl_loopback import Receiver  # pylint: disable=import-outside-toplevel
 
     lines = _Lines()
     logging.getLogger("otel_kvtransfer").addHandler(lines)
     tel = Telemetry().instrument()
     receiver = Receiver(SIZE)
     try:
-        agent = api.nixl_agent(f"kvt-stuck-{os.getpid()}-{end}", api.nixl_agent_config(backends=["UCX"]))
-        source = np.full(SIZE, 5, dtype=np.uint8)
-        agent.register_memory(agent.get_reg_descs([(source.ctypes.data, SIZE, 0, "")], "DRAM"))
-        peer = agent.add_remote_agent(_peers[receiver.session])
-        blocks = SIZE // BLOCK
-        local = agent.get_xfer_descs([(source.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(blocks)], "DRAM")
-        remote = agent.get_xfer_descs([(receiver.base_address + i * BLOCK, BLOCK, 0) for i in range(blocks)],
-                                      "DRAM")
+        init = Initiator(receiver, SIZE, BLOCK, buffer=np.full(SIZE, 5, dtype=np.uint8), name=f"kvt-stuck-{end}")
+        agent, peer, source = init.agent, init.peer, init.buffer
+        local, remote = init.descs()
         warm = agent.initialize_xfer("WRITE", local, remote, peer)  # connect first: the stuck write is the 2nd
-        state = agent.transfer(warm)
-        while state == "PROC":
-            time.sleep(0.001)
-            state = agent.check_xfer_state(warm)
+        assert init.wait(warm, timeout_s=60) == "DONE"
         agent.release_xfer_handle(warm)
         receiver.fill(0)
 
@@ -131,17 +118,8 @@ def _scenario(end: str) -> dict:
 
 def _child(out_path: str) -> None:
     sys.path.insert(0, HERE)
-    results = {}
-    for end in ("resume", "kill"):
-        try:
-            results[end] = _scenario(end)
-        except Exception:  # pylint: disable=broad-except
-            results[end] = {"error": traceback.format_exc()[-3000:]}
-    with open(out_path, "w", encoding="utf-8") as handle:
-        json.dump(results, handle, default=str)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # pylint: disable=protected-access  # see the module docstring
+    nixl_agents.leave(out_path, nixl_agents.run_scenarios({end: functools.partial(_scenario, end)
+                                                           for end in ("resume", "kill")}))
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -149,24 +127,10 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    require_part(importlib.util.find_spec("nixl") is not None,
-                 "NIXL (pip install --no-deps -r scripts/requirements-nixl.txt)")
-    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
     out = str(tmp_path_factory.mktemp("nixl-stuck") / "outcomes.json")
-    env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="tcp,self", OTEL_KVTRANSFER_STUCK_S="1",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run(["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable,
-                           os.path.abspath(__file__), out], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert done.returncode == 0 and os.path.exists(out), done.stderr[-3000:]
-    with open(out, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def _result(outcomes, end) -> dict:
-    result = outcomes[end]
-    assert "error" not in result, result.get("error")
-    return result
+    env = netns.with_pythonpath(dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="tcp,self",
+                                     OTEL_KVTRANSFER_STUCK_S="1"), netns.ROOT)
+    return nixl_agents.run_apart(__file__, out, env, timeout_s=300, private_net=True)
 
 
 def _stuck(points, kind) -> list:
@@ -197,7 +161,7 @@ def _request(result) -> dict:
 
 
 def test_a_write_to_a_frozen_peer_is_stuck_while_it_stays_proc_and_whole_when_the_peer_resumes(outcomes):
-    result = _result(outcomes, "resume")
+    result = result_of(outcomes, "resume")
     _assert_reported_while_frozen(result)
     assert result["final"] == "DONE" and result["arrived"]  # every byte landed once the peer went on
     request = _request(result)
@@ -217,7 +181,7 @@ def test_a_write_to_a_frozen_peer_is_stuck_while_it_stays_proc_and_whole_when_th
 def test_a_write_to_a_frozen_peer_that_is_then_killed_was_reported_stuck(outcomes):
     """UCX over TCP does not fail a write to a frozen peer (it stays PROC: that is what is reported), but fails it
     at once when the peer's process dies: NIXL's status call then raises nixlRemoteDisconnectError."""
-    result = _result(outcomes, "kill")
+    result = result_of(outcomes, "kill")
     _assert_reported_while_frozen(result)
     assert result["final"] in ("ERR", "raised nixlRemoteDisconnectError")
     kinds = sorted(e["attributes"]["kv_transfer.inflight.kind"] for e in _request(result)["events"]
@@ -228,7 +192,7 @@ def test_a_write_to_a_frozen_peer_that_is_then_killed_was_reported_stuck(outcome
 def test_a_write_whose_peer_died_is_one_failed_send(outcomes):
     """NIXL's status call raises nixlRemoteDisconnectError for a peer that died: the send ends failed, named
     after it (it once stayed pending until uninstrument counted it)."""
-    result = _result(outcomes, "kill")
+    result = result_of(outcomes, "kill")
     sends = [s for s in result["spans"] if s["name"] == "kv_transfer.send"
              and s["attributes"].get("kv_transfer.request_key") == ROOM]
     assert len(sends) == 1 and not sends[0]["ok"]

@@ -1,0 +1,104 @@
+"""NIXL agents for tests: kept out of the pytest process, and an initiator connected to a loopback receiver
+(otel_kvtransfer.demo.nixl_loopback's Receiver, a NIXL agent in a process of its own).
+
+NIXL 1.5.1's UCX backend crashes the interpreter at exit (SIGSEGV after all Python code has run) in any process
+that created an agent, which would turn a passing run into exit code 139. So a test module's agents live in ONE
+child process (the module run as a script) that runs its scenarios, writes what each saw to a JSON file and
+leaves with os._exit; the tests assert on that file.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+from conftest import require_part
+
+from support import netns
+
+
+def require_nixl() -> None:
+    require_part(importlib.util.find_spec("nixl") is not None,
+                 "NIXL (pip install --no-deps -r scripts/requirements-nixl.txt)")
+
+
+def run_apart(script: str, out_path: str, env: dict, timeout_s: float, private_net: bool = False) -> dict:
+    """Run `python script out_path` (in a private network namespace if asked) and return the JSON it wrote."""
+    require_nixl()
+    argv = [sys.executable, os.path.abspath(script), out_path]
+    if private_net:
+        netns.require_tools()
+        done = netns.run(argv, env, timeout_s, own_user=True)
+    else:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0 and os.path.exists(out_path), done.stderr[-3000:]
+    with open(out_path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def run_scenarios(scenarios: dict) -> dict:
+    """{name: what scenario() returned, or {"error": its traceback}}: one failing scenario fails only its tests."""
+    results = {}
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario()
+        except Exception:  # noqa: BLE001  the traceback goes to the tests, which fail on it
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+    return results
+
+
+def leave(out_path: str, results: dict) -> None:
+    """Write `results` for the tests and end the process before UCX's exit handlers can crash it."""
+    with open(out_path, "w", encoding="utf-8") as handle:
+        json.dump(results, handle, default=str)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def result_of(outcomes: dict, name: str) -> dict:
+    """One scenario's result; a scenario that raised fails the test with its traceback."""
+    result = outcomes[name]
+    assert "error" not in result, result.get("error")
+    return result
+
+
+class Initiator:
+    """A NIXL agent with a registered source buffer of `size` bytes in blocks of `block`, connected to
+    `receiver`."""
+
+    def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test"):
+        import nixl._api as api  # pylint: disable=import-outside-toplevel
+        import numpy as np  # pylint: disable=import-outside-toplevel
+
+        from otel_kvtransfer.demo.nixl_loopback import _peers  # pylint: disable=import-outside-toplevel
+
+        self.size, self.block, self.receiver = size, block, receiver
+        self.agent = api.nixl_agent(f"{name}-{os.getpid()}-{time.monotonic_ns()}",
+                                    api.nixl_agent_config(backends=["UCX"]))
+        self.buffer = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8) if buffer is None else buffer
+        self.agent.register_memory(self.agent.get_reg_descs([(self.buffer.ctypes.data, size, 0, "")], "DRAM"))
+        self.peer = self.agent.add_remote_agent(_peers[receiver.session])
+
+    def local_blocks(self):
+        return [(self.buffer.ctypes.data + i * self.block, self.block, 0) for i in range(self.size // self.block)]
+
+    def remote_blocks(self):
+        return [(self.receiver.base_address + i * self.block, self.block, 0) for i in range(self.size // self.block)]
+
+    def descs(self, blocks=None):
+        """(local, remote) transfer descriptor lists of the first `blocks` blocks (all by default)."""
+        return (self.agent.get_xfer_descs(self.local_blocks()[:blocks], "DRAM"),
+                self.agent.get_xfer_descs(self.remote_blocks()[:blocks], "DRAM"))
+
+    def wait(self, handle, timeout_s=30.0, post=True):
+        """Post `handle` (unless already posted) and poll it until it is no longer PROC, at most `timeout_s`."""
+        state = self.agent.transfer(handle) if post else "PROC"
+        deadline = time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.001)
+            state = self.agent.check_xfer_state(handle)
+        return state
