@@ -22,7 +22,7 @@ from otel_kvtransfer.recording import records as r
 
 
 def _begin(key):
-    return (r.BEGIN_REQUEST, key, 0, semconv.ROLE_PREFILL, "bench", None, None, None)  # records.REQ_* order
+    return r.begin_request(key, 0, semconv.ROLE_PREFILL, "bench", None, None, None)
 
 
 def _spread(samples_ns):

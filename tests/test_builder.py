@@ -111,7 +111,7 @@ def info(key, chunk=0, payload=semconv.PAYLOAD_KV, destination=0, replica=1, las
 
 def send(send_info, calls, context=None, error=None, scope_span=None):
     fields = {r.KIND: r.SEND, r.SEND_INFO: send_info, r.SEND_CALLS: calls, r.SEND_CONTEXT: context,
-              r.SEND_ERROR: error, r.SEND_SCOPE_SPAN: scope_span}
+              r.SEND_ERROR: error, r.SEND_SCOPE_TIMES: scope_span}
     return tuple(fields[i] for i in range(len(fields)))
 
 
@@ -133,7 +133,7 @@ def compute(keys, start, end, chunk=None):
 
 def begin_peer(key, start, name=semconv.SPAN_RECEIVE, role=semconv.ROLE_DECODE, framework="fw", attributes=None,
                parent=None):
-    fields = {r.KIND: r.BEGIN_PEER, r.KEY: key, r.TIME: start, r.PEER_NAME: name, r.PEER_ROLE: role,
+    fields = {r.KIND: r.BEGIN_PEER, r.KEY: key, r.TIME: start, r.PEER_SPAN_NAME: name, r.PEER_ROLE: role,
               r.PEER_BACKEND: ENGINE, r.PEER_FRAMEWORK: framework, r.PEER_ATTRIBUTES: attributes,
               r.PEER_PARENT: parent}
     return tuple(fields[i] for i in range(len(fields)))

@@ -220,7 +220,7 @@ class SpanBuilder:
                     failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
                     break
         else:  # a scope that failed before any engine call: its own time, taken on the engine thread
-            start, end = rec[r.SEND_SCOPE_SPAN]
+            start, end = rec[r.SEND_SCOPE_TIMES]
             first = None
             nbytes = descriptors = 0
         if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
@@ -340,7 +340,7 @@ class SpanBuilder:
         if key in self._peers:
             return
         self._make_room(self._peers, "peer_limit", self._end_evicted_peer)
-        span = self._start_top(rec[r.PEER_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
+        span = self._start_top(rec[r.PEER_SPAN_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
                                rec[r.PEER_FRAMEWORK], rec[r.PEER_ATTRIBUTES], rec[r.PEER_PARENT], rec[r.TIME])
         state = self._peers[key] = _OpenPeer(span, now, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
                                              (rec[r.PEER_ATTRIBUTES] or {}).get(semconv.EXPECTED_BYTES))

@@ -108,4 +108,4 @@ class Watcher:
         if not items and not self._last_count:
             return None
         self._last_count = len(items)
-        return (r.INFLIGHT, now_ns, len(items), oldest, stuck)
+        return r.inflight(now_ns, len(items), oldest, stuck)

@@ -34,9 +34,9 @@ from typing import Iterable, Optional
 from opentelemetry.context import Context
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.patching import current_context
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.recording.records import BEGIN_PEER, BEGIN_REQUEST, COMPUTE, END_PEER, END_REQUEST, SEND
 
 _logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _time(ns) -> int:
 
 # --- what engine modules use -----------------------------------------------------------------------------------
 
-class _PerThread(threading.local):
+class PerThread(threading.local):
     """Per thread: .scope, the TransferScope the engine calls of this thread belong to; .saved, the scopes it
     hides. The class default makes a thread that never entered a scope read None without a failed lookup."""
 
@@ -85,11 +85,14 @@ class _PerThread(threading.local):
         self.saved = []
 
 
-_thread = _PerThread()
+# This thread's transfer state. Engine wrappers bind it once and read `THREAD.scope` on their hot path (an
+# attribute read, no function call); everyone else calls current_scope().
+THREAD = PerThread()
+_thread = THREAD  # the old private name, until no engine module reads it
 
 
 def current_scope():
-    return _thread.scope
+    return THREAD.scope
 
 
 # The context a raw engine call (made outside any scope) is parented to: whatever is current on its thread.
@@ -99,11 +102,11 @@ capture_context = current_context
 def deliver(call: tuple, context: Optional[Context] = None) -> None:
     """A finished engine call (records.CALL_*): joins this thread's scope, else it is a raw send of its own,
     parented to `context` (the current one when not given)."""
-    scope = _thread.scope
+    scope = THREAD.scope
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
     elif RECORDER.active:  # a call that ends after uninstrument must not sit in a queue nobody drains
-        RECORDER.record((SEND, None, [call], current_context() if context is None else context, None, None))
+        RECORDER.record(records.send(None, [call], current_context() if context is None else context))
 
 
 # --- transfer scopes -------------------------------------------------------------------------------------------
@@ -149,7 +152,7 @@ class TransferScope:
         return self
 
     def __enter__(self) -> "TransferScope":
-        thread = _thread
+        thread = THREAD
         thread.saved.append(thread.scope)
         thread.scope = self
         with _DEPTH_LOCK:
@@ -160,7 +163,7 @@ class TransferScope:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            thread = _thread
+            thread = THREAD
             saved = thread.saved
             thread.scope = saved.pop() if saved else None
             if exc_type is not None and self.error_type is None:
@@ -178,8 +181,8 @@ class TransferScope:
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
-    def _emit(self, calls, error, span) -> None:
-        RECORDER.record((SEND, self.info, calls, None, error, span))
+    def _emit(self, calls, error, times) -> None:
+        RECORDER.record(records.send(self.info, calls, None, error, times))
 
 
 class SplitTransferScope(TransferScope):
@@ -191,18 +194,19 @@ class SplitTransferScope(TransferScope):
         super().__init__(None)
         self.shares = shares  # [(info, bytes, descriptors)]
 
-    def _emit(self, calls, error, span) -> None:
+    def _emit(self, calls, error, times) -> None:
         for info, nbytes, descriptors in self.shares:
             # The share's bytes ride on the first call; every call keeps its own times, peer and outcome.
             share_calls = [call[:2] + ((nbytes, descriptors) if i == 0 else (0, 0)) + call[4:]
                            for i, call in enumerate(calls)]
-            RECORDER.record((SEND, info, share_calls, None, error, span))
+            RECORDER.record(records.send(info, share_calls, None, error, times))
 
 
 def _info(key, chunk_index=0, payload=semconv.PAYLOAD_KV, destination_index=0, replica_factor=1,
           is_last_chunk=False, prefix_early_send=False, attributes=None) -> tuple:
-    return (_key(key), int(chunk_index), str(payload)[:32], int(destination_index), max(int(replica_factor), 1),
-            bool(is_last_chunk), bool(prefix_early_send), dict(attributes) if attributes else None)
+    return records.info(_key(key), int(chunk_index), str(payload)[:32], int(destination_index),
+                        max(int(replica_factor), 1), bool(is_last_chunk), bool(prefix_early_send),
+                        dict(attributes) if attributes else None)
 
 
 def transfer_scope(key=None, **keywords) -> TransferScope:
@@ -239,23 +243,24 @@ def begin_request(key, *, backend: str, framework: Optional[str] = None, role: s
                   start_ns: Optional[int] = None) -> None:
     """Open the initiator's `kv_transfer.request` of a request (no-op while one is open for it)."""
     if RECORDER.active:
-        RECORDER.record((BEGIN_REQUEST, _key(key), _time(start_ns), str(role), str(backend),
-                         framework and str(framework), dict(attributes) if attributes else None, parent))
+        RECORDER.record(records.begin_request(_key(key), _time(start_ns), str(role), str(backend),
+                                              framework and str(framework), dict(attributes) if attributes else None,
+                                              parent))
 
 
 @_never_raises
 def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:
-        RECORDER.record((END_REQUEST, _key(key), _time(end_ns), error_type and str(error_type)[:128]))
+        RECORDER.record(records.end_request(_key(key), _time(end_ns), error_type and str(error_type)[:128]))
 
 
 @_never_raises
 def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
     """A compute interval (time.time_ns clock) that served these requests."""
     if RECORDER.active:
-        RECORDER.record((COMPUTE, tuple(_key(k) for k in keys), int(start_ns), int(end_ns),
-                         None if chunk_index is None else int(chunk_index)))
+        RECORDER.record(records.compute(tuple(_key(k) for k in keys), int(start_ns), int(end_ns),
+                                        None if chunk_index is None else int(chunk_index)))
 
 
 def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes, parent, start_ns) -> None:
@@ -263,13 +268,13 @@ def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes,
         attrs = dict(attributes) if attributes else {}
         if expected_bytes is not None:
             attrs[semconv.EXPECTED_BYTES] = max(int(expected_bytes), 0)
-        RECORDER.record((BEGIN_PEER, _key(key), _time(start_ns), name, role, str(backend),
-                         framework and str(framework), attrs or None, parent))
+        RECORDER.record(records.begin_peer(_key(key), _time(start_ns), name, role, str(backend),
+                                           framework and str(framework), attrs or None, parent))
 
 
 def _end_peer(key, error_type, end_ns) -> None:
     if RECORDER.active:
-        RECORDER.record((END_PEER, _key(key), _time(end_ns), error_type and str(error_type)[:128]))
+        RECORDER.record(records.end_peer(_key(key), _time(end_ns), error_type and str(error_type)[:128]))
 
 
 @_never_raises

@@ -11,9 +11,8 @@ from time import time_ns
 from typing import Any, Hashable, Optional
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import inflight, integration
+from otel_kvtransfer.recording import inflight, integration, records
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.recording.records import INFO_KEY, SEND
 
 
 class PendingTransfers:
@@ -45,7 +44,7 @@ class PendingTransfers:
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
         for handle, entry in list(self._pending.items()):
             info = entry[7]
-            yield handle, (entry[0], info[INFO_KEY] if info else None, entry[4] if isinstance(entry[4], str)
+            yield handle, (entry[0], info[records.INFO_KEY] if info else None, entry[4] if isinstance(entry[4], str)
                            else None, entry[1], self.backend)
 
     def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str]) -> bool:
@@ -59,9 +58,9 @@ class PendingTransfers:
         end = time_ns()
         uncertainty = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
         extra = {**extra, **uncertainty} if extra else uncertainty
-        call = (start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type, self.backend,
-                extra)
-        RECORDER.record((SEND, info, [call], context, None, None))
+        call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
+                            self.backend, extra)
+        RECORDER.record(records.send(info, [call], context))
         return True
 
     def forget(self, handle: Hashable) -> None:

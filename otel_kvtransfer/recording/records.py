@@ -1,9 +1,10 @@
 """The records the hot path hands to the span builder: their kinds and named field positions.
 
-A record is a plain tuple (the cheapest thing to build on an engine thread); this module is the one place that
-says what each position means. Producers build them through `integration` and the engine modules; only
-`builder` reads them. The backend (and, for framework records, the framework) travels in every record, so the
-core never assumes an engine.
+A record is a plain tuple (the cheapest thing to build on an engine thread, and to pickle to the builder
+process); this module is the one place that says what each position means, and each kind's constructor sits
+next to its positions. Producers build records with those constructors (through `integration`, `pending` and
+the engine modules); only the builder reads them. The backend (and, for framework records, the framework)
+travels in every record, so the core never assumes an engine.
 """
 
 # Kinds: field 0 of every record.
@@ -16,12 +17,20 @@ END_PEER = 6
 INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
 KIND = 0
 
-# SEND: (SEND, info, calls, context, scope_error, scope_span)
+# The constructors below are plain functions that return the tuple, in the order of the positions above them:
+# no validation (the integration API bounds framework input before it gets here), no keyword-only overhead.
+
+# SEND: (SEND, info, calls, context, scope_error, scope_times)
 SEND_INFO = 1  # a transfer-scope info tuple (below), or None for a raw engine call
 SEND_CALLS = 2  # list of call tuples (below)
 SEND_CONTEXT = 3  # the context a raw engine call is parented to (None inside a scope)
 SEND_ERROR = 4  # error.type the scope itself set, or None
-SEND_SCOPE_SPAN = 5  # (enter_ns, exit_ns) of the scope: the send's time when it made no engine call
+SEND_SCOPE_TIMES = 5  # (enter_ns, exit_ns) of the scope, or None: the send's time when it made no engine call
+
+
+def send(info, calls, context=None, error=None, scope_times=None) -> tuple:
+    return (SEND, info, calls, context, error, scope_times)
+
 
 # Transfer-scope info: what a framework says a transfer is for.
 INFO_KEY = 0  # request key: int (a bootstrap room) or str
@@ -32,6 +41,11 @@ INFO_REPLICA = 4
 INFO_IS_LAST = 5
 INFO_EARLY = 6
 INFO_ATTRIBUTES = 7  # dict of extra span attributes (framework ids), or None
+
+
+def info(key, chunk, payload, destination, replica, is_last, early, attributes) -> tuple:
+    return (key, chunk, payload, destination, replica, is_last, early, attributes)
+
 
 # One engine call, as an engine wrapper times it.
 CALL_START = 0  # time_ns()
@@ -46,6 +60,11 @@ CALL_ERROR = 8  # error.type, or None on success
 CALL_BACKEND = 9  # kv_transfer.backend of the engine that made the call
 CALL_EXTRA = 10  # dict of extra send attributes from the engine (e.g. a notification), or None
 
+
+def call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra=None) -> tuple:
+    return (start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra)
+
+
 # BEGIN_REQUEST: (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)
 # BEGIN_PEER:    (BEGIN_PEER, key, start_ns, span_name, role, backend, framework, attributes, parent)
 KEY = 1
@@ -55,15 +74,33 @@ REQ_BACKEND = 4
 REQ_FRAMEWORK = 5
 REQ_ATTRIBUTES = 6  # dict: framework ids, gen_ai.request.model, expected bytes ...; or None
 REQ_PARENT = 7  # a real parent context (the engine's own request span), or None
-PEER_NAME = 3
+PEER_SPAN_NAME = 3  # the name of the peer's waiting span: semconv.SPAN_RECEIVE or SPAN_SERVE
 PEER_ROLE = 4
 PEER_BACKEND = 5
 PEER_FRAMEWORK = 6
 PEER_ATTRIBUTES = 7
 PEER_PARENT = 8
 
+
+def begin_request(key, start_ns, role, backend, framework, attributes, parent) -> tuple:
+    return (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)
+
+
+def begin_peer(key, start_ns, span_name, role, backend, framework, attributes, parent) -> tuple:
+    return (BEGIN_PEER, key, start_ns, span_name, role, backend, framework, attributes, parent)
+
+
 # END_REQUEST / END_PEER: (kind, key, end_ns, error_type)
 END_ERROR = 3
+
+
+def end_request(key, end_ns, error=None) -> tuple:
+    return (END_REQUEST, key, end_ns, error)
+
+
+def end_peer(key, end_ns, error=None) -> tuple:
+    return (END_PEER, key, end_ns, error)
+
 
 # INFLIGHT: (INFLIGHT, now_ns, open count, oldest start_ns or None, [(start_ns, key, peer, nbytes, backend), ...])
 # where the list holds the open sends that just became stuck (each reported once)
@@ -72,8 +109,17 @@ INFLIGHT_COUNT = 2
 INFLIGHT_OLDEST = 3
 INFLIGHT_STUCK = 4
 
+
+def inflight(now_ns, count, oldest, stuck) -> tuple:
+    return (INFLIGHT, now_ns, count, oldest, stuck)
+
+
 # COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index)
 COMPUTE_KEYS = 1
 COMPUTE_START = 2
 COMPUTE_END = 3
 COMPUTE_CHUNK = 4
+
+
+def compute(keys, start_ns, end_ns, chunk=None) -> tuple:
+    return (COMPUTE, keys, start_ns, end_ns, chunk)
