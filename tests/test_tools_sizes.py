@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from otel_kvtransfer.tools.cli import load
 from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.tools.reading import load
 from otel_kvtransfer.tools.spanfile import Span
 
 T0 = 1_700_000_000_000_000_000
@@ -72,7 +72,8 @@ def _request_spans(requests):
         yield _span(trace, req + 100, req, "kv_transfer.compute", 1, t, t + 4_000_000,
                     {"kv_transfer.request_key": key})
         yield _span(trace, req, 0, "kv_transfer.request", 1, t, t + 9_000_000,
-                    {**common, "kv_transfer.bytes": SENDS * SEND_BYTES, "kv_transfer.logical_bytes": SENDS * SEND_BYTES // 2,
+                    {**common, "kv_transfer.bytes": SENDS * SEND_BYTES,
+                     "kv_transfer.logical_bytes": SENDS * SEND_BYTES // 2,
                      "kv_transfer.transfer_count": SENDS, "kv_transfer.chunk_count": SENDS // 2,
                      "kv_transfer.replica_factor": 2, "kv_transfer.busy_s": 0.008,
                      "kv_transfer.throughput": SENDS * SEND_BYTES / 0.008})

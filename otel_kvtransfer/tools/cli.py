@@ -17,24 +17,19 @@ import argparse
 import math
 import os
 import sys
-from types import SimpleNamespace
 from typing import Optional
 
-PROG = "otel-kvtransfer"
+from otel_kvtransfer.tools.text import PROG, bounded
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (exit 2) instead of usage plus error."""
 
     def error(self, message):
-        from otel_kvtransfer.tools.text import bounded  # pylint: disable=import-outside-toplevel
-
         self.exit(2, f"{self.prog}: error: {bounded(message)}\n")
 
 
 def _error(message: str) -> int:
-    from otel_kvtransfer.tools.text import bounded  # pylint: disable=import-outside-toplevel
-
     sys.stderr.write(f"{PROG}: error: {bounded(message, 400)}\n")
     return 2
 
@@ -145,50 +140,6 @@ def _demo(argv) -> int:
 # --------------------------------------------------------------------------------------------------- span files
 
 
-def load(path: str, keys=None, since=None, until=None, max_requests: Optional[int] = None,
-         drawing: bool = False) -> SimpleNamespace:
-    """Read `path` as a stream into requests, select them, and (`drawing`) read it again to attach the spans
-    of the selected requests. Raises SpanFileError."""
-    # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.tools.requests import RequestSet, attach_children, select_requests
-    from otel_kvtransfer.tools.source import SourceError, open_source
-    from otel_kvtransfer.tools.spanfile import Skipped, SpanFileError, iter_spans, stderr_progress
-
-    try:
-        source = open_source(path)
-        if drawing:  # two passes: a pipe is copied once to a temporary file
-            spooled = source.spooled()
-            if spooled is not source:
-                source.close()
-            source = spooled
-    except SourceError as exc:
-        raise SpanFileError(path, None, str(exc)) from None
-    collected, skipped = RequestSet(), Skipped()
-    seen = {"bytes": None}
-
-    def progress(done, total, spans, report=stderr_progress(f"reading {path}")):
-        seen["bytes"] = done
-        report(done, total, spans)
-
-    try:
-        for span in iter_spans(source, progress=progress, skipped=skipped):
-            collected.add(span)
-        if skipped.count:
-            sys.stderr.write(f"{PROG}: warning: {skipped.message(path)}\n")
-        requests = collected.finish()
-        origin = min((r.start_ns for r in requests), default=None)
-        selected = select_requests(requests, keys=keys, since_s=since, until_s=until, origin_ns=origin)
-        shown = selected[:max_requests] if max_requests else selected
-        if drawing and shown:
-            attach_children(shown, iter_spans(source, progress=stderr_progress(f"drawing {path}"),
-                                              limit_bytes=seen["bytes"], skipped=Skipped()))
-    finally:
-        source.close()
-    return SimpleNamespace(requests=requests, selected=selected, shown=shown, origin=origin,
-                           throughputs=collected.throughputs, span_count=collected.span_count,
-                           regular=source.regular)
-
-
 def _filter_note(args, loaded) -> str:
     parts = []
     if args.keys:
@@ -205,7 +156,9 @@ def _filter_note(args, loaded) -> str:
 
 
 def run_timeline(args) -> int:
-    from otel_kvtransfer.tools.text import label  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.reading import load
+    from otel_kvtransfer.tools.text import label
 
     if args.page_size < 1:
         return _error("--page-size must be >= 1")
@@ -254,6 +207,7 @@ def run_timeline(args) -> int:
 
 def run_summarize(args) -> int:
     # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.summarize import format_text, summary_dict, write_json
     from otel_kvtransfer.tools.text import label
 

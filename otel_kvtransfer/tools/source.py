@@ -16,6 +16,8 @@ import sys
 import tempfile
 from typing import BinaryIO, Optional
 
+from otel_kvtransfer.tools.text import PROG
+
 FIFO_WAIT_S = 30.0  # how long a FIFO or pipe may stay silent before its first byte
 _NOTICE_AFTER_S = 1.0
 
@@ -111,7 +113,7 @@ def _wait_for_data(fd: int, name: str) -> None:
     poller.register(fd, select.POLLIN | select.POLLHUP)
     if poller.poll(_NOTICE_AFTER_S * 1000):
         return
-    sys.stderr.write(f"otel-kvtransfer: waiting for a writer on {name} (up to {FIFO_WAIT_S:g} s) ...\n")
+    sys.stderr.write(f"{PROG}: waiting for a writer on {name} (up to {FIFO_WAIT_S:g} s) ...\n")
     sys.stderr.flush()
     if not poller.poll(max(FIFO_WAIT_S - _NOTICE_AFTER_S, 0) * 1000):
         raise SourceError(f"a FIFO or pipe nobody wrote to in {FIFO_WAIT_S:g} s")

@@ -7,6 +7,8 @@ import math
 import re
 from typing import Any, Optional
 
+PROG = "otel-kvtransfer"  # the command, as its messages name it
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 

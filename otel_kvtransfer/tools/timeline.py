@@ -740,7 +740,7 @@ def write_timeline(requests: Sequence[Request], html_path: Optional[str] = None,
 
 def timeline_from_file(src: str, html_path: Optional[str] = None, png_path: Optional[str] = None) -> dict:
     """For the demo: read `src` and write the timeline beside it (or where told); returns the paths written."""
-    from otel_kvtransfer.tools.cli import load  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.reading import load  # pylint: disable=import-outside-toplevel
 
     stem = os.path.splitext(src)[0]
     loaded = load(src, drawing=True)
