@@ -267,6 +267,21 @@ def write_json(path: str, data: dict) -> None:
         handle.write("\n")
 
 
+def append_result(path: str, result: dict) -> None:
+    """Append one run to the JSON list kept in `path`; a missing or unreadable file starts a new list."""
+    runs = []
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                runs = json.load(handle)
+        except (OSError, ValueError):
+            runs = []
+    runs = (runs if isinstance(runs, list) else []) + [result]
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(runs, handle, indent=1)
+    print(f"appended to {path}")
+
+
 def main_wrapper(run):
     """`python bench/X.py [--quick] [--out FILE]`: run one benchmark and write (or print) its JSON."""
     import argparse  # pylint: disable=import-outside-toplevel

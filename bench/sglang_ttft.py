@@ -15,7 +15,6 @@ bench/results-sglang.json.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
-from common import machine  # noqa: E402  pylint: disable=wrong-import-position
+from common import append_result, machine  # noqa: E402  pylint: disable=wrong-import-position
 from sglang_serving import deployment as dep  # noqa: E402  pylint: disable=wrong-import-position
 
 RESULTS = os.path.join(HERE, "results-sglang.json")
@@ -93,17 +92,7 @@ def main(argv=None) -> int:
               f"min {s['min_ms']:.1f}  max {s['max_ms']:.1f}  stdev {s['stdev_ms']:.1f} ms  (n={s['n']})")
     print(f"median difference (with - without): {summary['median_difference_ms']:+.1f} ms")
     if not args.no_save:
-        runs = []
-        if os.path.exists(RESULTS):
-            try:
-                with open(RESULTS, encoding="utf-8") as handle:
-                    runs = json.load(handle)
-            except (OSError, ValueError):
-                runs = []
-        runs = (runs if isinstance(runs, list) else []) + [result]
-        with open(RESULTS, "w", encoding="utf-8") as handle:
-            json.dump(runs, handle, indent=1)
-        print(f"appended to {RESULTS}")
+        append_result(RESULTS, result)
     return 0
 
 
