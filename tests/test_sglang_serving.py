@@ -26,24 +26,18 @@ import time
 
 import pytest
 from conftest import IN_CI, require_part
+from support import sglang_runs
+from support.sglang_runs import COMPUTE, REQUEST, SEND, Run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-REQUEST, SEND, COMPUTE, RECEIVE = ("kv_transfer.request", "kv_transfer.send", "kv_transfer.compute",
-                                   "kv_transfer.receive")
 PROJECT = "kvt-sglang-serving"
 
 
 def _parts_ready():
-    import importlib.util  # pylint: disable=import-outside-toplevel
-
     from _observability_parts import phoenix_binary, prometheus_binary  # pylint: disable=import-outside-toplevel
 
-    have = {name: importlib.util.find_spec(name) is not None for name in ("sglang", "sglang_router", "uvicorn",
-                                                                           "mooncake")}
-    tools = all(shutil.which(t) for t in ("unshare", "nsenter", "ip"))
-    require_part(all(have.values()), f"sglang server, sglang-router, mooncake ({have})")
-    require_part(tools, "unshare/nsenter (util-linux) and ip (iproute2)")
+    sglang_runs.require_parts("mooncake")
     require_part(bool(phoenix_binary() and prometheus_binary()),
                  "Phoenix and Prometheus (bash scripts/setup-observability.sh)")
 
@@ -115,59 +109,6 @@ TRACEPARENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 REQUESTS = {"main": _main_requests, "traced": _traced_requests}
-
-
-class Run:
-    """The requests sent to one deployment, their answers, and the spans both servers wrote."""
-
-    def __init__(self, deployment, requests, results):
-        self.deployment = deployment
-        self.requests = requests
-        self.results = results
-        self.spans = []
-
-    def read_spans(self):
-        from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
-
-        spans = []
-        for role in ("prefill", "decode"):
-            path = self.deployment.span_file(role)
-            if os.path.exists(path):
-                spans += [(role, s) for s in read_spans(path)]
-        return spans
-
-    def wait_for_spans(self, timeout=60):
-        """Until every request has its request span and a decode receive, and with sglang's tracing on, their
-        parents (sglang's request spans end later, when the request finishes; the exporters batch every 0.5 s)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.spans = self.read_spans()
-            tops = [s for _, s in self.spans if s.name in (REQUEST, RECEIVE)]
-            rids = {s.attributes.get("sglang.rid") for s in tops if s.name == REQUEST}
-            receives = sum(1 for s in tops if s.name == RECEIVE)
-            ids = {s.span_id for _, s in self.spans}
-            parents = not self.deployment.enable_trace or all(s.parent_span_id in ids for s in tops)
-            if (all(r["rid"] in rids for r in self.requests) and receives >= len(self.requests) and parents) \
-                    or time.monotonic() > deadline:
-                return
-            time.sleep(1)
-
-    def named(self, name, role=None):
-        return [s for r, s in self.spans if s.name == name and (role is None or r == role)]
-
-    def request_of(self, rid):
-        found = [s for s in self.named(REQUEST) if s.attributes.get("sglang.rid") == rid]
-        assert len(found) == 1, (rid, len(found))
-        return found[0]
-
-    def children(self, span, name):
-        return [s for _, s in self.spans if s.name == name and s.parent_span_id == span.span_id
-                and s.trace_id == span.trace_id]
-
-    def receive_of(self, room):
-        found = [s for s in self.named(RECEIVE) if s.attributes.get("kv_transfer.bootstrap_room") == room]
-        assert len(found) == 1, (room, len(found))
-        return found[0]
 
 
 @pytest.fixture(scope="session")
@@ -386,7 +327,8 @@ def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced
 
     for role in ("prefill", "decode"):
         tree = {pid: psutil.Process(pid) for pid in traced_run.deployment.server_pids(role)}
-        helpers = {pid for pid, proc in tree.items() if "otel_kvtransfer.building.helper_process" in " ".join(proc.cmdline())}
+        helpers = {pid for pid, proc in tree.items()
+                   if "otel_kvtransfer.building.helper_process" in " ".join(proc.cmdline())}
         assert helpers, f"no builder process under the {role} server"
         ours = [s for r, s in traced_run.spans if r == role and s.name.startswith("kv_transfer.")]
         sglang_own = [s for r, s in traced_run.spans if r == role and not s.name.startswith("kv_transfer.")]

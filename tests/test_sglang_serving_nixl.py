@@ -12,25 +12,14 @@ bare NIXL sends), bytes exact against the model's formula, compute spans, and th
 same trace. One deployment for this module, a few requests (each start is 1-3 minutes here).
 """
 
-import importlib.util
 import os
 import shutil
 import tempfile
-import time
 
 import pytest
-from conftest import IN_CI, require_part
-
-REQUEST, SEND, COMPUTE, RECEIVE = ("kv_transfer.request", "kv_transfer.send", "kv_transfer.compute",
-                                   "kv_transfer.receive")
-
-
-def _parts_ready():
-    have = {name: importlib.util.find_spec(name) is not None for name in ("sglang", "sglang_router", "uvicorn",
-                                                                           "nixl")}
-    require_part(all(have.values()), f"sglang server, sglang-router, NIXL ({have})")
-    require_part(all(shutil.which(t) for t in ("unshare", "nsenter", "ip")),
-                 "unshare/nsenter (util-linux) and ip (iproute2)")
+from conftest import IN_CI
+from support import sglang_runs
+from support.sglang_runs import COMPUTE, RECEIVE, REQUEST, SEND, Run
 
 
 def _requests():
@@ -42,43 +31,9 @@ def _requests():
         1, 130, 8, repeat_every=0, seed=11, rid_prefix="nixl-short")
 
 
-class Run:
-    """The requests sent to the deployment, their answers, and the spans both servers wrote."""
-
-    def __init__(self, deployment, requests, results):
-        self.deployment, self.requests, self.results = deployment, requests, results
-        self.spans = []
-
-    def wait_for_spans(self, timeout_s=60.0):
-        """Until every request has its request span and a decode receive (the exporters batch every 0.5 s)."""
-        from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.spans = [(role, s) for role in ("prefill", "decode") if os.path.exists(self.deployment.span_file(role))
-                          for s in read_spans(self.deployment.span_file(role))]
-            rids = {s.attributes.get("sglang.rid") for s in self.named(REQUEST)}
-            if (all(r["rid"] in rids for r in self.requests) and len(self.named(RECEIVE)) >= len(self.requests)) \
-                    or time.monotonic() > deadline:
-                return self
-            time.sleep(1)
-
-    def named(self, name, role=None):
-        return [s for r, s in self.spans if s.name == name and (role is None or r == role)]
-
-    def request_of(self, rid):
-        found = [s for s in self.named(REQUEST) if s.attributes.get("sglang.rid") == rid]
-        assert len(found) == 1, (rid, len(found))
-        return found[0]
-
-    def children(self, span, name):
-        return [s for _, s in self.spans if s.name == name and s.parent_span_id == span.span_id
-                and s.trace_id == span.trace_id]
-
-
 @pytest.fixture(scope="module")
 def nixl_run():
-    _parts_ready()
+    sglang_runs.require_parts("nixl")
     from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
 
     base = tempfile.mkdtemp(prefix="kvt-sglang-nixl-")

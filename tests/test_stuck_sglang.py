@@ -17,31 +17,22 @@ serving tests' requests. Here it costs one server start (1-3 minutes) and under 
 minutes in all on a shared 2-core machine.
 """
 
-import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import threading
 import time
 
 import pytest
-from conftest import console_json_objects, console_points, require_part
+from conftest import console_json_objects, console_points
+from support import sglang_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2
 TOKENS = 4000
 FROZEN_MAX_S = 90  # bounded: the stuck lines come within STUCK_S + the 1 s scan once the send hangs
 RID = "kvt-stuck-0"
-
-
-def _parts_ready():
-    have = {name: importlib.util.find_spec(name) is not None for name in ("sglang", "sglang_router", "uvicorn",
-                                                                           "mooncake", "psutil")}
-    require_part(all(have.values()), f"sglang server, sglang-router, mooncake, psutil ({have})")
-    require_part(all(shutil.which(t) for t in ("unshare", "nsenter", "ip")),
-                 "unshare/nsenter (util-linux) and ip (iproute2)")
 
 
 def _model(dest: str) -> str:
@@ -135,7 +126,7 @@ def _request_span(path: str):
 
 @pytest.fixture(scope="module")
 def frozen_run(tmp_path_factory):
-    _parts_ready()
+    sglang_runs.require_parts("mooncake", "psutil")
     from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
 
     workdir = str(tmp_path_factory.mktemp("sglang-stuck"))
