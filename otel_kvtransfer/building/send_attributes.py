@@ -1,0 +1,136 @@
+"""A send's figures and span attributes, computed from its SEND record: pure functions, no open state.
+
+`measure` merges a send's engine calls into one interval, its bytes and its outcome; `attributes` makes the
+span's attribute dict: what varies per send first, then the part the send shares with the other sends of its
+request to the same peer and destination (its shape), made once per shape and reused from a cache the caller
+keeps (the builder keeps one per open request, and one for raw engine calls).
+"""
+
+from typing import Callable, Dict, Optional
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.building.aggregate import NS_PER_S
+from otel_kvtransfer.building.direct_spans import SendAttributes
+from otel_kvtransfer.recording import records as r
+
+MAX_SHAPES = 4096  # cached static attribute sets per cache
+# What each send sets itself: a framework's or engine's extra attribute may not shadow it.
+PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semconv.THROUGHPUT,
+            semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE, semconv.END_UNCERTAINTY_S)
+
+
+def measure(rec: tuple) -> tuple:
+    """(start_ns, end_ns, bytes, descriptors, error_type or None, return_code or None, first call or None).
+
+    The interval spans all the send's engine calls (or the scope's own times when it failed before making
+    one); the first failing call names the failure unless the scope set its own. Bytes may come out negative
+    (an engine asked to move a negative length): the caller decides what that means."""
+    calls, failure, return_code = rec[r.SEND_CALLS], rec[r.SEND_ERROR], None
+    if len(calls) == 1:  # the common case, without the loops
+        first = calls[0]
+        moved = first[r.CALL_BYTES]
+        nbytes = moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+        if first[r.CALL_ERROR] is not None:
+            failure, return_code = failure or first[r.CALL_ERROR], first[r.CALL_RETURN_CODE]
+        return first[r.CALL_START], first[r.CALL_END], nbytes, first[r.CALL_DESCRIPTORS], failure, return_code, first
+    if not calls:  # a scope that failed before any engine call: its own time, taken on the engine thread
+        start, end = rec[r.SEND_SCOPE_TIMES]
+        return start, end, 0, 0, failure, None, None
+    nbytes = descriptors = 0
+    for call in calls:
+        moved = call[r.CALL_BYTES]
+        nbytes += moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+        descriptors += call[r.CALL_DESCRIPTORS]
+    for call in calls:
+        if call[r.CALL_ERROR] is not None:
+            failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
+            break
+    return (min(c[r.CALL_START] for c in calls), max(c[r.CALL_END] for c in calls), nbytes, descriptors, failure,
+            return_code, calls[0])
+
+
+def attributes(start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
+               return_code, first: Optional[tuple], info: Optional[tuple], labels: Optional[dict], cache: dict,
+               peer_parsers: Dict[str, Callable[[object], dict]]) -> SendAttributes:
+    """The send span's attributes: its own `dynamic` entries first, then its shape's `static` dict from `cache`
+    (made and stored there on a miss). `info` and `labels` (its request's) are None for a raw engine call."""
+    attrs = SendAttributes()
+    attrs[semconv.BYTES] = nbytes
+    attrs[semconv.DESCRIPTOR_COUNT] = descriptors
+    attrs[semconv.ENGINE_CALLS] = calls
+    duration = end - start
+    # aggregate.throughput, inline: one call fewer per send on the builder thread.
+    attrs[semconv.THROUGHPUT] = nbytes * NS_PER_S / duration if duration > 0 else 0.0
+    if info is not None:
+        attrs[semconv.CHUNK_INDEX] = info[r.INFO_CHUNK]
+    if failure:
+        attrs[semconv.ERROR_TYPE] = failure
+        if return_code is not None:
+            attrs[semconv.RETURN_CODE] = return_code
+    extra = first[r.CALL_EXTRA] if first is not None else None
+    if extra and semconv.END_UNCERTAINTY_S in extra:  # per send: not part of the shape
+        attrs[semconv.END_UNCERTAINTY_S] = extra[semconv.END_UNCERTAINTY_S]
+        extra = {k: v for k, v in extra.items() if k != semconv.END_UNCERTAINTY_S}
+    attrs.dynamic = len(attrs)
+    # The static part: one dict per distinct shape, never changed once made, so the encoder and the metrics
+    # can key their own caches on it.
+    try:
+        shape = (first[r.CALL_BACKEND], first[r.CALL_OP], first[r.CALL_PEER], first[r.CALL_PROTOCOL],
+                 tuple(extra.items()) if extra else None) if first else None
+        if info is not None:
+            shape = (shape, info[r.INFO_PAYLOAD], info[r.INFO_DESTINATION], info[r.INFO_REPLICA],
+                     info[r.INFO_IS_LAST], info[r.INFO_EARLY],
+                     tuple(info[r.INFO_ATTRIBUTES].items()) if info[r.INFO_ATTRIBUTES] else None)
+        static = cache.get(shape)
+    except TypeError:  # an unhashable value somewhere: made afresh, not cached
+        shape, static = None, None
+    if static is None:
+        static = static_attributes(first, info, labels, peer_parsers)
+        if shape is not None:
+            if len(cache) >= MAX_SHAPES:
+                cache.clear()
+            cache[shape] = static
+    attrs.update(static)
+    attrs.static = static
+    return attrs
+
+
+def static_attributes(first: Optional[tuple], info: Optional[tuple], labels: Optional[dict],
+                      peer_parsers: Dict[str, Callable[[object], dict]]) -> dict:
+    """What a send shares with the other sends of its shape: engine, peer, transport, and its transfer's
+    description and request labels."""
+    attrs = {}
+    backend = None
+    if first is not None:
+        backend = first[r.CALL_BACKEND]
+        op = first[r.CALL_OP]
+        attrs[semconv.OP] = op
+        attrs[semconv.NETWORK_IO_DIRECTION] = semconv.DIRECTION_OF_OP.get(op, semconv.DIRECTION_TRANSMIT)
+        parse = peer_parsers.get(backend)
+        if parse is not None and first[r.CALL_PEER] is not None:
+            attrs.update(parse(first[r.CALL_PEER]))
+        protocol = first[r.CALL_PROTOCOL]
+        if protocol:
+            attrs[semconv.PROTOCOL] = protocol
+            if protocol in semconv.WELL_KNOWN_TRANSPORTS:
+                attrs[semconv.NETWORK_TRANSPORT] = protocol
+        if first[r.CALL_EXTRA]:
+            attrs.update(first[r.CALL_EXTRA])
+    if backend:
+        attrs[semconv.BACKEND] = backend
+    if info is not None:
+        attrs.update({
+            semconv.REQUEST_KEY: str(info[r.INFO_KEY]),
+            semconv.PAYLOAD: info[r.INFO_PAYLOAD],
+            semconv.DESTINATION_INDEX: info[r.INFO_DESTINATION],
+            semconv.REPLICA_FACTOR: info[r.INFO_REPLICA],
+            semconv.IS_LAST_CHUNK: info[r.INFO_IS_LAST],
+            semconv.PREFIX_EARLY_SEND: info[r.INFO_EARLY],
+        })
+        if info[r.INFO_ATTRIBUTES]:
+            attrs.update(info[r.INFO_ATTRIBUTES])
+        if labels:
+            attrs.update(labels)
+    for name in PER_SEND:
+        attrs.pop(name, None)
+    return attrs
