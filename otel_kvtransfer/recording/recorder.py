@@ -164,49 +164,64 @@ class Recorder:
         False when another drain (held up by a hung synchronous exporter) did not let go within `timeout_s`;
         nothing is lost then, the records stay queued.
         """
-        handle, handle_batch = self._handle, self._handle_batch
+        handle, handle_batch = self._handle, self._handle_batch  # as they are now: stop() may clear them
         if handle is None and handle_batch is None:
             return True
         if not self._drain_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             return False
         try:
-            queue, pop = self._queue, self._queue.popleft
-            batch = self._batch = []
-            self._done = 0
-            try:
-                for _ in range(len(queue)):
-                    batch.append(pop())
-            except IndexError:
-                pass
-            if handle_batch is not None:
-                if batch:
-                    try:
-                        handle_batch(batch)
-                    except Exception as exc:  # pylint: disable=broad-except
-                        self.drop("builder_error", len(batch))
-                        log_own_error("handing records to the builder", exc)
-                    self._done = len(batch)
-            else:
-                for rec in batch:
-                    if self._abandoned:
-                        return True  # an exit drain counted the rest of this batch; stop delivering it
-                    try:
-                        handle(rec)
-                    except Exception as exc:  # pylint: disable=broad-except
-                        # A bug of ours loses only this record, and is counted.
-                        self.drop("builder_error")
-                        log_own_error("building a span", exc)
-                    self._done += 1
-            self._batch = []
-            if self._tick is not None:
-                try:
-                    self._tick()
-                except Exception:  # pylint: disable=broad-except
-                    _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
-            self._report_drops()
+            batch = self._take()
+            if self._deliver(batch, handle, handle_batch):
+                self._batch = []
+                self._after_delivery()
         finally:
             self._drain_lock.release()
         return True
+
+    def _take(self) -> list:
+        """Everything queued now, in order, as the batch in progress (what an exit drain counts if it hangs)."""
+        queue, pop = self._queue, self._queue.popleft
+        batch = self._batch = []
+        self._done = 0
+        try:
+            for _ in range(len(queue)):
+                batch.append(pop())
+        except IndexError:
+            pass
+        return batch
+
+    def _deliver(self, batch: list, handle, handle_batch) -> bool:
+        """Hand the batch to the builder: in one list (the builder process's link), or record by record (the
+        builder in this process), each failure counted. False when an exit drain gave up on it meanwhile."""
+        if handle_batch is not None:
+            if batch:
+                try:
+                    handle_batch(batch)
+                except Exception as exc:  # pylint: disable=broad-except
+                    self.drop("builder_error", len(batch))
+                    log_own_error("handing records to the builder", exc)
+                self._done = len(batch)
+            return True
+        for rec in batch:
+            if self._abandoned:
+                return False  # an exit drain counted the rest of this batch; stop delivering it
+            try:
+                handle(rec)
+            except Exception as exc:  # pylint: disable=broad-except
+                # A bug of ours loses only this record, and is counted.
+                self.drop("builder_error")
+                log_own_error("building a span", exc)
+            self._done += 1
+        return True
+
+    def _after_delivery(self) -> None:
+        """The builder's periodic work (eviction, stuck reports), then the drops counted since the last drain."""
+        if self._tick is not None:
+            try:
+                self._tick()
+            except Exception:  # pylint: disable=broad-except
+                _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
+        self._report_drops()
 
     def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S) -> bool:
         """Drain for a process that is about to end (or an uninstrument): never waits longer than `timeout_s`.
