@@ -16,7 +16,9 @@ from test_spanfile_reader import demo_span_file, span_record, synthetic_records,
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.tools.cli import main as cli_main
 from otel_kvtransfer.tools.spanfile import read_spans
-from otel_kvtransfer.tools.timeline import CONTENT_SECURITY_POLICY, MAX_PNG_HEIGHT, MAX_ROWS
+from otel_kvtransfer.tools.timeline.block import MAX_ROWS
+from otel_kvtransfer.tools.timeline.page import CONTENT_SECURITY_POLICY
+from otel_kvtransfer.tools.timeline.png import MAX_PNG_HEIGHT
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -309,7 +311,7 @@ def test_no_tail_mark_without_compute_and_zero_tail_said(tmp_path):
 
 
 def test_tail_with_many_queued_gaps_is_bounded(tmp_path):
-    from otel_kvtransfer.tools.timeline import MAX_TAIL_GAPS  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.timeline.block import MAX_TAIL_GAPS  # pylint: disable=import-outside-toplevel
 
     trace, req, t, count = "ab" * 16, "cd" * 8, 1_700_000_000_000_000_000, 1000
     # Compute ends at t; then 1 us sends every 2 us: 1000 gaps of 1 us, a tail of 2 ms, half of it queued.
