@@ -27,29 +27,27 @@ class SourceError(Exception):
 
 
 class SpanSource:
-    """One span file. `open()` gives a binary handle positioned at the start and the size when known (0 for a
-    stream); `rereadable` says whether `open()` may be called again; `regular` whether the name is a file
-    (outputs may go beside it)."""
+    """One span file, held as an open descriptor. `open()` gives a binary handle positioned at the start and the
+    size when known (0 for a stream); `rereadable` says whether `open()` may be called again; `regular` whether
+    the name is a file (outputs may go beside it)."""
 
-    def __init__(self, name: str, path: Optional[str], fd: Optional[int], size: int, rereadable: bool,
-                 regular: bool = False):
+    def __init__(self, name: str, fd: int, size: int, rereadable: bool, regular: bool = False):
         self.name = name
-        self.regular = regular
-        self._path = path
-        self._fd = fd
         self.size = size
         self.rereadable = rereadable
+        self.regular = regular
+        self._fd: Optional[int] = fd
         self._opened = False
 
     def open(self) -> BinaryIO:
+        if self._fd is None:
+            raise SourceError("already closed")
         if self._opened and not self.rereadable:
             raise SourceError("a stream cannot be read twice (spool it first)")
         self._opened = True
-        if self._fd is not None:
-            if self.rereadable:
-                os.lseek(self._fd, 0, os.SEEK_SET)
-            return os.fdopen(os.dup(self._fd), "rb")
-        return open(self._path, "rb")  # pylint: disable=consider-using-with
+        if self.rereadable:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+        return os.fdopen(os.dup(self._fd), "rb")
 
     def spooled(self) -> "SpanSource":
         """A rereadable source: this one itself, or a stream copied once to an unnamed temporary file."""
@@ -62,7 +60,7 @@ class SpanSource:
         fd = os.dup(spool.fileno())
         size = os.fstat(fd).st_size
         spool.close()
-        return SpanSource(self.name, None, fd, size, rereadable=True)
+        return SpanSource(self.name, fd, size, rereadable=True)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -93,11 +91,11 @@ def open_source(name: str) -> SpanSource:
             raise SourceError("is a terminal: give a span file, or pipe one in")
         if stat.S_ISREG(info.st_mode):
             _blocking(fd)
-            return SpanSource(shown, None, fd, info.st_size, rereadable=True, regular=name != "-")
+            return SpanSource(shown, fd, info.st_size, rereadable=True, regular=name != "-")
         if stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
             _wait_for_data(fd, shown)
         _blocking(fd)
-        return SpanSource(shown, None, fd, 0, rereadable=False)
+        return SpanSource(shown, fd, 0, rereadable=False)
     except BaseException:
         os.close(fd)
         raise
