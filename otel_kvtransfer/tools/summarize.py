@@ -56,33 +56,37 @@ def summary_dict(path: str, span_count: int, requests: Sequence, throughputs: Se
     }
 
 
+# The table's figure columns: (header, field of Request.to_dict(), how the cell is written), side by side so a
+# header cannot drift from its value.
+_FIGURE_COLUMNS = (
+    ("wire", "bytes", fmt_bytes),
+    ("logical", "logical_bytes", fmt_bytes),
+    ("xfers", "transfer_count", label),
+    ("chunks", "chunk_count", label),
+    ("repl", "replica_factor", label),
+    ("busy", "busy_s", fmt_ms),
+    ("true tput", "throughput", fmt_rate),
+    ("last-chunk*", "last_chunk_rate", fmt_rate),
+    ("overlap", "compute_overlap_ratio", fmt_ratio),
+    ("tail**", "tail_s", fmt_ms),
+    ("queued", "tail_queued_s", fmt_ms),
+    ("span", "duration_s", fmt_ms),
+)
+
+
+def _row(r: dict) -> tuple:
+    """One request's cells: who it is (values from the file, bounded), then its figures."""
+    status = r["status"] if not r["error_type"] else f"ERROR:{label(r['error_type'], 30)}"
+    who = (label(r["request_key"], 24), f"{label(r['framework'], 12)}/{label(r['backend'], 12)}", status)
+    return who + tuple(fmt(r[field]) for _name, field, fmt in _FIGURE_COLUMNS)
+
+
 def format_text(summary: dict, limit: Optional[int] = None) -> str:
     reqs = summary["requests"]
     lines = [f"{label(summary['file'], 200)}: {summary['span_count']} spans, {summary['request_count']} requests",
              ""]
-    header = ("key", "framework/backend", "status", "wire", "logical", "xfers", "chunks", "repl", "busy",
-              "true tput", "last-chunk*", "overlap", "tail**", "queued", "span")
-    rows = []
-    for request in reqs if limit is None else reqs[:limit]:
-        r = request.to_dict()
-        status = r["status"] if not r["error_type"] else f"ERROR:{label(r['error_type'], 30)}"
-        rows.append((
-            label(r["request_key"], 24),
-            f"{label(r['framework'], 12)}/{label(r['backend'], 12)}",
-            status,
-            fmt_bytes(r["bytes"]),
-            fmt_bytes(r["logical_bytes"]),
-            label(r["transfer_count"]),
-            label(r["chunk_count"]),
-            label(r["replica_factor"]),
-            fmt_ms(r["busy_s"]),
-            fmt_rate(r["throughput"]),
-            fmt_rate(r["last_chunk_rate"]),
-            fmt_ratio(r["compute_overlap_ratio"]),
-            fmt_ms(r["tail_s"]),
-            fmt_ms(r["tail_queued_s"]),
-            fmt_ms(r["duration_s"]),
-        ))
+    header = ("key", "framework/backend", "status") + tuple(name for name, _field, _fmt in _FIGURE_COLUMNS)
+    rows = [_row(request.to_dict()) for request in (reqs if limit is None else reqs[:limit])]
     widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))
