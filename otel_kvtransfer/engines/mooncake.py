@@ -52,7 +52,7 @@ ASYNC_METHODS = {
 # Every transfer method takes (target_hostname, buffer(s), peer address(es), length(s)[, opcode]).
 _LENGTH_KW = {False: "length", True: "lengths"}
 
-_patcher = Patcher(BACKEND)
+patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _transports = {}  # id(engine) -> protocol given to initialize()
 _state = {"on": False, "hooked": False, "fallback_transport": None}
@@ -246,13 +246,18 @@ def _patch(module) -> None:
         return
     engine = module.TransferEngine
     for name, (op, batch) in SYNC_METHODS.items():
-        _patcher.replace(engine, name, lambda original, op=op, batch=batch: _sync(original, op, batch))
+        patcher.replace(engine, name, lambda original, op=op, batch=batch: _sync(original, op, batch))
     for name, (op, batch) in ASYNC_METHODS.items():
-        _patcher.replace(engine, name, lambda original, op=op, batch=batch: _async(original, op, batch))
-    _patcher.replace(engine, "transfer_check_status", _check_status)
-    _patcher.replace(engine, "get_batch_transfer_status", _batch_status)
-    _patcher.replace(engine, "initialize", _initialize)
-    _patcher.replace(engine, "initialize_ext", _initialize)
+        patcher.replace(engine, name, lambda original, op=op, batch=batch: _async(original, op, batch))
+    patcher.replace(engine, "transfer_check_status", _check_status)
+    patcher.replace(engine, "get_batch_transfer_status", _batch_status)
+    patcher.replace(engine, "initialize", _initialize)
+    patcher.replace(engine, "initialize_ext", _initialize)
+
+
+def modules() -> tuple:
+    """The module instrument() patches (now if imported, else when it is)."""
+    return (MODULE,)
 
 
 def instrument() -> bool:
@@ -270,6 +275,6 @@ def instrument() -> bool:
 
 def uninstrument() -> None:
     _state["on"] = False
-    _patcher.unwrap_all()
+    patcher.unwrap_all()
     _pending.abandon()  # completions that will now never be observed: counted, not silently lost
     _transports.clear()

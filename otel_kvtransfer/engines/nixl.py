@@ -35,7 +35,7 @@ _MAX_DLISTS = 4096  # prepared descriptor lists remembered (vLLM prepares a hand
 _MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
 
 _state = {"on": False, "hooked": False}
-_patcher = Patcher(BACKEND)
+patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
 _handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer, notification)
@@ -266,6 +266,14 @@ def peer_attributes(peer) -> dict:
     return {PEER_AGENT: str(peer)[:256]} if peer else {}
 
 
+API_MODULE = "nixl._api"  # where nixl_agent and its handles live
+
+
+def modules() -> tuple:
+    """The module instrument() patches (when `nixl` has been imported, by whoever imports it)."""
+    return (API_MODULE,)
+
+
 def _api_module():
     import nixl._api  # pylint: disable=import-outside-toplevel
 
@@ -284,16 +292,16 @@ def _patch(_module=None) -> None:
     if not _state["on"]:
         return
     try:
-        api = sys.modules.get("nixl._api") or _api_module()
+        api = sys.modules.get(API_MODULE) or _api_module()
         agent = api.nixl_agent
-        _patcher.wrap(agent, "prep_xfer_dlist", _prep_dlist_wrapper)
-        _patcher.wrap(agent, "make_prepped_xfer", _make_prepped_wrapper)
-        _patcher.wrap(agent, "initialize_xfer", _initialize_wrapper)
-        _patcher.wrap(agent, "transfer", _transfer_wrapper)
-        _patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
-        _patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
-        _patcher.wrap(api.nixl_xfer_handle, "__del__", _del_handle_wrapper)
-        _patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
+        patcher.wrap(agent, "prep_xfer_dlist", _prep_dlist_wrapper)
+        patcher.wrap(agent, "make_prepped_xfer", _make_prepped_wrapper)
+        patcher.wrap(agent, "initialize_xfer", _initialize_wrapper)
+        patcher.wrap(agent, "transfer", _transfer_wrapper)
+        patcher.wrap(agent, "check_xfer_state", _check_state_wrapper)
+        patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
+        patcher.wrap(api.nixl_xfer_handle, "__del__", _del_handle_wrapper)
+        patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
     except Exception:  # pylint: disable=broad-except
         own_error("patch NIXL")
         _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
@@ -319,7 +327,7 @@ def instrument() -> bool:
 
 def uninstrument() -> None:
     _state["on"] = False
-    _patcher.unwrap_all()
+    patcher.unwrap_all()
     _pending.abandon()
     _dlists.clear()
     _handles.clear()

@@ -4,12 +4,17 @@
 any functools.wraps decorator sets that (sglang's `Scheduler.run_batch` has one), and a check on it would
 silently skip the patch. Unwrapping puts back the exact class `__dict__` entry that was replaced (a pybind11
 instancemethod, a staticmethod, a plain function), so the class is left as it was found.
+
+Every backend (an engine module, a framework package) has the shape `Backend` names, and its wrappers are built
+with `observe_call`: the one place where an observer's own failure is caught, counted and logged, so the
+engine's call, its return value and its exception are never touched. tests/test_backend_contract.py holds every
+backend in `registry` to both.
 """
 
 import contextvars
 import logging
 import threading
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple, runtime_checkable
 
 import wrapt
 from opentelemetry import context as otel_context
@@ -55,6 +60,41 @@ def own_error(what: str) -> None:
 
 def is_ours(entry: Any) -> bool:
     return bool(getattr(entry, _MARK, False) or getattr(getattr(entry, "_self_wrapper", None), _MARK, False))
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every engine module (registry.ENGINES) and framework package (registry.FRAMEWORKS) exposes.
+
+    `instrument()` is the gate and the patch: False when the backend's library is absent or the version gate says
+    no, True when it patched now or will patch as its modules are imported. `uninstrument()` undoes every patch
+    (a no-op when there is none). `modules()` names the modules it patches (each when it is imported), and
+    `patcher` holds the patches, so anyone can see what the backend touched.
+    """
+
+    patcher: "Patcher"
+
+    def modules(self) -> tuple: ...
+
+    def instrument(self) -> bool: ...
+
+    def uninstrument(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Backend, Protocol):
+    """A transfer engine module: also its `BACKEND` name (kv_transfer.backend) and how its peer names read."""
+
+    BACKEND: str
+
+    def peer_attributes(self, peer) -> dict: ...
+
+
+@runtime_checkable
+class Framework(Backend, Protocol):
+    """A serving framework package: also its `FRAMEWORK` name (kv_transfer.framework)."""
+
+    FRAMEWORK: str
 
 
 class Patcher:
@@ -105,19 +145,60 @@ class Patcher:
                 own_error(f"restore {owner.__name__}.{attr}")
 
 
-def observe_call(observe: Callable, what: str) -> Callable:
-    """A wrapper that, while recording, first shows the call's (instance, args, kwargs) to `observe`: a failure of
-    `observe` is counted (`wrapper_error`), never raised, and the call itself always runs unchanged."""
+def observe_call(what: str, before: Optional[Callable] = None, after: Optional[Callable] = None, *,
+                 when: Optional[Callable[[], bool]] = active, on_raise: bool = False) -> Callable:
+    """A wrapt wrapper that shows a call to its observers, which can never change or break it.
+
+    While `when()` is true (by default: recording and not suppressed; None: always), `before(instance, args,
+    kwargs)` runs first and what it answers is the token; then the call runs; then `after(instance, args, kwargs,
+    token, result, error)`, once it returned (error None), and also when it raised if `on_raise` (result None,
+    error the exception). A failure of an observer is counted (`wrapper_error`) and logged at debug as "could
+    not <what>", never raised; the call's return value is returned and its exception re-raised as they are (the
+    same object, with its traceback).
+    """
 
     def wrapper(wrapped, instance, args, kwargs):
-        if active():
+        if when is not None and not when():
+            return wrapped(*args, **kwargs)
+        token = None
+        if before is not None:
             try:
-                observe(instance, args, kwargs)
+                token = before(instance, args, kwargs)
             except Exception:  # pylint: disable=broad-except
                 own_error(what)
-        return wrapped(*args, **kwargs)
+        if after is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as error:  # also an interrupted call: the observer may count it as failed
+            if on_raise:
+                try:
+                    after(instance, args, kwargs, token, None, error)
+                except Exception:  # pylint: disable=broad-except
+                    own_error(what)
+            raise
+        try:
+            after(instance, args, kwargs, token, result, None)
+        except Exception:  # pylint: disable=broad-except
+            own_error(what)
+        return result
 
     return wrapper
+
+
+def safely(what: str, function: Callable, *args) -> Any:
+    """`function(*args)`, or None when it raised (counted and logged as `own_error(what)`): for the wrappers whose
+    shape `observe_call` does not fit (a scope entered around the call, a coroutine the call returns)."""
+    try:
+        return function(*args)
+    except Exception:  # pylint: disable=broad-except
+        own_error(what)
+        return None
+
+
+def count_drop(reason: str) -> None:
+    """Count something a wrapper had to leave out (a `kv_transfer.dropped` reason), without reaching the recorder."""
+    RECORDER.drop(reason)
 
 
 def remember_argument(tls: threading.local, name: str, position: int, keyword: str) -> Callable:

@@ -63,6 +63,10 @@ class FrameworkHooks:
         self._warned = False
         self._checked: Dict[str, bool] = {}  # module name -> passed its target check (once per module)
 
+    def modules(self) -> Tuple[str, ...]:
+        """The framework's modules its patches apply to, in patch order (each patched when it is imported)."""
+        return tuple(dict.fromkeys(key.split("#", 1)[0] for key in self._patches()))
+
     def installed_version(self) -> Optional[str]:
         for distribution in self.distributions:
             try:

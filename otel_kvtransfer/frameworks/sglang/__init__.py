@@ -52,5 +52,6 @@ SUPPORTED = HOOKS.supported
 is_supported = HOOKS.is_supported
 instrument = HOOKS.instrument  # patch sglang now or when its modules are imported; False on an unsupported one
 uninstrument = HOOKS.uninstrument
+modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "modules", "patcher"]

@@ -2,14 +2,14 @@
 
 It opens when the receiver asks for the KV (`send_metadata`, which hands prefill the destination pages) and ends
 the first time `poll()` answers Success or Failed (or on `abort`). It is stitched into the prefill request's trace
-by room (DESIGN), or goes under sglang's own request span when sglang's tracing is on.
+by room (building/stitching.py), or goes under sglang's own request span when sglang's tracing is on.
 """
 
 import threading
 
 from otel_kvtransfer.frameworks.sglang import common
 from otel_kvtransfer.recording import integration
-from otel_kvtransfer.recording.patching import active, own_error, remember_argument
+from otel_kvtransfer.recording.patching import observe_call, remember_argument
 
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
 _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sglang's tracing is on
@@ -24,42 +24,38 @@ def _expected_bytes(receiver, kv_indices, aux_index):
     return total
 
 
-def _send_metadata_wrapper(wrapped, instance, args, kwargs):
-    backend = common.backend_of(instance, "receiver") if active() else None
+def _on_send_metadata(instance, args, kwargs) -> None:
+    backend = common.backend_of(instance, "receiver")
     if backend is None:
-        return wrapped(*args, **kwargs)
-    try:
-        kv_indices = args[0] if args else kwargs.get("kv_indices")
-        aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
-        room = instance.bootstrap_room
-        integration.begin_receive(
-            room, backend=backend, framework=common.FRAMEWORK,
-            expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
-            attributes=common.room_attributes(room), parent=getattr(instance, _PARENT, None))
-    except Exception:  # pylint: disable=broad-except
-        own_error("send_metadata")
-    return wrapped(*args, **kwargs)
+        return
+    kv_indices = args[0] if args else kwargs.get("kv_indices")
+    aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
+    room = instance.bootstrap_room
+    integration.begin_receive(
+        room, backend=backend, framework=common.FRAMEWORK,
+        expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
+        attributes=common.room_attributes(room), parent=getattr(instance, _PARENT, None))
 
+
+_send_metadata_wrapper = observe_call("send_metadata", _on_send_metadata)
 
 # DecodePreallocQueue._create_receiver_and_enqueue(req): the receiver made inside belongs to this Req.
 _create_receiver_wrapper = remember_argument(_tls, "req", 0, "req")
 
 
-def _receiver_init_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
+def _on_receiver_init(instance, args, kwargs, token, result, error) -> None:
     req = getattr(_tls, "req", None)
-    if req is not None and active():
-        try:
-            parent = common.sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
-            if parent is not None:
-                setattr(instance, _PARENT, parent)
-        except Exception:  # pylint: disable=broad-except
-            own_error("receiver init")
-    return result
+    if req is not None:
+        parent = common.sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
+        if parent is not None:
+            setattr(instance, _PARENT, parent)
+
+
+_receiver_init_wrapper = observe_call("receiver init", after=_on_receiver_init)
 
 
 def _end(instance, status_name) -> None:
-    if getattr(instance, _DONE, False):
+    if getattr(instance, _DONE, False) or not common.is_instance(instance, "receiver"):
         return
     setattr(instance, _DONE, True)
     error = None
@@ -69,26 +65,14 @@ def _end(instance, status_name) -> None:
     integration.end_receive(instance.bootstrap_room, error_type=error)
 
 
-def _poll_wrapper(wrapped, instance, args, kwargs):
-    status = wrapped(*args, **kwargs)
+def _on_poll(instance, args, kwargs, token, status, error) -> None:
     name = common.poll_name(status)
-    if name is not None and not getattr(instance, _DONE, False) and active():
-        try:
-            if common.is_instance(instance, "receiver"):
-                _end(instance, name)
-        except Exception:  # pylint: disable=broad-except
-            own_error("receiver poll")
-    return status
+    if name is not None:
+        _end(instance, name)
 
 
-def _abort_wrapper(wrapped, instance, args, kwargs):
-    if active() and not getattr(instance, _DONE, False):
-        try:
-            if common.is_instance(instance, "receiver"):
-                _end(instance, "aborted")
-        except Exception:  # pylint: disable=broad-except
-            own_error("receiver abort")
-    return wrapped(*args, **kwargs)
+_poll_wrapper = observe_call("receiver poll", after=_on_poll)
+_abort_wrapper = observe_call("receiver abort", lambda instance, args, kwargs: _end(instance, "aborted"))
 
 
 def patch_common_conn(module) -> None:

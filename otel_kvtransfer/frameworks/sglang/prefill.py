@@ -43,8 +43,7 @@ from otel_kvtransfer.frameworks.sglang.common import (
     sglang_parent,
 )
 from otel_kvtransfer.recording import integration
-from otel_kvtransfer.recording.patching import active, own_error, remember_argument
-from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.patching import active, count_drop, observe_call, remember_argument, safely
 
 _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
 _TAG = "_otel_kvt"  # attribute set on a TransferKVChunk: (chunk_index, prefix_early_send)
@@ -75,42 +74,36 @@ def _is_prefill(mgr) -> bool:
 _create_sender_wrapper = remember_argument(_tls, "req", 0, "req")
 
 
-def _sender_init_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    if active():
-        try:
-            backend = _backend(instance)
-            if backend is not None and instance.conclude_state is None and _is_prefill(instance.kv_mgr):
-                mgr = instance.kv_mgr
-                if not getattr(mgr, "is_dummy_cp_rank", False):
-                    req = getattr(_tls, "req", None)
-                    rid = getattr(req, "rid", None) if req is not None else None
-                    stats = getattr(req, "time_stats", None) if req is not None else None
-                    parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(
-                        getattr(instance, "trace_ctx", None))
-                    room = instance.bootstrap_room
-                    integration.begin_request(room, backend=backend, framework=FRAMEWORK,
-                                              attributes=room_attributes(room, rid), parent=parent)
-        except Exception:  # pylint: disable=broad-except
-            own_error("sender init")
-    return result
+def _on_sender_init(instance, args, kwargs, token, result, error) -> None:
+    backend = _backend(instance)
+    if backend is None or instance.conclude_state is not None or not _is_prefill(instance.kv_mgr):
+        return
+    if getattr(instance.kv_mgr, "is_dummy_cp_rank", False):
+        return
+    req = getattr(_tls, "req", None)
+    rid = getattr(req, "rid", None) if req is not None else None
+    stats = getattr(req, "time_stats", None) if req is not None else None
+    parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(getattr(instance, "trace_ctx", None))
+    room = instance.bootstrap_room
+    integration.begin_request(room, backend=backend, framework=FRAMEWORK, attributes=room_attributes(room, rid),
+                              parent=parent)
 
 
-def _update_status_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    if active():
-        try:
-            if _backend(instance) is not None and _is_prefill(instance):
-                room = args[0] if args else kwargs.get("bootstrap_room")
-                status = instance.request_status.get(room)
-                name = poll_name(status)
-                if name == "Success":
-                    _conclude(room, None)
-                elif name == "Failed":
-                    _conclude(room, error_type_of(instance.failure_records.get(room)))
-        except Exception:  # pylint: disable=broad-except
-            own_error("update_status")
-    return result
+_sender_init_wrapper = observe_call("sender init", after=_on_sender_init)
+
+
+def _on_update_status(instance, args, kwargs, token, result, error) -> None:
+    if _backend(instance) is None or not _is_prefill(instance):
+        return
+    room = args[0] if args else kwargs.get("bootstrap_room")
+    name = poll_name(instance.request_status.get(room))
+    if name == "Success":
+        _conclude(room, None)
+    elif name == "Failed":
+        _conclude(room, error_type_of(instance.failure_records.get(room)))
+
+
+_update_status_wrapper = observe_call("update_status", after=_on_update_status)
 
 
 def _conclude(room, error_type) -> None:
@@ -118,34 +111,32 @@ def _conclude(room, error_type) -> None:
     integration.end_request(room, error_type=error_type)
 
 
-def _sender_clear_wrapper(wrapped, instance, args, kwargs):
+def _on_sender_clear(instance, args, kwargs) -> None:
     """A sender cleared before its room concluded (scheduler abort paths): end the request as failed."""
-    if active():
-        try:
-            if _backend(instance) is not None and _is_prefill(instance.kv_mgr):
-                status = poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
-                if status not in ("Success", "Failed"):
-                    _conclude(instance.bootstrap_room, "cleared")
-        except Exception:  # pylint: disable=broad-except
-            own_error("sender clear")
-    return wrapped(*args, **kwargs)
+    if _backend(instance) is not None and _is_prefill(instance.kv_mgr):
+        status = poll_name(instance.kv_mgr.request_status.get(instance.bootstrap_room))
+        if status not in ("Success", "Failed"):
+            _conclude(instance.bootstrap_room, "cleared")
+
+
+_sender_clear_wrapper = observe_call("sender clear", _on_sender_clear)
 
 
 # --- chunks: enqueue (scheduler thread) and dequeue (worker thread) -----------------------------------------
 
 
-def _add_transfer_request_wrapper(wrapped, instance, args, kwargs):
-    if not active():
-        return wrapped(*args, **kwargs)
-    try:
-        is_last = args[3] if len(args) > 3 else kwargs.get("is_last_chunk", False)
-        _tls.enqueue = (bool(getattr(_tls, "early", False)) and not is_last,)
-    except Exception:  # pylint: disable=broad-except
-        own_error("add_transfer_request")
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _tls.enqueue = None
+def _on_enqueue(instance, args, kwargs) -> None:
+    """The chunk the scheduler enqueues now is the cached-prefix early send when made inside that send (and not
+    the last chunk): remembered for `FastQueue.put`, which tags it."""
+    is_last = args[3] if len(args) > 3 else kwargs.get("is_last_chunk", False)
+    _tls.enqueue = (bool(getattr(_tls, "early", False)) and not is_last,)
+
+
+def _enqueued(instance, args, kwargs, token, result, error) -> None:
+    _tls.enqueue = None
+
+
+_add_transfer_request_wrapper = observe_call("add_transfer_request", _on_enqueue, _enqueued, on_raise=True)
 
 
 def _tag(chunk, early: bool) -> None:
@@ -153,36 +144,37 @@ def _tag(chunk, early: bool) -> None:
     index = _next_chunk.get(room, 0)
     if index == 0 and len(_next_chunk) >= _MAX_ROOMS:
         _next_chunk.pop(next(iter(_next_chunk)))  # oldest room: its later chunks restart at 0 (counted)
-        RECORDER.drop("chunk_index_evicted")
+        count_drop("chunk_index_evicted")
     _next_chunk[room] = index + 1
     setattr(chunk, _TAG, (index, early))
 
 
-def _queue_put_wrapper(wrapped, instance, args, kwargs):
-    enqueue = getattr(_tls, "enqueue", None)
-    if enqueue is not None:
-        try:
-            item = args[0] if args else kwargs.get("item")
-            if isinstance(item, classes["chunk"]) and not hasattr(item, _TAG):
-                _tag(item, enqueue[0])
-        except Exception:  # pylint: disable=broad-except
-            own_error("queue put")
-    return wrapped(*args, **kwargs)
+def _enqueueing() -> bool:
+    return getattr(_tls, "enqueue", None) is not None
 
 
-def _queue_get_wrapper(wrapped, instance, args, kwargs):
-    item = wrapped(*args, **kwargs)
-    try:
-        cls = classes.get("chunk")
-        if cls is not None and isinstance(item, cls):
-            if not hasattr(item, _TAG):  # enqueued before we were instrumented
-                _tag(item, False)
-            _tls.chunk = item
-        elif item is None:
-            _tls.chunk = None
-    except Exception:  # pylint: disable=broad-except
-        own_error("queue get")
-    return item
+def _on_queue_put(instance, args, kwargs) -> None:
+    item = args[0] if args else kwargs.get("item")
+    if isinstance(item, classes["chunk"]) and not hasattr(item, _TAG):
+        _tag(item, _tls.enqueue[0])
+
+
+# Only while the scheduler is inside add_transfer_request: sglang's other FastQueues pass straight through.
+_queue_put_wrapper = observe_call("queue put", _on_queue_put, when=_enqueueing)
+
+
+def _on_queue_get(instance, args, kwargs, token, item, error) -> None:
+    cls = classes.get("chunk")
+    if cls is not None and isinstance(item, cls):
+        if not hasattr(item, _TAG):  # enqueued before we were instrumented
+            _tag(item, False)
+        _tls.chunk = item
+    elif item is None:
+        _tls.chunk = None
+
+
+# Always, even while not recording: the worker's current chunk must follow its queue.
+_queue_get_wrapper = observe_call("queue get", after=_on_queue_get, when=None)
 
 
 # --- transfers -----------------------------------------------------------------------------------------------
@@ -254,51 +246,55 @@ def _scoped_steps(generator, scope):
 def _transfer_wrapper(backend, payload, session_pos, req_pos, executor_pos):
     """A wrapper running one send method of a manager inside one transfer scope."""
 
+    what = f"transfer scope {payload}"
+
+    def scoped(instance, chunk, args, kwargs):
+        """(scope, args, kwargs): the call's arguments with its executor bound to the scope."""
+        index, early = getattr(chunk, _TAG, (0, False))
+        session = _session_of(backend, args, kwargs, session_pos, req_pos)
+        destination, replica = _destination(instance, chunk.room, session)
+        scope = integration.transfer_scope(
+            chunk.room,
+            chunk_index=index,
+            payload=payload,
+            destination_index=destination,
+            replica_factor=replica,
+            is_last_chunk=bool(chunk.is_last_chunk),
+            prefix_early_send=early,
+            attributes=room_attributes(chunk.room),
+        )
+        if executor_pos is not None:
+            if len(args) > executor_pos:
+                args = args[:executor_pos] + (_ScopedExecutor(args[executor_pos], scope),) + args[executor_pos + 1:]
+            elif kwargs.get("executor") is not None:
+                kwargs = dict(kwargs, executor=_ScopedExecutor(kwargs["executor"], scope))
+        return scope, args, kwargs
+
     def wrapper(wrapped, instance, args, kwargs):
         chunk = getattr(_tls, "chunk", None)
         if chunk is None or not active() or integration.current_scope() is not None:
             return wrapped(*args, **kwargs)
-        scope = None
-        try:
-            index, early = getattr(chunk, _TAG, (0, False))
-            session = _session_of(backend, args, kwargs, session_pos, req_pos)
-            destination, replica = _destination(instance, chunk.room, session)
-            scope = integration.transfer_scope(
-                chunk.room,
-                chunk_index=index,
-                payload=payload,
-                destination_index=destination,
-                replica_factor=replica,
-                is_last_chunk=bool(chunk.is_last_chunk),
-                prefix_early_send=early,
-                attributes=room_attributes(chunk.room),
-            )
-            if executor_pos is not None:
-                if len(args) > executor_pos:
-                    args = args[:executor_pos] + (_ScopedExecutor(args[executor_pos], scope),) + args[
-                        executor_pos + 1:]
-                elif kwargs.get("executor") is not None:
-                    kwargs = dict(kwargs, executor=_ScopedExecutor(kwargs["executor"], scope))
-        except Exception:  # pylint: disable=broad-except
-            own_error(f"transfer scope {payload}")
-            scope = None
-        if scope is None:
+        made = safely(what, scoped, instance, chunk, args, kwargs)
+        if made is None:
             return wrapped(*args, **kwargs)
+        scope, args, kwargs = made
         if payload == semconv.PAYLOAD_STATE and backend == NIXL:
             result = wrapped(*args, **kwargs)
             return _scoped_steps(result, scope) if inspect.isgenerator(result) else result
         with scope:
             result = wrapped(*args, **kwargs)
-            try:
-                if not is_deferred(result):
-                    rc = result[0] if isinstance(result, tuple) else result
-                    if isinstance(rc, int) and rc != 0 and not scope.calls:
-                        scope.set_error(f"{payload}_send_failed")
-            except Exception:  # pylint: disable=broad-except
-                own_error("transfer result")
+            safely("transfer result", _check_result, scope, payload, result)
             return result
 
     return wrapper
+
+
+def _check_result(scope, payload, result) -> None:
+    """A send method that failed before any engine call (an unreachable session): the scope is marked failed."""
+    if not is_deferred(result):
+        rc = result[0] if isinstance(result, tuple) else result
+        if isinstance(rc, int) and rc != 0 and not scope.calls:
+            scope.set_error(f"{payload}_send_failed")
 
 
 def is_deferred(result) -> bool:
@@ -313,50 +309,49 @@ def is_deferred(result) -> bool:
 AUX_TCP_PROTOCOL = "tcp"
 
 
-def _aux_tcp_wrapper(wrapped, instance, args, kwargs):
-    if integration.current_scope() is None or not active():
-        return wrapped(*args, **kwargs)
-    start, rc, error = time_ns(), 0, None
-    try:
-        return wrapped(*args, **kwargs)
-    except BaseException as exc:
-        rc, error = -1, type(exc).__qualname__
-        raise
-    finally:
-        try:
-            data = args[5] if len(args) > 5 else kwargs.get("data")
-            remote = args[0] if args else kwargs.get("remote")
-            port = args[1] if len(args) > 1 else kwargs.get("dst_port")
-            integration.deliver((start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
-                                 f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error, MOONCAKE, None))
-        except Exception:  # pylint: disable=broad-except
-            own_error("aux over tcp")
+def _in_scope() -> bool:
+    return integration.current_scope() is not None and active()
 
 
-def _conclude_transfer_wrapper(wrapped, instance, args, kwargs):
+def _started(instance, args, kwargs) -> int:
+    return time_ns()
+
+
+def _aux_sent(instance, args, kwargs, start, result, error) -> None:
+    data = args[5] if len(args) > 5 else kwargs.get("data")
+    remote = args[0] if args else kwargs.get("remote")
+    port = args[1] if len(args) > 1 else kwargs.get("dst_port")
+    rc, error_type = (0, None) if error is None else (-1, type(error).__qualname__)
+    integration.deliver((start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
+                         f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error_type, MOONCAKE, None))
+
+
+_aux_tcp_wrapper = observe_call("aux over tcp", _started, _aux_sent, when=_in_scope, on_raise=True)
+
+
+def _on_conclude_transfer(instance, args, kwargs) -> None:
     """A destination skipped because its session is known dead: a 0-byte ERROR send for it."""
     chunk = getattr(_tls, "chunk", None)
-    if chunk is not None and active() and integration.current_scope() is None:
-        try:
-            room = kwargs.get("bootstrap_room")
-            reason = str(kwargs.get("failure_reason") or "")
-            if (_backend(instance) is not None and room == chunk.room and poll_name(kwargs.get("status")) == "Failed"
-                    and ("is not alive" in reason or "layout" in reason)):
-                failed = set(getattr(instance, "failed_sessions", ())) | set(
-                    getattr(instance, "state_layout_rejections", {}))
-                session = next((s for s in (instance.transfer_infos.get(room) or {}) if s in failed), None)
-                destination, replica = _destination(instance, room, session)
-                index, early = getattr(chunk, _TAG, (0, False))
-                scope = integration.transfer_scope(
-                    room, chunk_index=index, payload=semconv.PAYLOAD_KV, destination_index=destination,
-                    replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early,
-                    attributes=room_attributes(room))
-                scope.set_error(error_type_of(reason))
-                with scope:
-                    pass
-        except Exception:  # pylint: disable=broad-except
-            own_error("conclude_transfer")
-    return wrapped(*args, **kwargs)
+    if chunk is None or integration.current_scope() is not None:
+        return
+    room = kwargs.get("bootstrap_room")
+    reason = str(kwargs.get("failure_reason") or "")
+    if (_backend(instance) is not None and room == chunk.room and poll_name(kwargs.get("status")) == "Failed"
+            and ("is not alive" in reason or "layout" in reason)):
+        failed = set(getattr(instance, "failed_sessions", ())) | set(getattr(instance, "state_layout_rejections", {}))
+        session = next((s for s in (instance.transfer_infos.get(room) or {}) if s in failed), None)
+        destination, replica = _destination(instance, room, session)
+        index, early = getattr(chunk, _TAG, (0, False))
+        scope = integration.transfer_scope(
+            room, chunk_index=index, payload=semconv.PAYLOAD_KV, destination_index=destination,
+            replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early,
+            attributes=room_attributes(room))
+        scope.set_error(error_type_of(reason))
+        with scope:
+            pass
+
+
+_conclude_transfer_wrapper = observe_call("conclude_transfer", _on_conclude_transfer)
 
 
 # --- scheduler: early cached-prefix send and compute ---------------------------------------------------------
@@ -372,17 +367,18 @@ def _early_send_wrapper(wrapped, instance, args, kwargs):
         _tls.early = previous
 
 
-def _run_batch_wrapper(wrapped, instance, args, kwargs):
-    """Scheduler.run_batch of a prefill scheduler: one compute interval for every room in the batch."""
-    if not active() or getattr(getattr(instance, "disaggregation_mode", None), "name", None) != "PREFILL":
-        return wrapped(*args, **kwargs)
-    start = time_ns()
-    result = wrapped(*args, **kwargs)
-    try:
+def _batch_started(instance, args, kwargs):
+    """The start of a prefill scheduler's batch; None (nothing recorded) on any other scheduler."""
+    return time_ns() if _is_prefill(instance) else None
+
+
+def _batch_ran(instance, args, kwargs, start, result, error) -> None:
+    if start is not None:
         record_batch_compute(args[0] if args else kwargs.get("batch"), start, time_ns())
-    except Exception:  # pylint: disable=broad-except
-        own_error("run_batch")
-    return result
+
+
+# Scheduler.run_batch of a prefill scheduler: one compute interval for every room in the batch.
+_run_batch_wrapper = observe_call("run_batch", _batch_started, _batch_ran)
 
 
 def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:

@@ -51,5 +51,6 @@ SUPPORTED = HOOKS.supported
 is_supported = HOOKS.is_supported
 instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; False when too old or blocked
 uninstrument = HOOKS.uninstrument
+modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "modules", "patcher"]

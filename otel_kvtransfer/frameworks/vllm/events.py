@@ -11,7 +11,7 @@ import threading
 from typing import Optional
 
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK
-from otel_kvtransfer.recording.patching import active
+from otel_kvtransfer.recording.patching import active, observe_call
 
 _logger = logging.getLogger(__name__)
 
@@ -57,22 +57,13 @@ def registration_wrapper(event: str, backend: str):
     registration (`_kv_unregistered` flipped; both are no-ops when already in that state) or raised (with
     `error.type`; the exception passes through unchanged)."""
 
-    def state(instance):
-        try:
-            return bool(getattr(instance, "_kv_unregistered", False))
-        except Exception:  # pylint: disable=broad-except
-            return None
+    def state(instance, args, kwargs):
+        return bool(getattr(instance, "_kv_unregistered", False))
 
-    def wrapper(wrapped, instance, args, kwargs):
-        before = state(instance)
-        try:
-            result = wrapped(*args, **kwargs)
-        except Exception as error:
+    def counted(instance, args, kwargs, before, result, error):
+        if error is not None:
             count(event, backend, error_type=type(error).__qualname__)
-            raise
-        after = state(instance)
-        if before is not None and after is not None and after != before:
+        elif before is not None and state(instance, args, kwargs) != before:
             count(event, backend)
-        return result
 
-    return wrapper
+    return observe_call(f"count {event}", state, counted, when=None, on_raise=True)

@@ -45,7 +45,7 @@ from otel_kvtransfer.frameworks.vllm.common import (
     request_attributes,
 )
 from otel_kvtransfer.recording import integration as kvt
-from otel_kvtransfer.recording.patching import active, observe_call, own_error
+from otel_kvtransfer.recording.patching import active, observe_call, own_error, safely
 
 BACKEND = "mooncake"
 MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
@@ -89,7 +89,7 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
                                   attributes=request_attributes(instance, d_req_id, with_model=True))
 
 
-_start_load_kv_wrapper = observe_call(_on_start_load_kv, "read vLLM Mooncake connector metadata")
+_start_load_kv_wrapper = observe_call("read vLLM Mooncake connector metadata", _on_start_load_kv)
 
 
 _BUILD_PARAMS = ("ready_reqs", "agent_meta", "local_regions", "remote_regions")
@@ -107,16 +107,19 @@ def _returns_five_lists(wrapped) -> bool:
     return _splittable[function]
 
 
+def _read_batch(wrapped, args, kwargs):
+    params = bind(_BUILD_PARAMS, args, kwargs)
+    ready = list(params["ready_reqs"])
+    return params, ready, len(ready) > 1 and _returns_five_lists(wrapped)
+
+
 def _build_transfer_params_wrapper(wrapped, instance, args, kwargs):
     if not active():
         return wrapped(*args, **kwargs)
-    try:
-        params = bind(_BUILD_PARAMS, args, kwargs)
-        ready = list(params["ready_reqs"])
-        split = len(ready) > 1 and _returns_five_lists(wrapped)
-    except Exception:  # pylint: disable=broad-except
-        own_error("read a vLLM Mooncake batch")
+    batch = safely("read a vLLM Mooncake batch", _read_batch, wrapped, args, kwargs)
+    if batch is None:
         return wrapped(*args, **kwargs)
+    params, ready, split = batch
 
     async def build():
         if not split:
@@ -132,10 +135,8 @@ def _build_transfer_params_wrapper(wrapped, instance, args, kwargs):
                 [p for _, part in parts for p in part[0]], [p for _, part in parts for p in part[1]],
                 [n for _, part in parts for n in part[2]], [r for _, part in parts for r in part[3]],
                 next((part[4] for _, part in parts if part[4] is not None), None))
-        try:
-            _remember_shares(instance, params["agent_meta"], result[0], parts)
-        except Exception:  # pylint: disable=broad-except
-            own_error("split a vLLM Mooncake batch by request")
+        safely("split a vLLM Mooncake batch by request", _remember_shares, instance, params["agent_meta"],
+               result[0], parts)
         return result
 
     return build()
@@ -163,15 +164,16 @@ def _remember_shares(instance, agent_meta, src_ptrs, parts) -> None:
     _shares[id(src_ptrs)] = (src_ptrs, shares)
 
 
+def _shares_of(args, kwargs):
+    src_ptrs = args[1] if len(args) > 1 else kwargs.get("src_ptrs")
+    entry = _shares.pop(id(src_ptrs), None)
+    if entry is not None and entry[0] is not src_ptrs:
+        return None  # a stale entry whose list was freed and its id reused
+    return entry
+
+
 def _send_blocks_wrapper(wrapped, instance, args, kwargs):
-    entry = None
-    try:
-        src_ptrs = args[1] if len(args) > 1 else kwargs.get("src_ptrs")
-        entry = _shares.pop(id(src_ptrs), None)
-        if entry is not None and entry[0] is not src_ptrs:
-            entry = None  # a stale entry whose list was freed and its id reused
-    except Exception:  # pylint: disable=broad-except
-        own_error("find a vLLM Mooncake batch's requests")
+    entry = safely("find a vLLM Mooncake batch's requests", _shares_of, args, kwargs)
     if entry is None or not active():
         return wrapped(*args, **kwargs)
     with kvt.split_transfer_scope(entry[1]):
@@ -182,101 +184,100 @@ def _send_blocks_wrapper(wrapped, instance, args, kwargs):
     return ret
 
 
+def _end_requests(done, sent) -> None:
+    for p_req_id in done:
+        transfer_id = _transfer_of_prefill.pop(p_req_id, None)
+        if transfer_id is None:
+            continue
+        failed = _failed_sends.pop(transfer_id, False)
+        error = None if p_req_id in sent else (TRANSFER_FAILED if failed else EXPIRED)
+        kvt.end_request(transfer_id, error_type=error)
+
+
+def _sent_so_far(worker) -> set:
+    """The requests sent completely; fetch_finished_sending_reqs adds the expired ones to the same set."""
+    return set(worker.finished_sending_reqs)
+
+
 def _fetch_sending_wrapper(wrapped, instance, args, kwargs):
+    # A coroutine method: the observers run inside the coroutine that awaits vLLM's.
     async def fetch():
-        sent = None
-        try:
-            sent = set(instance.finished_sending_reqs)  # completed sends; the call adds the expired ones
-        except Exception:  # pylint: disable=broad-except
-            own_error("read vLLM Mooncake finished sends")
+        sent = safely("read vLLM Mooncake finished sends", _sent_so_far, instance)
         done = await wrapped(*args, **kwargs)
-        if sent is None:
-            return done
-        try:
-            for p_req_id in done:
-                transfer_id = _transfer_of_prefill.pop(p_req_id, None)
-                if transfer_id is None:
-                    continue
-                failed = _failed_sends.pop(transfer_id, False)
-                error = None if p_req_id in sent else (TRANSFER_FAILED if failed else EXPIRED)
-                kvt.end_request(transfer_id, error_type=error)
-        except Exception:  # pylint: disable=broad-except
-            own_error("end vLLM Mooncake requests")
+        if sent is not None:
+            safely("end vLLM Mooncake requests", _end_requests, done, sent)
         return done
 
     return fetch()
 
 
-def _handle_failed_recv_wrapper(wrapped, instance, args, kwargs):
-    try:
-        params = bind(("pull_metas", "req_ids", "reason"), args, kwargs)
-        pull_metas = params["pull_metas"]
-        # Right after the FINISH response of this very pull: requests the prefill side never reported.
-        error = PEER_DROPPED if getattr(_finished, "pull_metas", None) is pull_metas else TRANSFER_FAILED
-        _finished.pull_metas = None
-        dropped = 0
-        for req_id in params["req_ids"]:  # read before the call: vLLM >= 0.33 pops them from pull_metas
-            pull_meta = pull_metas.get(req_id)
-            if pull_meta is not None and not pull_meta.failed:
-                _failed_recvs[req_id] = error
-                dropped += 1
-        if error == PEER_DROPPED:
-            events.count(events.PEER_DROPPED, BACKEND, dropped)
-    except Exception:  # pylint: disable=broad-except
-        own_error("read a vLLM Mooncake receive failure")
-    return wrapped(*args, **kwargs)
+def _on_failed_recv(instance, args, kwargs) -> None:
+    params = bind(("pull_metas", "req_ids", "reason"), args, kwargs)
+    pull_metas = params["pull_metas"]
+    # Right after the FINISH response of this very pull: requests the prefill side never reported.
+    error = PEER_DROPPED if getattr(_finished, "pull_metas", None) is pull_metas else TRANSFER_FAILED
+    _finished.pull_metas = None
+    dropped = 0
+    for req_id in params["req_ids"]:  # read before the call: vLLM >= 0.33 pops them from pull_metas
+        pull_meta = pull_metas.get(req_id)
+        if pull_meta is not None and not pull_meta.failed:
+            _failed_recvs[req_id] = error
+            dropped += 1
+    if error == PEER_DROPPED:
+        events.count(events.PEER_DROPPED, BACKEND, dropped)
 
 
-def _process_pulling_result_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    try:
-        _finished.pull_metas = None
-        params = bind(("response", "pull_metas"), args, kwargs)
-        # Only a vLLM that settles peer tasks (>= 0.33) fails what a FINISH left unreported; before, the marker
-        # could outlive the pull and mislabel another peer's error on the same pull_metas.
-        if (getattr(params["response"].status, "name", None) == "FINISH"
-                and hasattr(type(instance), "_complete_pull_task")):
-            _finished.pull_metas = params["pull_metas"]  # read by a _handle_failed_recv that follows at once
-    except Exception:  # pylint: disable=broad-except
-        own_error("read a vLLM Mooncake pull result")
-    return result
+# Ungated (this and the two below): a pull's bookkeeping follows vLLM's; `kvt` records only while recording.
+_handle_failed_recv_wrapper = observe_call("read a vLLM Mooncake receive failure", _on_failed_recv, when=None)
 
 
-def _lookup_peer_layout_wrapper(wrapped, instance, args, kwargs):
-    stored = wrapped(*args, **kwargs)
-    if stored is None and active():
-        try:
-            meta = bind(("meta",), args, kwargs)["meta"]
-            for transfer_id, _ in meta.req_blocks.values():
-                _layout_missed[transfer_id] = True
-            events.count(events.LAYOUT_MISS, BACKEND)
-        except Exception:  # pylint: disable=broad-except
-            own_error("read a vLLM Mooncake layout miss")
-    return stored
+def _on_pulling_result(instance, args, kwargs, token, result, error) -> None:
+    _finished.pull_metas = None
+    params = bind(("response", "pull_metas"), args, kwargs)
+    # Only a vLLM that settles peer tasks (>= 0.33) fails what a FINISH left unreported; before, the marker
+    # could outlive the pull and mislabel another peer's error on the same pull_metas.
+    if (getattr(params["response"].status, "name", None) == "FINISH"
+            and hasattr(type(instance), "_complete_pull_task")):
+        _finished.pull_metas = params["pull_metas"]  # read by a _handle_failed_recv that follows at once
 
 
-def _build_pull_metadata_wrapper(wrapped, instance, args, kwargs):
-    try:
-        pull_metas = bind(("pull_metas",), args, kwargs)["pull_metas"]
-        if _pulls_built.get(id(pull_metas)) is pull_metas:
-            events.count(events.LAYOUT_RESEND, BACKEND)  # the same pull built again: after a LAYOUT_MISS
-        else:
-            _pulls_built[id(pull_metas)] = pull_metas
-    except Exception:  # pylint: disable=broad-except
-        own_error("read a vLLM Mooncake pull")
-    return wrapped(*args, **kwargs)
+_process_pulling_result_wrapper = observe_call("read a vLLM Mooncake pull result", after=_on_pulling_result,
+                                               when=None)
+
+
+def _on_peer_layout(instance, args, kwargs, token, stored, error) -> None:
+    if stored is None:
+        meta = bind(("meta",), args, kwargs)["meta"]
+        for transfer_id, _ in meta.req_blocks.values():
+            _layout_missed[transfer_id] = True
+        events.count(events.LAYOUT_MISS, BACKEND)
+
+
+_lookup_peer_layout_wrapper = observe_call("read a vLLM Mooncake layout miss", after=_on_peer_layout)
+
+
+def _on_build_pull_metadata(instance, args, kwargs) -> None:
+    pull_metas = bind(("pull_metas",), args, kwargs)["pull_metas"]
+    if _pulls_built.get(id(pull_metas)) is pull_metas:
+        events.count(events.LAYOUT_RESEND, BACKEND)  # the same pull built again: after a LAYOUT_MISS
+    else:
+        _pulls_built[id(pull_metas)] = pull_metas
+
+
+_build_pull_metadata_wrapper = observe_call("read a vLLM Mooncake pull", _on_build_pull_metadata, when=None)
+
+
+def _end_receives(done) -> None:
+    for d_req_id in done:
+        transfer_id = _transfer_of_decode.pop(d_req_id, None)
+        if transfer_id is not None:
+            kvt.end_receive(transfer_id, error_type=_failed_recvs.pop(d_req_id, None))
 
 
 def _fetch_recving_wrapper(wrapped, instance, args, kwargs):
     async def fetch():
         done = await wrapped(*args, **kwargs)
-        try:
-            for d_req_id in done:
-                transfer_id = _transfer_of_decode.pop(d_req_id, None)
-                if transfer_id is not None:
-                    kvt.end_receive(transfer_id, error_type=_failed_recvs.pop(d_req_id, None))
-        except Exception:  # pylint: disable=broad-except
-            own_error("end vLLM Mooncake receives")
+        safely("end vLLM Mooncake receives", _end_receives, done)
         return done
 
     return fetch()

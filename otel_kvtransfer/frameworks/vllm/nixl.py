@@ -27,7 +27,7 @@ still become raw `kv_transfer.send` spans through the NIXL engine module.
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import common, events
 from otel_kvtransfer.recording import integration as kvt
-from otel_kvtransfer.recording.patching import active, observe_call, own_error
+from otel_kvtransfer.recording.patching import active, observe_call, safely
 
 BACKEND = "nixl"
 PULL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
@@ -73,72 +73,68 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
                             attributes=common.request_attributes(instance, req_id, with_model=True))
 
 
-_start_load_kv_wrapper = observe_call(_on_start_load_kv, "read vLLM NIXL connector metadata")
+_start_load_kv_wrapper = observe_call("read vLLM NIXL connector metadata", _on_start_load_kv)
+
+
+def _read_scope(instance, kwargs):
+    """The transfer scope of one READ from one prefill rank: the rank's place among the ranks read from."""
+    rank = kwargs["read_spec"].remote_rank
+    ranks = list(instance.tp_mappings[kwargs["dst_engine_id"]].all_source_ranks)
+    return kvt.transfer_scope(kwargs["remote_request_id"], chunk_index=0, is_last_chunk=True,
+                              destination_index=ranks.index(rank) if rank in ranks else 0)
 
 
 def _read_blocks_wrapper(wrapped, instance, args, kwargs):
     if not active():
         return wrapped(*args, **kwargs)
-    scope = None
-    try:
-        key = kwargs["remote_request_id"]
-        rank = kwargs["read_spec"].remote_rank
-        ranks = list(instance.tp_mappings[kwargs["dst_engine_id"]].all_source_ranks)
-        scope = kvt.transfer_scope(key, chunk_index=0, is_last_chunk=True,
-                                   destination_index=ranks.index(rank) if rank in ranks else 0)
-    except Exception:  # pylint: disable=broad-except
-        own_error("scope a vLLM NIXL read")
+    scope = safely("scope a vLLM NIXL read", _read_scope, instance, kwargs)
     if scope is None:
         return wrapped(*args, **kwargs)
     with scope:
         return wrapped(*args, **kwargs)
 
 
-def _reap_expired_wrapper(wrapped, instance, args, kwargs):
-    done_sending, before = None, None
-    try:
-        done_sending = args[0] if args else kwargs.get("done_sending")
-        before = set(done_sending) if done_sending is not None else None
-    except Exception:  # pylint: disable=broad-except
-        own_error("read vLLM NIXL finished sends")
-    result = wrapped(*args, **kwargs)
-    if before is None:
-        return result
-    try:
+def _sends_before(instance, args, kwargs):
+    """(the done_sending set the call adds expired leases to, a copy of it before the call), or None."""
+    done_sending = args[0] if args else kwargs.get("done_sending")
+    return None if done_sending is None else (done_sending, set(done_sending))
+
+
+def _on_reaped(instance, args, kwargs, sends, result, error) -> None:
+    if sends is not None:
+        done_sending, before = sends
         for req_id in set(done_sending) - before:
             _expired[req_id] = True
-    except Exception:  # pylint: disable=broad-except
-        own_error("read vLLM NIXL expiries")
-    return result
 
 
-def _read_blocks_for_req_wrapper(wrapped, instance, args, kwargs):
-    if active():
-        try:
-            meta = common.bind(("req_id", "meta"), args, kwargs)["meta"]
-            if _rehandshake_due(instance, meta.remote):
-                events.count(events.REHANDSHAKE, BACKEND)
-        except Exception:  # pylint: disable=broad-except
-            own_error("read a vLLM NIXL remote's registration")
-    return wrapped(*args, **kwargs)
+# Ungated: it only marks leases; the spans they end are recorded only while recording.
+_reap_expired_wrapper = observe_call("read vLLM NIXL expiries", _sends_before, _on_reaped, when=None)
 
 
-def _transfer_results_wrapper(wrapped, instance, args, kwargs):
-    results = wrapped(*args, **kwargs)
+def _on_read_blocks_for_req(instance, args, kwargs) -> None:
+    meta = common.bind(("req_id", "meta"), args, kwargs)["meta"]
+    if _rehandshake_due(instance, meta.remote):
+        events.count(events.REHANDSHAKE, BACKEND)
+
+
+_read_blocks_for_req_wrapper = observe_call("read a vLLM NIXL remote's registration", _on_read_blocks_for_req)
+
+
+def _on_transfer_results(instance, args, kwargs, token, results, error) -> None:
     if not _is_pull(instance):
-        return results
-    try:
-        failed = results.failed_recving or ()
-        for req_id in results.finished_recving or ():
-            key = _key_of_decode.pop(req_id, None)
-            if key is not None:
-                kvt.end_request(key, error_type=common.TRANSFER_FAILED if req_id in failed else None)
-        for req_id in results.finished_sending or ():
-            if _serving.pop(req_id, None):
-                kvt.end_serve(req_id, error_type=common.EXPIRED if _expired.pop(req_id, None) else None)
-    except Exception:  # pylint: disable=broad-except
-        own_error("end vLLM NIXL requests")
-    return results
+        return
+    failed = results.failed_recving or ()
+    for req_id in results.finished_recving or ():
+        key = _key_of_decode.pop(req_id, None)
+        if key is not None:
+            kvt.end_request(key, error_type=common.TRANSFER_FAILED if req_id in failed else None)
+    for req_id in results.finished_sending or ():
+        if _serving.pop(req_id, None):
+            kvt.end_serve(req_id, error_type=common.EXPIRED if _expired.pop(req_id, None) else None)
+
+
+# Ungated: its tables are emptied on uninstrument, and `kvt` records only while recording.
+_transfer_results_wrapper = observe_call("end vLLM NIXL requests", after=_on_transfer_results, when=None)
 
 
 def patch(module) -> None:

@@ -1,0 +1,226 @@
+"""The contract every backend in `registry.ENGINES` and `registry.FRAMEWORKS` keeps, on its library's real classes.
+
+(a) instrument() then uninstrument() leaves every class `__dict__` entry identical (`is`) to what it was;
+(b) instrument() twice patches once;
+(c) what the original returns reaches the caller as it is, and what it raises is the same exception object;
+(d) a failure inside a wrapper's own code is counted as a `wrapper_error` drop and never raised.
+
+(a) and (b) run on the real classes as the library defines them. For (c) and (d) each patched method is called,
+through the backend's own wrapper, around a stand-in original installed on the real class for the test: the real
+methods need a live engine (GPU memory, a peer, a scheduler loop). The call's arguments are unreadable (every
+attribute, item, length, number, text or truth value of them raises), so every observer that looks at them fails:
+each such failure must be counted and swallowed, while the stand-in's answer goes through untouched.
+
+vLLM is installed in its own virtualenv only: its case runs this same file there, with pytest.
+A new backend needs nothing here: a line in `registry.py` and it is held to the contract.
+"""
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+from conftest import require_part
+
+from otel_kvtransfer import config, registry
+from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours
+from otel_kvtransfer.recording.recorder import RECORDER
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+IN_PROCESS = "KVT_CONTRACT_IN_PROCESS"  # set when this file runs inside another virtualenv
+# Backends whose library lives in another virtualenv: the test runs this file there.
+ELSEWHERE = {"otel_kvtransfer.frameworks.vllm": "vllm"}
+BACKENDS = registry.ENGINES + registry.FRAMEWORKS
+
+
+class Unreadable(Exception):
+    """What every read of a `Poison` raises: not an AttributeError, so `getattr(x, name, default)` raises it too."""
+
+
+class Poison:
+    """An argument (or instance) no observer can read."""
+
+    def _fail(self, *_args, **_kwargs):
+        raise Unreadable("unreadable argument")
+
+    __getattr__ = __len__ = __iter__ = __getitem__ = __contains__ = _fail
+    __int__ = __index__ = __float__ = __bool__ = __hash__ = __str__ = __format__ = _fail
+    __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __call__ = _fail
+
+    def __repr__(self):
+        return "<Poison>"
+
+
+class Boom(Exception):
+    """The stand-in original's own exception."""
+
+
+class StandIn:
+    """A stand-in original for `owner.attr`: answers `sentinel`, or raises `error` while `raising`."""
+
+    def __init__(self, coroutine: bool):
+        self.sentinel, self.error, self.raising, self.calls = object(), Boom("the original failed"), False, 0
+        stand_in = self
+
+        def original(*_args, **_kwargs):
+            stand_in.calls += 1
+            if stand_in.raising:
+                raise stand_in.error
+            return stand_in.sentinel
+
+        async def original_coroutine(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        self.function = original_coroutine if coroutine else original
+        self.code = original.__code__
+
+
+def _module_classes(module) -> list:
+    """The classes defined in a module, and their bases: every owner a backend may patch there."""
+    found = {}
+    for value in list(vars(module).values()):
+        if isinstance(value, type):
+            for klass in inspect.getmro(value):
+                if klass is not object:
+                    found[id(klass)] = klass
+    return list(found.values())
+
+
+def _snapshot(classes) -> dict:
+    return {klass: dict(vars(klass)) for klass in classes}
+
+
+def _changed(snapshot: dict) -> list:
+    """Entries not identical (`is`) to the snapshot's, or added or removed, as 'Class.attr'."""
+    changed = []
+    for klass, entries in snapshot.items():
+        now = vars(klass)
+        for name in set(entries) | set(now):
+            if name not in entries or name not in now or now[name] is not entries[name]:
+                changed.append(f"{klass.__qualname__}.{name}")
+    return sorted(changed)
+
+
+def _outcome(value):
+    """The call's answer; a coroutine (vLLM's async methods) is run to its answer."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+
+@pytest.fixture
+def recording():
+    """The real recorder, started on its own: the backends' wrappers record (and count drops) only while it is."""
+    if RECORDER.active:
+        RECORDER.stop()
+    drops, records = {}, []
+
+    def count(reason, amount):
+        drops[reason] = drops.get(reason, 0) + amount
+
+    RECORDER.start(config.load(), handle=records.append, tick=lambda: None, on_drops=count)
+
+    def wrapper_errors() -> int:
+        RECORDER.drain()  # reports the drops counted so far
+        return drops.get("wrapper_error", 0)
+
+    yield wrapper_errors
+    RECORDER.stop()
+
+
+def _load(name: str):
+    """The backend and its library's real modules, imported; skips (with why) what this virtualenv lacks."""
+    backend = importlib.import_module(name)
+    loaded = []
+    for module_name in backend.modules():
+        try:
+            loaded.append(importlib.import_module(module_name))
+        except ImportError as error:
+            require_part(False, f"{module_name}, which {name} patches ({error})")
+    return backend, loaded
+
+
+def _run_elsewhere(name: str, venv: str) -> None:
+    """This file's case for `name`, run by pytest in the virtualenv that holds the backend's library."""
+    from vllm_serving import harness  # pylint: disable=import-outside-toplevel
+
+    python = harness.vllm_python()
+    require_part(harness.vllm_ready(python), f"the {venv} virtualenv at {python} (run `bash scripts/setup-vllm.sh`)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
+    env.update({IN_PROCESS: "1", "PYTHONPATH": ROOT})
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", name],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backend_contract(name, recording):
+    if name in ELSEWHERE and not os.environ.get(IN_PROCESS):
+        if importlib.util.find_spec(ELSEWHERE[name]) is None:
+            _run_elsewhere(name, ELSEWHERE[name])
+            return
+    backend, modules = _load(name)
+    assert isinstance(backend, Backend)
+    assert isinstance(backend, Engine if name in registry.ENGINES else Framework)
+    classes = [klass for module in modules for klass in _module_classes(module)]
+    before = _snapshot(classes)
+    try:
+        # (a), (b) on the real classes.
+        assert backend.instrument() is True
+        patched = backend.patcher.patched()
+        assert patched, f"{name} patched nothing in {backend.modules()}"
+        assert all(is_ours(vars(owner)[attr]) for owner, attr in patched)
+        assert {id(owner) for owner, _ in patched} <= {id(klass) for klass in classes}
+        entries = [vars(owner)[attr] for owner, attr in patched]
+        assert backend.instrument() is True
+        assert backend.patcher.patched() == patched
+        assert all(vars(owner)[attr] is entry for (owner, attr), entry in zip(patched, entries))
+        backend.uninstrument()
+        assert _changed(before) == []
+        assert backend.patcher.patched() == []
+
+        # (c), (d) through each wrapper, around a stand-in original on the real class.
+        stand_ins = {}
+        for owner, attr in patched:
+            stand_ins[(owner, attr)] = StandIn(inspect.iscoroutinefunction(before[owner][attr]))
+            setattr(owner, attr, stand_ins[(owner, attr)].function)
+        with_stand_ins = _snapshot(classes)
+        assert backend.instrument() is True
+        assert backend.patcher.patched() == patched
+        counted = []
+        for (owner, attr), stand_in in stand_ins.items():
+            wrapper = vars(owner)[attr]
+            assert is_ours(wrapper)
+            errors = recording()
+            answer = _outcome(wrapper.__get__(Poison(), owner)(*[Poison() for _ in range(6)]))
+            assert answer is stand_in.sentinel, f"{owner.__qualname__}.{attr} changed the return value"
+            stand_in.raising = True
+            with pytest.raises(Boom) as raised:
+                _outcome(wrapper.__get__(Poison(), owner)(*[Poison() for _ in range(6)]))
+            assert raised.value is stand_in.error, f"{owner.__qualname__}.{attr} replaced the exception"
+            frames = [frame.f_code for frame, _ in traceback.walk_tb(raised.value.__traceback__)]
+            assert stand_in.code in frames  # the original's own frame is still in its traceback
+            assert stand_in.calls == 2  # the original ran exactly once per call
+            if recording() > errors:
+                counted.append(f"{owner.__qualname__}.{attr}")
+        # Every observer here read the unreadable arguments inside its guard; at least one of each backend's
+        # observers ran (the others are gated on state a live engine would have, and called straight through).
+        assert counted, f"no wrapper of {name} counted its own failure"
+        backend.uninstrument()
+        assert _changed(with_stand_ins) == []
+    finally:
+        backend.uninstrument()
+        for klass, entries in before.items():  # the library's own originals back, exactly
+            for attr, entry in entries.items():
+                if vars(klass).get(attr) is not entry:
+                    setattr(klass, attr, entry)
+    assert _changed(before) == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
