@@ -1,6 +1,6 @@
 """The builder process of `OTEL_KVTRANSFER_BUILDER=process`.
 
-Started by `offload.HelperLink` with the engine's environment, working directory, standard output and error,
+Started by `helper_lifecycle.HelperProcess` with the engine's environment, working directory, standard output and error,
 in a session of its own (a terminal's Ctrl-C or a service manager's group signal to the engine's process group
 does not reach it), with the working directory kept off its import path (a stray `select.py` there is not
 imported). It sets up the SDK as the engine's would be (the opentelemetry_configurator entry point reading
@@ -29,7 +29,7 @@ from opentelemetry import metrics, trace
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
-from otel_kvtransfer.recording import offload, wire
+from otel_kvtransfer.recording import helper_lifecycle, wire
 from otel_kvtransfer.recording.recorder import log_own_error
 from otel_kvtransfer.version import __version__
 
@@ -38,7 +38,7 @@ _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def _set_up_sdk() -> None:
-    setup = os.environ.get(offload.SETUP_ENV, "").strip()
+    setup = os.environ.get(helper_lifecycle.SETUP_ENV, "").strip()
     if setup:
         module, _, function = setup.partition(":")
         getattr(importlib.import_module(module), function or "setup")()
@@ -228,7 +228,7 @@ _signals = _Signals()
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the engine
     signal.signal(signal.SIGTERM, _signals.on_sigterm)
-    os.environ[offload.HELPER_ENV] = "1"
+    os.environ[helper_lifecycle.HELPER_ENV] = "1"
     try:
         sock = socket.socket(fileno=os.dup(0))
         if sock.family != socket.AF_UNIX:

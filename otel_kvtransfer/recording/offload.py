@@ -7,16 +7,16 @@ pickled frame per drain written to a socket; the helper (`helper_process`) reads
 builder and metrics processor on an SDK it sets up from the same OTEL_* variables.
 
 The helper starts with the first frame, so a process that records nothing (sglang's tokenizer, say) never starts
-one. It runs in a session of its own and ends on end-of-file from its engine. Every record is counted exactly once:
+one; starting, replacing and reaping helpers is `helper_lifecycle`'s part, the frames this module's. A helper
+ends on end-of-file from its engine. Every record is counted exactly once:
 - built by the helper, which acknowledges every frame it has handled;
 - or, when the helper is alive but not reading (busy, or its collector slow) and the socket is full, dropped
   here before it is written;
 - or, when the helper died, lost with the frames it never acknowledged (every acknowledgement it sent is read
   first). The socket (MSG_NOSIGNAL) never raises SIGPIPE in an engine that restored SIGPIPE's default action.
-A live helper is never given up for being slow. A dead one is replaced: at once when it had acknowledged
-something, else after a backoff that doubles up to RESTART_BACKOFF_MAX_S; never a permanent give-up. Drops travel
-in the next frame to a live helper; what no helper can take is counted in this process's own MeterProvider
-(`builder_process`), so drops always reach an exporter. Every helper given up is reaped.
+A live helper is never given up for being slow; a dead one is replaced (with a backoff while they keep ending
+without acknowledging anything). Drops travel in the next frame to a live helper; what no helper can take is
+counted in this process's own MeterProvider (`builder_process`), so drops always reach an exporter.
 Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its providers. At exit
 the helper gets end-of-file, exports what it holds and ends by itself; the engine waits at most EXIT_WAIT_S for
 it and never kills it. A forked child starts its own helper.
@@ -25,11 +25,8 @@ it and never kills it. A forked child starts its own helper.
 import atexit
 import errno
 import logging
-import os
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -39,37 +36,19 @@ from opentelemetry.sdk.trace import SpanProcessor
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import wire
+from otel_kvtransfer.recording.helper_lifecycle import HELPER_ENV as HELPER_ENV  # re-exported: wiring reads it here
+from otel_kvtransfer.recording.helper_lifecycle import SETUP_ENV as SETUP_ENV  # as HELPER_ENV
+from otel_kvtransfer.recording.helper_lifecycle import HelperProcess
+from otel_kvtransfer.recording.helper_lifecycle import unavailable_reason as unavailable_reason  # as HELPER_ENV
 
 _logger = logging.getLogger(__name__)
 
-HELPER_ENV = "OTEL_KVTRANSFER_HELPER"  # set in the helper's environment: never instrument the helper itself
-SETUP_ENV = "OTEL_KVTRANSFER_HELPER_SETUP"  # module:function that sets up the helper's SDK instead of OTEL_*
 WRITE_WAIT_S = 1.0  # how long the recorder's thread waits for room in the socket before it drops a batch
 EXIT_WAIT_S = 5.0
-RESTART_BACKOFF_MAX_S = 60.0
-SEND_BUFFER = 4 << 20  # room for bursts while the helper builds (the kernel caps it at net.core.wmem_max)
 DROP_REASON = "builder_process"
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _ACKS_READ = 1 << 16
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
-
-# The helper's import path: the working directory off it (-P; on 3.10, where `-c` puts it first, removed), and
-# the directory this package was imported from at its end (an engine run from a checkout finds it there).
-SAFE_PATH = ("import sys\n"
-             "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
-             "if sys.argv[1] not in sys.path:\n    sys.path.append(sys.argv[1])\n")
-_BOOTSTRAP = SAFE_PATH + "from otel_kvtransfer.building.helper_process import main\nmain()\n"
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why this process cannot hand its records to a helper, or None when it can."""
-    if not sys.executable:
-        return "this interpreter does not know its own executable (embedded Python)"
-    exporters = {name.strip().lower() for name in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")}
-    if "prometheus" in exporters:
-        return ("OTEL_METRICS_EXPORTER includes prometheus, whose port is this process's; "
-                "the helper could not serve the same port")
-    return None
 
 
 def _ready(fd: int, events: int, timeout_s: float) -> int:
@@ -78,26 +57,6 @@ def _ready(fd: int, events: int, timeout_s: float) -> int:
     poller.register(fd, events)
     ready = poller.poll(max(timeout_s, 0) * 1000)
     return ready[0][1] if ready else 0
-
-
-def _helper_command() -> list:
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, *safe_path, "-c", _BOOTSTRAP, package_parent]
-
-
-def _helper_environment() -> dict:
-    """The engine's environment minus opentelemetry-instrument's sitecustomize: the helper instruments nothing."""
-    env = dict(os.environ)
-    env[HELPER_ENV] = "1"
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and not (os.path.basename(p.rstrip(os.sep)) == "auto_instrumentation"
-                           and os.path.exists(os.path.join(p, "sitecustomize.py")))]
-    if paths:
-        env["PYTHONPATH"] = os.pathsep.join(paths)
-    else:
-        env.pop("PYTHONPATH", None)
-    return env
 
 
 def _own_drop_counter() -> Callable[[str, int], None]:
@@ -122,7 +81,7 @@ class HelperLink:
     def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None):
         self._count_dropped = count_dropped
         self._lock = threading.Lock()
-        self._proc: Optional[subprocess.Popen] = None
+        self._helper = HelperProcess()
         self._sock: Optional[socket.socket] = None
         self._generation = 0  # bumped whenever the helper changes: a flush waits on one helper only
         self._tail = None  # the unwritten rest of a frame begun (frames never interleave)
@@ -133,9 +92,6 @@ class HelperLink:
         self._drops = {}  # drop counts to carry in the next frame
         self._sequence = 0
         self._closed = False
-        self._forgotten = []  # helpers given up (or a parent's, seen from a forked child), until reaped
-        self._failures = 0  # helpers in a row that ended without acknowledging anything
-        self._next_start = 0.0
         self._logged = False  # one warning per episode (a loss, a stall, no helper), until a helper answers again
 
     # --- recorder callbacks (the recorder's thread) --------------------------------------------------------
@@ -151,7 +107,7 @@ class HelperLink:
     def tick(self) -> None:
         if self._drops:
             self.send_batch([])
-        elif self._tail is not None or self._forgotten:
+        elif self._tail is not None or self._helper.reap_due():
             with self._lock:
                 self._pump()
 
@@ -211,7 +167,7 @@ class HelperLink:
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
         with self._lock:
-            if self._proc is not None:
+            if self._helper.proc is not None:
                 self._send((wire.END_OPEN,), 0, {}, WRITE_WAIT_S)
 
     def close(self, wait_s: float = EXIT_WAIT_S) -> None:
@@ -221,10 +177,10 @@ class HelperLink:
         with self._lock:
             self._closed = True
             self._pump()
-            if self._proc is None:
+            if self._helper.proc is None:
                 self._count_here(0, self._take_drops(), "the engine is ending")
                 return
-            proc, sock = self._proc, self._sock
+            sock = self._sock
             if self._tail is not None:
                 self._push_tail(deadline)
             try:
@@ -233,15 +189,11 @@ class HelperLink:
                 pass
             while self._sock is sock and _ready(sock.fileno(), select.POLLIN, deadline - time.monotonic()):
                 self._read_acks(ending=True)
-            self._closed_helper(proc, deadline)
+            self._closed_helper(deadline)
 
-    def _closed_helper(self, proc, deadline) -> None:
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            _logger.warning("otel_kvtransfer: the builder process (pid %d) is still exporting; it ends by itself",
-                            proc.pid)
-            self._forgotten.append(proc)
+    def _closed_helper(self, deadline) -> None:
+        proc, ended = self._helper.closed(deadline - time.monotonic())
+        if not ended:
             self._unacked.clear()  # still working on them: not lost
         self._forget_helper()
         # What a helper that ended did not acknowledge was lost with it: counted here, no helper is left.
@@ -261,17 +213,15 @@ class HelperLink:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        if self._proc is not None:
-            self._forgotten.append(self._proc)
-        self._proc, self._tail, self._ack_buffer = None, None, b""
+        self._helper.after_fork_in_child()
+        self._tail, self._ack_buffer = None, b""
         self._generation += 1
         self._unacked.clear()  # the parent's frames: the parent counts them
         self._drops = {}
-        self._failures, self._next_start, self._acked, self._logged = 0, 0.0, False, False
+        self._acked, self._logged = False, False
 
     def pid(self) -> Optional[int]:
-        proc = self._proc
-        return proc.pid if proc is not None else None
+        return self._helper.pid()
 
     # --- the socket (callers hold self._lock) ----------------------------------------------------------------
     def _send(self, payload: tuple, records: int, drops: dict, wait_s: float) -> Optional[int]:
@@ -281,23 +231,17 @@ class HelperLink:
             return None
         self._pump()
         deadline = time.monotonic() + wait_s
-        if self._tail is not None and not self._push_tail(deadline) and self._proc is not None:
+        if self._tail is not None and not self._push_tail(deadline) and self._helper.proc is not None:
             # Alive but not reading (busy, or its exporter slow): this frame does not go; a dead one is replaced.
-            self._count_here(records, drops, f"the builder process (pid {self._proc.pid}) is not reading")
+            self._count_here(records, drops, f"the builder process (pid {self._helper.pid()}) is not reading")
             return None
         self._sequence += 1
         frame = wire.encode(payload, records, self._sequence)
         for _ in range(2):  # a helper found dead on the first write: the frame goes to a fresh one
             if not self._ensure_started():
                 break
-            try:
-                written = self._sock.send(frame, _NOSIGNAL)
-            except BlockingIOError:
-                written = 0
-            except OSError as exc:
-                if exc.errno not in _GONE:
-                    raise
-                self._lost()
+            written = self._write(frame)
+            if written is None:
                 continue
             self._unacked.append((self._sequence, records, drops))
             if written < len(frame):
@@ -313,14 +257,8 @@ class HelperLink:
     def _push_tail(self, deadline: float) -> bool:
         """The rest of the frame begun, waiting for room until `deadline`; True once it is all written."""
         while self._tail is not None:
-            try:
-                written = self._sock.send(self._tail, _NOSIGNAL)
-            except BlockingIOError:
-                written = 0
-            except OSError as exc:
-                if exc.errno not in _GONE:
-                    raise
-                self._lost()
+            written = self._write(self._tail)
+            if written is None:
                 return False
             self._tail = self._tail[written:] if written < len(self._tail) else None
             if self._tail is not None:
@@ -333,6 +271,18 @@ class HelperLink:
                         return False
         return True
 
+    def _write(self, data) -> Optional[int]:
+        """How much of `data` the socket took (0 while it is full); None when the helper is gone (`_lost`)."""
+        try:
+            return self._sock.send(data, _NOSIGNAL)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno not in _GONE:
+                raise
+            self._lost()
+            return None
+
     def _pump(self) -> None:
         """Without waiting: the acknowledgements that came back (a helper that ended is noticed here), the rest
         of a frame begun, helpers given up that have ended (reaped)."""
@@ -340,8 +290,7 @@ class HelperLink:
             self._read_acks()
         if self._tail is not None and self._sock is not None:
             self._push_tail(0)
-        if self._forgotten:
-            self._forgotten = [p for p in self._forgotten if p.poll() is None]
+        self._helper.reap()
 
     def _read_acks(self, ending: bool = False) -> None:
         while self._sock is not None:
@@ -377,12 +326,12 @@ class HelperLink:
             while unacked and unacked[0][0] <= acknowledged:
                 unacked.popleft()
             if not self._acked:
-                self._acked, self._failures, self._logged = True, 0, False
+                self._acked, self._logged = True, False
+                self._helper.answered()
 
     def _lost(self) -> None:
         """The helper ended: read every acknowledgement it sent, then what it never acknowledged is lost (carried
         as drops by the next frame), and the next start is scheduled."""
-        proc = self._proc
         self._read_acks(ending=True)
         self._forget_socket()
         lost = list(self._unacked)
@@ -394,16 +343,8 @@ class HelperLink:
                 self._drops[reason] = self._drops.get(reason, 0) + dropped
         if records:
             self._drops[DROP_REASON] = self._drops.get(DROP_REASON, 0) + records
-        if self._acked:
-            self._failures, delay = 0, 0.0
-        else:
-            self._failures += 1
-            delay = min(2.0 ** (self._failures - 1), RESTART_BACKOFF_MAX_S)
-        self._next_start = time.monotonic() + delay
-        code = proc.poll() if proc is not None else None
+        proc, code, delay = self._helper.lost(worked=self._acked)
         self._forget_helper()
-        if proc is not None and code is None:
-            self._forgotten.append(proc)  # reaped by a later pump
         if not self._logged:
             self._logged = True
             lost_part = (f" without building {records} records; they are counted as dropped ({DROP_REASON})"
@@ -420,39 +361,16 @@ class HelperLink:
 
     def _forget_helper(self) -> None:
         self._forget_socket()
-        self._proc, self._acked = None, False
+        self._acked = False
         self._generation += 1
 
     def _ensure_started(self) -> bool:
-        if self._proc is not None:
+        if self._helper.proc is not None:
             return True
-        now = time.monotonic()
-        if now < self._next_start:
+        sock = self._helper.start()
+        if sock is None:
             return False
-        mine = theirs = None
-        try:
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-            except OSError:
-                pass
-            # In a session of its own: a group signal meant for the engine (Ctrl-C, a stop) does not end it.
-            # stdout and stderr are the engine's own (a console exporter prints where the engine prints).
-            self._proc = subprocess.Popen(  # pylint: disable=consider-using-with
-                _helper_command(), stdin=theirs.fileno(), env=_helper_environment(), close_fds=True,
-                start_new_session=True)
-        except OSError:
-            if mine is not None:
-                mine.close()
-            self._failures += 1
-            self._next_start = now + min(2.0 ** (self._failures - 1), RESTART_BACKOFF_MAX_S)
-            _logger.warning("otel_kvtransfer: could not start the builder process", exc_info=True)
-            return False
-        finally:
-            if theirs is not None:
-                theirs.close()
-        mine.setblocking(False)
-        self._sock, self._tail, self._ack_buffer, self._acked = mine, None, b"", False
+        self._sock, self._tail, self._ack_buffer, self._acked = sock, None, b"", False
         self._generation += 1
         return True
 

@@ -1,0 +1,169 @@
+"""The builder process's lifecycle, seen from the engine: starting it, spacing the restarts of one that keeps
+ending without acknowledging anything, and reaping every helper given up.
+
+A helper runs in a session of its own (a group signal meant for the engine does not end it) with the engine's
+environment minus opentelemetry-instrument's sitecustomize (it instruments nothing), and reads its frames from a
+socket on its standard input. A dead helper is replaced: at once when it had acknowledged something, else after
+a backoff that doubles up to RESTART_BACKOFF_MAX_S; never a permanent give-up. What travels over the socket
+(frames, acknowledgements, flushes) is `offload.HelperLink`'s concern; this module only hands it the socket.
+"""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional, Tuple
+
+_logger = logging.getLogger(__name__)
+
+HELPER_ENV = "OTEL_KVTRANSFER_HELPER"  # set in the helper's environment: never instrument the helper itself
+SETUP_ENV = "OTEL_KVTRANSFER_HELPER_SETUP"  # module:function that sets up the helper's SDK instead of OTEL_*
+RESTART_BACKOFF_MAX_S = 60.0
+SEND_BUFFER = 4 << 20  # room for bursts while the helper builds (the kernel caps it at net.core.wmem_max)
+
+# The helper's import path: the working directory off it (-P; on 3.10, where `-c` puts it first, removed), and
+# the directory this package was imported from at its end (an engine run from a checkout finds it there).
+SAFE_PATH = ("import sys\n"
+             "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
+             "if sys.argv[1] not in sys.path:\n    sys.path.append(sys.argv[1])\n")
+_BOOTSTRAP = SAFE_PATH + "from otel_kvtransfer.building.helper_process import main\nmain()\n"
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why this process cannot hand its records to a helper, or None when it can."""
+    if not sys.executable:
+        return "this interpreter does not know its own executable (embedded Python)"
+    exporters = {name.strip().lower() for name in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",")}
+    if "prometheus" in exporters:
+        return ("OTEL_METRICS_EXPORTER includes prometheus, whose port is this process's; "
+                "the helper could not serve the same port")
+    return None
+
+
+def package_parent() -> str:
+    """The directory that holds the otel_kvtransfer package: one level up from this file per part of this
+    module's dotted name (so it stays right wherever in the package this module lives)."""
+    path = os.path.abspath(__file__)
+    for _ in __name__.split("."):
+        path = os.path.dirname(path)
+    return path
+
+
+def helper_command() -> list:
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-c", _BOOTSTRAP, package_parent()]
+
+
+def _helper_environment() -> dict:
+    """The engine's environment minus opentelemetry-instrument's sitecustomize: the helper instruments nothing."""
+    env = dict(os.environ)
+    env[HELPER_ENV] = "1"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not (os.path.basename(p.rstrip(os.sep)) == "auto_instrumentation"
+                           and os.path.exists(os.path.join(p, "sitecustomize.py")))]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+class HelperProcess:
+    """The current helper (`proc`, None while none runs), when the next may start, and the helpers given up
+    until they are reaped. Its caller (the link) serialises every call."""
+
+    def __init__(self):
+        self.proc: Optional[subprocess.Popen] = None
+        self._forgotten = []  # helpers given up (or a parent's, seen from a forked child), until reaped
+        self._failures = 0  # helpers in a row that ended without acknowledging anything
+        self._next_start = 0.0
+
+    def pid(self) -> Optional[int]:
+        proc = self.proc
+        return proc.pid if proc is not None else None
+
+    def start(self) -> Optional[socket.socket]:
+        """A fresh helper and the engine's end of its socket (non-blocking); None while the backoff holds, or
+        when it could not start (then the backoff grows)."""
+        now = time.monotonic()
+        if now < self._next_start:
+            return None
+        mine = theirs = None
+        try:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:
+                pass
+            # In a session of its own: a group signal meant for the engine (Ctrl-C, a stop) does not end it.
+            # stdout and stderr are the engine's own (a console exporter prints where the engine prints).
+            self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+                helper_command(), stdin=theirs.fileno(), env=_helper_environment(), close_fds=True,
+                start_new_session=True)
+        except OSError:
+            if mine is not None:
+                mine.close()
+            self._back_off(now)
+            _logger.warning("otel_kvtransfer: could not start the builder process", exc_info=True)
+            return None
+        finally:
+            if theirs is not None:
+                theirs.close()
+        mine.setblocking(False)
+        return mine
+
+    def _back_off(self, now: float) -> float:
+        self._failures += 1
+        delay = min(2.0 ** (self._failures - 1), RESTART_BACKOFF_MAX_S)
+        self._next_start = now + delay
+        return delay
+
+    def answered(self) -> None:
+        """The current helper acknowledged a frame: it works, and the backoff starts over."""
+        self._failures = 0
+
+    def lost(self, worked: bool) -> Tuple[Optional[subprocess.Popen], Optional[int], float]:
+        """The current helper ended (or stopped reading its socket): (it, its exit code or None while it still
+        runs, seconds until the next may start). One that still runs is reaped later."""
+        proc, self.proc = self.proc, None
+        if worked:
+            self._failures, delay = 0, 0.0
+            self._next_start = time.monotonic()
+        else:
+            delay = self._back_off(time.monotonic())
+        code = proc.poll() if proc is not None else None
+        if proc is not None and code is None:
+            self._forgotten.append(proc)
+        return proc, code, delay
+
+    def closed(self, wait_s: float) -> Tuple[Optional[subprocess.Popen], bool]:
+        """The engine closed the socket: (the helper, whether it ended within `wait_s`). One still exporting is
+        left to end by itself, and reaped later."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None, True
+        try:
+            proc.wait(max(wait_s, 0.01))
+        except subprocess.TimeoutExpired:
+            _logger.warning("otel_kvtransfer: the builder process (pid %d) is still exporting; it ends by itself",
+                            proc.pid)
+            self._forgotten.append(proc)
+            return proc, False
+        return proc, True
+
+    def reap_due(self) -> bool:
+        return bool(self._forgotten)
+
+    def reap(self) -> None:
+        """Without waiting: forget the helpers given up that have ended (poll() reaps them)."""
+        if self._forgotten:
+            self._forgotten = [p for p in self._forgotten if p.poll() is None]
+
+    def after_fork_in_child(self) -> None:
+        # The parent's helper is the parent's: this process starts its own on its first frame.
+        if self.proc is not None:
+            self._forgotten.append(self.proc)
+        self.proc = None
+        self._failures, self._next_start = 0, 0.0
