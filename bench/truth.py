@@ -3,7 +3,7 @@
 per_transfer  For 1, 4, 16 and 64 MiB writes through the real Mooncake engine (TCP, 127.0.0.1), the send span's
               `kv_transfer.throughput` against an independent timer (perf_counter around the same engine call,
               taken outside the wrapper). Error = span / timer - 1.
-seed          The seed scenario of DESIGN.md with `demo.run_request`: chunked prefill of 8192 + 1655 tokens with
+seed          The seed scenario with `demo.run_request`: chunked prefill of 8192 + 1655 tokens with
               a 2048-token cached prefix sent early, fan-out 1 and 4 (one transfer worker sending each chunk to
               every destination in turn), 8 KiB of KV per token. Per request: the request span's throughput (wire
               bytes over the union of its transfer intervals), the legacy figure sglang computes (KV bytes x
