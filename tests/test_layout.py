@@ -1,0 +1,107 @@
+"""The package's folders say where code runs, and imports run one way: a module imports only from its own folder
+or from folders below it, deferred (function-level) imports included, and never another folder's private names.
+
+From the bottom: the shared leaves (names, settings, the backend registry, the version), recording/ (the engine's
+threads), building/ (the builder), wiring/ (start-up), engines/, frameworks/, tools/, demo/, and the entry points
+(the CLI, `python -m`, the package's own public face). The instrumentor loads engines and frameworks by their
+module names (registry.py), so nothing below them imports them.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "otel_kvtransfer"
+
+LAYERS = (
+    ("semconv", "config", "registry", "version"),
+    ("recording",),
+    ("building",),
+    ("wiring",),
+    ("engines",),
+    ("frameworks",),
+    ("tools",),
+    ("demo",),
+    ("tools.cli", "__main__", "__init__"),
+)
+# Names the OpenTelemetry contrib convention spells with an underscore and reads across modules.
+SHARED_PRIVATE = {"_instruments", "_instruments_any"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        yield ".".join(parts), path
+
+
+def _layer(module: str) -> int:
+    """The layer of a module (dotted, relative to the package): the most specific entry of LAYERS that names it."""
+    best, best_len = None, -1
+    for level, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+                best, best_len = level, len(name)
+    assert best is not None, f"{module} sits in no layer: add its folder to LAYERS"
+    return best
+
+
+def _folder(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _imports(module: str, path: pathlib.Path):
+    """(imported module relative to the package, imported names) for every import of the package's own code."""
+    package = module.split(".")[:-1]  # a module's own package (for __init__: the package itself)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "otel_kvtransfer" or node.module.startswith("otel_kvtransfer.")):
+                target = node.module[len("otel_kvtransfer") + 1:]
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                file = PACKAGE / sub.replace(".", "/")
+                is_module = file.with_suffix(".py").exists() or file.is_dir()
+                yield (sub, ()) if is_module else (target or "__init__", (alias.name,))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("otel_kvtransfer."):
+                    yield alias.name[len("otel_kvtransfer") + 1:], ()
+
+
+MODULES = dict(_modules())
+
+
+def test_every_module_has_a_layer():
+    assert len(MODULES) > 40
+    for module in MODULES:
+        _layer(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_downward(module):
+    mine = _layer(module)
+    upward = [target for target, _ in _imports(module, MODULES[module])
+              if _folder(target) != _folder(module) and _layer(target) > mine]
+    assert not upward, f"{module} (layer {mine}) imports from above it: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_across_folders(module):
+    borrowed = [f"{target}.{name}" for target, names in _imports(module, MODULES[module]) for name in names
+                if name.startswith("_") and not name.startswith("__") and name not in SHARED_PRIVATE
+                and _folder(target) != _folder(module)]
+    assert not borrowed, f"{module} reads another folder's private names: {borrowed}"
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The rule is not vacuous: a recording module importing the builder is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from otel_kvtransfer.building.builder import SpanBuilder\n")
+    targets = [target for target, _ in _imports("recording.bad", bad)]
+    assert targets == ["building.builder"]
+    assert _layer("building.builder") > _layer("recording.bad")
