@@ -1,0 +1,51 @@
+"""The record constructors put every argument at the position records.py names for it (a constructor and its
+positions are written side by side, twice: this keeps them the same)."""
+
+import pytest
+
+from otel_kvtransfer.recording import records as r
+
+# constructor -> (kind or None for a part of a record, {argument: the position it must land on})
+LAYOUTS = {
+    r.send: (r.SEND, {"info": r.SEND_INFO, "calls": r.SEND_CALLS, "context": r.SEND_CONTEXT,
+                      "error": r.SEND_ERROR, "scope_times": r.SEND_SCOPE_TIMES}),
+    r.info: (None, {"key": r.INFO_KEY, "chunk": r.INFO_CHUNK, "payload": r.INFO_PAYLOAD,
+                    "destination": r.INFO_DESTINATION, "replica": r.INFO_REPLICA, "is_last": r.INFO_IS_LAST,
+                    "early": r.INFO_EARLY, "attributes": r.INFO_ATTRIBUTES}),
+    r.call: (None, {"start": r.CALL_START, "end": r.CALL_END, "nbytes": r.CALL_BYTES,
+                    "descriptors": r.CALL_DESCRIPTORS, "op": r.CALL_OP, "peer": r.CALL_PEER,
+                    "protocol": r.CALL_PROTOCOL, "return_code": r.CALL_RETURN_CODE, "error": r.CALL_ERROR,
+                    "backend": r.CALL_BACKEND, "extra": r.CALL_EXTRA}),
+    r.begin_request: (r.BEGIN_REQUEST, {"key": r.KEY, "start_ns": r.TIME, "role": r.REQ_ROLE,
+                                        "backend": r.REQ_BACKEND, "framework": r.REQ_FRAMEWORK,
+                                        "attributes": r.REQ_ATTRIBUTES, "parent": r.REQ_PARENT}),
+    r.begin_peer: (r.BEGIN_PEER, {"key": r.KEY, "start_ns": r.TIME, "span_name": r.PEER_SPAN_NAME,
+                                  "role": r.PEER_ROLE, "backend": r.PEER_BACKEND, "framework": r.PEER_FRAMEWORK,
+                                  "attributes": r.PEER_ATTRIBUTES, "parent": r.PEER_PARENT}),
+    r.end_request: (r.END_REQUEST, {"key": r.KEY, "end_ns": r.TIME, "error": r.END_ERROR}),
+    r.end_peer: (r.END_PEER, {"key": r.KEY, "end_ns": r.TIME, "error": r.END_ERROR}),
+    r.compute: (r.COMPUTE, {"keys": r.COMPUTE_KEYS, "start_ns": r.COMPUTE_START, "end_ns": r.COMPUTE_END,
+                            "chunk": r.COMPUTE_CHUNK}),
+    r.inflight: (r.INFLIGHT, {"now_ns": r.INFLIGHT_AT, "count": r.INFLIGHT_COUNT, "oldest": r.INFLIGHT_OLDEST,
+                              "stuck": r.INFLIGHT_STUCK}),
+}
+
+
+@pytest.mark.parametrize("constructor", list(LAYOUTS), ids=lambda f: f.__name__)
+def test_each_argument_lands_on_its_named_position(constructor):
+    kind, positions = LAYOUTS[constructor]
+    values = {name: f"<{name}>" for name in positions}
+    built = constructor(**values)
+    assert isinstance(built, tuple)
+    expected = [None] * (max(positions.values()) + 1)
+    for name, position in positions.items():
+        expected[position] = values[name]
+    if kind is not None:
+        assert r.KIND not in positions.values()
+        expected[r.KIND] = kind
+    assert list(built) == expected  # every position filled, none twice, nothing beyond them
+
+
+def test_the_kinds_are_distinct():
+    kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT]
+    assert len(set(kinds)) == len(kinds)
