@@ -49,3 +49,8 @@ def test_each_argument_lands_on_its_named_position(constructor):
 def test_the_kinds_are_distinct():
     kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT]
     assert len(set(kinds)) == len(kinds)
+
+
+def test_a_calls_bytes_and_descriptors_are_adjacent():
+    # A split transfer scope replaces both in one slice of the call tuple.
+    assert r.CALL_DESCRIPTORS == r.CALL_BYTES + 1

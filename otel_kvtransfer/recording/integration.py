@@ -185,6 +185,10 @@ class TransferScope:
         RECORDER.record(records.send(self.info, calls, None, error, times))
 
 
+# A call's bytes and descriptors are adjacent (test_records.py holds them so): a share replaces both in one slice.
+_BYTES, _AFTER_DESCRIPTORS = records.CALL_BYTES, records.CALL_DESCRIPTORS + 1
+
+
 class SplitTransferScope(TransferScope):
     """Engine calls that carry blocks of several requests: one send per request, with that request's share."""
 
@@ -197,7 +201,7 @@ class SplitTransferScope(TransferScope):
     def _emit(self, calls, error, times) -> None:
         for info, nbytes, descriptors in self.shares:
             # The share's bytes ride on the first call; every call keeps its own times, peer and outcome.
-            share_calls = [call[:2] + ((nbytes, descriptors) if i == 0 else (0, 0)) + call[4:]
+            share_calls = [call[:_BYTES] + ((nbytes, descriptors) if i == 0 else (0, 0)) + call[_AFTER_DESCRIPTORS:]
                            for i, call in enumerate(calls)]
             RECORDER.record(records.send(info, share_calls, None, error, times))
 
