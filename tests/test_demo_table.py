@@ -18,7 +18,10 @@ def _columns(table: str) -> tuple:
     names = lines[0].replace("wire MiB", "wire_MiB").replace("logical MiB", "logical_MiB").replace(
         " GiB/s", "_GiB/s").replace("tail ms", "tail_ms").replace("queued ms", "queued_ms").replace(
         "busy ms", "busy_ms").split()
-    rows = [line.split() for line in lines[2:] if line.split() and line.split()[0].isdigit()]
+    # a row has a cell under every header and starts with two counts (room, chunks): the notes below the table
+    # (one starts with a count of requests) do not
+    rows = [cells for cells in (line.split() for line in lines[2:])
+            if len(cells) == len(names) and cells[0].isdigit() and cells[1].isdigit()]
     return names, rows
 
 

@@ -7,8 +7,8 @@ write them); sends outside any request span (raw engine calls) group by their pa
 ``kv_transfer.serve`` for a pull) join the requests of the same (trace, request key), falling back to the
 bootstrap room of older files, then to the trace.
 
-Every figure comes from `otel_kvtransfer.building.aggregate`, the rules the span builder uses: a request span that carries
-its aggregates is shown as it is; otherwise `RequestAggregate` computes them from the children.
+Every figure comes from `otel_kvtransfer.building.aggregate`, the rules the span builder uses: a request span that
+carries its aggregates is shown as it is; otherwise `RequestAggregate` computes them from the children.
 """
 
 from __future__ import annotations
