@@ -27,7 +27,8 @@ import traceback
 import pytest
 from conftest import require_part
 
-from otel_kvtransfer import config, registry
+from otel_kvtransfer import config, registry, semconv
+from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours
 from otel_kvtransfer.recording.recorder import RECORDER
 
@@ -112,23 +113,26 @@ def _outcome(value):
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
+class Recording:
+    """The real recorder, started on its own: the backends' wrappers record (and count drops) only while it is."""
+
+    def __init__(self):
+        self.drops, self.records = {}, []
+        RECORDER.start(config.load(), handle=self.records.append, tick=lambda: None, on_drops=self._count)
+
+    def _count(self, reason, amount):
+        self.drops[reason] = self.drops.get(reason, 0) + amount
+
+    def wrapper_errors(self) -> int:
+        RECORDER.drain()  # hands over the records and reports the drops counted so far
+        return self.drops.get("wrapper_error", 0)
+
+
 @pytest.fixture
 def recording():
-    """The real recorder, started on its own: the backends' wrappers record (and count drops) only while it is."""
     if RECORDER.active:
         RECORDER.stop()
-    drops, records = {}, []
-
-    def count(reason, amount):
-        drops[reason] = drops.get(reason, 0) + amount
-
-    RECORDER.start(config.load(), handle=records.append, tick=lambda: None, on_drops=count)
-
-    def wrapper_errors() -> int:
-        RECORDER.drain()  # reports the drops counted so far
-        return drops.get("wrapper_error", 0)
-
-    yield wrapper_errors
+    yield Recording()
     RECORDER.stop()
 
 
@@ -196,7 +200,7 @@ def test_backend_contract(name, recording):
         for (owner, attr), stand_in in stand_ins.items():
             wrapper = vars(owner)[attr]
             assert is_ours(wrapper)
-            errors = recording()
+            errors = recording.wrapper_errors()
             answer = _outcome(wrapper.__get__(Poison(), owner)(*[Poison() for _ in range(6)]))
             assert answer is stand_in.sentinel, f"{owner.__qualname__}.{attr} changed the return value"
             stand_in.raising = True
@@ -206,7 +210,7 @@ def test_backend_contract(name, recording):
             frames = [frame.f_code for frame, _ in traceback.walk_tb(raised.value.__traceback__)]
             assert stand_in.code in frames  # the original's own frame is still in its traceback
             assert stand_in.calls == 2  # the original ran exactly once per call
-            if recording() > errors:
+            if recording.wrapper_errors() > errors:
                 counted.append(f"{owner.__qualname__}.{attr}")
         # Every observer here read the unreadable arguments inside its guard; at least one of each backend's
         # observers ran (the others are gated on state a live engine would have, and called straight through).
@@ -220,6 +224,45 @@ def test_backend_contract(name, recording):
                 if vars(klass).get(attr) is not entry:
                     setattr(klass, attr, entry)
     assert _changed(before) == []
+
+
+def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeypatch):
+    """The Mooncake sync wrapper builds its call and send records inline (calling `records.call` and
+    `records.send` would be two more Python frames per transfer): they must be what the constructors build from
+    the same values, and what the general path (keyword arguments, through `_call`) builds."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")  # the transport of engines initialised before instrument()
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    originals = {name: vars(engine_class)[name] for name in ("transfer_sync_write", "batch_transfer_sync_read")}
+    engine = object()  # the stand-in originals never touch the engine (a real one needs a peer)
+    try:
+        for name in originals:  # stand-in originals: a completed transfer (rc 0)
+            setattr(engine_class, name, lambda self, *args, **kwargs: 0)
+        assert backend.instrument() is True
+        assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, 65536) == 0
+        assert engine_class.transfer_sync_write(engine, target_hostname="10.0.0.1:15001", buffer=4096,
+                                                peer_buffer_address=8192, length=65536) == 0
+        lengths = [1024, 2048, 4096]
+        assert engine_class.batch_transfer_sync_read(engine, "10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths) == 0
+        recording.wrapper_errors()
+    finally:
+        backend.uninstrument()
+        for name, entry in originals.items():
+            setattr(engine_class, name, entry)
+    assert len(recording.records) == 3
+    hot, general, batch = recording.records
+
+    def expected(record, nbytes, descriptors, op, peer):
+        (call,) = record[records.SEND_CALLS]
+        return records.send(None, [records.call(call[records.CALL_START], call[records.CALL_END], nbytes,
+                                                descriptors, op, peer, "tcp", 0, None, "mooncake")],
+                            record[records.SEND_CONTEXT])
+
+    assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
+    assert batch[records.SEND_CALLS][0][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from otel_kvtransfer.recording.patching import (
     active,
     current_context,
     own_error,
+    safely,
 )
 from otel_kvtransfer.recording.pending import PendingTransfers
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -74,8 +75,8 @@ def _op_of(opcode) -> str:
 
 
 def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
-    """The records.CALL_* tuple of one transfer call, from its arguments (the sync wrapper inlines the common
-    positional case: keep the two the same).
+    """The `records.call` of one transfer call, from its arguments (the sync wrapper inlines the common
+    positional case: tests/test_backend_contract.py checks that both build the same record).
 
     A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
     engine copies that list into its own request and keeps no reference, and sglang and vLLM build a fresh list
@@ -95,6 +96,7 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
     if op is None:
         op = _op_of(args[4] if len(args) > 4 else kwargs.get("opcode"))
     transport = _transports.get(id(engine), _state["fallback_transport"])
+    # records.call(...), inline: this runs for every async submission too.
     return (start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, None)
 
 
@@ -102,7 +104,7 @@ def _sync(original, op, batch):
     # Everything the hot path uses is a local of this closure; the common call (positional arguments, op known
     # from the method) is parsed and handed over inline, with no further Python frame but the recorder's.
     recorder, context = RECORDER, current_context
-    thread = integration._thread  # pylint: disable=protected-access  # its .scope: this thread's transfer scope
+    thread = integration.THREAD  # its .scope: this thread's transfer scope
     transports, state, suppress, suppress_plain = _transports, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
     def transfer(self, *args, **kwargs):
@@ -131,12 +133,13 @@ def _sync(original, op, batch):
                         lengths = sum(lengths)
                 else:
                     lengths, descriptors = int(lengths), 1
+                # records.call(...), inline: a call to it would be one more Python frame per transfer.
                 call = (start, end, lengths, descriptors, op, args[0],
                         transports.get(id(self), state["fallback_transport"]), rc, error, BACKEND, None)
             if scope is not None:
                 scope.calls.append(call)
             elif recorder.active:  # as integration.deliver, with the context already fetched
-                recorder.record((SEND, None, [call], ctx, None, None))
+                recorder.record((SEND, None, [call], ctx, None, None))  # records.send(None, [call], ctx), inline
         except Exception:  # pylint: disable=broad-except
             own_error("record a Mooncake call")
         return rc
@@ -221,15 +224,17 @@ def _batch_status(original):
     return get_batch_transfer_status
 
 
+def _remember_transport(engine, args, kwargs) -> None:
+    protocol = _forced_transport() or (args[2] if len(args) > 2 else kwargs.get("protocol"))
+    if protocol:
+        _transports[id(engine)] = str(protocol)[:32]
+
+
 def _initialize(original):
+    # Once per engine: its guard is the shared helper's.
     def initialize(self, *args, **kwargs):
         rc = original(self, *args, **kwargs)
-        try:
-            protocol = _forced_transport() or (args[2] if len(args) > 2 else kwargs.get("protocol"))
-            if protocol:
-                _transports[id(self)] = str(protocol)[:32]
-        except Exception:  # pylint: disable=broad-except
-            own_error("read the transport of initialize()")
+        safely("read the transport of initialize()", _remember_transport, self, args, kwargs)
         return rc
 
     return initialize

@@ -42,7 +42,7 @@ from otel_kvtransfer.frameworks.sglang.common import (
     room_attributes,
     sglang_parent,
 )
-from otel_kvtransfer.recording import integration
+from otel_kvtransfer.recording import integration, records
 from otel_kvtransfer.recording.patching import active, count_drop, observe_call, remember_argument, safely
 
 _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
@@ -322,8 +322,8 @@ def _aux_sent(instance, args, kwargs, start, result, error) -> None:
     remote = args[0] if args else kwargs.get("remote")
     port = args[1] if len(args) > 1 else kwargs.get("dst_port")
     rc, error_type = (0, None) if error is None else (-1, type(error).__qualname__)
-    integration.deliver((start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
-                         f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error_type, MOONCAKE, None))
+    integration.deliver(records.call(start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
+                                     f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error_type, MOONCAKE))
 
 
 _aux_tcp_wrapper = observe_call("aux over tcp", _started, _aux_sent, when=_in_scope, on_raise=True)
