@@ -26,7 +26,14 @@ from otel_kvtransfer.recording.patching import (
 )
 from otel_kvtransfer.recording.pending import PendingTransfers
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.recording.records import SEND
+from otel_kvtransfer.recording.records import (
+    CALL_BYTES,
+    CALL_DESCRIPTORS,
+    CALL_OP,
+    CALL_PEER,
+    CALL_PROTOCOL,
+    SEND,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -118,7 +125,8 @@ def _sync(original, op, batch):
         try:
             rc = original(self, *args, **kwargs)
         except BaseException as exc:
-            _deliver(self, args, kwargs, op, batch, start, None, type(exc).__qualname__, ctx)
+            safely("record a failed Mooncake call", _deliver, self, args, kwargs, op, batch, start, None,
+                   type(exc).__qualname__, ctx)
             raise
         end = time_ns()
         try:
@@ -157,11 +165,8 @@ def _in_progress(frame_locals):
 
 
 def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
-    end = time_ns()
-    try:
-        integration.deliver(_call(engine, args, kwargs, op, batch, start, end, rc, error_type), context)
-    except Exception:  # pylint: disable=broad-except
-        own_error("record a Mooncake call")
+    """A call that failed (raised, or refused a submission), ending now."""
+    integration.deliver(_call(engine, args, kwargs, op, batch, start, time_ns(), rc, error_type), context)
 
 
 def _async(original, op, batch):
@@ -175,7 +180,8 @@ def _async(original, op, batch):
                 _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed")
             else:
                 call = _call(self, args, kwargs, op, batch, start, start, None, None)
-                _pending.submit((id(self), batch_id), start, call[2], call[3], call[4], call[5], call[6])
+                _pending.submit((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
+                                call[CALL_PEER], call[CALL_PROTOCOL])
         except Exception:  # pylint: disable=broad-except
             own_error("record a Mooncake submission")
         return batch_id

@@ -22,7 +22,7 @@ import wrapt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording import records
-from otel_kvtransfer.recording.patching import Patcher, active, observe_call, own_error
+from otel_kvtransfer.recording.patching import Patcher, active, observe_call, own_error, safely
 from otel_kvtransfer.recording.pending import PendingTransfers
 
 _logger = logging.getLogger(__name__)
@@ -182,7 +182,8 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
     try:
         state = wrapped(*args, **kwargs)
     except Exception as exc:  # e.g. the peer is gone (nixlRemoteDisconnectError): the transfer failed
-        _failed(args, kwargs, type(exc).__qualname__)
+        if len(_pending):
+            safely("observe a failed NIXL transfer", _failed, args, kwargs, type(exc).__qualname__)
         raise
     if len(_pending):
         try:
@@ -198,12 +199,8 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
 
 def _failed(args, kwargs, error_type: str) -> None:
     """A status query that raised: the pending transfer ends as a failed send named after the error."""
-    if len(_pending):
-        try:
-            handle = args[0] if args else kwargs["handle"]
-            _pending.complete(_key(handle), "ERR", error_type)
-        except Exception:  # pylint: disable=broad-except
-            own_error("observe a failed NIXL transfer")
+    handle = args[0] if args else kwargs["handle"]
+    _pending.complete(_key(handle), "ERR", error_type)
 
 
 def _observe_release(handle, *_call) -> None:
