@@ -88,7 +88,6 @@ class PerThread(threading.local):
 # This thread's transfer state. Engine wrappers bind it once and read `THREAD.scope` on their hot path (an
 # attribute read, no function call); everyone else calls current_scope().
 THREAD = PerThread()
-_thread = THREAD  # the old private name, until no engine module reads it
 
 
 def current_scope():
