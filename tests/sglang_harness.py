@@ -223,19 +223,12 @@ def _setup_instrumentation(cfg):
         return None
     if mode != "api":
         return None
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.test.test_base import TestBase
 
     from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meters = MeterProvider(metric_readers=[reader])
+    provider, exporter = TestBase.create_tracer_provider()  # spans into memory through a SimpleSpanProcessor
+    meters, reader = TestBase.create_meter_provider()
     instrumentor = KVTransferInstrumentor()
     instrumentor.instrument(tracer_provider=provider, meter_provider=meters)
 
@@ -377,13 +370,19 @@ def prefill_main(cfg, events, go) -> None:
             status2 = _poll_until_concluded(second, KVPoll, deadline)
             out["second_status"] = "Success" if status2 == KVPoll.Success else "Failed"
             second.clear()
-        if collect is not None:
-            out["spans"], out["metrics"] = collect()
-        else:
-            _flush()
+        _report(out, collect)
     except BaseException:
         out["error"] = traceback.format_exc()
     events.put(("prefill_done", out))
+
+
+def _report(out: dict, collect) -> None:
+    """What this process recorded: its spans and metrics into `out` (api mode), else flushed to the exporters
+    the OTEL_* environment chose."""
+    if collect is not None:
+        out["spans"], out["metrics"] = collect()
+    else:
+        _flush()
 
 
 def _poll_until_concluded(poller, KVPoll, deadline: float):
@@ -494,10 +493,7 @@ def decode_main(cfg, rank, events, stop) -> None:
         out["status"] = "Success" if status == KVPoll.Success else "Failed"
         if status == KVPoll.Success:
             out["verified"] = _verify(cfg, kv, aux, rank)
-        if collect is not None:
-            out["spans"], out["metrics"] = collect()
-        else:
-            _flush()
+        _report(out, collect)
     except BaseException:
         out["error"] = traceback.format_exc()
     events.put(("decode_done", out))

@@ -25,11 +25,7 @@ SAMPLERS = [("always_on", None), ("always_off", None), ("traceidratio", str(RATI
 
 _SIDE = r"""
 import json, os, sys
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.test.test_base import TestBase
 from otel_kvtransfer import KVTransferInstrumentor, semconv
 from otel_kvtransfer.recording import records
 from otel_kvtransfer import integration as kvt
@@ -43,12 +39,11 @@ for name, arg in samplers:
         os.environ.pop("OTEL_TRACES_SAMPLER_ARG", None)
     else:
         os.environ["OTEL_TRACES_SAMPLER_ARG"] = arg
-    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
-    provider = TracerProvider(shutdown_on_exit=False)  # reads the sampler from the environment
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # the provider reads the sampler from the environment
+    provider, exporter = TestBase.create_tracer_provider(shutdown_on_exit=False)
+    meter_provider, reader = TestBase.create_meter_provider(shutdown_on_exit=False)
     instrumentor = KVTransferInstrumentor()
-    instrumentor.instrument(tracer_provider=provider,
-                            meter_provider=MeterProvider(metric_readers=[reader], shutdown_on_exit=False))
+    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
     for key in keys:
         if side == "prefill":
             kvt.begin_request(key, backend="eng")
