@@ -53,7 +53,9 @@ class SpanBuilder:
         self._clock = clock
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._open = OpenSpans(max_open, self._end_evicted_request, self._end_evicted_peer, self._on_drop)
-        self._requests, self._peers = self._open.requests, self._open.peers  # read per record: no extra lookup
+        # Read per record: bound here, no extra lookup on the builder thread.
+        self._requests, self._peers = self._open.requests, self._open.peers
+        self._touch_request = self._open.touch_request
         self._handlers = {
             r.SEND: self._send,
             r.BEGIN_REQUEST: self._begin_request,
@@ -153,7 +155,7 @@ class SpanBuilder:
         info = rec[r.SEND_INFO]
         if info is not None:
             key = info[r.INFO_KEY]
-            state = self._open.touch_request(key, now) or self._open_request(
+            state = self._touch_request(key, now) or self._open_request(
                 key, start, now, backend=first[r.CALL_BACKEND] if first is not None else None)
             state.aggregate.add_send(start, end, nbytes, info[r.INFO_REPLICA], info[r.INFO_CHUNK])
             if failure and state.failure is None:
@@ -177,7 +179,7 @@ class SpanBuilder:
         for key in rec[r.COMPUTE_KEYS]:
             # Compute of a request with no open request span (warm-up, health checks, requests that never
             # transfer) makes no span: it would be an orphan trace.
-            state = self._open.touch_request(key, now)
+            state = self._touch_request(key, now)
             if state is None:
                 continue
             state.aggregate.add_compute(start_ns, end_ns)
