@@ -51,6 +51,18 @@ def mooncake_available() -> bool:
     return True
 
 
+def mooncake_tcp_engine(address: str):
+    """A Mooncake TransferEngine at `address` over TCP, peers found by handshake (no metadata server)."""
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+
+    engine = TransferEngine()
+    rc = engine.initialize(address, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"TransferEngine.initialize({address}) returned {rc}")
+    return engine
+
+
 def start(argv, **kwargs) -> subprocess.Popen:
     """Start a process in its own session (so `stop` can end it and its children by its PID)."""
     return subprocess.Popen(argv, start_new_session=True, **kwargs)

@@ -50,36 +50,10 @@ def _ip(*args) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
 
 
-def _read_line(proc, prefix: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
-        if not ready:
-            if proc.poll() is not None:
-                break
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
-    raise RuntimeError(f"no {prefix.strip()} line from pid {proc.pid} within {timeout} s (exit {proc.poll()})")
-
-
-def _engine(address: str):
-    os.environ.setdefault("MC_FORCE_TCP", "1")
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
-
-    engine = TransferEngine()
-    rc = engine.initialize(address, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"TransferEngine.initialize({address}) returned {rc}")
-    return engine
-
-
 def receiver(args) -> int:
     """A decode engine in its own network namespace: waits for its veth end, brings it up, registers a buffer."""
     import numpy as np  # pylint: disable=import-outside-toplevel
+    from _observability_parts import mooncake_tcp_engine  # pylint: disable=import-outside-toplevel
 
     ready, _, _ = select.select([sys.stdin], [], [], 30)
     if not ready or sys.stdin.readline().strip() != "go":
@@ -87,7 +61,7 @@ def receiver(args) -> int:
     _ip("link", "set", "lo", "up")
     _ip("addr", "add", f"{args.address}/24", "dev", PEER_IFNAME)
     _ip("link", "set", PEER_IFNAME, "up")
-    engine = _engine(args.address)
+    engine = mooncake_tcp_engine(args.address)
     buffer = np.zeros(CHUNKS * SEND_BYTES, dtype=np.uint8)
     rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
     print("READY " + json.dumps({"port": engine.get_rpc_port(), "buffer": buffer.ctypes.data, "rc": rc}), flush=True)
@@ -119,7 +93,7 @@ def _stop(proc) -> None:
 
 def _start_receiver(index: int, rate, env) -> tuple:
     """A receiver behind veth kvt<index> (rate-limited when `rate`); (process, address, READY payload)."""
-    from _observability_parts import wait_until  # pylint: disable=import-outside-toplevel
+    from _observability_parts import read_line_with_prefix, wait_until  # pylint: disable=import-outside-toplevel
 
     ours, address = _netns(), f"10.231.{index + 1}.2"
     proc = _start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
@@ -136,7 +110,7 @@ def _start_receiver(index: int, rate, env) -> tuple:
                             "latency", "400ms"], check=True, capture_output=True, text=True, timeout=10)
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        ready = json.loads(_read_line(proc, "READY ", 60))
+        ready = json.loads(read_line_with_prefix(proc, "READY ", 60))
         if ready["rc"] != 0:
             raise RuntimeError(f"receiver register_memory returned {ready['rc']}")
         return proc, address, ready
@@ -177,7 +151,7 @@ def run(args) -> dict:
     # pylint: disable=import-outside-toplevel,too-many-locals
     import numpy as np
     from _observability_exposition import ScrapeEndpoint
-    from _observability_parts import http_json, wait_until
+    from _observability_parts import http_json, mooncake_tcp_engine, wait_until
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
@@ -200,7 +174,7 @@ def run(args) -> dict:
         KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
         endpoint = ScrapeEndpoint(reader)
         prometheus, base, log = _prometheus(args, endpoint.port)
-        engine = _engine("127.0.0.1")
+        engine = mooncake_tcp_engine("127.0.0.1")
         source = np.random.default_rng(1).integers(0, 255, CHUNKS * SEND_BYTES, dtype=np.uint8)
         if engine.register_memory(source.ctypes.data, source.nbytes) != 0:
             raise RuntimeError("sender register_memory failed")

@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from time import time_ns
 
+from _observability_parts import mooncake_tcp_engine
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 for path in (ROOT, HERE):
@@ -51,17 +53,6 @@ BACKEND = "mooncake"
 FRAMEWORK = "test_workload"
 MODEL = "tiny-test-model"
 RECV_BYTES = REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES
-
-
-def _engine():
-    os.environ.setdefault("MC_FORCE_TCP", "1")
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
-
-    engine = TransferEngine()
-    rc = engine.initialize(LOOPBACK, "P2PHANDSHAKE", "tcp", "")
-    if rc != 0:
-        raise RuntimeError(f"TransferEngine.initialize returned {rc}")
-    return engine
 
 
 def _providers(args, service_name, instance_id, with_metrics_reader):
@@ -109,7 +100,7 @@ def _decode_main(conn, args_dict):
         from _observability_exposition import ScrapeEndpoint  # pylint: disable=import-outside-toplevel
 
         endpoint = ScrapeEndpoint(reader, port=args.decode_metrics_port)
-    engine = _engine()
+    engine = mooncake_tcp_engine(LOOPBACK)
     buffer = np.zeros(RECV_BYTES, dtype=np.uint8)
     rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
     conn.send((engine.get_rpc_port(), buffer.ctypes.data, rc))
@@ -172,7 +163,7 @@ def run(args) -> dict:
         if rc != 0:
             raise RuntimeError(f"decode register_memory returned {rc}")
         session = f"{LOOPBACK}:{port}"
-        engine = _engine()
+        engine = mooncake_tcp_engine(LOOPBACK)
         source = np.random.default_rng(1).integers(0, 255, RECV_BYTES, dtype=np.uint8)
         rc = engine.register_memory(source.ctypes.data, source.nbytes)
         if rc != 0:

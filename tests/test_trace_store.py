@@ -19,6 +19,7 @@ import pytest
 from _observability_parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
 from _observability_workload import AUX_BYTES, CHUNK_BYTES, CHUNKS, DESCRIPTORS, FRAMEWORK, MODEL, RECV_BYTES, REPLICAS
 from conftest import require_part
+from support import netns
 
 from otel_kvtransfer import semconv
 
@@ -79,8 +80,7 @@ def phoenix():
            "PHOENIX_TELEMETRY_ENABLED": "false", "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false"}
     log = open(os.path.join(workdir, "phoenix.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
     # unshare without --fork: this very PID enters the new namespace and then becomes Phoenix.
-    proc = start(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {binary} serve"],
-                 env=env, stdout=log, stderr=log)
+    proc = start(netns.private_net([binary, "serve"]), env=env, stdout=log, stderr=log)
     try:
         own = _netns_of(os.getpid())
         wait_until(lambda: _netns_of(proc.pid) != own, 10, 0.05, what="phoenix in its own network namespace")
@@ -113,7 +113,7 @@ def _run_workload(phoenix, protocol: str, room_base: int, project: str):
                               "--evict-wait", "0", "--pause", "0"],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("DONE ")]
+    (line,) = [text for text in result.stdout.splitlines() if text.startswith("DONE ")]
     return json.loads(line[len("DONE "):])
 
 
