@@ -25,11 +25,12 @@ import sys
 import traceback
 
 import pytest
+import wrapt
 from conftest import require_part
 
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.recording import records
-from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours
+from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours, observe_call
 from otel_kvtransfer.recording.recorder import RECORDER
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -263,6 +264,49 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
     assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
     assert batch[records.SEND_CALLS][0][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
+
+
+def test_observe_call_shows_the_call_and_never_changes_it(recording):
+    """The helper every wrapper is built with: the observers see the call (the token passes from before to after,
+    the exception too with on_raise); a failing observer is counted, never raised; when() off means not called."""
+    error, seen, on = Boom("the call failed"), [], [True]
+
+    class Target:
+        def method(self, value):
+            if value == "raise":
+                raise error
+            return [value]
+
+    def before(instance, args, kwargs):
+        seen.append(("before", args))
+        if args[0] == "bad":
+            raise Unreadable("before")
+        return "token"
+
+    def after(instance, args, kwargs, token, result, raised):
+        seen.append(("after", token, result, raised))
+        if args[0] == "bad":
+            raise Unreadable("after")
+
+    wrapt.wrap_function_wrapper(Target, "method", observe_call("observe", before, after, when=lambda: on[0],
+                                                               on_raise=True))
+    target = Target()
+    assert target.method("ok") == ["ok"]
+    assert seen == [("before", ("ok",)), ("after", "token", ["ok"], None)]
+    seen.clear()
+    with pytest.raises(Boom) as raised:
+        target.method("raise")
+    assert raised.value is error
+    assert seen == [("before", ("raise",)), ("after", "token", None, error)]
+    seen.clear()
+    errors = recording.wrapper_errors()
+    assert target.method("bad") == ["bad"]
+    assert seen == [("before", ("bad",)), ("after", None, ["bad"], None)]
+    assert recording.wrapper_errors() == errors + 2
+    seen.clear()
+    on[0] = False
+    assert target.method("ok") == ["ok"]
+    assert seen == []
 
 
 if __name__ == "__main__":

@@ -72,7 +72,13 @@ def _on_poll(instance, args, kwargs, token, status, error) -> None:
 
 
 _poll_wrapper = observe_call("receiver poll", after=_on_poll)
-_abort_wrapper = observe_call("receiver abort", lambda instance, args, kwargs: _end(instance, "aborted"))
+
+
+def _on_abort(instance, args, kwargs) -> None:
+    _end(instance, "aborted")
+
+
+_abort_wrapper = observe_call("receiver abort", _on_abort)
 
 
 def patch_common_conn(module) -> None:
