@@ -6,14 +6,11 @@ between requests (sleep mode) or before any byte moves (a layout resend), so the
 where a request is concerned, its spans say so too (a flagged send, a request attribute).
 """
 
-import logging
 import threading
 from typing import Optional
 
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK
 from otel_kvtransfer.recording.patching import active, observe_call
-
-_logger = logging.getLogger(__name__)
 
 METRIC = "kv_transfer.connector.events"
 EVENT = "kv_transfer.event"
@@ -40,16 +37,14 @@ def _instrument():
 
 
 def count(event: str, backend: str, amount: int = 1, error_type: Optional[str] = None) -> None:
-    """Count one connector event; never raises into vLLM."""
+    """Count one connector event. Called from the wrappers' observers only: their guard counts a failure here
+    (`wrapper_error`) and keeps it out of vLLM."""
     if amount <= 0 or not active():
         return
-    try:
-        attributes = {"kv_transfer.framework": FRAMEWORK, "kv_transfer.backend": backend, EVENT: event}
-        if error_type:
-            attributes["error.type"] = str(error_type)[:128]
-        _instrument().add(int(amount), attributes)
-    except Exception:  # pylint: disable=broad-except
-        _logger.debug("otel_kvtransfer could not count %s", event, exc_info=True)
+    attributes = {"kv_transfer.framework": FRAMEWORK, "kv_transfer.backend": backend, EVENT: event}
+    if error_type:
+        attributes["error.type"] = str(error_type)[:128]
+    _instrument().add(int(amount), attributes)
 
 
 def registration_wrapper(event: str, backend: str):
