@@ -6,9 +6,10 @@ silently skip the patch. Unwrapping puts back the exact class `__dict__` entry t
 instancemethod, a staticmethod, a plain function), so the class is left as it was found.
 
 Every backend (an engine module, a framework package) has the shape `Backend` names, and its wrappers are built
-with `observe_call`: the one place where an observer's own failure is caught, counted and logged, so the
-engine's call, its return value and its exception are never touched. tests/test_backend_contract.py holds every
-backend in `registry` to both.
+with `observe_call` (`safely` for the shapes it does not fit): where an observer's own failure is caught, counted
+and logged, so the engine's call, its return value and its exception are never touched. Only an engine's
+per-transfer wrappers keep the same guard inline (`own_error`), one Python frame fewer per call.
+tests/test_backend_contract.py holds every backend in `registry` to all of it.
 """
 
 import contextvars
