@@ -151,7 +151,7 @@ def _load(name: str):
 
 def _run_elsewhere(name: str, venv: str) -> None:
     """This file's case for `name`, run by pytest in the virtualenv that holds the backend's library."""
-    from vllm_serving import harness  # pylint: disable=import-outside-toplevel
+    from vllm_serving import harness
 
     python = harness.vllm_python()
     require_part(harness.vllm_ready(python), f"the {venv} virtualenv at {python} (run `bash scripts/setup-vllm.sh`)")

@@ -165,7 +165,7 @@ def observe_call(what: str, before: Optional[Callable] = None, after: Optional[C
         if before is not None:
             try:
                 token = before(instance, args, kwargs)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 own_error(what)
         if after is None:
             return wrapped(*args, **kwargs)
@@ -175,12 +175,12 @@ def observe_call(what: str, before: Optional[Callable] = None, after: Optional[C
             if on_raise:
                 try:
                     after(instance, args, kwargs, token, None, error)
-                except Exception:  # pylint: disable=broad-except
+                except Exception:
                     own_error(what)
             raise
         try:
             after(instance, args, kwargs, token, result, None)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error(what)
         return result
 
@@ -192,7 +192,7 @@ def safely(what: str, function: Callable, *args) -> Any:
     shape `observe_call` does not fit (a scope entered around the call, a coroutine the call returns)."""
     try:
         return function(*args)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         own_error(what)
         return None
 
