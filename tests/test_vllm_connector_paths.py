@@ -12,11 +12,10 @@ What the script stands in for (a loaded model, a second engine) is listed in its
 import functools
 import json
 import os
-import shutil
-import subprocess
 
 import pytest
 from conftest import require_part
+from support import netns
 from vllm_serving import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,11 +42,10 @@ def _run(release: str) -> dict:
     python = harness.vllm_python()
     require_part(harness.vllm_ready(python),
                  f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
-    require_part(bool(shutil.which("unshare") and shutil.which("ip")), "unshare (util-linux) and ip (iproute2)")
+    netns.require_tools()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_release_path(release), ROOT) if p)
-    done = subprocess.run(["unshare", "--net", "bash", "-c", 'ip link set lo up && exec "$0" "$1"', python, SCRIPT],
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = netns.run([python, SCRIPT], env, timeout_s=600)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return json.loads(lines[-1])

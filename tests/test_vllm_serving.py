@@ -25,6 +25,7 @@ import os
 
 import pytest
 from conftest import require_part
+from support import netns
 from vllm_serving import harness
 
 MODEL_NAME = "kvt-tiny-llama"
@@ -71,7 +72,7 @@ class PairRun:
 
 def _pair(connector: str, tmp_path_factory) -> PairRun:
     python = harness.vllm_python()
-    require_part(harness.namespaces_available(), "unshare and ip (util-linux, iproute2) for a private network")
+    netns.require_tools()
     require_part(harness.vllm_ready(python),
                  f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
     out_dir = str(tmp_path_factory.mktemp(f"vllm-{connector}"))

@@ -8,14 +8,18 @@ import os
 import shutil
 import subprocess
 
-from conftest import require_part
-
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 
+def tools_available() -> bool:
+    return all(shutil.which(t) for t in ("unshare", "ip"))
+
+
 def require_tools() -> None:
-    require_part(all(shutil.which(t) for t in ("unshare", "ip")), "unshare (util-linux) and ip (iproute2)")
+    from conftest import require_part  # pylint: disable=import-outside-toplevel  # scripts import this module too
+
+    require_part(tools_available(), "unshare (util-linux) and ip (iproute2)")
 
 
 def private_net(argv: list, own_user: bool = False) -> list:

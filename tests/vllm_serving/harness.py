@@ -11,8 +11,9 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
+
+from support import netns
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR = os.path.join(HERE, "pair.py")
@@ -43,16 +44,14 @@ def vllm_ready(python: str) -> bool:
         return False
 
 
-def namespaces_available() -> bool:
-    return shutil.which("unshare") is not None and shutil.which("ip") is not None
-
-
 def run_pair(python: str, connector: str, out_dir: str) -> dict:
     """Run the pair end to end (servers stopped before this returns); results.json as a dict."""
-    script = 'ip link set lo up && exec "$0" "$1" --connector "$2" --out "$3"'
+    # This checkout's package first: the venv's own install of it may point at another clone.
+    env = netns.with_pythonpath(dict(os.environ), netns.ROOT)
     with open(os.path.join(out_dir, "driver.log"), "wb") as log:
-        completed = subprocess.run(["unshare", "--net", "bash", "-c", script, python, PAIR, connector, out_dir],
-                                   stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False)
+        completed = subprocess.run(netns.private_net([python, PAIR, "--connector", connector, "--out", out_dir]),
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+                                   check=False)
     path = os.path.join(out_dir, "results.json")
     if not os.path.exists(path):
         return {"error": f"the pair driver exited with {completed.returncode} and wrote no results "
