@@ -17,13 +17,13 @@ from importlib import metadata
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake logs every connection at INFO
 os.environ.setdefault("MC_FORCE_TCP", "1")
 
-from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
-from opentelemetry.trace import SpanKind  # noqa: E402
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanKind
 
-from otel_kvtransfer import semconv  # noqa: E402
+from otel_kvtransfer import semconv
 
 PACKAGES = ["otel_kvtransfer", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-instrumentation", "wrapt",
             "mooncake-transfer-engine-non-cuda", "numpy"]
@@ -106,7 +106,7 @@ class Pipeline:
             schedule_delay_millis=schedule_delay_millis))
         self.reader = InMemoryMetricReader()
         if metrics == "no_exemplars":  # the SDK's exemplar filter off: what exemplars cost
-            from opentelemetry.sdk.metrics._internal.exemplar import (  # pylint: disable=import-outside-toplevel
+            from opentelemetry.sdk.metrics._internal.exemplar import (
                 AlwaysOffExemplarFilter,
             )
 
@@ -140,7 +140,7 @@ class Pipeline:
 
 # --- stand-in engines --------------------------------------------------------------------------------------------
 
-def _no_op_write(self, target_hostname, buffer, peer_buffer_address, length):  # pylint: disable=unused-argument
+def _no_op_write(self, target_hostname, buffer, peer_buffer_address, length):
     return 0
 
 
@@ -167,11 +167,10 @@ class NaiveStandIn:
 
 def wrap_stand_ins(naive):
     """Wrap the stand-in classes once: ours with the package's own hot-path function, the naive one with `naive`."""
-    import wrapt  # pylint: disable=import-outside-toplevel
+    import wrapt
 
-    from otel_kvtransfer.engines import mooncake  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines import mooncake
 
-    # pylint: disable=protected-access
     if WrappedStandIn.__dict__["transfer_sync_write"] is _no_op_write:
         WrappedStandIn.transfer_sync_write = mooncake._sync(_no_op_write, mooncake.WRITE, False)
     if not hasattr(NaiveStandIn.__dict__["transfer_sync_write"], "__wrapped__"):
@@ -180,9 +179,9 @@ def wrap_stand_ins(naive):
 
 def register_transport(engine, transport="tcp"):
     """What the package's initialize() wrapper notes for a real engine, for a stand-in that has no initialize."""
-    from otel_kvtransfer.engines import mooncake  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines import mooncake
 
-    mooncake._transports[id(engine)] = transport  # pylint: disable=protected-access
+    mooncake._transports[id(engine)] = transport
 
 
 # --- the naive reference instrumentation ----------------------------------------------------------------------
@@ -228,9 +227,9 @@ HELPER_TOTALS_DIR = "KVT_BENCH_HELPER_TOTALS_DIR"
 def helper_setup():
     """In a builder process: the same Pipeline as the engine process's, set globally; when the helper ends it
     writes its metric totals to $KVT_BENCH_HELPER_TOTALS_DIR/<pid>.json (nothing else could read them)."""
-    import atexit  # pylint: disable=import-outside-toplevel
+    import atexit
 
-    from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+    from opentelemetry import metrics, trace
 
     pipeline = Pipeline()
     trace.set_tracer_provider(pipeline.tracer_provider)
@@ -284,7 +283,7 @@ def append_result(path: str, result: dict) -> None:
 
 def main_wrapper(run):
     """`python bench/X.py [--quick] [--out FILE]`: run one benchmark and write (or print) its JSON."""
-    import argparse  # pylint: disable=import-outside-toplevel
+    import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for quoting)")

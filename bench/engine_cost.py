@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import in_private_network, machine  # noqa: E402
+from common import in_private_network, machine
 
 PARTS = ("process", "thread", "builder", "neighbour")
 SEND = "kv_transfer.send"
@@ -50,7 +50,6 @@ def _spread(values):
 def helper_debug_setup():
     """OTEL_KVTRANSFER_HELPER_SETUP=engine_cost:helper_debug_setup (--helper-debug): a helper that logs its own
     errors with their tracebacks, its SDK set up from OTEL_* as without the option."""
-    # pylint: disable=import-outside-toplevel
     import logging
 
     from opentelemetry.distro import OpenTelemetryConfigurator
@@ -82,7 +81,6 @@ class Bench:
     """The engine process under test: SDK from OTEL_*, a Mooncake engine, a Mooncake receiver, the OTLP receiver."""
 
     def __init__(self, otlp):
-        # pylint: disable=import-outside-toplevel
         import numpy as np
         from opentelemetry.distro import OpenTelemetryConfigurator
 
@@ -125,7 +123,6 @@ class Bench:
     @staticmethod
     def settle():
         """Everything recorded so far built, exported and acknowledged by the receiver (spans and metrics)."""
-        # pylint: disable=import-outside-toplevel
         from opentelemetry import metrics, trace
 
         from otel_kvtransfer.recording.recorder import RECORDER
@@ -137,7 +134,7 @@ class Bench:
     def stop(self):
         """Instrumentation off, the SDK shut down while the OTLP receiver still answers (its exporters would
         retry for seconds at exit otherwise), the Mooncake receiver stopped."""
-        from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+        from opentelemetry import metrics, trace
 
         try:
             self.off()
@@ -161,7 +158,7 @@ class Bench:
         return self.engine.batch_transfer_sync_write(self.session, srcs, dsts, [64] * 128)
 
     def call_scoped(self):
-        from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer import integration as kvt
 
         with kvt.transfer_scope(7, chunk_index=0, payload="kv"):
             return self.call_8b()
@@ -205,7 +202,7 @@ def _received(b: Bench) -> tuple:
 
 def process_cost(b: Bench, rounds: int, seconds: float, rate: int = 700) -> dict:
     """CPU per paced 64 KiB transfer: this process, and with its helpers; on, off and off again (A/A)."""
-    import cpu  # pylint: disable=import-outside-toplevel
+    import cpu
 
     def measure(mode):
         b.mode("on" if mode == "on" else "off")
@@ -264,9 +261,9 @@ def _block(call, n):
 
 def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
     """Per call shape, per round: blocks in modes off, off (A/A) and on, in rotating order."""
-    from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+    from concurrent.futures import ThreadPoolExecutor
 
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
 
     pool = ThreadPoolExecutor(1)
 
@@ -330,9 +327,9 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
     exporter until the receiver has acknowledged it all (a flush). The builder's CPU: the helper's, or with the
     in-process builder this process's Python threads (building on the draining thread, exporting on the SDK's).
     `bsp_queue`: OTEL_BSP_MAX_QUEUE_SIZE for the helper's BatchSpanProcessor (None: the SDK's default, 2048)."""
-    import cpu  # pylint: disable=import-outside-toplevel
+    import cpu
 
-    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER
 
     changed = {"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"}  # the recorder's thread stays asleep
     if bsp_queue is not None:
@@ -451,7 +448,7 @@ def main():
     in_private_network()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_FORCE_TCP", "1")
-    from otlp_receiver import ReceiverProcess  # pylint: disable=import-outside-toplevel
+    from otlp_receiver import ReceiverProcess
 
     quick = args.quick
     otlp = ReceiverProcess()

@@ -147,7 +147,6 @@ def _decompressed(body: bytes, encoding: str) -> bytes:
 
 def serve(store: Store):
     """Both servers on 127.0.0.1 (ports chosen by the kernel): (http server, grpc server, grpc port)."""
-    # pylint: disable=import-outside-toplevel
     import grpc
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as mpb
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as mgrpc
@@ -162,7 +161,7 @@ def serve(store: Store):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as a collector does: the exporter reuses its connection
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             route = routes.get(self.path.split("?", 1)[0])
             try:
                 length = int(self.headers.get("Content-Length", ""))
@@ -181,7 +180,7 @@ def serve(store: Store):
             message, ingest, response = route
             try:
                 ingest(message.FromString(_decompressed(body, self.headers.get("Content-Encoding", ""))))
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 store.rejected()
                 self._answer(400, b"")
                 return
@@ -194,7 +193,7 @@ def serve(store: Store):
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args):  # pylint: disable=arguments-differ
+        def log_message(self, *args):
             pass
 
     http = ThreadingHTTPServer((LOOPBACK, 0), Handler)
@@ -205,7 +204,7 @@ def serve(store: Store):
         def export(request, context):
             try:
                 ingest(request)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 store.rejected()
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad request")
             return response
@@ -251,7 +250,7 @@ class ReceiverProcess:
     """Starts bench/otlp_receiver.py as a child process, asks it for counts, stops it (by its PID if need be)."""
 
     def __init__(self, python: str = sys.executable):
-        self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        self.proc = subprocess.Popen(
             [python, os.path.abspath(__file__)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         try:

@@ -37,9 +37,9 @@ def _instrument(env: dict, pipeline: Pipeline):
 
 def _sdk_span_floor(n: int) -> float:
     """Microseconds per span of the bare SDK: start + end one span with a send span's attributes, same export."""
-    from opentelemetry.trace import SpanKind  # pylint: disable=import-outside-toplevel
+    from opentelemetry.trace import SpanKind
 
-    from otel_kvtransfer import semconv  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import semconv
 
     pipeline = Pipeline(max_queue_size=1 << 21)
     tracer = pipeline.tracer_provider.get_tracer("sdk-floor")

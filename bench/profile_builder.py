@@ -21,10 +21,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import WrappedStandIn, register_transport, wrap_stand_ins  # noqa: E402
+from common import WrappedStandIn, register_transport, wrap_stand_ins
 
-from otel_kvtransfer import KVTransferInstrumentor, config  # noqa: E402
-from otel_kvtransfer.recording.recorder import RECORDER  # noqa: E402
+from otel_kvtransfer import KVTransferInstrumentor, config
+from otel_kvtransfer.recording.recorder import RECORDER
 
 # Cumulative time of these functions, as shares of the drain (within one pipeline they do not overlap).
 PARTS = {
@@ -40,7 +40,6 @@ BATCH = 512
 
 def _encoders():
     """(label, encode_spans) of both OTLP span exporter modules, and the original encoder underneath."""
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as original
     from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc_module
     from opentelemetry.exporter.otlp.proto.http import trace_exporter as http_module
@@ -69,7 +68,6 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.records <= 200_000:
         parser.error("--records: between 1 and 200000")
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider

@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import in_private_network, machine, write_json  # noqa: E402
+from common import in_private_network, machine, write_json
 
 # name -> (script, arguments); the cost runs first, each in a process of its own
 SCRIPTS = {

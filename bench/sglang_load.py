@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                                 "sglang_serving"))
-from client import generate_one  # noqa: E402  pylint: disable=wrong-import-position
+from client import generate_one
 
 MAX_REQUESTS = 500
 MAX_RATE = 100.0
@@ -36,7 +36,7 @@ def run(url: str, mode: str, value: float, requests: list) -> dict:
             answer = generate_one(url, request)
             results[index] = {"rid": request["rid"], "offset_s": offset, "ttft_s": answer["ttft_s"],
                               "total_s": answer["total_s"], "tokens": answer["tokens"], "error": None}
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             results[index] = {"rid": request["rid"], "offset_s": offset, "ttft_s": None, "total_s": None,
                               "tokens": 0, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 

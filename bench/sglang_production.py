@@ -42,8 +42,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
-from common import append_result, machine  # noqa: E402  pylint: disable=wrong-import-position
-from sglang_serving import deployment as dep  # noqa: E402  pylint: disable=wrong-import-position
+from common import append_result, machine
+from sglang_serving import deployment as dep
 
 RESULTS = os.path.join(HERE, "results-sglang.json")
 LOAD = os.path.join(HERE, "sglang_load.py")
@@ -134,7 +134,7 @@ class ProductionDeployment(dep.Deployment):
 # --- CPU of the server process trees ------------------------------------------------------------------------------
 def cpu_snapshot(deployment) -> dict:
     """pid -> (category, CPU seconds so far): each server's tree, the package's helpers apart."""
-    import psutil  # pylint: disable=import-outside-toplevel
+    import psutil
 
     found = {}
     for name in ("prefill", "decode"):

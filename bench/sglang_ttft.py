@@ -26,8 +26,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
-from common import append_result, machine  # noqa: E402  pylint: disable=wrong-import-position
-from sglang_serving import deployment as dep  # noqa: E402  pylint: disable=wrong-import-position
+from common import append_result, machine
+from sglang_serving import deployment as dep
 
 RESULTS = os.path.join(HERE, "results-sglang.json")
 

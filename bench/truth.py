@@ -68,13 +68,12 @@ def _per_transfer(engine, receiver, base, sizes, reps, exporter) -> dict:
 
 
 def _seed(engine, src, receivers, fanout, requests, cfg_factory, exporter) -> dict:
-    # pylint: disable=import-outside-toplevel
     from otel_kvtransfer import demo
     from otel_kvtransfer import integration as kvt
     from otel_kvtransfer.demo.loopback import digest
 
     cfg = cfg_factory(fanout)
-    destinations = [demo._Destination(r, i) for i, r in enumerate(receivers[:fanout])]  # pylint: disable=protected-access
+    destinations = [demo._Destination(r, i) for i, r in enumerate(receivers[:fanout])]
     before = demo.measure_link_capacity(engine, receivers[0], src.ctypes.data, cfg.kv_bytes)
     rows, legacy = [], []
     try:
@@ -111,10 +110,10 @@ def _seed(engine, src, receivers, fanout, requests, cfg_factory, exporter) -> di
 
 
 def run(quick: bool = False) -> dict:
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer import demo  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import demo
+    from otel_kvtransfer.demo.loopback import Receiver, open_engine
 
     def cfg_factory(fanout):
         return demo.DemoConfig(requests=3, fanout=fanout, prefix_tokens=2048, chunk_tokens=[8192, 1655])

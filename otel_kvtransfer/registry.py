@@ -21,6 +21,6 @@ def load(names):
     for name in names:
         try:
             loaded.append(importlib.import_module(name))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             _logger.warning("otel_kvtransfer: could not load %s", name, exc_info=True)
     return loaded

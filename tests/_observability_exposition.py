@@ -119,7 +119,7 @@ class ScrapeEndpoint:
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
+            def do_GET(self):
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404)
                     return

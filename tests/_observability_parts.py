@@ -45,8 +45,8 @@ def phoenix_binary():
 
 def mooncake_available() -> bool:
     try:
-        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except Exception:  # pylint: disable=broad-except
+        import mooncake.engine  # noqa: F401  imported only to see that the engine loads
+    except Exception:
         return False
     return True
 
@@ -54,7 +54,7 @@ def mooncake_available() -> bool:
 def mooncake_tcp_engine(address: str):
     """A Mooncake TransferEngine at `address` over TCP, peers found by handshake (no metadata server)."""
     os.environ.setdefault("MC_FORCE_TCP", "1")
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
     rc = engine.initialize(address, "P2PHANDSHAKE", "tcp", "")
@@ -92,7 +92,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.25, what: str = "c
     while time.monotonic() < deadline:
         try:
             last = predicate()
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             last = exc
         else:
             if last:
@@ -111,7 +111,7 @@ def http_json(url: str, params=None, timeout: float = 5.0):
 
 def read_line_with_prefix(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
     """The first stdout line of `proc` that starts with prefix (without it), read within `timeout`."""
-    import selectors  # pylint: disable=import-outside-toplevel
+    import selectors
 
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)

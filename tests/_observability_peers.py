@@ -52,8 +52,8 @@ def _ip(*args) -> None:
 
 def receiver(args) -> int:
     """A decode engine in its own network namespace: waits for its veth end, brings it up, registers a buffer."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from _observability_parts import mooncake_tcp_engine  # pylint: disable=import-outside-toplevel
+    import numpy as np
+    from _observability_parts import mooncake_tcp_engine
 
     ready, _, _ = select.select([sys.stdin], [], [], 30)
     if not ready or sys.stdin.readline().strip() != "go":
@@ -71,7 +71,7 @@ def receiver(args) -> int:
 
 def _start(argv, **kwargs) -> subprocess.Popen:
     """A child in this script's process group: if the test has to kill this script's group, it ends them too."""
-    return subprocess.Popen(argv, **kwargs)  # pylint: disable=consider-using-with
+    return subprocess.Popen(argv, **kwargs)
 
 
 def _stop(proc) -> None:
@@ -93,7 +93,7 @@ def _stop(proc) -> None:
 
 def _start_receiver(index: int, rate, env) -> tuple:
     """A receiver behind veth kvt<index> (rate-limited when `rate`); (process, address, READY payload)."""
-    from _observability_parts import read_line_with_prefix, wait_until  # pylint: disable=import-outside-toplevel
+    from _observability_parts import read_line_with_prefix, wait_until
 
     ours, address = _netns(), f"10.231.{index + 1}.2"
     proc = _start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
@@ -120,7 +120,7 @@ def _start_receiver(index: int, rate, env) -> tuple:
 
 
 def _prometheus(args, metrics_port: int):
-    from _observability_parts import free_port, http_json, wait_until  # pylint: disable=import-outside-toplevel
+    from _observability_parts import free_port, http_json, wait_until
 
     port = free_port()
     config = os.path.join(args.workdir, "prometheus.yml")
@@ -129,7 +129,6 @@ def _prometheus(args, metrics_port: int):
                      f"rule_files:\n  - {json.dumps(os.path.abspath(args.rules))}\n"
                      "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
                      f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n")
-    # pylint: disable-next=consider-using-with
     log = open(os.path.join(args.workdir, "prometheus.log"), "w", encoding="utf-8")
     proc = _start([args.prometheus, f"--config.file={config}", f"--storage.tsdb.path={args.workdir}/data",
                   f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
@@ -141,14 +140,13 @@ def _prometheus(args, metrics_port: int):
 
 
 def _query(base: str, expr: str) -> list:
-    from _observability_parts import http_json  # pylint: disable=import-outside-toplevel
+    from _observability_parts import http_json
 
     return [({k: v for k, v in s["metric"].items()}, float(s["value"][1]))
             for s in http_json(f"{base}/api/v1/query", {"query": expr})["data"]["result"]]
 
 
 def run(args) -> dict:
-    # pylint: disable=import-outside-toplevel,too-many-locals
     import numpy as np
     from _observability_exposition import ScrapeEndpoint
     from _observability_parts import http_json, mooncake_tcp_engine, wait_until
@@ -276,7 +274,7 @@ def main(argv=None) -> int:
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="kvt-peers-")
     try:
         result = run(args)
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         print(f"ERROR {type(exc).__name__}: {str(exc)[:500]}", flush=True)
         return 1
     print("RESULT " + json.dumps(result), flush=True)

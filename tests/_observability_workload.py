@@ -56,7 +56,6 @@ RECV_BYTES = REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES
 
 
 def _providers(args, service_name, instance_id, with_metrics_reader):
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
@@ -86,18 +85,18 @@ def _providers(args, service_name, instance_id, with_metrics_reader):
 
 def _decode_main(conn, args_dict):
     """The decode engine: a registered buffer, and kv_transfer.receive spans when told about rooms."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
     args = argparse.Namespace(**args_dict)
     # A receive sees no activity between its begin and its end: the short TTL the prefill side uses (to evict its
     # forgotten room) would evict receives of a slow room here. Decode evicts nothing in this workload.
     os.environ["OTEL_KVTRANSFER_REQUEST_TTL_S"] = "120"
     tracer_provider, meter_provider, reader = _providers(args, "kvt-decode", "decode-0", args.mode == "metrics")
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration
 
     endpoint = None
     if reader is not None:
-        from _observability_exposition import ScrapeEndpoint  # pylint: disable=import-outside-toplevel
+        from _observability_exposition import ScrapeEndpoint
 
         endpoint = ScrapeEndpoint(reader, port=args.decode_metrics_port)
     engine = mooncake_tcp_engine(LOOPBACK)
@@ -128,7 +127,7 @@ def _decode_main(conn, args_dict):
 
 
 def _forward_pass(size=192):
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
     start = time_ns()
     a = np.random.default_rng(0).random((size, size))
@@ -139,14 +138,14 @@ def _forward_pass(size=192):
 
 
 def run(args) -> dict:
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
     tracer_provider, meter_provider, reader = _providers(args, "kvt-prefill", "prefill-0", args.mode == "metrics")
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration
 
     endpoint = None
     if args.mode == "metrics":
-        from _observability_exposition import ScrapeEndpoint  # pylint: disable=import-outside-toplevel
+        from _observability_exposition import ScrapeEndpoint
 
         endpoint = ScrapeEndpoint(reader, port=args.metrics_port)
 

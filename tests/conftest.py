@@ -27,8 +27,8 @@ def require_part(ok: bool, what: str) -> None:
 
 def mooncake_importable() -> bool:
     try:
-        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except Exception:  # pylint: disable=broad-except
+        import mooncake.engine  # noqa: F401  imported only to see that the engine loads
+    except Exception:
         return False
     return True
 
@@ -37,7 +37,6 @@ class Telemetry:
     """An SDK TracerProvider with an in-memory exporter and an in-memory metric reader, instrumented."""
 
     def __init__(self, sampler=None):
-        # pylint: disable=import-outside-toplevel
         from opentelemetry.test.test_base import TestBase
 
         from otel_kvtransfer import KVTransferInstrumentor
@@ -88,7 +87,7 @@ def telemetry():
 @pytest.fixture(scope="module")
 def receiver():
     require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
-    from otel_kvtransfer.demo.loopback import Receiver  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver
 
     r = Receiver(64 << 20, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"})
     yield r
@@ -98,9 +97,9 @@ def receiver():
 @pytest.fixture(scope="module")
 def engine():
     require_part(mooncake_importable(), "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import open_engine
 
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
     e = open_engine()

@@ -1,5 +1,6 @@
 """The aggregate rules (busy time, throughput, logical bytes, overlap, quantiles) against hand-computed values,
-and the stitching formula of the design contract ("Trace stitching", docs/telemetry.md) written out independently here."""
+and the stitching formula of the design contract ("Trace stitching", docs/telemetry.md) written out independently
+here."""
 
 import hashlib
 import math

@@ -169,7 +169,7 @@ def test_prometheus_metrics_keep_the_builder_in_process(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.instrumentor"):
         instrumentor.instrument()
     try:
-        assert instrumentor._link is None  # pylint: disable=protected-access
+        assert instrumentor._link is None
         assert any("OTEL_METRICS_EXPORTER includes prometheus" in r.getMessage() for r in caplog.records)
     finally:
         instrumentor.uninstrument()
@@ -183,10 +183,10 @@ def test_an_unknown_builder_value_is_one_warning_and_the_default(monkeypatch, ca
 
 
 def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
-    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState  # noqa: E501 pylint: disable=C0415
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-    from otel_kvtransfer.recording import records as r  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording import records as r
 
     parent = SpanContext(0xABC, 0xDEF, True, TraceFlags(1), TraceState([("k", "v")]))
     context = trace.set_span_in_context(NonRecordingSpan(parent))
@@ -218,7 +218,7 @@ def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
 def test_a_process_that_never_transfers_starts_no_helper(tmp_path):
     """The once-a-second in-flight scan sends nothing while nothing is in flight: an engine's processes that
     never transfer (sglang's tokenizer, detokenizer, resource tracker) start no builder process."""
-    import subprocess  # pylint: disable=import-outside-toplevel
+    import subprocess
 
     script = ("import time, os; from otel_kvtransfer import KVTransferInstrumentor; "
               "from otel_kvtransfer.recording.recorder import RECORDER; "

@@ -11,7 +11,7 @@ from otel_kvtransfer import semconv
 
 
 def _nixl_importable() -> bool:
-    import importlib.util  # pylint: disable=import-outside-toplevel
+    import importlib.util
 
     return importlib.util.find_spec("nixl") is not None
 
@@ -26,7 +26,7 @@ def test_demo_over_nixl_verifies_bytes_and_writes_request_spans(tmp_path):
         env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "bytes verified on every decode engine: yes" in run.stdout
-    from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.spanfile import read_spans
 
     spans = read_spans(str(out / "spans.jsonl"))
     requests = [s for s in spans if s.name == semconv.SPAN_REQUEST]

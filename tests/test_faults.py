@@ -136,7 +136,7 @@ def test_exporter_that_raises_leaves_engine_and_metrics_intact(engine, receiver,
 
 
 def test_collector_down_with_the_real_otlp_exporter(engine, receiver):
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # pylint: disable=import-outside-toplevel
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter,
     )
 
@@ -302,7 +302,7 @@ def test_eight_threads_reusing_rooms_attribute_every_span_to_its_request(engine,
                         rcs.append(_write(engine, receiver, size, offset))
                 kvt.end_request(room, error_type="transfer_failed" if (t, r) == (0, 0) else None)
                 barrier.wait(30)  # a room's next use starts only after its previous one concluded
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             errors.append(exc)
             barrier.abort()
 
@@ -351,7 +351,7 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
     """Instrument and uninstrument while 4 threads write continuously. Besides every call returning 0 and the
     engine being restored, the test checks its own premise: engine calls were in flight across the switches
     (a call started before an instrument()/uninstrument() returned and ended after it began)."""
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    from mooncake.engine import TransferEngine
 
     original = TransferEngine.__dict__["transfer_sync_write"]
     exporter = InMemorySpanExporter()
@@ -367,7 +367,7 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
                 start = time.time_ns()
                 rcs.append(_write(engine, receiver, 300 + t, t * 4096))
                 calls.append((start, time.time_ns()))
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
@@ -535,8 +535,8 @@ print("exiting", flush=True)
 
 
 def test_a_hung_synchronous_exporter_does_not_stop_the_engine_process_from_exiting(tmp_path):
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
+    import subprocess
+    import sys
 
     script = tmp_path / "hung_exit.py"
     script.write_text(_EXIT_WITH_HUNG_EXPORTER)

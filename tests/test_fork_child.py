@@ -25,10 +25,10 @@ SIZE = 256 << 10
 
 def _child(session: str, base_address: int) -> None:
     """The forked child: one request of WRITES real writes, then straight out."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.demo.loopback import open_engine
 
     engine = open_engine()
     source = np.arange(WRITES * SIZE, dtype=np.uint32).view(np.uint8)[:WRITES * SIZE].copy()
@@ -42,9 +42,9 @@ def _child(session: str, base_address: int) -> None:
 
 
 def engine_process(out_path: str) -> None:
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer.demo.loopback import Receiver, digest  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import Receiver, digest
 
     with Receiver(WRITES * SIZE, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "5"}) as receiver:
         child = multiprocessing.get_context("fork").Process(target=_child, args=(receiver.session,
@@ -71,9 +71,9 @@ def _run(tmp_path, builder: str):
 
 
 def _wait_for_spans(path, count, timeout_s=30.0):
-    import time  # pylint: disable=import-outside-toplevel
+    import time
 
-    from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.spanfile import read_spans
 
     deadline = time.monotonic() + timeout_s
     while True:

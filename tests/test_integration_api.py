@@ -50,7 +50,7 @@ def test_a_scope_entered_on_two_threads_is_one_send(telemetry):
             with scope:
                 kvt.deliver(call(nbytes))
                 both_in.wait(10)  # both threads are inside the scope at once
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in (100, 200)]
@@ -80,7 +80,7 @@ def test_a_scope_entered_and_left_by_many_threads_at_once_is_one_send_with_every
                     kvt.deliver(call(1))
                     assert kvt.current_scope() is scope
                 assert kvt.current_scope() is outer  # each thread gets its own previous scope back
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             errors.append(exc)
 
     outer = None
@@ -296,7 +296,7 @@ def test_huge_strings_are_bounded_not_raised(telemetry):
 
 
 def test_the_api_is_a_no_op_when_not_instrumented():
-    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER
 
     assert not RECORDER.active
     before = RECORDER.pending()

@@ -41,7 +41,8 @@ def test_failed_and_empty_sends_have_no_speed(telemetry, engine, receiver):
     with kvt.transfer_scope(8, chunk_index=0, payload="kv") as scope:
         scope.set_error("session_unreachable")  # a 0-byte failed send
     with kvt.transfer_scope(8, chunk_index=1, payload="aux"):
-        engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 0)  # no speed either way
+        # no speed either way
+        engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 0)
     kvt.end_request(8, error_type="session_unreachable")
     sends = telemetry.spans(semconv.SPAN_SEND)
     assert len(sends) == 3
@@ -144,19 +145,21 @@ def test_peer_throughput_per_peer_up_to_the_cap_then_other(monkeypatch, caplog, 
     """kv_transfer.peer.throughput: successful kv sends of >= 1 MiB, one series per (server.address,
     server.port), at most OTEL_KVTRANSFER_MAX_PEERS of them; the rest `other`, said once. No engine: the
     records name three peers (a real link test lives with the alert rule)."""
-    from test_builder import begin_request, call, end_request, info, send  # pylint: disable=import-outside-toplevel
+    from test_builder import begin_request, call, end_request, info, send
 
     monkeypatch.setenv(config.PIPELINE, pipeline)
     monkeypatch.setenv(config.MAX_PEERS, "2")
     telemetry = Telemetry().instrument()
     try:
-        from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.recording.recorder import RECORDER
 
         RECORDER.record(begin_request(1, 0))
         for n, peer in enumerate(["10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.3:7003", "10.0.0.1:7001"]):
             RECORDER.record(send(info(1, n), [call(1_000 * n, 1_000 * n + 500, 2 << 20, peer=peer, backend=BACKEND)]))
-        RECORDER.record(send(info(1, 9), [call(9_000, 9_500, (1 << 20) - 1, peer="10.0.0.9:1", backend=BACKEND)]))  # too small
-        RECORDER.record(send(info(1, 9, payload=semconv.PAYLOAD_AUX), [call(9_600, 9_900, 2 << 20, peer="10.0.0.8:1", backend=BACKEND)]))  # not kv
+        too_small = call(9_000, 9_500, (1 << 20) - 1, peer="10.0.0.9:1", backend=BACKEND)
+        RECORDER.record(send(info(1, 9), [too_small]))
+        not_kv = call(9_600, 9_900, 2 << 20, peer="10.0.0.8:1", backend=BACKEND)
+        RECORDER.record(send(info(1, 9, payload=semconv.PAYLOAD_AUX), [not_kv]))
         RECORDER.record(end_request(1, 20_000))
         points = telemetry.metrics()[semconv.METRIC_PEER_THROUGHPUT]
     finally:

@@ -68,7 +68,7 @@ def test_read_ops_are_spans_with_op_read(telemetry, engine, receiver):
 
 
 def test_opcode_argument_decides_op(telemetry, engine, receiver):
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    from mooncake.engine import TransferEngine
 
     opcode = TransferEngine.TransferOpcode
     assert engine.engine.transfer_sync(receiver.session, engine.base, receiver.base_address, 64, opcode.Write) == 0
@@ -168,7 +168,7 @@ def test_receiver_killed_mid_transfer_gives_error_span(telemetry, engine):
             step = 1 << 20
             offsets = list(range(0, 64 << 20, step))
 
-            def send():
+            def send(result=result, doomed=doomed, offsets=offsets, step=step):
                 # 64 MiB, sent 8 times over: long enough for the kill to land mid-transfer.
                 for _ in range(8):
                     result.setdefault("rcs", []).append(engine.engine.batch_transfer_sync_write(
@@ -208,14 +208,14 @@ def test_return_values_and_exceptions_pass_through_unchanged(telemetry, engine, 
 def test_both_suppression_keys_are_honoured_raw_and_in_a_scope(telemetry, engine, receiver):
     """The wrapper reads the suppress keys from the context itself: both the keyed one that
     suppress_instrumentation() sets and the plain string key older instrumentations set."""
-    from opentelemetry import context  # pylint: disable=import-outside-toplevel
-    from opentelemetry.instrumentation.utils import (  # pylint: disable=import-outside-toplevel
+    from opentelemetry import context
+    from opentelemetry.instrumentation.utils import (
         is_instrumentation_enabled,
         suppress_instrumentation,
     )
 
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.recording.patching import active, current_context  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration
+    from otel_kvtransfer.recording.patching import active, current_context
 
     def write():
         return engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8)

@@ -35,7 +35,7 @@ def scenario(function):
 
 
 def _digest(data):
-    from otel_kvtransfer.demo.loopback import digest  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.loopback import digest
 
     return digest(data)
 
@@ -50,7 +50,7 @@ def _seen(tel) -> dict:
 
 
 def _telemetry():
-    from conftest import Telemetry  # pylint: disable=import-outside-toplevel
+    from conftest import Telemetry
 
     return Telemetry().instrument()
 
@@ -82,7 +82,7 @@ def prepped_write(receiver, _originals):
 
 @scenario
 def read_in_scope(receiver, _originals):
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
 
     tel = _telemetry()
     try:
@@ -104,7 +104,7 @@ def read_in_scope(receiver, _originals):
 
 @scenario
 def peer_gone(_receiver, _originals):
-    from otel_kvtransfer.demo.nixl_loopback import Receiver  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.nixl_loopback import Receiver
 
     tel = _telemetry()
     try:
@@ -117,7 +117,7 @@ def peer_gone(_receiver, _originals):
             doomed.kill()  # the peer process is gone (SIGKILL) before the transfer is posted
         try:
             state = init.wait(handle)
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             state = f"raised {type(exc).__name__}"
         return dict(_seen(tel), state=state)
     finally:
@@ -144,7 +144,7 @@ def bounded(receiver, _originals):
 
 @scenario
 def uninstrumented(receiver, originals):
-    import nixl._api as api  # pylint: disable=import-outside-toplevel
+    import nixl._api as api
 
     tel = _telemetry()
     wrapped = {name: api.nixl_agent.__dict__[name] is not original for name, original in originals.items()}
@@ -158,10 +158,10 @@ def uninstrumented(receiver, originals):
 
 @scenario
 def demo_engine(receiver, _originals):
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.nixl_loopback import open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.demo.nixl_loopback import open_engine
 
     tel = _telemetry()
     try:
@@ -186,7 +186,7 @@ def demo_engine(receiver, _originals):
 def freed_by_gc(receiver, _originals):
     """Handles dropped with their transfer still pending: `nixl_xfer_handle.__del__` frees them, never `release()`
     (sglang lets its handles go this way)."""
-    import gc  # pylint: disable=import-outside-toplevel
+    import gc
 
     tel = _telemetry()
     try:
@@ -229,11 +229,11 @@ def address_reused(receiver, _originals):
             time.sleep(0.001)
         address = first._handle
         raw.releaseXferReq(address)
-        first._released = True  # pylint: disable=protected-access  # so its __del__ frees nothing twice
+        first._released = True  # so its __del__ frees nothing twice
         kept, second = [], None
         for _ in range(64):  # the allocator hands the freed block out again, usually at once
             candidate = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
-            if candidate._handle == address:  # pylint: disable=protected-access
+            if candidate._handle == address:
                 second = candidate
                 break
             kept.append(candidate)
@@ -249,9 +249,9 @@ def address_reused(receiver, _originals):
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import nixl._api as api  # pylint: disable=import-outside-toplevel
+    import nixl._api as api
 
-    from otel_kvtransfer.demo.nixl_loopback import Receiver  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.demo.nixl_loopback import Receiver
 
     originals = {name: api.nixl_agent.__dict__[name] for name in ("transfer", "check_xfer_state", "make_prepped_xfer")}
     with Receiver(SIZE) as receiver:

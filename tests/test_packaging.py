@@ -58,7 +58,7 @@ def _copy_build_inputs(dest):
 
 def _setuptools_supports_pep639() -> bool:
     try:
-        import setuptools  # pylint: disable=import-outside-toplevel
+        import setuptools
     except ImportError:
         return False
     major = re.match(r"\d+", setuptools.__version__)
@@ -120,7 +120,7 @@ def _in_venv(python, code):
 
 
 def test_dependencies_are_the_true_minimums_and_bounded(wheel_metadata):
-    requires = {re.split(r"[ <>=!~;]", r, 1)[0].lower(): r for r in _plain_requirements(wheel_metadata)}
+    requires = {re.split(r"[ <>=!~;]", r, maxsplit=1)[0].lower(): r for r in _plain_requirements(wheel_metadata)}
     # api/sdk 1.27-1.29 lack explicit_bucket_boundaries_advisory; instrumentation 0.57b0-0.62b0 does not reach spawn
     # children (0.57b0 is also the first with instruments-any); 0.63b0 pins semantic-conventions 0.63b0 and so
     # API 1.42.0. scripts/test-minimums.sh runs the core suite at exactly these.
@@ -140,7 +140,7 @@ def test_extras(wheel_metadata):
         match = re.search(r'extra\s*==\s*"([^"]+)"', requirement)
         if match:
             by_extra.setdefault(match.group(1), []).append(requirement.split(";", 1)[0].strip().lower())
-    names = {extra: {re.split(r"[ <>=!~]", r, 1)[0] for r in reqs} for extra, reqs in by_extra.items()}
+    names = {extra: {re.split(r"[ <>=!~]", r, maxsplit=1)[0] for r in reqs} for extra, reqs in by_extra.items()}
     assert "opentelemetry-exporter-otlp" in names["otlp"]
     # the demo renders its timeline PNG (Pillow) and exports OTLP
     assert {"pillow", "opentelemetry-exporter-otlp", "numpy"} <= names["demo"]
@@ -234,7 +234,7 @@ def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):
         "                  'instruments': list(package._instruments),\n"
         "                  'instruments_any': sorted(getattr(package, '_instruments_any', ()))}))"))
     assert result["instruments"] == []
-    from packaging.requirements import Requirement  # pylint: disable=import-outside-toplevel
+    from packaging.requirements import Requirement
 
     def normalise(requirements):
         return sorted((Requirement(r).name.lower(), str(Requirement(r).specifier)) for r in requirements)
@@ -245,7 +245,7 @@ def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):
 
 def test_instruments_any_is_satisfied_where_an_engine_is_installed(wheel_metadata):
     """The other side, in the project's own environment: the Mooncake CPU wheel installed there satisfies it."""
-    from opentelemetry.instrumentation.dependencies import get_dependency_conflicts  # pylint: disable=import-outside-toplevel
+    from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 
     require_part(mooncake_available(), "the Mooncake engine (bash scripts/setup.sh)")
     declared = [r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])

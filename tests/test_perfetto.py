@@ -130,7 +130,7 @@ def test_pack_uses_the_fewest_rows_and_the_lowest_free_row():
 
 
 def test_tail_slice_of_a_known_request(tmp_path):
-    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+    from test_summarize import MS, T, known_request
 
     data = _perfetto(tmp_path, write_jsonl(tmp_path / "k.jsonl", known_request()))
     complete = validate_trace_events(data)
@@ -149,7 +149,7 @@ def test_tail_slice_of_a_known_request(tmp_path):
 
 
 def test_no_tail_slice_without_compute(tmp_path):
-    from test_summarize import known_request  # pylint: disable=import-outside-toplevel
+    from test_summarize import known_request
 
     records = [r for r in known_request() if r["name"] != sc.SPAN_COMPUTE]
     complete = validate_trace_events(_perfetto(tmp_path, write_jsonl(tmp_path / "nc.jsonl", records)))

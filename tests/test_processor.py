@@ -108,7 +108,8 @@ def test_request_metrics():
     s.end(semconv.SPAN_REQUEST, {**base, semconv.BYTES: 0, semconv.THROUGHPUT: 0.0}, start=0, end=40_000)
     failed = {**LABELS, semconv.ERROR_TYPE: "evicted"}
     assert s.points() == {
-        semconv.METRIC_REQUEST_DURATION: sorted([(LABELS, 3, 10_000 / 1e9 + 20_000 / 1e9 + 40_000 / 1e9), (failed, 1, 30_000 / 1e9)], key=repr),
+        semconv.METRIC_REQUEST_DURATION: sorted(
+            [(LABELS, 3, 10_000 / 1e9 + 20_000 / 1e9 + 40_000 / 1e9), (failed, 1, 30_000 / 1e9)], key=repr),
         semconv.METRIC_REQUEST_SIZE: sorted([(LABELS, 3, 8_000), (failed, 1, 4_000)], key=repr),
         semconv.METRIC_REQUEST_THROUGHPUT: [(LABELS, 2, 16e8)],
         semconv.METRIC_REQUEST_COMPUTE_OVERLAP: [(LABELS, 1, 0.25)],

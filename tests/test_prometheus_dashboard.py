@@ -112,16 +112,16 @@ def test_python_prometheus_exporter_agrees_on_names():
     """opentelemetry-exporter-prometheus names these metrics exactly as the Collector does (it lacks exemplars and
     job/instance from the resource, which is why the scrape test serves the Collector's exposition instead)."""
     try:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader  # pylint: disable=import-outside-toplevel
-        from prometheus_client import CollectorRegistry, generate_latest  # pylint: disable=import-outside-toplevel
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry, generate_latest
     except ImportError:
         require_part(False, "pip package opentelemetry-exporter-prometheus")
-    from opentelemetry.metrics import Observation  # pylint: disable=import-outside-toplevel
-    from opentelemetry.sdk.metrics import MeterProvider  # pylint: disable=import-outside-toplevel
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
 
     registry = CollectorRegistry()
     reader = PrometheusMetricReader()
-    registry.register(reader._collector)  # pylint: disable=protected-access
+    registry.register(reader._collector)
     provider = MeterProvider(metric_readers=[reader])
     meter = provider.get_meter("otel_kvtransfer")
     for name, unit, kind in DESIGN_METRICS:
@@ -181,8 +181,8 @@ def run():
             "scrape_configs:\n  - job_name: otel-collector-kvtransfer\n    honor_labels: true\n"
             f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}', '127.0.0.1:{decode_port}']\n")
     prometheus = workload = None
-    log = open(os.path.join(workdir, "prometheus.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    err = open(os.path.join(workdir, "workload.err"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    log = open(os.path.join(workdir, "prometheus.log"), "w", encoding="utf-8")
+    err = open(os.path.join(workdir, "workload.err"), "w", encoding="utf-8")
     try:
         prometheus = start([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
                             f"--web.listen-address=127.0.0.1:{prom_port}", "--enable-feature=exemplar-storage",
@@ -215,7 +215,7 @@ def run():
             try:
                 workload.stdin.close()
                 workload.wait(15)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 pass
             stop(workload)
         stop(prometheus)
@@ -304,7 +304,7 @@ def test_exemplars_point_at_the_send_spans_traces(run):
 # --- alert rules users import (dashboards/alerts.yaml) -----------------------------------------------------------
 
 def _alert_exprs():
-    import yaml  # pylint: disable=import-outside-toplevel
+    import yaml
 
     with open(ALERTS, encoding="utf-8") as handle:
         groups = yaml.safe_load(handle)["groups"]
@@ -371,7 +371,7 @@ def test_alert_unit_tests_have_teeth(tmp_path, old, new):
 
 
 def test_alert_rules_use_the_collector_names():
-    import yaml  # pylint: disable=import-outside-toplevel
+    import yaml
 
     with open(ALERTS, encoding="utf-8") as handle:
         groups = yaml.safe_load(handle)["groups"]

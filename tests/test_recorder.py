@@ -217,10 +217,10 @@ def test_after_uninstrument_the_provider_derives_no_metrics_and_flushes_no_recor
     monkeypatch.setenv(config.PIPELINE, "sdk")  # the SDK pipeline's metrics processor, fed spans by hand
     monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "60000")
     telemetry = Telemetry().instrument()
-    telemetry.tracer_provider._active_span_processor.on_end(_our_span())  # pylint: disable=protected-access
+    telemetry.tracer_provider._active_span_processor.on_end(_our_span())
     assert sum(p.count for p in telemetry.metrics()[semconv.METRIC_SIZE]) == 1
     telemetry.uninstrument()
-    telemetry.tracer_provider._active_span_processor.on_end(_our_span())  # pylint: disable=protected-access
+    telemetry.tracer_provider._active_span_processor.on_end(_our_span())
     assert sum(p.count for p in telemetry.metrics()[semconv.METRIC_SIZE]) == 1  # the processor is detached
     exported = len(telemetry.spans())  # the two spans ended by hand above
     kvt.deliver(CALL)  # not recording: nothing queued (it sat in the queue until the next instrument before)
@@ -235,14 +235,14 @@ def test_uninstrument_leaves_exactly_the_span_processors_it_found_private_sdk_at
     pipeline adds only the flush processor; the SDK pipeline its metrics processor too."""
     monkeypatch.setenv(config.PIPELINE, pipeline)
     telemetry = Telemetry()
-    before = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+    before = telemetry.tracer_provider._active_span_processor._span_processors
     for _ in range(2):
         telemetry.instrument()
-        during = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+        during = telemetry.tracer_provider._active_span_processor._span_processors
         assert len(during) == len(before) + added
         assert type(during[0]).__name__ == "FlushFirstSpanProcessor"  # drains before anything exports
         telemetry.uninstrument()
-        after = telemetry.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+        after = telemetry.tracer_provider._active_span_processor._span_processors
         assert after == before
 
 
@@ -272,7 +272,7 @@ def test_a_forked_child_records_with_its_own_thread_and_leaves_the_parents_spans
                               else (s.name, None) for s in telemetry.exporter.get_finished_spans()]}))
                 code = 0
             finally:
-                os._exit(code)  # pylint: disable=protected-access
+                os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == 0
         child = json.loads(report.read_text())

@@ -89,7 +89,7 @@ def test_garbage_settings_fall_back_to_defaults(monkeypatch, name, garbage):
 
 
 def test_uninstrument_restores_the_engine_exactly_and_cycles_work(engine, receiver):
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    from mooncake.engine import TransferEngine
 
     names = ["transfer_sync_write", "batch_transfer_sync_write", "transfer_submit_write", "transfer_check_status",
              "get_batch_transfer_status", "initialize"]
@@ -137,9 +137,9 @@ def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
     if pid == 0:  # child: new engine connection, same instrumentation
         code = 1
         try:
-            import numpy as np  # pylint: disable=import-outside-toplevel
+            import numpy as np
 
-            from otel_kvtransfer.demo.loopback import open_engine  # pylint: disable=import-outside-toplevel
+            from otel_kvtransfer.demo.loopback import open_engine
 
             child_engine = open_engine()
             buf = np.ones(4096, dtype=np.uint8)
@@ -151,7 +151,7 @@ def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):
             (tmp_path / "child.txt").write_text(f"{rc} {names}")
             code = 0 if rc == 0 and names == [semconv.SPAN_SEND] else 3
         finally:
-            os._exit(code)  # pylint: disable=protected-access
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0, (tmp_path / "child.txt").read_text()
     kvt.end_request(77)
@@ -178,9 +178,9 @@ for room in range(25):
 
 
 def test_a_short_lived_process_delivers_its_metrics_at_exit(tmp_path):
-    import json  # pylint: disable=import-outside-toplevel
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
+    import json
+    import subprocess
+    import sys
 
     script = tmp_path / "short.py"
     script.write_text(_SHORT_LIVED)
@@ -222,8 +222,8 @@ print(len(exporter.get_finished_spans()), sum(p.count for p in points))
 
 
 def test_an_sdk_set_after_instrument_gets_the_processors(tmp_path):
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
+    import subprocess
+    import sys
 
     script = tmp_path / "late_sdk.py"
     script.write_text(_SDK_SET_AFTER_INSTRUMENT)

@@ -37,7 +37,7 @@ class _Seen(SpanProcessor):
 
 def test_tracer_provider_has_an_active_multi_span_processor():
     provider = TracerProvider()
-    multi = provider._active_span_processor  # pylint: disable=protected-access
+    multi = provider._active_span_processor
     assert isinstance(multi, (SynchronousMultiSpanProcessor, ConcurrentMultiSpanProcessor))
 
 
@@ -46,14 +46,14 @@ def test_multi_span_processor_keeps_its_processors_in_a_tuple():
     first, second = _Seen(), _Seen()
     provider.add_span_processor(first)
     provider.add_span_processor(second)
-    multi = provider._active_span_processor  # pylint: disable=protected-access
-    assert isinstance(multi._span_processors, tuple)  # pylint: disable=protected-access
-    assert multi._span_processors == (first, second)  # pylint: disable=protected-access
+    multi = provider._active_span_processor
+    assert isinstance(multi._span_processors, tuple)
+    assert multi._span_processors == (first, second)
 
 
 def test_multi_span_processor_lock_is_a_lock():
-    multi = TracerProvider()._active_span_processor  # pylint: disable=protected-access
-    lock = multi._lock  # pylint: disable=protected-access
+    multi = TracerProvider()._active_span_processor
+    lock = multi._lock
     assert isinstance(lock, LOCK_TYPES)
     with lock:  # the instrumentor holds it while it swaps the tuple
         pass
@@ -74,10 +74,10 @@ def test_replacing_the_processor_tuple_reorders_delivery():
 
     late, ours = Named("late"), Named("ours")
     provider.add_span_processor(late)
-    multi = provider._active_span_processor  # pylint: disable=protected-access
-    with multi._lock:  # pylint: disable=protected-access
-        multi._span_processors = (ours,) + tuple(  # pylint: disable=protected-access
-            p for p in multi._span_processors if p is not ours)  # pylint: disable=protected-access
+    multi = provider._active_span_processor
+    with multi._lock:
+        multi._span_processors = (ours,) + tuple(
+            p for p in multi._span_processors if p is not ours)
     provider.get_tracer("canary").start_span("s").end()
     assert order == ["ours", "late"]
     # add_span_processor after the swap still appends behind ours
@@ -111,10 +111,10 @@ def test_tracer_has_a_replaceable_sampler():
 def test_the_suppress_keys_and_the_context_variable_the_hot_path_reads():
     """patching.active() and the Mooncake wrapper read suppress_instrumentation()'s keys from the context they
     fetch once, through the runtime context's own ContextVar: all private names of the API."""
-    from opentelemetry import context as otel_context  # pylint: disable=import-outside-toplevel
-    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=C0415
+    from opentelemetry import context as otel_context
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
 
-    from otel_kvtransfer.recording import patching  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording import patching
 
     assert hasattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY")
     assert patching.current_context is not otel_context.get_current  # the fast path is in use, not the fallback
@@ -138,40 +138,40 @@ def test_pyproject_bounds_the_sdk_major_version():
 def test_the_tracer_attributes_direct_spans_read():
     """DirectSpans reads the SDK tracer's sampler, id generator, span processor, resource and scope, and builds
     ReadableSpans positionally: a reordered constructor would put values in the wrong fields."""
-    import inspect  # pylint: disable=import-outside-toplevel
+    import inspect
 
-    from opentelemetry.sdk.trace import ReadableSpan  # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.trace import ReadableSpan
 
-    from otel_kvtransfer.building.attachment import is_sdk_tracer  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building.attachment import is_sdk_tracer
 
     tracer = TracerProvider().get_tracer("canary", "1")
     assert is_sdk_tracer(tracer)
-    assert tracer._instrumentation_scope.name == "canary"  # pylint: disable=protected-access
+    assert tracer._instrumentation_scope.name == "canary"
     assert list(inspect.signature(ReadableSpan.__init__).parameters)[1:14] == [
         "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
         "status", "start_time", "end_time", "instrumentation_scope"]
     span = ReadableSpan("n", attributes={"a": 1}, start_time=1, end_time=2)
-    assert (span._name, span._attributes, span._start_time, span._end_time) == (  # pylint: disable=W0212
+    assert (span._name, span._attributes, span._start_time, span._end_time) == (
         "n", {"a": 1}, 1, 2)
 
 
 def test_span_context_is_the_tuple_the_encoder_indexes():
-    from opentelemetry.trace import SpanContext, TraceFlags, TraceState  # pylint: disable=import-outside-toplevel
+    from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 
-    from otel_kvtransfer.building import span_encoding  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building import span_encoding
 
     context = SpanContext(7, 9, True, TraceFlags(1), TraceState([("a", "b")]))
     assert (context[0], context[1], context[2], context[4]) == (7, 9, True, context.trace_state)
-    assert span_encoding._TUPLE_CONTEXT  # pylint: disable=protected-access
+    assert span_encoding._TUPLE_CONTEXT
 
 
 def test_the_otlp_exporters_encode_through_their_module_encode_spans():
     """accelerate() replaces `encode_spans` in the exporter modules: each must look it up there at export time,
     and the HTTP one only serialize what it returns."""
-    import importlib  # pylint: disable=import-outside-toplevel
-    import inspect  # pylint: disable=import-outside-toplevel
+    import importlib
+    import inspect
 
-    from otel_kvtransfer.building import span_encoding  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.building import span_encoding
 
     for name in span_encoding.EXPORTER_MODULES:
         try:
@@ -189,24 +189,24 @@ def test_the_otlp_exporters_encode_through_their_module_encode_spans():
 def test_meter_provider_readers_and_their_collect_callback():
     """KVMetrics wraps each reader's `_collect` (set by the MeterProvider) and reads the provider's readers,
     resource and exemplar filter; the reader's collect() must go through `_collect`."""
-    from opentelemetry.sdk.metrics import MeterProvider  # pylint: disable=import-outside-toplevel
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     readers = getattr(provider, "_metric_readers", None)
     if readers is None:
-        readers = provider._sdk_config.metric_readers  # pylint: disable=protected-access
+        readers = provider._sdk_config.metric_readers
     assert list(readers) == [reader]
-    assert provider._sdk_config.resource is not None  # pylint: disable=protected-access
-    assert hasattr(provider._sdk_config, "exemplar_filter")  # pylint: disable=protected-access
-    original, calls = reader._collect, []  # pylint: disable=protected-access
+    assert provider._sdk_config.resource is not None
+    assert hasattr(provider._sdk_config, "exemplar_filter")
+    original, calls = reader._collect, []
 
     def spy(metric_reader, timeout_millis=10_000, **kwargs):
         calls.append(metric_reader)
         return original(metric_reader, timeout_millis=timeout_millis, **kwargs)
 
-    reader._collect = spy  # pylint: disable=protected-access
+    reader._collect = spy
     reader.get_metrics_data()
     assert calls == [reader]
 
@@ -214,12 +214,12 @@ def test_meter_provider_readers_and_their_collect_callback():
 def test_the_batch_span_processor_queue_the_direct_path_waits_on():
     """DirectSpans waits for room in each BatchSpanProcessor's queue (`_batch_processor._queue`, a deque, and
     `_max_queue_size`) and wakes its worker (`_worker_awaken`): the SDK drops what does not fit."""
-    import collections  # pylint: disable=import-outside-toplevel
+    import collections
 
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter  # pylint: disable=C0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     processor = BatchSpanProcessor(SpanExporter(), max_queue_size=8, max_export_batch_size=4)
-    inner = processor._batch_processor  # pylint: disable=protected-access
-    assert isinstance(inner._queue, collections.deque) and inner._max_queue_size == 8  # pylint: disable=W0212
-    assert hasattr(inner._worker_awaken, "set")  # pylint: disable=protected-access
+    inner = processor._batch_processor
+    assert isinstance(inner._queue, collections.deque) and inner._max_queue_size == 8
+    assert hasattr(inner._worker_awaken, "set")
     processor.shutdown()

@@ -23,11 +23,11 @@ NIXL_PATCHED = ["send_kvcache", "send_kvcache_slice", "send_kvcache_mixed", "sen
 
 def test_nixl_manager_methods_are_wrapped_and_restored():
     require_part(importlib.util.find_spec("sglang") is not None, "sglang 0.5.23 (bash scripts/setup.sh)")
-    from conftest import Telemetry  # pylint: disable=import-outside-toplevel
-    from sglang.srt.disaggregation.nixl import conn  # pylint: disable=import-outside-toplevel
+    from conftest import Telemetry
+    from sglang.srt.disaggregation.nixl import conn
 
-    from otel_kvtransfer.frameworks.sglang import common  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.recording.patching import is_ours  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import common
+    from otel_kvtransfer.recording.patching import is_ours
 
     before = {name: conn.NixlKVManager.__dict__[name] for name in NIXL_PATCHED}
     telemetry = Telemetry().instrument()
@@ -44,10 +44,10 @@ def test_nixl_manager_methods_are_wrapped_and_restored():
 
 def _state_wrapper():
     """The wrapper the package puts on NixlKVManager.maybe_send_extra (peer name first, no executor)."""
-    from otel_kvtransfer.frameworks.sglang import common, prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import common, prefill
 
     method = prefill.NIXL_TRANSFER_METHODS["maybe_send_extra"]
-    return prefill._transfer_wrapper(common.NIXL, *method)  # pylint: disable=protected-access
+    return prefill._transfer_wrapper(common.NIXL, *method)
 
 
 class _Manager:
@@ -67,16 +67,16 @@ class _Manager:
 
 
 def test_nixl_state_generator_gives_one_send_per_handle_of_its_request(telemetry):
-    from otel_kvtransfer.engines.nixl import BACKEND  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.frameworks.sglang import common, prefill  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.recording.pending import PendingTransfers  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines.nixl import BACKEND
+    from otel_kvtransfer.frameworks.sglang import common, prefill
+    from otel_kvtransfer.recording.pending import PendingTransfers
 
     room, peer = 4711, "decode-agent-0"
     pending = PendingTransfers(BACKEND)
     manager = _Manager(room, peer, pending)
     wrapper = _state_wrapper()
     integration.begin_request(room, backend=BACKEND, framework=common.FRAMEWORK)
-    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)  # pylint: disable=protected-access
+    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)
     try:
         steps = wrapper(manager.maybe_send_extra, manager, (peer, 2), {})
         posted = []
@@ -84,7 +84,7 @@ def test_nixl_state_generator_gives_one_send_per_handle_of_its_request(telemetry
             posted.append(number)
             manager.between_steps.append(integration.current_scope())
     finally:
-        prefill._tls.chunk = None  # pylint: disable=protected-access
+        prefill._tls.chunk = None
     for number in posted:  # the worker polls the handles after the loop
         assert pending.complete(("handle", number), "DONE", None)
     integration.end_request(room)
@@ -107,23 +107,23 @@ class Rejected(RuntimeError):
 
 
 def test_a_state_step_that_raises_is_a_failed_send_and_the_error_passes_through(telemetry):
-    from otel_kvtransfer.frameworks.sglang import common, prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import common, prefill
 
     room = 4712
 
     def maybe_send_extra(peer_name):
         raise Rejected(f"NIXL state layout rejected for {peer_name}")
-        yield  # pylint: disable=unreachable
+        yield
 
     manager = SimpleNamespace(transfer_infos={room: {"peer": SimpleNamespace(is_dummy=False)}})
     wrapper = _state_wrapper()
     integration.begin_request(room, backend=common.NIXL, framework=common.FRAMEWORK)
-    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)  # pylint: disable=protected-access
+    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)
     try:
         with pytest.raises(Rejected):
             list(wrapper(maybe_send_extra, manager, ("peer",), {}))
     finally:
-        prefill._tls.chunk = None  # pylint: disable=protected-access
+        prefill._tls.chunk = None
     integration.end_request(room, error_type="state_layout_rejected")
     (send,) = telemetry.spans(semconv.SPAN_SEND)
     assert send.attributes["error.type"] == "Rejected"

@@ -35,7 +35,7 @@ PROJECT = "kvt-sglang-serving"
 
 
 def _parts_ready():
-    from _observability_parts import phoenix_binary, prometheus_binary  # pylint: disable=import-outside-toplevel
+    from _observability_parts import phoenix_binary, prometheus_binary
 
     sglang_runs.require_parts("mooncake")
     require_part(bool(phoenix_binary() and prometheus_binary()),
@@ -55,7 +55,7 @@ class Serving:
         if kind in self.runs:
             return self.runs[kind]
         self.stop()
-        from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+        from sglang_serving import deployment as dep
 
         workdir = os.path.join(self.base, kind)
         if kind == "main":
@@ -89,7 +89,7 @@ class Serving:
 
 
 def _main_requests():
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     # 300-token prompts; every second one repeats the one before (its cached prefix is sent early), and one
     # shorter prompt so the byte formula is checked at two lengths.
@@ -98,7 +98,7 @@ def _main_requests():
 
 
 def _traced_requests():
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     requests = dep.prompts(2, 200, 8, repeat_every=0, seed=3, rid_prefix="traced")
     requests[1]["traceparent"] = f"00-{TRACEPARENT_TRACE_ID}-00f067aa0ba902b7-01"  # a client that traces
@@ -139,7 +139,7 @@ def traced_run(serving):
 
 
 def _model():
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     return dep.model_config(), dep.expected_kv_bytes
 
@@ -221,7 +221,7 @@ def test_warm_up_and_health_requests_make_no_orphan_trace(main_run):
 
 
 def _phoenix_spans(run, trace_ids, expected):
-    from sglang_serving.deployment import PHOENIX_HTTP_PORT  # pylint: disable=import-outside-toplevel
+    from sglang_serving.deployment import PHOENIX_HTTP_PORT
 
     url = f"http://127.0.0.1:{PHOENIX_HTTP_PORT}/v1/projects/{PROJECT}/spans/otlpv1"
     deadline = time.monotonic() + 60
@@ -323,7 +323,7 @@ def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced
     """OTEL_KVTRANSFER_BUILDER=process on a real server: each sglang process that transfers KV started one helper;
     every kv_transfer span was built by a helper whose parent is an sglang process of the same server, and
     sglang's own spans by sglang's processes (the test above checks that ours still sit under them)."""
-    import psutil  # pylint: disable=import-outside-toplevel
+    import psutil
 
     for role in ("prefill", "decode"):
         tree = {pid: psutil.Process(pid) for pid in traced_run.deployment.server_pids(role)}

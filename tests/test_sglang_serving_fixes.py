@@ -76,14 +76,14 @@ print("RESULT " + json.dumps({"wrapped": wrapped, "restored": restored, "had_wra
 
 def test_every_patched_method_is_wrapped_by_us_and_restored_on_the_real_classes():
     _require_sglang()
-    import json  # pylint: disable=import-outside-toplevel
+    import json
 
     stand_ins = os.path.join(ROOT, "tests", "sglang_serving", "pythonpath")
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OTEL_TRACES_EXPORTER": "none",
            "PYTHONPATH": os.pathsep.join([stand_ins, ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", PATCH_CHECK, json.dumps(PATCHED)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=False)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     names = [f"{c}.{a}" for _, c, a in PATCHED]
@@ -97,12 +97,12 @@ def _deferring_staging(mooncake_conn):
     """A real MooncakeKVManager (without an engine) whose staging buffer is never ready, and a room open on it."""
     manager = object.__new__(mooncake_conn.MooncakeKVManager)
     manager.transfer_infos = {}
-    manager._staging_ctx = type("StagingCtx", (), {"watermark_cv": threading.Condition()})()  # pylint: disable=protected-access
+    manager._staging_ctx = type("StagingCtx", (), {"watermark_cv": threading.Condition()})()
 
     class NeverReady:  # stand-in for PrefillStagingStrategy: check_ready as the real one answers "not yet"
         calls = 0
 
-        def check_ready(self, req, page_start, num_pages):  # pylint: disable=unused-argument
+        def check_ready(self, req, page_start, num_pages):
             NeverReady.calls += 1
             return False, 0, 0, None, None
 
@@ -111,8 +111,8 @@ def _deferring_staging(mooncake_conn):
 
 def test_staging_back_pressure_is_not_a_failed_send(telemetry):
     _require_sglang()
-    from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk  # pylint: disable=import-outside-toplevel
-    from sglang.srt.disaggregation.mooncake import conn as mooncake_conn  # pylint: disable=import-outside-toplevel
+    from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+    from sglang.srt.disaggregation.mooncake import conn as mooncake_conn
 
     room = 424242
     manager, strategy = _deferring_staging(mooncake_conn)
@@ -123,7 +123,7 @@ def test_staging_back_pressure_is_not_a_failed_send(telemetry):
     queue.put(chunk)
     got = queue.get()  # the worker's dequeue: this thread's current chunk
     req = type("TransferInfo", (), {"mooncake_session_id": "127.0.0.1:1", "room": room})()
-    result = manager._do_staging_transfer(strategy, got, req, None, None, None, queue)  # pylint: disable=protected-access
+    result = manager._do_staging_transfer(strategy, got, req, None, None, None, queue)
     assert result == (-1, True) and strategy.calls == 1
     assert queue.get() is chunk  # sglang re-queued it
     integration.end_request(room)
@@ -135,9 +135,9 @@ def test_staging_back_pressure_is_not_a_failed_send(telemetry):
 
 def test_warm_up_requests_make_no_compute_whatever_their_room(telemetry):
     _require_sglang()
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST  # pylint: disable=import-outside-toplevel
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-    from otel_kvtransfer.frameworks.sglang import prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import prefill
 
     class Req:
         def __init__(self, room, host):
@@ -174,7 +174,7 @@ def test_plugin_with_no_exporter_says_where_spans_go_in_one_line(exporter):
     proc = subprocess.run([sys.executable, "-c", NO_EXPORTER], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [l for l in proc.stderr.splitlines() if "go nowhere" in l]
+    lines = [line for line in proc.stderr.splitlines() if "go nowhere" in line]
     if exporter:
         assert lines == []
     else:

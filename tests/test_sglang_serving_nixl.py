@@ -23,7 +23,7 @@ from support.sglang_runs import COMPUTE, RECEIVE, REQUEST, SEND, Run
 
 
 def _requests():
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     # Two 300-token prompts, the second repeating the first (its cached prefix is sent early), and a shorter one
     # so the byte formula is checked at two lengths.
@@ -34,7 +34,7 @@ def _requests():
 @pytest.fixture(scope="module")
 def nixl_run():
     sglang_runs.require_parts("nixl")
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     base = tempfile.mkdtemp(prefix="kvt-sglang-nixl-")
     deployment = dep.Deployment(os.path.join(base, "nixl"), transfer_backend="nixl")
@@ -57,7 +57,7 @@ def test_every_request_answered_through_the_router(nixl_run):
 
 
 def test_one_request_span_per_room_with_its_nixl_sends_compute_and_receive(nixl_run):
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     config = dep.model_config()
     rooms = set()

@@ -57,7 +57,7 @@ def _targets():
 @pytest.fixture
 def spans():
     """Finished spans so far; with dropped=True the drop counts by reason instead."""
-    from conftest import Telemetry  # pylint: disable=import-outside-toplevel
+    from conftest import Telemetry
 
     telemetry = Telemetry().instrument()
 

@@ -84,7 +84,8 @@ def _run(pipeline, sampler=None):
     meters = MeterProvider(metric_readers=[reader])
     attachment = Attachment(meters, pipeline)
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
-    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES), on_drop=lambda reason, n: None)
+    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES),
+                          on_drop=lambda reason, n: None)
     for rec in _records():
         builder.handle(rec)
     spans = exporter.get_finished_spans()
@@ -120,7 +121,7 @@ def test_direct_spans_encode_to_exactly_what_the_sdk_pipeline_sends(sampler):
     direct, _ = _run("direct", sampler)
     sdk, _ = _run("sdk", sampler)
     sampled_sdk = [s for s in sdk if s.context.trace_flags.sampled]  # what the SDK pipeline's exporters send
-    assert direct and all(type(s) is KVSpan for s in direct)  # pylint: disable=unidiomatic-typecheck
+    assert direct and all(type(s) is KVSpan for s in direct)
     assert len(direct) == len(sampled_sdk)
     if sampler is None:
         assert len(direct) == 17  # 2 requests, 7 sends under them, 2 raw sends, 4 compute, 2 peers
@@ -194,7 +195,7 @@ def test_direct_metric_points_equal_the_sdk_instruments_points():
 class _Sink(BaseHTTPRequestHandler):
     received = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         _Sink.received.append(ExportTraceServiceRequest.FromString(body))
         self.send_response(200)
@@ -206,8 +207,8 @@ class _Sink(BaseHTTPRequestHandler):
 
 
 def test_the_real_http_exporter_sends_our_bytes_to_a_receiver():
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # pylint: disable=C0415
-    from opentelemetry.sdk.trace.export import SpanExportResult  # pylint: disable=C0415
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
 
     direct, _ = _run("direct")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
@@ -227,7 +228,6 @@ def test_the_real_http_exporter_sends_our_bytes_to_a_receiver():
 
 def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
     grpc = pytest.importorskip("grpc")
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
     from opentelemetry.sdk.trace.export import SpanExportResult
@@ -235,7 +235,7 @@ def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
     received = []
 
     class Service(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802
+        def Export(self, request, context):
             received.append(request)
             return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -257,7 +257,6 @@ def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
 def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
     """The SDK's BatchSpanProcessor drops a span when its queue is full, with a log line only. The direct path
     waits for room (its worker woken at once), so every span of a burst far beyond the queue is exported."""
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
     from test_builder import call, send
 
@@ -277,7 +276,8 @@ def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
     attachment = Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), "direct")
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
     drops = []
-    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES), on_drop=lambda r, n: drops.append(r))
+    builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES),
+                          on_drop=lambda r, n: drops.append(r))
     for n in range(2_000):
         builder.handle(send(None, [call(n, n + 10, 64)]))
     provider.force_flush()

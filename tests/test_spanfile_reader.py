@@ -39,8 +39,8 @@ def demo_span_file() -> str:
     if "error" in _DEMO:
         pytest.fail(_DEMO["error"])
     try:
-        import mooncake.engine  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except Exception:  # pylint: disable=broad-except
+        import mooncake.engine  # noqa: F401  imported only to see that the engine loads
+    except Exception:
         require_part(False, "the Mooncake engine (mooncake-transfer-engine-non-cuda + libibverbs1)")
     out_dir = tempfile.mkdtemp(prefix="kvt-demo-")
     atexit.register(shutil.rmtree, out_dir, True)
@@ -122,7 +122,8 @@ def synthetic_records(requests=3, destinations=2, chunks=3, seed=7, fail_key=Non
         if failed:
             attrs[sc.ERROR_TYPE] = "TransferFailed"
         out.append(span_record(sc.SPAN_REQUEST, trace_id, req_id, None, start, r_end, attrs,
-                               status="ERROR" if failed else "UNSET", description="transfer failed" if failed else None))
+                               status="ERROR" if failed else "UNSET",
+                               description="transfer failed" if failed else None))
         out.append(span_record(sc.SPAN_RECEIVE, trace_id, _hex(rng, 16), _hex(rng, 16), start + 100_000,
                                r_end + 300_000, {sc.REQUEST_KEY: key, sc.ROLE: sc.ROLE_DECODE}, resource=decode))
         start = r_end - rng.randint(0, 5) * 1_000_000  # requests overlap a little

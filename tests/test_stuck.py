@@ -23,11 +23,11 @@ SIZE = 48 << 20
 
 
 def engine_process(out_path: str) -> None:
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+    import numpy as np
+    from opentelemetry import metrics, trace
 
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.loopback import Receiver, open_engine  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.demo.loopback import Receiver, open_engine
 
     with Receiver(SIZE, env={"MC_FORCE_TCP": "1", "MC_TRANSFER_TIMEOUT": "60"}) as receiver:
         engine = open_engine()

@@ -50,11 +50,11 @@ def _points(tel, name) -> list:
 
 def _scenario(end: str) -> dict:
     """Post a 64 MiB write to a frozen peer, poll it for FROZEN_S, then `end` it: resume or kill the peer."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from conftest import Telemetry  # pylint: disable=import-outside-toplevel
+    import numpy as np
+    from conftest import Telemetry
 
-    from otel_kvtransfer import integration as kvt  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.nixl_loopback import Receiver  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration as kvt
+    from otel_kvtransfer.demo.nixl_loopback import Receiver
 
     lines = _Lines()
     logging.getLogger("otel_kvtransfer").addHandler(lines)
@@ -91,13 +91,13 @@ def _scenario(end: str) -> dict:
             time.sleep(0.001)
             try:
                 final = agent.check_xfer_state(handle)
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 final = f"raised {type(exc).__name__}"
         agent.release_xfer_handle(handle)
         kvt.end_request(ROOM)
         arrived = False
         if end == "resume":
-            from otel_kvtransfer.demo.loopback import digest  # pylint: disable=import-outside-toplevel
+            from otel_kvtransfer.demo.loopback import digest
 
             arrived = receiver.digest(0, SIZE) == digest(source)
         spans = [{"name": s.name, "attributes": dict(s.attributes), "ok": s.status.is_ok,

@@ -37,7 +37,7 @@ RID = "kvt-stuck-0"
 
 def _model(dest: str) -> str:
     """The serving tests' tiny Llama with 20 layers and 4 KV heads: 20 x 2 x 4 x 64 x 2 B = 20 KiB per token."""
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     config = dict(dep.model_config(), num_hidden_layers=20, num_key_value_heads=4)
     os.makedirs(dest, exist_ok=True)
@@ -80,7 +80,7 @@ def _wait(check, timeout_s: float, what: str):
 
 def _scheduler_pids(deployment) -> list:
     """The decode server's scheduler process(es): the one that holds the KV manager and the Mooncake engine."""
-    import psutil  # pylint: disable=import-outside-toplevel
+    import psutil
 
     found = []
     for pid in deployment.server_pids("decode"):
@@ -127,7 +127,7 @@ def _request_span(path: str):
 @pytest.fixture(scope="module")
 def frozen_run(tmp_path_factory):
     sglang_runs.require_parts("mooncake", "psutil")
-    from sglang_serving import deployment as dep  # pylint: disable=import-outside-toplevel
+    from sglang_serving import deployment as dep
 
     workdir = str(tmp_path_factory.mktemp("sglang-stuck"))
     deployment = dep.Deployment(
@@ -148,7 +148,7 @@ def frozen_run(tmp_path_factory):
         def generate():
             try:
                 answer["results"] = deployment.generate([request])
-            except Exception as exc:  # pylint: disable=broad-except  # asserted on below
+            except Exception as exc:  # asserted on below
                 answer["error"] = repr(exc)[:2000]
 
         client = threading.Thread(target=generate, daemon=True)

@@ -271,7 +271,7 @@ def _pixels(png_path, rgb) -> int:
 
 
 def test_tail_is_marked_with_its_figures_and_queued_gaps(tmp_path):
-    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+    from test_summarize import MS, T, known_request
 
     html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "k.jsonl", known_request()))
     ((attrs, gaps, labels, section),) = _tail_rects(html_path.read_text())
@@ -293,7 +293,7 @@ def test_tail_is_marked_with_its_figures_and_queued_gaps(tmp_path):
 
 
 def test_no_tail_mark_without_compute_and_zero_tail_said(tmp_path):
-    from test_summarize import MS, T, known_request  # pylint: disable=import-outside-toplevel
+    from test_summarize import MS, T, known_request
 
     records = [r for r in known_request() if r["name"] != sc.SPAN_COMPUTE]
     html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "nc.jsonl", records))
@@ -311,7 +311,7 @@ def test_no_tail_mark_without_compute_and_zero_tail_said(tmp_path):
 
 
 def test_tail_with_many_queued_gaps_is_bounded(tmp_path):
-    from otel_kvtransfer.tools.timeline.block import MAX_TAIL_GAPS  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.timeline.block import MAX_TAIL_GAPS
 
     trace, req, t, count = "ab" * 16, "cd" * 8, 1_700_000_000_000_000_000, 1000
     # Compute ends at t; then 1 us sends every 2 us: 1000 gaps of 1 us, a tail of 2 ms, half of it queued.

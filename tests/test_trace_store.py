@@ -78,7 +78,7 @@ def phoenix():
     env = {**os.environ, "PHOENIX_WORKING_DIR": workdir, "PHOENIX_HOST": "127.0.0.1",
            "PHOENIX_PORT": str(HTTP_PORT), "PHOENIX_GRPC_PORT": str(GRPC_PORT),
            "PHOENIX_TELEMETRY_ENABLED": "false", "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false"}
-    log = open(os.path.join(workdir, "phoenix.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    log = open(os.path.join(workdir, "phoenix.log"), "w", encoding="utf-8")
     # unshare without --fork: this very PID enters the new namespace and then becomes Phoenix.
     proc = start(netns.private_net([binary, "serve"]), env=env, stdout=log, stderr=log)
     try:

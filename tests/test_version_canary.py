@@ -20,7 +20,7 @@ CANARY = os.path.join(HERE, "version_canary.py")
 def _sglang_importable() -> bool:
     try:
         importlib.import_module("sglang.srt.disaggregation.mooncake.conn")
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         return False
     return True
 
@@ -28,10 +28,10 @@ def _sglang_importable() -> bool:
 def test_sglang_targets_are_what_its_patches_wrap():
     """Patched on the installed sglang (real modules), compared with the canary's list, both ways."""
     require_part(_sglang_importable(), "sglang's disaggregation modules (bash scripts/setup.sh)")
-    from otel_kvtransfer.frameworks import sglang  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.frameworks.sglang.common import patcher  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks import sglang
+    from otel_kvtransfer.frameworks.sglang.common import patcher
 
-    for key in sglang._patches():  # pylint: disable=protected-access
+    for key in sglang._patches():
         importlib.import_module(key.split("#", 1)[0])
     was_on = sglang.HOOKS.on
     sglang.instrument()
@@ -46,7 +46,7 @@ def test_sglang_targets_are_what_its_patches_wrap():
 
 def test_engine_targets_are_what_the_engine_modules_replace():
     require_part(mooncake_importable(), "the Mooncake engine (bash scripts/setup.sh)")
-    from otel_kvtransfer.engines import mooncake, nixl  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines import mooncake, nixl
 
     names = set(mooncake.SYNC_METHODS) | set(mooncake.ASYNC_METHODS) | {
         "transfer_check_status", "get_batch_transfer_status", "initialize", "initialize_ext"}

@@ -28,7 +28,7 @@ def _release_path(release: str) -> str:
     """'' for the installed build, else the unpacked release (downloaded once into the canary's cache)."""
     if release == "0.32.0":
         return ""
-    import version_canary  # pylint: disable=import-outside-toplevel
+    import version_canary
 
     try:
         return version_canary.source_dir(version_canary.LIBRARIES["vllm"], release)
@@ -66,7 +66,7 @@ def test_the_release_under_test_is_the_one_imported(release):
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_every_target_is_patched_and_newer_paths_only_where_they_exist(release):
-    from otel_kvtransfer.frameworks.vllm import targets  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import targets
 
     result = _run(release)
     declared = {f"{t.cls}.{t.method}" for t in targets.ALL if t.method and t.cls != "TransferTopology"}

@@ -27,7 +27,7 @@ print("instrumented" if os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS") 
 
 
 def _probe(extra_env):
-    import os  # pylint: disable=import-outside-toplevel
+    import os
 
     python = harness.vllm_python()
     require_part(harness.vllm_ready(python),

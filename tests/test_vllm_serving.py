@@ -43,7 +43,7 @@ class PairRun:
     """What one pair left: its results, the spans of both servers, and vLLM's own figures."""
 
     def __init__(self, connector: str, out_dir: str, results: dict):
-        from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.tools.spanfile import read_spans
 
         self.connector = connector
         self.facts = CONNECTORS[connector]

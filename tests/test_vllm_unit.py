@@ -42,7 +42,7 @@ def test_no_vllm_installed_is_silently_not_instrumented(monkeypatch, caplog):
 
 
 def test_supported_version_hooks_without_importing_vllm(monkeypatch):
-    import sys  # pylint: disable=import-outside-toplevel
+    import sys
 
     monkeypatch.setattr(vllm_framework.HOOKS, "installed_version", lambda: "0.32.0")
     try:
@@ -54,7 +54,7 @@ def test_supported_version_hooks_without_importing_vllm(monkeypatch):
 
 
 def test_plugin_entry_point_is_declared():
-    from importlib.metadata import entry_points  # pylint: disable=import-outside-toplevel
+    from importlib.metadata import entry_points
 
     (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kv_transfer"]
     assert entry.value == "otel_kvtransfer.frameworks.vllm.plugin:activate"

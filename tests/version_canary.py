@@ -3,10 +3,10 @@ against what the wrappers patch and read, statically: the next release that brea
 published, long before anyone runs it.
 
 For each library: `pip index versions` names the newest release; `pip download --no-deps --only-binary=:all:`
-fetches its wheel (never installed, never imported by the canary; no CUDA stack comes along); its Python files are unpacked
-into a cache outside the clone, keyed by version, and the wheel is deleted; the targets are checked on the source
-with `otel_kvtransfer.wiring.targets.missing_in_source` (ast). vLLM's targets are the ones its gate checks at run time
-(otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines' are declared below and kept in step
+fetches its wheel (never installed, never imported by the canary; no CUDA stack comes along); its Python files are
+unpacked into a cache outside the clone, keyed by version, and the wheel is deleted; the targets are checked on the
+source with `otel_kvtransfer.wiring.targets.missing_in_source` (ast). vLLM's targets are the ones its gate checks at
+run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines' are declared below and kept in step
 with their patch functions by tests/test_version_canary.py. Mooncake's engine is a compiled extension: its
 method names are looked up in the binary's string table (pybind11 keeps them there).
 
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from otel_kvtransfer.wiring.targets import Target, missing_in_source  # noqa: E402  pylint: disable=wrong-import-position
+from otel_kvtransfer.wiring.targets import Target, missing_in_source
 
 PIP_TIMEOUT_S = 60  # per pip command (the biggest wheel, vLLM's, is ~340 MB)
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]{0,40}$")
@@ -100,7 +100,7 @@ MOONCAKE_OPTIONAL = ("initialize_ext", "transfer_sync", "batch_transfer_sync", "
 
 
 def _vllm_targets() -> List[Target]:
-    from otel_kvtransfer.frameworks.vllm import targets  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import targets
 
     return targets.ALL
 

@@ -110,9 +110,9 @@ class Attachment:
         self._processors, self._provider, self._original_sampler, self.tracer = (), None, None, None
 
     def _replace_processors(self, change) -> None:
-        multi = self._provider._active_span_processor  # pylint: disable=protected-access
-        with multi._lock:  # pylint: disable=protected-access
-            multi._span_processors = change(multi._span_processors)  # pylint: disable=protected-access
+        multi = self._provider._active_span_processor
+        with multi._lock:
+            multi._span_processors = change(multi._span_processors)
 
 
 

@@ -83,12 +83,12 @@ def _root_decision(sampler):
     """For the standard samplers, a function trace_id -> sampled that decides a root span exactly as `sampler`
     would (with no trace state and no attributes of its own); None for any other sampler (it is asked)."""
     if isinstance(sampler, ParentBased):
-        sampler = sampler._root  # pylint: disable=protected-access
+        sampler = sampler._root
     if sampler is ALWAYS_ON:
         return lambda trace_id: True
     if sampler is ALWAYS_OFF:
         return lambda trace_id: False
-    if type(sampler) is TraceIdRatioBased:  # pylint: disable=unidiomatic-typecheck
+    if type(sampler) is TraceIdRatioBased:
         bound, limit = sampler.bound, TraceIdRatioBased.TRACE_ID_LIMIT
         return lambda trace_id: trace_id & limit < bound
     return None
@@ -98,10 +98,9 @@ def _inherits_from_local_parent(sampler) -> bool:
     """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
     `sampler`, so the sampler need not be asked per child: the standard samplers."""
     if isinstance(sampler, ParentBased):
-        # pylint: disable=protected-access
         return sampler._local_parent_sampled is ALWAYS_ON and sampler._local_parent_not_sampled is ALWAYS_OFF
     # A static decision is the same for parent and child; a ratio decides on the trace id, which they share.
-    return type(sampler) in (StaticSampler, TraceIdRatioBased)  # pylint: disable=unidiomatic-typecheck
+    return type(sampler) in (StaticSampler, TraceIdRatioBased)
 
 
 class _QueueRoom:
@@ -169,7 +168,7 @@ class DirectSpans:
         self._ids = tracer.id_generator
         self._random_flag = _RANDOM if _RANDOM and self._ids.is_trace_id_random() else 0
         self._tracer = tracer
-        self._scope = tracer._instrumentation_scope  # pylint: disable=protected-access
+        self._scope = tracer._instrumentation_scope
         self._enabled = getattr(tracer, "_is_enabled", None)
 
     @property

@@ -232,7 +232,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
                 writer.write(data)
             except _Failure as failure:
                 result.append(failure)
-            except Exception as exc:  # pylint: disable=broad-except  # anything else is a failed write too
+            except Exception as exc:  # anything else is a failed write too
                 result.append(_Failure(f"error:{type(exc).__name__}", f"write failed: {exc}"))
             else:
                 result.append(None)
@@ -271,7 +271,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
                 self._counter = meter.create_counter(semconv.METRIC_DROPPED, unit="{record}",
                                                      description=semconv.DROPPED_DESCRIPTION)
             self._counter.add(count, {semconv.DROP_REASON: DROP_REASON})
-        except Exception:  # pylint: disable=broad-except  # counting must not turn a failure into a raise
+        except Exception:  # counting must not turn a failure into a raise
             _LOG.debug("kvtransfer_file span exporter: could not count dropped spans", exc_info=True)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -283,7 +283,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         ok = True
         try:
             lines, too_big = encode_lines(spans)
-        except Exception as exc:  # pylint: disable=broad-except  # an exporter reports failure, never raises
+        except Exception as exc:  # an exporter reports failure, never raises
             self._drop(len(spans), _Failure("encode", f"cannot encode spans: {exc}"))
             return SpanExportResult.FAILURE
         if too_big:

@@ -110,7 +110,7 @@ class _Flusher:
                 if flush is not None:
                     try:
                         flush()
-                    except Exception:  # pylint: disable=broad-except
+                    except Exception:
                         _logger.debug("otel_kvtransfer builder process: a flush failed", exc_info=True)
             with self._cond:
                 self._done = asked
@@ -144,7 +144,7 @@ class Helper:
             for rec in batch:
                 try:
                     handle(rec)
-                except Exception as exc:  # pylint: disable=broad-except
+                except Exception as exc:
                     self.drop("builder_error", 1)
                     log_own_error("building a span", exc)
             for reason, count in frame[2].items():
@@ -192,7 +192,7 @@ class Helper:
                 self.flusher.request(sequence)
             else:
                 self.handle(frame, unknown)
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             # This frame's records are lost, counted here as what they are; the engine counts nothing for a frame
             # the helper acknowledged.
             self.drop("builder_error", records)
@@ -211,7 +211,7 @@ class _Signals:
         self.terms = 0
         self._flush = False
 
-    def on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
+    def on_sigterm(self, signum, frame):
         self.terms += 1
         if self.terms > 1:
             raise SystemExit(0)
@@ -243,7 +243,7 @@ def main() -> None:
     try:
         _set_up_sdk()
         helper = Helper(acks)
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         _logger.warning("otel_kvtransfer builder process: could not set up the SDK (%s: %s); spans and metrics "
                         "of this engine process are counted as dropped", type(exc).__name__, str(exc)[:200])
         sys.exit(1)

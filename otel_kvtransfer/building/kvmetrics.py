@@ -263,7 +263,7 @@ class KVMetrics:
                         delta_counters = True
             with self._lock:
                 self._tables[id(reader)] = _Table(delta_histograms, delta_counters)
-            reader._collect = self._collect_hook(reader, original)  # pylint: disable=protected-access
+            reader._collect = self._collect_hook(reader, original)
         self.attached = True
         return True
 
@@ -274,7 +274,7 @@ class KVMetrics:
                 ours = self._points(reader)
                 if ours:
                     return _merged(data, ours, self._resource)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer could not add its metric points", exc_info=True)
             return data
 
@@ -388,7 +388,7 @@ NO_METRICS = _NoMetrics()
 
 
 def _exemplars(point: _Point, labels) -> list:
-    from opentelemetry.sdk.metrics._internal.exemplar import Exemplar  # pylint: disable=import-outside-toplevel
+    from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
 
     return [Exemplar({}, value, at, span_id, trace_id)
             for value, (at, span_id, trace_id) in (e for e in point.exemplars if e is not None)]

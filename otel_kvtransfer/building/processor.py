@@ -59,7 +59,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
             attrs = span.attributes or {}
             derive(span, attrs, kvmetrics.metric_labels(attrs),
                    trace.set_span_in_context(NonRecordingSpan(span.context)))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             _logger.debug("otel_kvtransfer could not derive metrics from a span", exc_info=True)
 
     def _on_send(self, span, attrs, labels, context) -> None:

@@ -16,7 +16,7 @@ NO_EXPORTER_MESSAGE = (
 
 def configure_sdk_if_absent(framework: str) -> None:
     """Set up the SDK from the standard OTEL_* variables when nobody has; say so when that means 'nowhere'."""
-    from opentelemetry import trace  # pylint: disable=import-outside-toplevel
+    from opentelemetry import trace
 
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return  # opentelemetry-instrument or the application already set one up
@@ -24,7 +24,7 @@ def configure_sdk_if_absent(framework: str) -> None:
         _logger.warning(NO_EXPORTER_MESSAGE, framework)
         return  # nothing asked for: do not invent an exporter
     try:
-        from opentelemetry.distro import OpenTelemetryConfigurator as Configurator  # pylint: disable=C0415
+        from opentelemetry.distro import OpenTelemetryConfigurator as Configurator
     except ImportError:
-        from opentelemetry.sdk._configuration import _OTelSDKConfigurator as Configurator  # pylint: disable=C0415
+        from opentelemetry.sdk._configuration import _OTelSDKConfigurator as Configurator
     Configurator().configure()

@@ -29,7 +29,7 @@ def measure(rec: tuple) -> tuple:
     if len(calls) == 1:  # the common case, without the loops
         first = calls[0]
         moved = first[r.CALL_BYTES]
-        nbytes = moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+        nbytes = moved if type(moved) is int else sum(moved)
         if first[r.CALL_ERROR] is not None:
             failure, return_code = failure or first[r.CALL_ERROR], first[r.CALL_RETURN_CODE]
         return first[r.CALL_START], first[r.CALL_END], nbytes, first[r.CALL_DESCRIPTORS], failure, return_code, first
@@ -39,7 +39,7 @@ def measure(rec: tuple) -> tuple:
     nbytes = descriptors = 0
     for call in calls:
         moved = call[r.CALL_BYTES]
-        nbytes += moved if type(moved) is int else sum(moved)  # pylint: disable=unidiomatic-typecheck
+        nbytes += moved if type(moved) is int else sum(moved)
         descriptors += call[r.CALL_DESCRIPTORS]
     for call in calls:
         if call[r.CALL_ERROR] is not None:

@@ -119,7 +119,6 @@ class _Pieces:
         cached = self.wrappers.get(key)
         if cached is not None and cached[0] is resource and cached[1] is scope:
             return cached[2], cached[3]
-        # pylint: disable=import-outside-toplevel
         from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
@@ -155,7 +154,6 @@ _TUPLE_CONTEXT = _tuple_context()
 
 def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     """One Span message (without its field tag)."""
-    # pylint: disable=protected-access
     context = span._context
     if _TUPLE_CONTEXT:  # a SpanContext is a tuple: indexing it skips three property calls
         trace_id, span_id, state = context[0], context[1], context[4]
@@ -174,7 +172,7 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     strings, ints, doubles, append = pieces.strings, pieces.ints, pieces.double_prefix, parts.append
     attributes = span._attributes
     items, static = attributes.items(), b""
-    if type(attributes) is SendAttributes:  # pylint: disable=unidiomatic-typecheck
+    if type(attributes) is SendAttributes:
         shared = attributes.static
         if len(attributes) == attributes.dynamic + len(shared):  # nothing of the static part overridden
             static = pieces.static(shared)
@@ -207,10 +205,10 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
     """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order."""
     groups = {}
     for span in spans:
-        key = (id(span._resource), id(span._instrumentation_scope))  # pylint: disable=protected-access
+        key = (id(span._resource), id(span._instrumentation_scope))
         group = groups.get(key)
         if group is None:
-            group = groups[key] = (span._resource, span._instrumentation_scope, [])  # pylint: disable=W0212
+            group = groups[key] = (span._resource, span._instrumentation_scope, [])
         encoded = encode_span(span, pieces)
         group[2].append(b"\x12" + _varint(len(encoded)) + encoded)
     out = []
@@ -223,7 +221,7 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
 
 
 def _fast_enough(span) -> bool:
-    return type(span) is KVSpan and not span._events and not span._links  # pylint: disable=W0212,C0123
+    return type(span) is KVSpan and not span._events and not span._links
 
 
 class PreEncoded:
@@ -235,12 +233,12 @@ class PreEncoded:
     def __init__(self, data: bytes):
         self.data = data
 
-    def SerializeToString(self, **_):  # pylint: disable=invalid-name
+    def SerializeToString(self, **_):
         return self.data
 
     SerializePartialToString = SerializeToString
 
-    def ByteSize(self) -> int:  # pylint: disable=invalid-name
+    def ByteSize(self) -> int:
         return len(self.data)
 
 
@@ -266,7 +264,7 @@ class AcceleratedEncoder:
             message = self.original(others, *args, **kwargs)
             message.MergeFromString(encoded)
             return message
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             if not self._failed_logged:
                 self._failed_logged = True
                 _logger.warning("otel_kvtransfer: its fast span encoder failed; the exporter's own encoder takes "

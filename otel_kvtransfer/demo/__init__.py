@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-us-per-token", type=float, default=d.compute_us_per_token,
                         help="simulated prefill compute per token (default %(default)s)")
     parser.add_argument("--out-dir", default=d.out_dir, help="where spans.jsonl and results go (default %(default)s)")
-    parser.add_argument("--otlp", action="store_true", help="also export spans and metrics over OTLP (OTEL_EXPORTER_OTLP_*)")
+    parser.add_argument("--otlp", action="store_true",
+                        help="also export spans and metrics over OTLP (OTEL_EXPORTER_OTLP_*)")
     parser.add_argument("--console", action="store_true", help="also print spans to the console")
 
 
@@ -82,7 +83,8 @@ def config_from_args(args) -> DemoConfig:
     try:
         chunks = [int(x) for x in str(args.chunks).split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"otel-kvtransfer demo: --chunks takes comma-separated token counts, not {args.chunks!r}")
+        raise SystemExit("otel-kvtransfer demo: --chunks takes comma-separated token counts, "
+                         f"not {args.chunks!r}") from None
     cfg = DemoConfig(
         requests=args.requests, fanout=args.fanout, prefix_tokens=args.prefix_tokens, chunk_tokens=chunks,
         bytes_per_token=args.bytes_per_token, page_tokens=args.page_tokens,
@@ -107,7 +109,6 @@ def config_from_args(args) -> DemoConfig:
 
 
 def _setup_tracing(cfg: DemoConfig, span_file: str):
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -155,7 +156,7 @@ def _pages(start_token: int, tokens: int, cfg: DemoConfig, src_base: int, dst_ba
 def measure_link_capacity(engine, receiver, src_base: int, nbytes: int, rounds: int = 3) -> float:
     """Bytes per second of plain, uninstrumented writes of `nbytes` to one receiver (the best of `rounds`); used
     to open a connection before anything is timed."""
-    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=import-outside-toplevel
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
 
     descriptor = 4 << 20
     lens = [min(descriptor, nbytes - off) for off in range(0, nbytes, descriptor)]
@@ -176,7 +177,7 @@ def link_round(engine, receiver, src_base: int, cfg: "DemoConfig") -> Optional[f
     """One calibration round shaped like one request's KV sends to one destination: each chunk one batch of
     one descriptor per page, as `run_request` sends it. Bytes over the summed time of the chunk writes (a
     request's busy time, when its sends do not overlap); None when a write failed."""
-    from opentelemetry.instrumentation.utils import suppress_instrumentation  # pylint: disable=import-outside-toplevel
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
 
     chunks = ([cfg.prefix_tokens] if cfg.prefix_tokens else []) + list(cfg.chunk_tokens)
     token, nbytes, busy = 0, 0, 0.0
@@ -270,7 +271,7 @@ def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt, backend: 
 
 def _request_spans(span_file: str) -> dict:
     """request key -> attributes of its kv_transfer.request span, read back from the span file."""
-    from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.tools.spanfile import read_spans
 
     return {span.attributes[semconv.REQUEST_KEY]: span.attributes for span in read_spans(span_file)
             if span.name == semconv.SPAN_REQUEST}
@@ -310,7 +311,6 @@ def format_table(rows, link) -> str:
 
 
 def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
-    # pylint: disable=import-outside-toplevel
     import numpy as np
 
     from otel_kvtransfer.demo.loopback import digest
@@ -411,11 +411,11 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
 def _timeline_pointer(span_file: str, progress) -> List[str]:
     """Render the timeline of this run beside the span file and say where it is."""
     try:
-        from otel_kvtransfer.tools.timeline import timeline_from_file  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.tools.timeline import timeline_from_file
 
         print("demo: rendering the timeline ...", file=progress)
         paths = timeline_from_file(span_file)
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         return [f"timeline: not rendered ({exc}); try `otel-kvtransfer timeline {span_file}`"]
     return [f"timeline: {paths['html']} (picture: {paths['png']})",
             f"details: otel-kvtransfer summarize {span_file}"]

@@ -4,7 +4,8 @@
 failures (wheel missing, libibverbs missing) into one message that names the fix. `Receiver` runs an engine
 with a registered buffer in a spawned process and answers checksum requests, so a test can prove the bytes
 arrived; given a span file, it is also an instrumented decode engine that records `kv_transfer.receive` spans
-when told a room's KV is expected and when it has arrived. Security note: Mooncake's handshake listener binds all interfaces even when initialised with 127.0.0.1.
+when told a room's KV is expected and when it has arrived. Security note: Mooncake's handshake listener binds all
+interfaces even when initialised with 127.0.0.1.
 """
 
 import hashlib
@@ -21,7 +22,7 @@ class MooncakeUnavailable(RuntimeError):
 
 def _load_engine_class():
     try:
-        from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+        from mooncake.engine import TransferEngine
     except ImportError as exc:
         text = str(exc)
         if "libibverbs" in text or "libnuma" in text or "libnl" in text:
@@ -55,7 +56,6 @@ def digest(data) -> str:
 
 def _decode_side_tracing(span_file: str, service_name: str):
     """Instrument this receiver as a decode engine writing its spans to `span_file`; returns the provider."""
-    # pylint: disable=import-outside-toplevel
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -71,9 +71,9 @@ def _decode_side_tracing(span_file: str, service_name: str):
 
 def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service_name: str) -> None:
     os.environ.update(env)
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer.engines.mooncake import BACKEND  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines.mooncake import BACKEND
 
     provider = _decode_side_tracing(span_file, service_name) if span_file else None
     try:
@@ -83,7 +83,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
         rc = engine.register_memory(buffer.ctypes.data, buffer.nbytes)
         if rc != 0:
             raise MooncakeUnavailable(f"register_memory returned {rc}")
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", session_of(engine), buffer.ctypes.data, size))
@@ -93,7 +93,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
 def serve_requests(conn, buffer, backend: str, provider, extra=None) -> None:
     """A receiver child's message loop, until "stop" or the parent goes away: checksums and fills of its buffer,
     and the decode side's receive spans. `extra` maps more message names to functions giving the reply."""
-    from otel_kvtransfer.recording import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording import integration
 
     while True:
         try:

@@ -33,7 +33,7 @@ def _api():
     # Loopback only: UCX's TCP transport listens on the address of every device it may use.
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     try:
-        import nixl._api as api  # pylint: disable=import-outside-toplevel
+        import nixl._api as api
     except ImportError as exc:
         raise NixlUnavailable(
             f"NIXL is not installed ({exc}); install it with "
@@ -66,7 +66,7 @@ class NixlEngine:
     def register_memory(self, address: int, nbytes: int) -> int:
         try:
             self._registered.append(_register(self.agent, address, nbytes))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             return -1
         return 0
 
@@ -83,7 +83,7 @@ class NixlEngine:
             local = self.agent.get_xfer_descs([(s, n, 0) for s, n in zip(srcs, lens)], "DRAM")
             remote = self.agent.get_xfer_descs([(d, n, 0) for d, n in zip(dsts, lens)], "DRAM")
             handle = self.agent.initialize_xfer("WRITE", local, remote, session)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             return -1
         try:
             state = self.agent.transfer(handle)
@@ -94,7 +94,7 @@ class NixlEngine:
         finally:
             try:
                 self.agent.release_xfer_handle(handle)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 pass  # still in flight after the timeout: NIXL keeps it and frees it with the agent
         return 0 if state == "DONE" else -1
 
@@ -113,9 +113,9 @@ def session_of(engine: NixlEngine) -> str:
 
 def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service_name: str) -> None:
     os.environ.update(env)
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    import numpy as np
 
-    from otel_kvtransfer.engines.nixl import BACKEND  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.engines.nixl import BACKEND
 
     provider = _decode_side_tracing(span_file, service_name) if span_file else None
     try:
@@ -124,9 +124,9 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
         buffer.fill(0)  # fault the pages in now, as a real engine's KV pool is
         _register(agent, buffer.ctypes.data, buffer.nbytes)
         metadata = agent.get_agent_metadata()
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        os._exit(0)  # pylint: disable=protected-access
+        os._exit(0)
     conn.send(("ready", agent.name, metadata, buffer.ctypes.data, size))
 
     def notifications():  # what initiators attached to their transfers (notif_msg)
@@ -135,7 +135,7 @@ def _receiver_main(conn, size: int, env: dict, span_file: Optional[str], service
 
     serve_requests(conn, buffer, BACKEND, provider, extra={"notifications": notifications})
     # NIXL/UCX teardown at interpreter exit can crash after a transfer; everything is flushed by now.
-    os._exit(0)  # pylint: disable=protected-access
+    os._exit(0)
 
 
 class Receiver(ReceiverProcess):

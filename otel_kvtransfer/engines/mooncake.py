@@ -96,7 +96,7 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
         lengths = args[3] if len(args) > 3 else kwargs.get(_LENGTH_KW[batch], 0)
     if batch:
         descriptors = len(lengths)
-        if type(lengths) is not list:  # pylint: disable=unidiomatic-typecheck  # e.g. a tuple or an array
+        if type(lengths) is not list:  # e.g. a tuple or an array
             lengths = sum(lengths)
     else:
         lengths, descriptors = int(lengths), 1
@@ -137,7 +137,7 @@ def _sync(original, op, batch):
                 lengths = args[3]
                 if batch:
                     descriptors = len(lengths)
-                    if type(lengths) is not list:  # pylint: disable=unidiomatic-typecheck  # see _call
+                    if type(lengths) is not list:  # see _call
                         lengths = sum(lengths)
                 else:
                     lengths, descriptors = int(lengths), 1
@@ -148,7 +148,7 @@ def _sync(original, op, batch):
                 scope.calls.append(call)
             elif recorder.active:  # as integration.deliver, with the context already fetched
                 recorder.record((SEND, None, [call], ctx, None, None))  # records.send(None, [call], ctx), inline
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error("record a Mooncake call")
         return rc
 
@@ -182,7 +182,7 @@ def _async(original, op, batch):
                 call = _call(self, args, kwargs, op, batch, start, start, None, None)
                 _pending.submit((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
                                 call[CALL_PEER], call[CALL_PROTOCOL])
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error("record a Mooncake submission")
         return batch_id
 
@@ -202,7 +202,7 @@ def _check_status(original):
                     _pending.seen_running((id(self), batch_id))
                 elif rc < 0:
                     _pending.complete((id(self), batch_id), rc, "timeout" if rc == -2 else "transfer_failed")
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 own_error("observe a Mooncake completion")
         return rc
 
@@ -215,7 +215,7 @@ def _batch_status(original):
             try:
                 for batch_id in (args[0] if args else next(iter(kwargs.values()))):
                     _pending.seen_running((id(self), batch_id))
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 own_error("observe a Mooncake wait")
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if len(_pending):
@@ -223,7 +223,7 @@ def _batch_status(original):
                 batch_ids = args[0] if args else next(iter(kwargs.values()))
                 for batch_id in batch_ids:
                     _pending.complete((id(self), batch_id), rc, None if rc == 0 else "transfer_failed")
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 own_error("observe a Mooncake completion")
         return rc
 

@@ -44,7 +44,7 @@ _handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer
 
 def _key(handle):
     """Handles are plain ints inside their Python wrappers; the bound agent keeps them apart across agents."""
-    return (id(handle._agent), handle._handle)  # pylint: disable=protected-access
+    return (id(handle._agent), handle._handle)
 
 
 def _lengths(xfer_list) -> Optional[list]:
@@ -112,7 +112,7 @@ def _make_prepped_wrapper(wrapped, instance, args, kwargs):
             indices = params["local_indices"]
             nbytes = sum(lengths[int(i)] for i in indices) if lengths is not None else 0
             _describe(handle, params["operation"], nbytes, len(indices), peer, params.get("notif_msg"))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error("read a NIXL prepared transfer")
     return handle
 
@@ -125,7 +125,7 @@ def _initialize_wrapper(wrapped, instance, args, kwargs):
             lengths = _lengths(params["local_descs"]) or []
             _describe(handle, params["operation"], sum(lengths), len(lengths), params["remote_agent"],
                       params.get("notif_msg"))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error("read a NIXL transfer")
     return handle
 
@@ -174,7 +174,7 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
         else:  # finished (or failed) within the call itself
             kvt.deliver(records.call(start, time_ns(), nbytes, descriptors, op, peer, protocol, state, error_type,
                                      BACKEND, extra))
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         own_error("record a NIXL transfer")
 
 
@@ -192,7 +192,7 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
                 _pending.seen_running(_key(handle))
             else:
                 _pending.complete(_key(handle), state, None if state == "DONE" else "transfer_failed")
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error("observe a NIXL completion")
     return state
 
@@ -208,10 +208,10 @@ def _observe_release(handle, *_call) -> None:
     when it is `release()`'s observer, say nothing more)."""
     key = _key(handle)
     _handles.pop(key, None)
-    if len(_pending) and not handle._released:  # pylint: disable=protected-access
+    if len(_pending) and not handle._released:
         try:
             state = _state_of(handle)
-        except Exception as exc:  # pylint: disable=broad-except  # the peer is gone: the transfer failed
+        except Exception as exc:  # the peer is gone: the transfer failed
             _pending.complete(key, "ERR", type(exc).__qualname__)
             return
         # Releasing a handle still in progress makes NIXL cancel it.
@@ -228,17 +228,17 @@ def _del_handle_wrapper(wrapped, instance, args, kwargs):
     try:
         if _state["on"]:
             _observe_release(instance)
-    except Exception:  # pylint: disable=broad-except  # also at interpreter exit, when our modules are half gone
+    except Exception:  # also at interpreter exit, when our modules are half gone
         try:
             own_error("observe a NIXL handle freed by the garbage collector")
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             pass
     return wrapped(*args, **kwargs)
 
 
 def _state_of(handle) -> str:
     bindings = _api_module().nixlBind
-    status = handle._agent.getXferStatus(handle._handle)  # pylint: disable=protected-access
+    status = handle._agent.getXferStatus(handle._handle)
     if status == bindings.NIXL_SUCCESS:
         return "DONE"
     return "PROC" if status == bindings.NIXL_IN_PROG else "ERR"
@@ -268,9 +268,9 @@ def modules() -> tuple:
 
 
 def _api_module():
-    import nixl._api  # pylint: disable=import-outside-toplevel
+    import nixl._api
 
-    return nixl._api  # pylint: disable=protected-access
+    return nixl._api
 
 
 def available() -> bool:
@@ -295,7 +295,7 @@ def _patch(_module=None) -> None:
         patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
         patcher.wrap(api.nixl_xfer_handle, "__del__", _del_handle_wrapper)
         patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         own_error("patch NIXL")
         _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
 

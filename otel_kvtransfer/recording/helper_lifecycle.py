@@ -99,7 +99,7 @@ class HelperProcess:
                 pass
             # In a session of its own: a group signal meant for the engine (Ctrl-C, a stop) does not end it.
             # stdout and stderr are the engine's own (a console exporter prints where the engine prints).
-            self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+            self.proc = subprocess.Popen(
                 helper_command(), stdin=theirs.fileno(), env=_helper_environment(), close_fds=True,
                 start_new_session=True)
         except OSError:

@@ -79,7 +79,7 @@ class Watcher:
         items = {}
         if _WRAPPERS:
             me = threading.get_ident()
-            for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+            for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
                 depth = 0

@@ -48,7 +48,7 @@ def _never_raises(function):
     def guarded(*args, **kwargs):
         try:
             return function(*args, **kwargs)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             RECORDER.drop("api_error")
             _logger.debug("otel_kvtransfer: %s failed", function.__name__, exc_info=True)
             return None
@@ -81,7 +81,7 @@ class PerThread(threading.local):
 
     scope = None
 
-    def __init__(self):  # pylint: disable=super-init-not-called  # runs once in each thread that uses it
+    def __init__(self):  # runs once in each thread that uses it
         self.saved = []
 
 
@@ -117,7 +117,7 @@ _DEPTH_LOCK = threading.Lock()
 
 
 def _fresh_depth_lock() -> None:
-    global _DEPTH_LOCK  # pylint: disable=global-statement
+    global _DEPTH_LOCK
     _DEPTH_LOCK = threading.Lock()
 
 
@@ -176,7 +176,7 @@ class TransferScope:
                 entered = self._entered_ns
             if (calls or error) and RECORDER.active:
                 self._emit(calls, error, (entered, time_ns()))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
@@ -217,7 +217,7 @@ def transfer_scope(key=None, **keywords) -> TransferScope:
     replica_factor, is_last_chunk, prefix_early_send, attributes. Always returns a usable context manager."""
     try:
         return TransferScope(_info(key, **keywords))
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         RECORDER.drop("api_error")
         return TransferScope(None)
 
@@ -232,7 +232,7 @@ def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
             nbytes, descriptors = int(keywords.pop("bytes")), int(keywords.pop("descriptors", 0))
             parts.append((_info(**keywords), nbytes, descriptors))
         return SplitTransferScope(parts)
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         RECORDER.drop("api_error")
         return TransferScope(None)
 

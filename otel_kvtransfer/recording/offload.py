@@ -61,9 +61,9 @@ def _ready(fd: int, events: int, timeout_s: float) -> int:
 
 def _own_drop_counter() -> Callable[[str, int], None]:
     """kv_transfer.instrumentation.dropped in this process's global MeterProvider."""
-    from opentelemetry import metrics  # pylint: disable=import-outside-toplevel
+    from opentelemetry import metrics
 
-    from otel_kvtransfer.version import __version__  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.version import __version__
 
     counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__).create_counter(
         semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
@@ -391,7 +391,7 @@ class HelperLink:
         for reason, count in drops.items():
             try:
                 self._count_dropped(reason, count)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
         if not self._logged:
             self._logged = True

@@ -142,7 +142,7 @@ class Patcher:
             owner, attr, original = self._patched.pop()
             try:
                 setattr(owner, attr, original)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 own_error(f"restore {owner.__name__}.{attr}")
 
 

@@ -153,7 +153,7 @@ class Recorder:
                 rec = watcher.scan()
                 if rec is not None:
                     self.record(rec)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 self.drop("wrapper_error")
                 _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)
 
@@ -197,7 +197,7 @@ class Recorder:
             if batch:
                 try:
                     handle_batch(batch)
-                except Exception as exc:  # pylint: disable=broad-except
+                except Exception as exc:
                     self.drop("builder_error", len(batch))
                     log_own_error("handing records to the builder", exc)
                 self._done = len(batch)
@@ -207,7 +207,7 @@ class Recorder:
                 return False  # an exit drain counted the rest of this batch; stop delivering it
             try:
                 handle(rec)
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 # A bug of ours loses only this record, and is counted.
                 self.drop("builder_error")
                 log_own_error("building a span", exc)
@@ -219,7 +219,7 @@ class Recorder:
         if self._tick is not None:
             try:
                 self._tick()
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
         self._report_drops()
 
@@ -259,7 +259,7 @@ class Recorder:
         for reason, count in drops.items():
             try:
                 on_drops(reason, count)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
 
     def pending(self) -> int:
@@ -287,14 +287,14 @@ class Recorder:
             self.child_exit()
             return
         self.final_drain()
-        from opentelemetry import metrics, trace  # pylint: disable=import-outside-toplevel
+        from opentelemetry import metrics, trace
 
         for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
             flush = getattr(provider, "force_flush", None)
             if flush is not None:
                 try:
                     flush(timeout_millis=int(EXIT_DRAIN_TIMEOUT_S * 1000))
-                except Exception:  # pylint: disable=broad-except
+                except Exception:
                     _logger.debug("otel_kvtransfer: flush at a child's exit failed", exc_info=True)
 
 

@@ -72,7 +72,7 @@ _KEPT = (bool, int, float, str, bytes, Context)  # what _plain leaves as it is (
 
 def _plain(value, depth=0):
     """A value pickle can carry: containers rebuilt, numbers as numbers, anything else its bounded str()."""
-    if value is None or type(value) in _KEPT:  # pylint: disable=unidiomatic-typecheck
+    if value is None or type(value) in _KEPT:
         return value
     if isinstance(value, bool):
         return bool(value)
@@ -103,7 +103,7 @@ def _dumps(payload) -> bytes:
 def encode(payload: tuple, records: int = 0, sequence: int = 0) -> bytes:
     try:
         body = _dumps(payload)
-    except Exception:  # pylint: disable=broad-except  # something unpicklable deep inside: plain values instead
+    except Exception:  # something unpicklable deep inside: plain values instead
         body = _dumps(_plain(payload))
     return HEADER.pack(len(body), records, sequence) + body
 
@@ -114,12 +114,12 @@ class Unknown:
 
     origin = "?"
 
-    def __new__(cls, *args, **kwargs):  # pylint: disable=unused-argument
+    def __new__(cls, *args, **kwargs):
         obj = object.__new__(cls)
         obj.args = args
         return obj
 
-    def __init__(self, *args, **kwargs):  # pylint: disable=unused-argument
+    def __init__(self, *args, **kwargs):
         pass
 
     def __setstate__(self, state):
@@ -144,7 +144,7 @@ class _Unpickler(pickle.Unpickler):
         if module != "__main__" and (module in sys.modules or module.partition(".")[0] in _IMPORTABLE):
             try:
                 return super().find_class(module, name)
-            except Exception:  # pylint: disable=broad-except  # an engine-only class: a placeholder below
+            except Exception:  # an engine-only class: a placeholder below
                 pass
         origin = f"{module}.{name}"[:256]
         stand_in = self.unknown.get(origin)
@@ -165,10 +165,10 @@ def unknown_to_plain(value, depth=0):
     subclass's value), else the class's name in angle brackets."""
     if isinstance(value, Unknown):
         args = value.args
-        if len(args) == 1 and type(args[0]) in (bool, int, float, str):  # pylint: disable=unidiomatic-typecheck
+        if len(args) == 1 and type(args[0]) in (bool, int, float, str):
             return args[0]
         return f"<{value.origin}>"
-    if depth < 8 and type(value) is not Context:  # pylint: disable=unidiomatic-typecheck
+    if depth < 8 and type(value) is not Context:
         if isinstance(value, tuple):
             return tuple(unknown_to_plain(v, depth + 1) for v in value)
         if isinstance(value, list):

@@ -111,9 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _demo(argv) -> int:
     # The demo (and Mooncake under it) is imported only when asked for.
-    from otel_kvtransfer import demo  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.loopback import MooncakeUnavailable  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.demo.nixl_loopback import NixlUnavailable  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import demo
+    from otel_kvtransfer.demo.loopback import MooncakeUnavailable
+    from otel_kvtransfer.demo.nixl_loopback import NixlUnavailable
 
     parser = _Parser(prog=f"{PROG} demo", description="prefill -> decode KV transfers over a real engine")
     demo.add_arguments(parser)
@@ -133,7 +133,7 @@ def _demo(argv) -> int:
         # providers are already shut down and every file written, so leave without the interpreter's teardown.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(status)  # pylint: disable=protected-access
+        os._exit(status)
     return status
 
 
@@ -156,7 +156,6 @@ def _filter_note(args, loaded) -> str:
 
 
 def run_timeline(args) -> int:
-    # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.text import label
 
@@ -173,10 +172,9 @@ def run_timeline(args) -> int:
     note = _filter_note(args, loaded)
     if png_path:
         try:
-            import PIL  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+            import PIL  # noqa: F401  imported only to see that Pillow loads
         except ImportError:
             return _error("the PNG needs Pillow: pip install 'otel_kvtransfer[timeline]' (or pass --no-png)")
-    # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.tools.timeline import write_timeline
 
     if len(loaded.shown) > 200:
@@ -206,7 +204,6 @@ def run_timeline(args) -> int:
 
 
 def run_summarize(args) -> int:
-    # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.summarize import format_text, summary_dict, write_json
     from otel_kvtransfer.tools.text import label
@@ -233,7 +230,6 @@ def main(argv: Optional[list] = None) -> int:
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
     args = build_parser().parse_args(argv)
-    # pylint: disable=import-outside-toplevel
     from otel_kvtransfer.tools.spanfile import SpanFileError
 
     try:

@@ -33,7 +33,7 @@ class _Output:
             if stat.S_ISDIR(info.st_mode):
                 raise IsADirectoryError(21, "is a directory", path)
             # a device or pipe (/dev/stdout leads to /proc/self/fd/1, a pipe): opened by the name given
-            self.handle = open(path, mode, **text)  # pylint: disable=consider-using-with
+            self.handle = open(path, mode, **text)
             self.target = path
             return
         target = os.path.realpath(path)  # a symlink to a file: the rename replaces the file, the link stays
@@ -73,7 +73,7 @@ def atomic_output(path: str, mode: str = "w"):
         raise
 
 
-class staged_outputs:  # pylint: disable=invalid-name  # used as a context manager, like a function
+class staged_outputs:  # used as a context manager, like a function
     """`with staged_outputs() as stage: stage.write(path, data)` ...: every output is written to its temporary
     file as it comes, and all are renamed into place only when the block succeeds."""
 

@@ -53,7 +53,7 @@ class SpanSource:
         """A rereadable source: this one itself, or a stream copied once to an unnamed temporary file."""
         if self.rereadable:
             return self
-        spool = tempfile.TemporaryFile(prefix="otel-kvtransfer-")  # pylint: disable=consider-using-with
+        spool = tempfile.TemporaryFile(prefix="otel-kvtransfer-")
         with self.open() as stream:
             shutil.copyfileobj(stream, spool, 1 << 20)
         spool.flush()

@@ -303,9 +303,9 @@ def _span_attributes(items) -> dict:
     out = {}
     for item in items:
         memo = None
-        if type(item) is dict and len(item) == 2 and type(item.get("key")) is str:  # pylint: disable=unidiomatic-typecheck
+        if type(item) is dict and len(item) == 2 and type(item.get("key")) is str:
             value = item.get("value")
-            if type(value) is dict and len(value) == 1:  # pylint: disable=unidiomatic-typecheck
+            if type(value) is dict and len(value) == 1:
                 ((kind, scalar),) = value.items()
                 if isinstance(scalar, _SCALARS) and len(item["key"]) <= _MEMO_TEXT_MAX and (
                         not isinstance(scalar, str) or len(scalar) <= _MEMO_TEXT_MAX):

@@ -73,7 +73,7 @@ class FrameworkHooks:
                 return metadata.version(distribution)
             except metadata.PackageNotFoundError:
                 continue
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 return None
         return None
 
@@ -94,12 +94,12 @@ class FrameworkHooks:
         """The module has what the wrappers read; on the first miss the whole framework is unpatched."""
         if module_name in self._checked:
             return self._checked[module_name]
-        from otel_kvtransfer.wiring import targets as checks  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.wiring import targets as checks
 
         try:
             wanted = checks.required((self._targets() if self._targets else {}).get(module_name, ()))
             absent = checks.missing(module, wanted)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             own_error(f"check {module_name}")
             absent = [f"{module_name} (could not be checked)"]
         self._checked[module_name] = not absent
@@ -126,7 +126,7 @@ class FrameworkHooks:
                 return
             try:
                 patch(module)
-            except Exception:  # pylint: disable=broad-except  # a target the declared checks did not cover
+            except Exception:  # a target the declared checks did not cover
                 own_error(f"patch {key}")
                 _logger.debug("otel_kvtransfer could not patch %s", key, exc_info=True)
                 self._block(f"{key}: the patch failed")
@@ -151,7 +151,7 @@ class FrameworkHooks:
         if self.on:
             return True
         self.on = True
-        import wrapt  # pylint: disable=import-outside-toplevel
+        import wrapt
 
         for key, patch in self._patches().items():
             module_name = key.split("#", 1)[0]
@@ -184,13 +184,13 @@ def activate_plugin(framework: str) -> None:
     if is_disabled():
         return
     try:
-        from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
         instrumentor = KVTransferInstrumentor()
         if instrumentor.is_instrumented_by_opentelemetry:
             return
         configure_sdk_if_absent(framework)
         instrumentor.instrument()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         _logger.warning("otel_kvtransfer: the %s plugin could not activate the instrumentation", framework,
                         exc_info=True)

@@ -49,7 +49,7 @@ def _exporter_classes(group: str, variable: str) -> set:
         for entry in (e for n in names for e in entry_points(group=group, name=n)):
             try:
                 classes.add(entry.load())
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer: could not load exporter %s", name, exc_info=True)
     return classes
 

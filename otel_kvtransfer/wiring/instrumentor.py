@@ -128,7 +128,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         for backend in self._backends:
             try:
                 backend.instrument()
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
 
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out. A
@@ -147,14 +147,14 @@ class KVTransferInstrumentor(BaseInstrumentor):
         for backend in reversed(self._backends):
             try:
                 backend.uninstrument()
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
         # 3.
         RECORDER.stop()
         RECORDER.watcher = None
         try:  # what is still open would never end: end it as evicted, counted (before the processors go)
             self._end_open()
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             _logger.warning("otel_kvtransfer could not end the open spans", exc_info=True)
         if self._link is not None:
             offload.unregister_exit(self._link)
@@ -173,5 +173,5 @@ def _flush_providers(tracer_provider, meter_provider, link=None):
         if flush is not None:
             try:
                 flush(timeout_millis=5000)
-            except Exception:  # pylint: disable=broad-except
+            except Exception:
                 _logger.debug("otel_kvtransfer: flush at exit failed", exc_info=True)

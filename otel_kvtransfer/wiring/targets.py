@@ -134,7 +134,7 @@ def missing(module, targets: Iterable[Target]) -> List[str]:
     for target in targets:
         try:
             owner = _module(target.module, module)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             absent.append(target.module)
             continue
         cls = getattr(owner, target.cls, None)

@@ -53,7 +53,7 @@ def main(steps):
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
     instrumentor = KVTransferInstrumentor()
     instrumentor.instrument()
-    link = instrumentor._link  # pylint: disable=protected-access
+    link = instrumentor._link
     print(json.dumps({"step": "start", "pid": os.getpid(), "helper": link and link.pid()}), flush=True)
     receiver = Receiver(1 << 20, env={"MC_FORCE_TCP": "1"})
     engine = open_engine()
@@ -99,9 +99,9 @@ def main(steps):
                 outcome["seconds"] = round(time.monotonic() - started, 3)
             elif name == "drain":
                 RECORDER.drain()
-                outcome["frame_waiting"] = link._tail is not None  # pylint: disable=protected-access
+                outcome["frame_waiting"] = link._tail is not None
             elif name == "await-acks":  # the helper has answered, and the link has not read it yet
-                answers = link._sock  # pylint: disable=protected-access
+                answers = link._sock
                 outcome["acks_waiting"] = bool(select.select([answers], [], [], 10)[0])
             elif name == "sleep":
                 time.sleep(float(arg))
@@ -114,8 +114,8 @@ def main(steps):
                 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             elif name == "signal-group":  # a terminal's Ctrl-C, a service manager's stop; this engine goes on
                 seen = []
-                signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
-                signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+                signal.signal(signal.SIGINT, lambda signum, frame, seen=seen: seen.append(signum))
+                signal.signal(signal.SIGTERM, lambda signum, frame, seen=seen: seen.append(signum))
                 # What a group signal reaches: this process and its children in its group. Not the receiver,
                 # which stands for a decode engine: in a deployment a process of its own, elsewhere.
                 group = [pid for pid in _children() if pid != receiver.pid and _group(pid) == os.getpgid(0)]
@@ -128,7 +128,7 @@ def main(steps):
             elif name == "stop-helper":
                 os.kill(link.pid(), signal.SIGSTOP)
             elif name == "small-socket":  # a few thousand records fill it (the link asks for megabytes)
-                sock = link._sock  # pylint: disable=protected-access
+                sock = link._sock
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
             elif name == "cont-helper":
                 os.kill(link.pid(), signal.SIGCONT)
@@ -143,7 +143,7 @@ def main(steps):
             elif name == "local-drops":
                 outcome["local_drops"] = _drops(reader)
             elif name == "many-fds":  # what a big engine holds: the pipe's descriptors land above 1,024
-                import resource  # pylint: disable=import-outside-toplevel
+                import resource
 
                 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 wanted = 1200 if hard == resource.RLIM_INFINITY else min(hard, 1200)
@@ -165,7 +165,7 @@ def main(steps):
                     kvt.end_request(room + 500)
                     report = {"rc": rc, "flushed": provider.force_flush(30000), "helper": link.pid()}
                     os.write(write_end, json.dumps(report).encode())
-                    os._exit(0)  # pylint: disable=protected-access
+                    os._exit(0)
                 os.close(write_end)
                 with os.fdopen(read_end) as answer:
                     outcome["child"] = json.loads(answer.read() or "{}")

@@ -3,7 +3,8 @@
     client.py ok URL                 -> {"ok": bool}    (a 200 answer within 5 s)
     client.py get URL PARAMS_JSON    -> the JSON body
     client.py generate URL < REQUESTS_JSON
-        requests: [{"rid", "input_ids", "max_new_tokens", optional "traceparent"}]; sent one after another as streaming /generate calls;
+        requests: [{"rid", "input_ids", "max_new_tokens", optional "traceparent"}]; sent one after another as
+        streaming /generate calls;
         answers [{"rid", "ttft_s", "total_s", "tokens", "meta"}] (ttft_s: first streamed chunk with a token)
 """
 

@@ -25,7 +25,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the observability parts
-from _observability_parts import phoenix_binary, prometheus_binary, start, stop, wait_until  # noqa: E402
+from _observability_parts import phoenix_binary, prometheus_binary, start, stop, wait_until
 
 MODEL_DIR = os.path.join(HERE, "model")
 STAND_INS = os.path.join(HERE, "pythonpath")
@@ -126,7 +126,7 @@ class Deployment:
 
     # --- processes -----------------------------------------------------------------------------------------------
     def _start(self, name, argv, env=None):
-        log = open(self.log_path(name), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+        log = open(self.log_path(name), "w", encoding="utf-8")
         self._logs.append(log)
         proc = start(self.nsenter + list(argv), env=env or os.environ.copy(), stdout=log, stderr=subprocess.STDOUT,
                      cwd=ROOT)
@@ -296,7 +296,7 @@ class Deployment:
 
     def server_pids(self, name):
         """PID of the server process and of everything it spawned (schedulers, detokenizer)."""
-        import psutil  # pylint: disable=import-outside-toplevel
+        import psutil
 
         root = psutil.Process(self.procs[name].pid)
         return [root.pid] + [c.pid for c in root.children(recursive=True)]
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
 
 def prompts(count, tokens, max_new_tokens, repeat_every=2, seed=7, rid_prefix="kvt"):
     """`count` requests of `tokens` token ids each; every `repeat_every`-th one repeats the previous prompt."""
-    import random  # pylint: disable=import-outside-toplevel
+    import random
 
     rng = random.Random(seed)
     vocab = model_config()["vocab_size"]

@@ -45,7 +45,7 @@ def run_scenarios(scenarios: dict) -> dict:
     for name, scenario in scenarios.items():
         try:
             results[name] = scenario()
-        except Exception:  # noqa: BLE001  the traceback goes to the tests, which fail on it
+        except Exception:  # the traceback goes to the tests, which fail on it
             results[name] = {"error": traceback.format_exc()[-3000:]}
     return results
 
@@ -71,10 +71,10 @@ class Initiator:
     `receiver`."""
 
     def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test"):
-        import nixl._api as api  # pylint: disable=import-outside-toplevel
-        import numpy as np  # pylint: disable=import-outside-toplevel
+        import nixl._api as api
+        import numpy as np
 
-        from otel_kvtransfer.demo.nixl_loopback import _peers  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.demo.nixl_loopback import _peers
 
         self.size, self.block, self.receiver = size, block, receiver
         self.agent = api.nixl_agent(f"{name}-{os.getpid()}-{time.monotonic_ns()}",

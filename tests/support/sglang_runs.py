@@ -33,7 +33,7 @@ class Run:
         self.spans = []
 
     def read_spans(self):
-        from otel_kvtransfer.tools.spanfile import read_spans  # pylint: disable=import-outside-toplevel
+        from otel_kvtransfer.tools.spanfile import read_spans
 
         spans = []
         for role in ("prefill", "decode"):

@@ -17,9 +17,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from vllm_serving import harness  # noqa: E402  pylint: disable=wrong-import-position
+from vllm_serving import harness
 
-from otel_kvtransfer.tools.spanfile import read_spans  # noqa: E402  pylint: disable=wrong-import-position
+from otel_kvtransfer.tools.spanfile import read_spans
 
 
 def _interval(line) -> dict:

@@ -37,7 +37,8 @@ CONCURRENT_TOKENS = (150, 250)  # 5 and 8 blocks: prefilled one by one, then dec
 START_TIMEOUT_S = 420
 # Short KV leases, so the failure requests below conclude within the run: the producer frees KV nobody read
 # after this long (Mooncake: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; NIXL: kv_lease_duration).
-KV_TIMEOUT_S = 30  # vLLM leases shortened for the orphan tests; a normal read on a busy 2-core CI machine took > 10 s once
+# vLLM leases shortened for the orphan tests; a normal read on a busy 2-core CI machine took > 10 s once
+KV_TIMEOUT_S = 30
 
 
 def kv_transfer_config(connector: str, role: str) -> dict:
@@ -77,8 +78,8 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
 
 def _has_file_exporter() -> bool:
     try:
-        import otel_kvtransfer.building.file_exporter  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except Exception:  # pylint: disable=broad-except
+        import otel_kvtransfer.building.file_exporter  # noqa: F401  imported only to see that it loads
+    except Exception:
         return False
     return True
 
@@ -168,7 +169,7 @@ def run_concurrent(connector: str, first_index: int) -> list:
     def decode(request):
         try:
             decode_step(connector, request)
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
 
     def keep_decode_busy():  # a local request running on decode, so the pair's arrivals queue up behind a step
@@ -228,7 +229,6 @@ def run_failures(connector: str) -> dict:
 
 def link_capacity(connector: str) -> float:
     """Bytes/s of plain engine writes between two processes on 127.0.0.1, before any server loads the CPUs."""
-    # pylint: disable=import-outside-toplevel
     import numpy as np
 
     from otel_kvtransfer.demo import measure_link_capacity
@@ -277,7 +277,7 @@ def main() -> int:
         for role in ("prefill", "decode"):
             log_path = os.path.join(args.out, f"{role}.log")
             with open(log_path, "wb") as log:
-                processes[role] = subprocess.Popen(  # pylint: disable=consider-using-with
+                processes[role] = subprocess.Popen(
                     server_command(args.connector, role), env=server_env(args.connector, role, args.out),
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         for role in ("prefill", "decode"):
@@ -292,7 +292,7 @@ def main() -> int:
         time.sleep(3)  # the last stats line and the batched span export
         results["metrics"] = {role: _http("GET", f"http://127.0.0.1:{PORTS[role]}/metrics", timeout_s=30)
                               for role in processes}
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         results["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         for process in processes.values():
@@ -308,4 +308,4 @@ if __name__ == "__main__":
     sys.stderr.flush()
     # NIXL/UCX teardown at interpreter exit can crash after a transfer (the capacity measurement's agent);
     # everything is written by now.
-    os._exit(code)  # pylint: disable=protected-access
+    os._exit(code)

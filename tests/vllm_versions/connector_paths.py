@@ -29,7 +29,6 @@ from collections import OrderedDict
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-# pylint: disable=wrong-import-position,protected-access,too-many-locals,too-many-statements
 from importlib import metadata as dist_metadata
 
 import msgspec
@@ -108,7 +107,7 @@ def telemetry():
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
     metrics.set_meter_provider(meter_provider)  # the connector events count on the global meter provider
-    from otel_kvtransfer import KVTransferInstrumentor  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import KVTransferInstrumentor
 
     KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
     return exporter, tracer_provider, reader
@@ -135,7 +134,7 @@ def events(reader) -> dict:
 
 def spans(exporter, tracer_provider) -> list:
     tracer_provider.force_flush()
-    from otel_kvtransfer.recording.recorder import RECORDER  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.recording.recorder import RECORDER
 
     RECORDER.drain(5)
     tracer_provider.force_flush()
@@ -209,7 +208,7 @@ def decode_paths(mc, utils) -> dict:
 
 
 def mooncake_engine():
-    from mooncake.engine import TransferEngine  # pylint: disable=import-outside-toplevel
+    from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -311,28 +310,28 @@ def nixl_paths(pull, nixl_meta, utils) -> dict:
         meta.add_new_req_to_recv("d-req-1", [[0, 1]], params)
     try:
         worker.start_load_kv(meta)  # our observer first; vLLM's body then needs a model's state
-    except Exception as error:  # pylint: disable=broad-except
+    except Exception as error:
         out["start_load_kv_raised"] = type(error).__name__
     try:  # 0.32 goes on to read at once, which needs a loaded remote agent: its exception passes through
         worker._read_blocks_for_req("d-req-1", meta.reqs_to_recv["d-req-1"])
-    except Exception as error:  # pylint: disable=broad-except
+    except Exception as error:
         out["read_raised"] = type(error).__name__
     out["cleaned"], out["handshakes"] = cleaned, handshakes
     out["generations"] = dict(getattr(worker, "_remote_registration_generations", {}))
-    from otel_kvtransfer import integration  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer import integration
 
     integration.end_request("p-req-1")  # vLLM would end it from get_transfer_results once the read is done
     return out
 
 
 def main() -> None:
-    import importlib  # pylint: disable=import-outside-toplevel
+    import importlib
 
     exporter, tracer_provider, reader = telemetry()
     mc = importlib.import_module(f"{V1}.mooncake.mooncake_connector")
     utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
-    from otel_kvtransfer.frameworks.vllm import HOOKS  # pylint: disable=import-outside-toplevel
-    from otel_kvtransfer.frameworks.vllm.common import patcher  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import HOOKS
+    from otel_kvtransfer.frameworks.vllm.common import patcher
 
     version = HOOKS.installed_version()
     patched_before = len(patcher.patched())

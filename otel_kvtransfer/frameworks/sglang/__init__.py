@@ -23,7 +23,7 @@ from otel_kvtransfer.wiring.activation import FrameworkHooks
 
 
 def _patches():
-    from otel_kvtransfer.frameworks.sglang import decode, prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import decode, prefill
 
     return {
         "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
@@ -40,7 +40,7 @@ def _patches():
 
 
 def _forget():
-    from otel_kvtransfer.frameworks.sglang import prefill  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.sglang import prefill
 
     prefill.forget_rooms()
 

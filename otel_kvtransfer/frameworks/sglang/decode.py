@@ -82,7 +82,7 @@ _abort_wrapper = observe_call("receiver abort", _on_abort)
 
 
 def patch_common_conn(module) -> None:
-    from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
+    from sglang.srt.disaggregation.base.conn import KVPoll
 
     common.learn_poll_states(KVPoll)
     for attr, wrapper in (("__init__", _receiver_init_wrapper), ("send_metadata", _send_metadata_wrapper),

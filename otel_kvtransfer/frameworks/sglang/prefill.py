@@ -397,7 +397,7 @@ _FAKE_HOST = {"host": None}  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HO
 
 def _fake_host():
     if _FAKE_HOST["host"] is None:
-        import sys  # pylint: disable=import-outside-toplevel
+        import sys
 
         module = sys.modules.get("sglang.srt.disaggregation.utils")  # loaded by every disaggregation scheduler
         _FAKE_HOST["host"] = getattr(module, "FAKE_BOOTSTRAP_HOST", None)
@@ -414,7 +414,7 @@ def patch_common_utils(module) -> None:
 
 
 def patch_common_conn(module) -> None:
-    from sglang.srt.disaggregation.base.conn import KVPoll  # pylint: disable=import-outside-toplevel
+    from sglang.srt.disaggregation.base.conn import KVPoll
 
     learn_poll_states(KVPoll)
     patcher.wrap(module.CommonKVManager, "update_status", _update_status_wrapper)

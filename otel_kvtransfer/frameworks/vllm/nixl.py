@@ -47,7 +47,7 @@ def _rehandshake_due(worker, remote) -> bool:
     generation = getattr(remote, "registration_generation", 0)
     if known is None or not generation:
         return False
-    loaded = worker._remote_agents  # pylint: disable=protected-access
+    loaded = worker._remote_agents
     return known.get(remote.engine_id, 0) < generation and remote.engine_id in loaded
 
 

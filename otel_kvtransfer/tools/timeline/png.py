@@ -16,7 +16,7 @@ OVERVIEW_ALLOWANCE = 320  # pixels kept for the overview panel when fitting requ
 
 
 def _font(size: int, bold: bool = False):
-    from PIL import ImageFont  # pylint: disable=import-outside-toplevel
+    from PIL import ImageFont
 
     names = ("DejaVuSans-Bold.ttf", "Verdana Bold.ttf") if bold else ("DejaVuSans.ttf", "Verdana.ttf")
     for name in names + ("/usr/share/fonts/truetype/dejavu/" + names[0],):
@@ -71,9 +71,9 @@ def render_png(requests: Sequence[Request], path: str, max_requests: int = 6, ti
 def png_data(requests: Sequence[Request], max_requests: int = 6, title: str = "", note: str = "",
              origin_ns: Optional[int] = None, throughputs: Sequence[float] = ()) -> tuple:
     """(PNG bytes, (width, height)) of what `render_png` draws."""
-    import io  # pylint: disable=import-outside-toplevel
+    import io
 
-    from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
+    from PIL import Image, ImageDraw
 
     if origin_ns is None:
         origin_ns = min((r.start_ns for r in requests), default=0)

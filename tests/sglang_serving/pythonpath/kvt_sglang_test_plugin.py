@@ -28,7 +28,7 @@ def _host_indices_off(module) -> None:
 
 
 def _kv_pool_as_dram(module) -> None:
-    import wrapt  # pylint: disable=import-outside-toplevel
+    import wrapt
 
     def init(wrapped, _instance, args, kwargs):
         kv_args = args[0] if args else kwargs["args"]
@@ -42,13 +42,13 @@ def _on_import(name, patch) -> None:
     if name in sys.modules:
         patch(sys.modules[name])
     else:
-        import wrapt  # pylint: disable=import-outside-toplevel
+        import wrapt
 
         wrapt.register_post_import_hook(patch, name)
 
 
 def _role() -> str:
-    frame = sys._getframe(1)  # pylint: disable=protected-access
+    frame = sys._getframe(1)
     while frame is not None:
         role = _ROLES.get(frame.f_code.co_name)
         if role:
@@ -59,8 +59,8 @@ def _role() -> str:
 
 def _prometheus_port():
     """The port of the Prometheus HTTP server that OTEL_METRICS_EXPORTER=prometheus started in this process."""
-    import gc  # pylint: disable=import-outside-toplevel
-    from wsgiref.simple_server import WSGIServer  # pylint: disable=import-outside-toplevel
+    import gc
+    from wsgiref.simple_server import WSGIServer
 
     # type(o), not isinstance(o): no __class__ look-up on lazy modules (torch warns on those)
     ports = [o.server_address[1] for o in gc.get_objects() if issubclass(type(o), WSGIServer)]

@@ -20,10 +20,10 @@ _state = {"patched": False}
 
 
 def activate() -> None:
-    import torch  # pylint: disable=import-outside-toplevel
+    import torch
 
     if os.environ.get("KVT_TEST_KEEP_AMX") != "1" and hasattr(getattr(torch, "cpu", None), "_is_amx_tile_supported"):
-        torch.cpu._is_amx_tile_supported = lambda: False  # pylint: disable=protected-access
+        torch.cpu._is_amx_tile_supported = lambda: False
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None or _state["patched"] or accelerator.is_available():
         return

@@ -45,7 +45,7 @@ __getattr__ = _module_getattr(__name__)
 class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Makes `sgl_kernel.<sub>` (sub in SUBMODULES) an empty module with the same stub attributes."""
 
-    def find_spec(self, fullname, path=None, target=None):  # pylint: disable=unused-argument
+    def find_spec(self, fullname, path=None, target=None):
         if fullname.startswith(__name__ + ".") and fullname[len(__name__) + 1:] in SUBMODULES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
