@@ -198,7 +198,7 @@ def safely(what: str, function: Callable, *args) -> Any:
 
 
 def count_drop(reason: str) -> None:
-    """Count something a wrapper had to leave out (a `kv_transfer.dropped` reason), without reaching the recorder."""
+    """Count what a wrapper had to leave out (a reason of kv_transfer.instrumentation.dropped)."""
     RECORDER.drop(reason)
 
 
