@@ -10,8 +10,10 @@ child process (this file run as a script: `python tests/test_nixl_engine.py OUT.
 (spans, metric points, bytes checks) and leaves with os._exit; the tests below assert on that.
 """
 
+import contextlib
 import functools
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,21 @@ from support.nixl_agents import Initiator, result_of
 BLOCK = 64 << 10
 BLOCKS = 16
 SIZE = BLOCK * BLOCKS
+# The scenarios that need a post still in flight when transfer() returns write this much to a peer frozen with
+# SIGSTOP, over TCP: far more than the socket buffers, so it cannot finish inside the call (to a running peer
+# even 64 MiB usually does).
+BIG_BLOCK = 1 << 20
+BIG = 64 * BIG_BLOCK
+
+
+@contextlib.contextmanager
+def _frozen(receiver):
+    """The receiver's process stopped for the duration: what is posted to it stays in flight."""
+    os.kill(receiver.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(receiver.pid, signal.SIGCONT)
 SCENARIOS = {}
 
 
@@ -190,17 +207,21 @@ def freed_by_gc(receiver, _originals):
 
     tel = _telemetry()
     try:
-        init = Initiator(receiver, SIZE, BLOCK)
+        init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
-        states = []
-        for _ in range(20):  # rounds of 3, until one had a handle still pending when dropped (a race it may win)
-            for _ in range(3):
+        warm = init.agent.initialize_xfer("WRITE", local, remote, init.peer)  # connected before the peer stops
+        states = [init.wait(warm, timeout_s=60)]
+        init.agent.release_xfer_handle(warm)
+        with _frozen(receiver):
+            for _ in range(2):  # still in flight when dropped: cancelled sends
                 handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
                 states.append(init.agent.transfer(handle))
                 del handle  # the last reference
             gc.collect()
-            if "PROC" in states:
-                break
+        handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+        states.append(init.wait(handle, timeout_s=60))  # done when dropped: a successful send
+        del handle
+        gc.collect()
         time.sleep(0.5)  # a cancelled write may still be landing: let it settle before the next scenario
         return dict(_seen(tel), states=states)
     finally:
@@ -213,16 +234,14 @@ def address_reused(receiver, _originals):
     NIXL allocates at the same address: the first is counted as dropped, not overwritten silently."""
     tel = _telemetry()
     try:
-        init = Initiator(receiver, SIZE, BLOCK)
+        init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
-        done_first = 0  # posts that finished inside transfer() itself: plain sends, then tried again
-        for _ in range(20):  # a post still pending when transfer() returns is a race it may win
+        warm = init.agent.initialize_xfer("WRITE", local, remote, init.peer)  # connected before the peer stops
+        done_first = int(init.wait(warm, timeout_s=60) == "DONE")  # a plain send
+        init.agent.release_xfer_handle(warm)
+        with _frozen(receiver):
             first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
             first_state = init.agent.transfer(first)
-            if first_state == "PROC":
-                break
-            init.agent.release_xfer_handle(first)
-            done_first += 1
         raw = init.agent.agent  # the binding: nothing of ours sees these calls
         deadline = time.monotonic() + 30
         while raw.getXferStatus(first._handle) != 0 and time.monotonic() < deadline:  # 0: NIXL_SUCCESS
@@ -248,13 +267,15 @@ def address_reused(receiver, _originals):
 
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
+    # TCP only: over shared memory UCX writes straight into a frozen peer's memory, and nothing stays in flight
+    os.environ.setdefault("UCX_TLS", "tcp,self")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import nixl._api as api
 
     from otel_kvtransfer.demo.nixl_loopback import Receiver
 
     originals = {name: api.nixl_agent.__dict__[name] for name in ("transfer", "check_xfer_state", "make_prepped_xfer")}
-    with Receiver(SIZE) as receiver:
+    with Receiver(BIG) as receiver:  # the scenarios write its first SIZE bytes, two of them all of it
         results = nixl_agents.run_scenarios({name: functools.partial(function, receiver, originals)
                                              for name, function in SCENARIOS.items()})
     nixl_agents.leave(out_path, results)
@@ -266,7 +287,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("nixl") / "outcomes.json")
-    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_TLS="tcp,self")
     return nixl_agents.run_apart(__file__, out, env, timeout_s=600)
 
 
@@ -343,7 +364,7 @@ def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
     sends = _named(result, "kv_transfer.send")
     assert len(sends) == len(result["states"]) >= 3
     for send in sends:
-        assert send["attributes"]["kv_transfer.bytes"] == SIZE
+        assert send["attributes"]["kv_transfer.bytes"] == BIG
         assert send["ok"] or send["attributes"]["error.type"] in ("cancelled", "transfer_failed")
     assert not result["metrics"].get("kv_transfer.instrumentation.dropped")
 
