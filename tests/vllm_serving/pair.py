@@ -37,8 +37,8 @@ CONCURRENT_TOKENS = (150, 250)  # 5 and 8 blocks: prefilled one by one, then dec
 START_TIMEOUT_S = 420
 # Short KV leases, so the failure requests below conclude within the run: the producer frees KV nobody read
 # after this long (Mooncake: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; NIXL: kv_lease_duration).
-# Long enough for a normal read on a busy 2-core CI machine: at the end of a full run (every other session's
-# servers still up) a prefill's answer reached the decode 25-34 s after the prefill, where alone it takes 1-2 s.
+# Long enough for a normal read on a busy 2-core CI machine: in one fresh-clone CI run a prefill's answer
+# reached the decode 25-34 s after the prefill, where the pair run alone takes 1-2 s (the cause is not known).
 KV_TIMEOUT_S = 60
 
 
