@@ -1,5 +1,7 @@
 """The package's folders say where code runs, and imports run one way: a module imports only from its own folder
-or from folders below it, deferred (function-level) imports included, and never another folder's private names.
+or from folders below it, deferred (function-level) imports included, never another folder's private names, and
+no module imports itself back through others (read from the source: a deferred import closes a circle that
+importing the modules would never show).
 
 From the bottom: the shared leaves (names, settings, the backend registry, the version), recording/ (the engine's
 threads), building/ (the builder), wiring/ (start-up), engines/, frameworks/, tools/, demo/, and the entry points
@@ -105,3 +107,50 @@ def test_the_check_sees_an_upward_import(tmp_path):
     targets = [target for target, _ in _imports("recording.bad", bad)]
     assert targets == ["building.builder"]
     assert _layer("building.builder") > _layer("recording.bad")
+
+
+def _graph() -> dict:
+    """Module (a package by its own name) -> the package modules it imports, anywhere in its source."""
+    graph = {}
+    for module, path in MODULES.items():
+        name = module[: -len(".__init__")] if module.endswith(".__init__") else module
+        graph[name] = sorted({target for target, _ in _imports(module, path)} - {name})
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """Every circle a depth-first walk finds, each as the path that closes it."""
+    found, state = [], {}
+
+    def walk(module, path):
+        state[module] = "open"
+        for target in graph.get(module, ()):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    return found
+
+
+def test_the_graph_holds_deferred_imports():
+    graph = _graph()
+    assert "tools.reading" in graph["tools.timeline"] and "demo" in graph["tools.cli"]
+
+
+def test_nothing_imports_the_command_back():
+    """The CLI sits on top of the tools it shares a folder with (the layer rule above does not see that); only
+    `python -m otel_kvtransfer` runs it."""
+    assert [module for module, targets in _graph().items() if "tools.cli" in targets] == ["__main__"]
+
+
+def test_no_import_circle():
+    assert _circles(_graph()) == []
+
+
+def test_the_walk_finds_a_circle():
+    assert _circles({"a": ["b"], "b": ["c"], "c": ["a"]}) == [["a", "b", "c", "a"]]
