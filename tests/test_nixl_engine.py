@@ -209,9 +209,7 @@ def freed_by_gc(receiver, _originals):
     try:
         init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
-        warm = init.agent.initialize_xfer("WRITE", local, remote, init.peer)  # connected before the peer stops
-        states = [init.wait(warm, timeout_s=60)]
-        init.agent.release_xfer_handle(warm)
+        states = [init.write_all()]  # connected before the peer stops
         with _frozen(receiver):
             for _ in range(2):  # still in flight when dropped: cancelled sends
                 handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
@@ -236,9 +234,7 @@ def address_reused(receiver, _originals):
     try:
         init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
-        warm = init.agent.initialize_xfer("WRITE", local, remote, init.peer)  # connected before the peer stops
-        done_first = int(init.wait(warm, timeout_s=60) == "DONE")  # a plain send
-        init.agent.release_xfer_handle(warm)
+        done_first = int(init.write_all() == "DONE")  # a plain send, connected before the peer stops
         with _frozen(receiver):
             first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
             first_state = init.agent.transfer(first)

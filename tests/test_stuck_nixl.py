@@ -64,9 +64,7 @@ def _scenario(end: str) -> dict:
         init = Initiator(receiver, SIZE, BLOCK, buffer=np.full(SIZE, 5, dtype=np.uint8), name=f"kvt-stuck-{end}")
         agent, peer, source = init.agent, init.peer, init.buffer
         local, remote = init.descs()
-        warm = agent.initialize_xfer("WRITE", local, remote, peer)  # connect first: the stuck write is the 2nd
-        assert init.wait(warm, timeout_s=60) == "DONE"
-        agent.release_xfer_handle(warm)
+        assert init.write_all() == "DONE"  # connect first: the stuck write is the 2nd
         receiver.fill(0)
 
         kvt.begin_request(ROOM, backend="nixl", framework="test")

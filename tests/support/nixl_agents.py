@@ -94,6 +94,15 @@ class Initiator:
         return (self.agent.get_xfer_descs(self.local_blocks()[:blocks], "DRAM"),
                 self.agent.get_xfer_descs(self.remote_blocks()[:blocks], "DRAM"))
 
+    def write_all(self, timeout_s=60.0) -> str:
+        """One write of every block, posted, polled to its end and released: its final state. A first write also
+        connects the two agents, so a test's own writes start connected."""
+        local, remote = self.descs()
+        handle = self.agent.initialize_xfer("WRITE", local, remote, self.peer)
+        state = self.wait(handle, timeout_s=timeout_s)
+        self.agent.release_xfer_handle(handle)
+        return state
+
     def wait(self, handle, timeout_s=30.0, post=True):
         """Post `handle` (unless already posted) and poll it until it is no longer PROC, at most `timeout_s`."""
         state = self.agent.transfer(handle) if post else "PROC"
