@@ -276,7 +276,7 @@ def test_empty_truncated_foreign_and_binary_files_name_the_line(tmp_path):
 
 def test_bad_fields_name_the_line(tmp_path):
     records = synthetic_records(requests=1)
-    for change, words in ((("end_time_unix_nano", records[1]["start_time_unix_nano"] - 1), "ends"),
+    for change, words in ((("start_time_unix_nano", 0), "start time"),
                           (("trace_id", "xyz"), "trace_id")):
         bad = dict(records[1], **dict([change]))
         error = _error_of(write_jsonl(tmp_path / "bad.jsonl", [records[0], bad]))
@@ -385,3 +385,19 @@ def test_repeated_otlp_attribute_values_keep_their_types(tmp_path):
     got = [s.attributes["x.same"] for s in spans]
     assert got == values + values
     assert [type(v) for v in got] == [type(v) for v in values + values]
+
+
+def test_a_span_that_ends_before_it_starts_is_skipped_and_the_rest_of_its_line_read(tmp_path):
+    """A backwards step of the wall clock: one span of a line ends before it starts. The reader leaves out that
+    span only and counts it with its line; `warnings` says so in one line."""
+    records = synthetic_records(requests=2)
+    records[3]["end_time_unix_nano"] = records[3]["start_time_unix_nano"] - 3600 * 10**9
+    records[9]["end_time_unix_nano"] = records[9]["start_time_unix_nano"] - 1
+    path = write_otlp(tmp_path / "back.jsonl", records, per_line=4)
+    skipped = Skipped()
+    spans = read_spans(path, skipped=skipped)
+    assert [s.span_id for s in spans] == [r["span_id"] for i, r in enumerate(records) if i not in (3, 9)]
+    assert (skipped.backwards.count, skipped.backwards.lines, skipped.count) == (2, [1, 3], 0)
+    (line,) = skipped.warnings(path)
+    assert "skipped 2 spans that end before they start (lines 1, 3)" in line and "\n" not in line
+

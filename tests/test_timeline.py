@@ -163,8 +163,9 @@ def overlapping_sends(count):
 
 
 def test_overlapping_sends_are_capped_with_a_more_row(tmp_path):
-    count = 5000
-    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "o.jsonl", overlapping_sends(count)))
+    count = 5000  # every send drawn: the rows, not the sends drawn per request, are the bound here
+    html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "o.jsonl", overlapping_sends(count)),
+                                    "--max-sends-per-request", "0")
     page = html_path.read_text()
     assert len(re.findall(r'<rect [^>]*class="send payload-kv', page)) == MAX_ROWS
     assert f"+{count - MAX_ROWS} more overlapping" in page

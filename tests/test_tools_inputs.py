@@ -214,3 +214,93 @@ def test_a_list_longer_than_the_reader_accepts_is_refused_before_parsing(tmp_pat
     with pytest.raises(spanfile.SpanFileError) as info:
         spanfile.read_spans(path)
     assert info.value.line == 1 and f"{spanfile.MAX_ITEMS + 1} items, more than the reader accepts" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------- left out
+
+
+def _stderr_lines(proc) -> list:
+    """The lines on stderr but progress (which a loaded machine may show for a read of over a second)."""
+    lines = proc.stderr.decode().replace("\r", "\n").splitlines()
+    return [line for line in lines if line.strip() and not line.startswith(("reading ", "drawing "))]
+
+
+def test_a_span_that_ends_before_it_starts_is_skipped_and_counted_in_one_line(tmp_path):
+    """The wall clock stepped back an hour while a send was open: its span ends before it starts. That span is
+    left out and said in one line; the rest of the file (the other spans of its line too) is summarized and
+    drawn."""
+    records = synthetic_records(requests=3)
+    sends = [number for number, record in enumerate(records) if record["name"] == "kv_transfer.send"]
+    back = records[sends[1]]
+    back["end_time_unix_nano"] = back["start_time_unix_nano"] - 3600 * 10**9
+    path = write_otlp(tmp_path / "back.jsonl", records, per_line=5)
+    proc = _cli("summarize", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    err = _stderr_lines(proc)
+    line = sends[1] // 5 + 1
+    assert len(err) == 1 and f"skipped 1 span that ends before it starts (line {line})" in err[0], err
+    summary = json.loads(proc.stdout)
+    assert summary["span_count"] == len(records) - 1 and summary["request_count"] == 3
+    assert summary["left_out"]["spans_ending_before_they_start"] == 1
+    first = summary["requests"][0]
+    assert first["send_spans"] == sum(1 for r in records if r["name"] == "kv_transfer.send"
+                                      and r["trace_id"] == back["trace_id"]) - 1
+    proc = _cli("timeline", path, "--html", "t.html", "--png", "t.png", "--perfetto", "t.json", cwd=tmp_path)
+    assert proc.returncode == 0 and len(_stderr_lines(proc)) == 1, proc.stderr
+    assert (tmp_path / "t.html").read_text().count('<section class="request') == 3
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    assert back["span_id"] not in {e["args"].get("span_id") for e in trace["traceEvents"] if e["ph"] == "X"}
+
+
+def test_a_file_of_only_backwards_spans_is_one_line_and_exit_2(tmp_path):
+    records = synthetic_records(requests=1)
+    for record in records:
+        record["end_time_unix_nano"] = record["start_time_unix_nano"] - 1
+    proc = _cli("summarize", write_otlp(tmp_path / "back.jsonl", records, per_line=4))
+    err = _stderr_lines(proc)
+    assert proc.returncode == 2 and len(err) == 1 and b"Traceback" not in proc.stderr, err
+    assert f"every span ({len(records)}) ends before it starts" in err[0], err
+
+
+def test_spans_sharing_one_id_are_one_span_and_the_repeats_said_in_one_line(tmp_path):
+    """20,000 request spans of one trace with one span id: one span (the first) and 19,999 repeats said on
+    stderr, not "1 requests" with nothing said."""
+    path = tmp_path / "same-id.jsonl"
+    _write_batches(path, (_span(1, 1, 0, "kv_transfer.request", 1, T0 + i, T0 + i + 1000,
+                                {"kv_transfer.request_key": str(i)}) for i in range(20_000)))
+    proc = _cli("summarize", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    err = _stderr_lines(proc)
+    assert len(err) == 1 and "left out 19999 spans repeating the trace and span id" in err[0], err
+    assert "lines 1, 2, " in err[0] and err[0].endswith("each id counts once, as first read")
+    summary = json.loads(proc.stdout)
+    assert summary["span_count"] == 1 and summary["request_count"] == 1
+    assert summary["left_out"]["repeated_span_ids"] == 19_999
+    assert _keys(proc.stdout) == ["0"]  # the first read, not the last
+
+
+def test_a_batch_written_twice_is_summarized_and_drawn_as_written_once(tmp_path):
+    """What a retrying exporter leaves: a line repeated. Every figure (bytes, transfers, the throughput
+    distribution) and the whole page are those of the file without the repeat."""
+    lines = open(_file(tmp_path, requests=4), "rb").read().split(b"\n")[:-1]
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    once.mkdir()
+    twice.mkdir()
+    (once / "s.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (twice / "s.jsonl").write_bytes(b"\n".join(lines[:3] + lines[1:3] + lines[3:]) + b"\n")
+    expected = _cli("summarize", "s.jsonl", "--json", cwd=once)
+    proc = _cli("summarize", "s.jsonl", "--json", cwd=twice)
+    assert proc.returncode == expected.returncode == 0, proc.stderr
+    err = _stderr_lines(proc)
+    assert len(err) == 1 and "left out 10 spans repeating the trace and span id" in err[0], err
+    assert "(lines 4, 5)" in err[0], err
+    summary, alone = json.loads(proc.stdout), json.loads(expected.stdout)
+    assert summary.pop("left_out") == {"torn_lines": 0, "spans_ending_before_they_start": 0, "repeated_span_ids": 10}
+    assert alone.pop("left_out")["repeated_span_ids"] == 0
+    assert summary == alone
+    for folder in (once, twice):
+        done = _cli("timeline", "s.jsonl", "--html", "t.html", "--png", "t.png", "--perfetto", "t.json", cwd=folder)
+        assert done.returncode == 0, done.stderr
+    for name in ("t.html", "t.png", "t.json"):
+        assert (once / name).read_bytes() == (twice / name).read_bytes(), name

@@ -11,13 +11,18 @@ the tests check at small scale; the measurements in docs/tools.md come from the 
 import argparse
 import gc
 import json
+import random
+import re
 import sys
 
 import pytest
 
 from otel_kvtransfer.tools.cli import main as cli_main
 from otel_kvtransfer.tools.reading import load
+from otel_kvtransfer.tools.requests import DRAWN_PER_REQUEST
+from otel_kvtransfer.tools.span_ids import SpanIds
 from otel_kvtransfer.tools.spanfile import Span
+from otel_kvtransfer.tools.timeline.drawing import LEFT, RIGHT, WIDTH
 
 T0 = 1_700_000_000_000_000_000
 BATCH = 512
@@ -129,6 +134,80 @@ def test_summarize_keeps_aggregates_not_spans(tmp_path):
     assert len(loaded.requests) == 20 and loaded.span_count == 2000
     gc.collect()
     assert sum(1 for o in gc.get_objects() if isinstance(o, Span) and id(o) not in before) == 0
+
+
+def disjoint_file(path, sends, compute=False, order=None):
+    """One request (no aggregates on its span) of `sends` disjoint sends, each 1 us long and 1 us after the last
+    (in `order` of their indexes when given); with `compute`, a compute span before them all."""
+    common = {"kv_transfer.request_key": "big"}
+    order = range(sends) if order is None else order
+    spans = [_span(1, 10 + i, 1, "kv_transfer.send", 3, T0 + 10**6 + 2000 * i, T0 + 10**6 + 2000 * i + 1000,
+                   {**common, "kv_transfer.bytes": 4096, "kv_transfer.payload": "kv"}) for i in order]
+    if compute:
+        spans.append(_span(1, 5, 1, "kv_transfer.compute", 1, T0, T0 + 10**6, common))
+    spans.append(_span(1, 1, 0, "kv_transfer.request", 1, T0, T0 + 10**6 + 2000 * sends, common))
+    return _write_batches(path, spans)
+
+
+def test_one_request_of_many_sends_draws_a_bounded_page(tmp_path, capsys):
+    """20,000 sends of one request: the page draws DRAWN_PER_REQUEST of them and says how many it left out (in
+    the block and in one line on stderr), its busy strip has at most a bar per pixel, the Perfetto file holds the
+    drawn sends and says how many are not; the figures still count every send."""
+    sends = 20_000
+    path = tmp_path / "many.jsonl"
+    disjoint_file(path, sends)
+    html, trace = tmp_path / "t.html", tmp_path / "t.json"
+    assert cli_main(["timeline", str(path), "--no-png", "--html", str(html), "--perfetto", str(trace)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    left = sends - DRAWN_PER_REQUEST
+    assert len(err) == 1 and f"{left} spans not drawn (the first {DRAWN_PER_REQUEST} by start" in err[0], err
+    page = html.read_text()
+    assert len(re.findall(r'<rect [^>]*class="send payload-kv', page)) == DRAWN_PER_REQUEST
+    assert f"+{left} of {sends} sends not drawn" in page
+    assert len(re.findall(r'<rect [^>]*class="busy"', page)) <= WIDTH - LEFT - RIGHT
+    assert f"{sends} transfers" in page  # the overview and the header count them all
+    assert html.stat().st_size < 600_000  # 380 bytes a send drawn: 7.6 MB for these before the bound
+    data = json.loads(trace.read_text())
+    drawn = [e for e in data["traceEvents"] if e["ph"] == "X" and e["args"].get("span.name") == "kv_transfer.send"]
+    assert len(drawn) == DRAWN_PER_REQUEST and data["otherData"]["spans_not_drawn"] == left
+    assert trace.stat().st_size < 600_000
+
+
+def test_drawing_a_huge_request_holds_only_the_sends_it_draws(tmp_path):
+    """The second pass keeps the first N sends by start (whatever the file order), not every send of the
+    request: the Span objects alive after it are those N and the request span."""
+    sends, limit = 5000, 40
+    order = list(range(sends))
+    random.Random(3).shuffle(order)
+    path = tmp_path / "shuffled.jsonl"
+    disjoint_file(path, sends, compute=True, order=order)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, Span)}
+    loaded = load(str(path), drawing=True, max_children=limit)
+    (request,) = loaded.shown
+    gc.collect()
+    alive = sum(1 for o in gc.get_objects() if isinstance(o, Span) and id(o) not in before)
+    assert alive == limit + 2  # the sends drawn, the compute span and the request span
+    assert [s.span_id for s in request.sends] == [f"{10 + i:016x}" for i in range(limit)]
+    assert (request.sends_not_drawn, request.computes_not_drawn) == (sends - limit, 0)
+    # the busy strip and the tail come from every send: the last byte is the last send's, every gap counted
+    assert len(request.busy_intervals()) == sends
+    mark = request.tail_mark()
+    assert mark.last_byte_ns == T0 + 10**6 + 2000 * (sends - 1) + 1000
+    assert mark.tail_s == pytest.approx((2000 * (sends - 1) + 1000) / 1e9)
+
+
+def test_span_ids_cost_machine_integers_not_objects():
+    """The identities a read remembers to leave out repeats: exact for these (no repeat where none is), and at
+    most 32 bytes each (a table of machine integers, at most half full after growing)."""
+    ids = SpanIds()
+    count = 100_000
+    assert not any(ids.seen(f"{i:032x}", f"{i:016x}") for i in range(count))
+    assert not any(ids.seen(f"{i + 1:032x}", f"{i:016x}") for i in range(0, count, 7))  # same span id, other trace
+    assert all(ids.seen(f"{i:032x}", f"{i:016x}") for i in range(count))
+    assert len(ids) == count + len(range(0, count, 7))
+    table = ids._slots
+    assert table.itemsize * len(table) <= 32 * len(ids)
 
 
 def _sends(number, count):

@@ -3,12 +3,14 @@
     otel-kvtransfer demo [...]
     otel-kvtransfer timeline FILE [--html OUT.html] [--png OUT.png] [--perfetto OUT.json] [--key K ...]
                                   [--since S] [--until S] [--page-size N] [--max-requests N]
+                                  [--max-sends-per-request N]
     otel-kvtransfer summarize FILE [--json] [--key K ...] [--since S] [--until S] [--limit N]
 
 FILE is OTLP-JSON (what `OTEL_TRACES_EXPORTER=kvtransfer_file` or the Collector's file exporter writes) or the
 older JSON-lines span format; `-` is stdin, and a pipe or FIFO works too. Bad input (an empty, foreign or hostile
 file, a bad option, an unwritable output) is one line on stderr and exit code 2, never a traceback, and leaves no
-output file behind; torn lines (a crash, a full disk) are skipped and named in one warning line. Files are read
+output file behind; torn lines (a crash, a full disk), spans that end before they start (the wall clock stepped
+back) and spans repeating the id of one read before are left out, one warning line for each kind. Files are read
 as a stream (summarize keeps per-request aggregates, not spans; timeline reads twice, keeping only the spans of
 the requests it draws, and copies a pipe to a temporary file first); reads that take long show progress.
 """
@@ -19,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from otel_kvtransfer.tools.text import PROG, bounded
+from otel_kvtransfer.tools.text import PROG, bounded, label
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="request blocks drawn in the PNG after the overview (6)")
     timeline.add_argument("--max-requests", type=_count, default=2000, metavar="N",
                           help="request blocks in the page and the Perfetto file, the first N by start (2000)")
+    timeline.add_argument("--max-sends-per-request", type=_count, metavar="N",  # None: requests.DRAWN_PER_REQUEST
+                          help="sends (and computes) drawn of one request in the page and the Perfetto file, the "
+                               "first N by start; the figures count all (1000; 0 = all)")
 
     summarize = _span_file_command(
         sub, "summarize", run_summarize, "per-request table and per-transfer throughput distribution of a span file",
@@ -155,16 +160,31 @@ def _filter_note(args, loaded) -> str:
     return note
 
 
+def _warn_children_not_drawn(requests, limit: int) -> None:
+    """One line when some requests had more sends or computes than are drawn of one request."""
+    capped = [r for r in requests if r.sends_not_drawn or r.computes_not_drawn]
+    if not capped:
+        return
+    left = sum(r.sends_not_drawn + r.computes_not_drawn for r in capped)
+    most = max(capped, key=lambda r: r.send_spans + r.compute_spans)
+    sys.stderr.write(f"{PROG}: warning: {len(capped)} request{'s' if len(capped) > 1 else ''} with more than {limit} "
+                     f"sends or computes (--max-sends-per-request): {left} spans not drawn (the first {limit} by "
+                     f"start of each are; the most: key {label(most.key, 40)}, {most.send_spans} sends); figures, "
+                     "busy strip and tail count them all\n")
+
+
 def run_timeline(args) -> int:
     from otel_kvtransfer.tools.reading import load
-    from otel_kvtransfer.tools.text import label
+    from otel_kvtransfer.tools.requests import DRAWN_PER_REQUEST
 
     if args.page_size < 1:
         return _error("--page-size must be >= 1")
+    per_request = DRAWN_PER_REQUEST if args.max_sends_per_request is None else args.max_sends_per_request
     loaded = load(args.file, args.keys, args.since, args.until, max_requests=args.max_requests or None,
-                  drawing=True)
+                  drawing=True, max_children=per_request or None)
     if not loaded.requests:
         return _error(f"{args.file}: no kv_transfer spans in {loaded.span_count} spans")
+    _warn_children_not_drawn(loaded.shown, per_request)
     # Outputs go beside a file; for stdin or a pipe, with no name given, into the current folder.
     stem = os.path.splitext(args.file)[0] if loaded.regular else "timeline"
     html_path = None if args.no_html else (args.html or f"{stem}.timeline.html")
@@ -185,8 +205,10 @@ def run_timeline(args) -> int:
 
         from otel_kvtransfer.tools.perfetto import request_spans, tail_marks, trace_events
 
+        left = sum(r.sends_not_drawn + r.computes_not_drawn for r in loaded.shown)
         try:
-            text = json.dumps(trace_events(request_spans(loaded.shown), tails=tail_marks(loaded.shown)),
+            text = json.dumps(trace_events(request_spans(loaded.shown), tails=tail_marks(loaded.shown),
+                                           not_drawn=left),
                               separators=(",", ":"), allow_nan=False)
         except ValueError as exc:
             return _error(f"{args.file}: cannot write Perfetto JSON: {exc}")
@@ -206,12 +228,11 @@ def run_timeline(args) -> int:
 def run_summarize(args) -> int:
     from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.summarize import format_text, summary_dict, write_json
-    from otel_kvtransfer.tools.text import label
 
     loaded = load(args.file, args.keys, args.since, args.until)
     if not loaded.requests:
         return _error(f"{args.file}: no kv_transfer spans in {loaded.span_count} spans")
-    summary = summary_dict(args.file, loaded.span_count, loaded.selected, loaded.throughputs)
+    summary = summary_dict(args.file, loaded.span_count, loaded.selected, loaded.throughputs, loaded.left_out)
     note = _filter_note(args, loaded)
     if note:
         summary["filter"] = note

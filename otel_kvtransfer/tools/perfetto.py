@@ -99,8 +99,10 @@ def tail_marks(requests) -> list:
     return out
 
 
-def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: Iterable[TailSlice] = ()) -> dict:
-    """The trace-event JSON object for `spans`, and the `tails` (`tail_marks`) in lanes of their own."""
+def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: Iterable[TailSlice] = (),
+                 not_drawn: int = 0) -> dict:
+    """The trace-event JSON object for `spans`, and the `tails` (`tail_marks`) in lanes of their own;
+    `not_drawn` (children of very large requests left out, `--max-sends-per-request`) is said in `otherData`."""
     spans = sorted(spans, key=lambda s: (s.start_time_unix_nano, -s.end_time_unix_nano))
     if origin_ns is None:
         origin_ns = min((s.start_time_unix_nano for s in spans), default=0)
@@ -142,13 +144,14 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: 
         for span, row in zip(members, rows):
             make = _tail_event if isinstance(span, TailSlice) else _event
             events.append(make(span, pid, first + row, origin_ns))
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"origin_unix_nano": origin_ns, "generator": "otel_kvtransfer",
-                      "note": "ts/dur in microseconds after origin_unix_nano; spans of different processes share "
-                              "this axis, and clocks of different hosts may disagree"},
-    }
+    other = {"origin_unix_nano": origin_ns, "generator": "otel_kvtransfer",
+             "note": "ts/dur in microseconds after origin_unix_nano; spans of different processes share "
+                     "this axis, and clocks of different hosts may disagree"}
+    if not_drawn:
+        other["spans_not_drawn"] = not_drawn
+        other["spans_not_drawn_note"] = ("of requests with more sends or computes than --max-sends-per-request, "
+                                         "only the first by start are here")
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def _event(span: Span, pid: int, tid: int, origin_ns: int) -> dict:

@@ -13,6 +13,7 @@ carries its aggregates is shown as it is; otherwise `RequestAggregate` computes 
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -26,6 +27,9 @@ CHILD_SPANS = (sc.SPAN_SEND, sc.SPAN_COMPUTE)
 # one waits until the list has doubled: disjoint intervals do not shrink when merged, and merging at a fixed size
 # would sort the whole list again for every new span (quadratic); doubling keeps the total O(n log n).
 _COMPACT_AT = 4096
+# Send (and compute) spans of one request attached for drawing: a bar each is all a block can show in its ~1,000
+# pixels, so a request of 100,000 sends would make a page of tens of MB for nothing (`attach_children`).
+DRAWN_PER_REQUEST = 1000
 
 # Request-span attributes shown as they are, and their names in a summary row.
 FIGURE_ATTRIBUTES = aggregate.FIGURE_ATTRIBUTES
@@ -92,7 +96,8 @@ class Request:
 
     __slots__ = ("trace_id", "group", "span_id", "identity", "engine", "start_ns", "end_ns", "has_span",
                  "status", "error_type", "figure_attrs", "aggregate", "send_spans", "compute_spans",
-                 "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes", "compact_at")
+                 "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes", "compact_at",
+                 "sends_not_drawn", "computes_not_drawn", "all_busy", "last_ends")
 
     def __init__(self, trace_id: str, group):
         self.trace_id = trace_id
@@ -115,6 +120,11 @@ class Request:
         self.sends: list = []
         self.computes: list = []
         self.compact_at = _COMPACT_AT
+        # Set by `attach_children` when it keeps only some children: how many it left out, the union of every send
+        # (the busy strip and the tail's gaps), and the last end of every send and compute (the tail).
+        self.sends_not_drawn = self.computes_not_drawn = 0
+        self.all_busy: Optional[list] = None
+        self.last_ends: Optional[tuple] = None
 
     # ---- building
     def note_time(self, span: Span, own: bool) -> None:
@@ -227,6 +237,8 @@ class Request:
 
     def busy_intervals(self) -> list:
         """The union of the send intervals (from the attached sends when drawing)."""
+        if self.all_busy is not None:
+            return self.all_busy
         if self.sends or self.aggregate is None:
             return aggregate.union((s.start_time_unix_nano, s.end_time_unix_nano) for s in self.sends)
         return aggregate.union(self.aggregate.sends)
@@ -238,9 +250,13 @@ class Request:
         figures = self.figures()
         if figures["tail_s"] is None or not self.sends or not self.computes:
             return None
-        # The last ends are what aggregate.tail takes from the unions: the greatest end of each kind.
-        compute_end = max(s.end_time_unix_nano for s in self.computes)
-        last_byte = max(s.end_time_unix_nano for s in self.sends)
+        # The last ends are what aggregate.tail takes from the unions: the greatest end of each kind (of every
+        # child, drawn or not).
+        if self.last_ends is not None:
+            last_byte, compute_end = self.last_ends
+        else:
+            compute_end = max(s.end_time_unix_nano for s in self.computes)
+            last_byte = max(s.end_time_unix_nano for s in self.sends)
         return TailMark(compute_end, last_byte, figures["tail_s"], figures["tail_busy_s"] or 0.0,
                         figures["tail_queued_s"] or 0.0)
 
@@ -332,20 +348,84 @@ class RequestSet:
         return requests
 
 
-def attach_children(requests: Sequence[Request], spans: Iterable[Span]) -> None:
-    """Second pass for drawing: give each of `requests` its request span and its send and compute spans."""
+def attach_children(requests: Sequence[Request], spans: Iterable[Span],
+                    max_children: Optional[int] = DRAWN_PER_REQUEST) -> None:
+    """Second pass for drawing: give each of `requests` its request span and its send and compute spans; of a
+    request with more than `max_children` sends (or computes), only the first `max_children` by start are kept
+    (the rest counted in `sends_not_drawn` / `computes_not_drawn`; None: no bound), so memory follows what is
+    drawn, and its busy strip and tail still come from every send (`all_busy`, `last_ends`)."""
     wanted = {r.group: r for r in requests}
+    bounded = {}
+    for request in requests:
+        if max_children and (request.send_spans > max_children or request.compute_spans > max_children):
+            bounded[request.group] = _FirstChildren(max_children)
     for span in spans:
-        request = wanted.get(group_key(span))
+        group = group_key(span)
+        request = wanted.get(group)
         if request is None:
             continue
         if span.name == sc.SPAN_REQUEST:
             request.span = span
+        elif group in bounded:
+            bounded[group].add(span)
         else:
             (request.sends if span.name == sc.SPAN_SEND else request.computes).append(span)
     for request in requests:
+        kept = bounded.get(request.group)
+        if kept is not None:
+            kept.finish(request)
+            continue
         request.sends.sort(key=lambda s: (s.start_time_unix_nano, s.end_time_unix_nano))
         request.computes.sort(key=lambda s: s.start_time_unix_nano)
+
+
+class _FirstChildren:
+    """The first `limit` sends and computes of one request by (start, end, file order), in bounded heaps, with
+    the union of every send interval (merged as the list doubles, as `Request` does) and the last ends."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.heaps = {sc.SPAN_SEND: [], sc.SPAN_COMPUTE: []}
+        self.seen = {sc.SPAN_SEND: 0, sc.SPAN_COMPUTE: 0}
+        self.ends = {sc.SPAN_SEND: None, sc.SPAN_COMPUTE: None}
+        self.starts, self.stops = array("q"), array("q")
+        self.compact_at = _COMPACT_AT
+
+    def add(self, span: Span) -> None:
+        name = span.name
+        lo, hi = span.start_time_unix_nano, span.end_time_unix_nano
+        number = self.seen[name]
+        self.seen[name] = number + 1
+        last = self.ends[name]
+        self.ends[name] = hi if last is None else max(last, hi)
+        heap = self.heaps[name]
+        entry = (-lo, -hi, -number, span)  # a max-heap: its top is the child that comes last
+        if len(heap) < self.limit:
+            heapq.heappush(heap, entry)
+        elif entry > heap[0]:
+            heapq.heapreplace(heap, entry)
+        if name == sc.SPAN_SEND:
+            self.starts.append(lo)
+            self.stops.append(hi)
+            if len(self.starts) > self.compact_at:
+                self._compact()
+
+    def _compact(self) -> list:
+        merged = aggregate.union(zip(self.starts, self.stops))
+        self.starts = array("q", (lo for lo, _hi in merged))
+        self.stops = array("q", (hi for _lo, hi in merged))
+        self.compact_at = max(_COMPACT_AT, 2 * len(merged))
+        return merged
+
+    def finish(self, request: Request) -> None:
+        def ordered(name):
+            return [entry[3] for entry in sorted(self.heaps[name], key=lambda e: (-e[0], -e[1], -e[2]))]
+
+        request.sends, request.computes = ordered(sc.SPAN_SEND), ordered(sc.SPAN_COMPUTE)
+        request.sends_not_drawn = self.seen[sc.SPAN_SEND] - len(request.sends)
+        request.computes_not_drawn = self.seen[sc.SPAN_COMPUTE] - len(request.computes)
+        request.all_busy = self._compact()
+        request.last_ends = (self.ends[sc.SPAN_SEND], self.ends[sc.SPAN_COMPUTE])
 
 
 def select_requests(requests: Sequence[Request], keys: Optional[Iterable[str]] = None,

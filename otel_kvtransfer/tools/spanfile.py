@@ -16,7 +16,9 @@ the line, with echoed values bounded.
 
 A torn line (what a crash or a full disk leaves: a line cut short, or the start of a line with the next one run
 into it) is skipped and noted in `skipped`, so one lost batch does not cost the file; a file with no good span
-line is still an error. A UTF-8 byte-order mark before the first line is ignored.
+line is still an error. A span that ends before it starts (the wall clock stepped back while it was open) is
+skipped too, alone, and counted in `skipped.backwards`: the other spans of its line are read. A UTF-8
+byte-order mark before the first line is ignored.
 
 Memory: reading one line holds that line (at most MAX_LINE, 16 MiB), its decoded JSON (at most one object or
 list per 8 bytes of line, so a hostile line is refused before it is decoded) and its spans; the attribute memo
@@ -46,7 +48,7 @@ from otel_kvtransfer.building.file_exporter import MAX_LINE, ids_from_hex
 from otel_kvtransfer.tools.source import SourceError, SpanSource, open_source
 from otel_kvtransfer.tools.text import bounded
 
-__all__ = ["Span", "SpanFileError", "Skipped", "iter_spans", "read_spans", "stderr_progress"]
+__all__ = ["Span", "SpanFileError", "Skipped", "LineTally", "iter_spans", "read_spans", "stderr_progress"]
 
 KINDS = ("INTERNAL", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")  # by OTLP number (0 = unspecified)
 STATUS_CODES = ("UNSET", "OK", "ERROR")
@@ -180,9 +182,7 @@ def _times(start: Any, end: Any) -> tuple:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_NS:
             raise _LineError(f"{what} must be a Unix time in nanoseconds, got {bounded(repr(value))}")
         values.append(value)
-    if values[1] < values[0]:
-        raise _LineError(f"span ends ({values[1]}) before it starts ({values[0]})")
-    return values[0], values[1]
+    return values[0], values[1]  # an end before the start is skipped by the reader (`Skipped.backwards`)
 
 
 def _text(value: Any, what: str) -> str:
@@ -463,27 +463,80 @@ def _parse_line(raw: bytes) -> list:
 # --------------------------------------------------------------------------------------------------- reader
 
 
-class Skipped:
-    """The torn lines a read skipped: how many, and the first few line numbers."""
+class LineTally:
+    """How many of one kind of thing a read left out, and the first few line numbers they were on."""
 
     SHOWN = 20
 
     def __init__(self):
         self.count = 0
         self.lines: list = []
+        self.more_lines = False
 
     def add(self, number: int) -> None:
         self.count += 1
+        if self.lines and self.lines[-1] == number:
+            return
         if len(self.lines) < self.SHOWN:
             self.lines.append(number)
+        else:
+            self.more_lines = True
+
+    def where(self) -> str:
+        """The line numbers, "line 2", "lines 2, 11" or "lines 2, 11, ... and more" (each line named once)."""
+        plural = "s" if len(self.lines) > 1 else ""
+        return f"line{plural} " + ", ".join(map(str, self.lines)) + (" and more" if self.more_lines else "")
+
+
+class Skipped:
+    """What a read left out, each kind counted with the first few line numbers: torn lines (`count`, `lines`,
+    `add`, as before), spans that end before they start (`backwards`) and, counted by the reader of requests,
+    spans that repeat the trace and span id of one read before (`duplicates`)."""
+
+    SHOWN = LineTally.SHOWN
+
+    def __init__(self):
+        self.torn = LineTally()
+        self.backwards = LineTally()
+        self.duplicates = LineTally()
+
+    @property
+    def count(self) -> int:
+        return self.torn.count
+
+    @property
+    def lines(self) -> list:
+        return self.torn.lines
+
+    def add(self, number: int) -> None:
+        self.torn.add(number)
 
     def message(self, name: str) -> str:
-        """One line saying which lines were skipped and why."""
-        shown = ", ".join(map(str, self.lines)) + (f" and {self.count - len(self.lines)} more"
-                                                   if self.count > len(self.lines) else "")
-        plural = "s" if self.count > 1 else ""
-        return (f"{bounded(name)}: skipped {self.count} torn line{plural} ({shown}): cut short by a crash or a "
+        """One line saying which torn lines were skipped and why."""
+        count, lines = self.torn.count, self.torn.lines
+        shown = ", ".join(map(str, lines)) + (f" and {count - len(lines)} more" if count > len(lines) else "")
+        plural = "s" if count > 1 else ""
+        return (f"{bounded(name)}: skipped {count} torn line{plural} ({shown}): cut short by a crash or a "
                 "full disk; the other lines were read")
+
+    def warnings(self, name: str) -> list:
+        """One line for each kind of thing left out (none when the read left nothing out)."""
+        out = [self.message(name)] if self.torn.count else []
+        if self.backwards.count:
+            n = self.backwards.count
+            out.append(f"{bounded(name)}: skipped {n} span{'s' if n > 1 else ''} that end{'' if n > 1 else 's'} "
+                       f"before {'they start' if n > 1 else 'it starts'} ({self.backwards.where()}): the wall "
+                       "clock stepped back while the span was open; the other spans were read")
+        if self.duplicates.count:
+            n = self.duplicates.count
+            out.append(f"{bounded(name)}: left out {n} span{'s' if n > 1 else ''} repeating the trace and span id of "
+                       f"a span read before ({self.duplicates.where()}): each id counts once, as first read")
+        return out
+
+    @property
+    def spans(self) -> int:
+        """Spans left out that the read otherwise took (backwards and duplicate spans; torn lines are lines)."""
+        return self.backwards.count + self.duplicates.count
 
 
 def iter_spans(path, progress: Optional[Progress] = None, limit_bytes: Optional[int] = None,
@@ -544,12 +597,18 @@ def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterat
             except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
                 raise SpanFileError(name, number, f"bad value: {bounded(str(exc))}") from None
             for span in spans:
+                if span.end_time_unix_nano < span.start_time_unix_nano:
+                    skipped.backwards.add(number)
+                    continue
                 span.line = number
                 count += 1
                 yield span
         if progress is not None:
             progress(done, max(total, done), count)
     if count == 0:
+        if skipped.backwards.count:  # whole lines, but not one span that can be drawn
+            raise SpanFileError(name, skipped.backwards.lines[0], f"every span ({skipped.backwards.count}) ends "
+                                                                  "before it starts: no span to read")
         if first_torn is not None:  # nothing but broken lines: not a span file, whatever began like one
             raise SpanFileError(name, first_torn[0], f"{first_torn[1]}; no line of the file is a whole span line")
         raise SpanFileError(name, None, "is empty: no spans")

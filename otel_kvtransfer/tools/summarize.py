@@ -44,11 +44,16 @@ def distribution(values: Sequence[float], bins: int = 10) -> dict:
     return result
 
 
-def summary_dict(path: str, span_count: int, requests: Sequence, throughputs: Sequence[float]) -> dict:
-    """The summary; "requests" holds the Request objects, turned into rows only as they are written."""
+def summary_dict(path: str, span_count: int, requests: Sequence, throughputs: Sequence[float],
+                 left_out=None) -> dict:
+    """The summary; "requests" holds the Request objects, turned into rows only as they are written; `left_out`
+    (a `spanfile.Skipped`) what the read left out, by kind."""
     return {
         "file": str(path),
         "span_count": span_count,
+        "left_out": {"torn_lines": left_out.torn.count if left_out else 0,
+                     "spans_ending_before_they_start": left_out.backwards.count if left_out else 0,
+                     "repeated_span_ids": left_out.duplicates.count if left_out else 0},
         "request_count": len(requests),
         "requests": requests,
         "transfer_throughput": distribution(throughputs),

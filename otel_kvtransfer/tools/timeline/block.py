@@ -112,6 +112,8 @@ def _lanes(req: Request) -> list:
     if len(dests) > MAX_DEST_LANES:
         hidden = sum(len(by_dest[d]) for d in dests[MAX_DEST_LANES:])
         lanes.append((f"+{len(dests) - MAX_DEST_LANES} more destinations ({hidden} transfers)", "more", []))
+    if req.sends_not_drawn or req.computes_not_drawn:
+        lanes.append((_not_drawn_text(req), "not-drawn", []))
     engines = {}
     for peer in req.peers:
         engines.setdefault(str(peer.resource.get("service.instance.id") or engine_label(peer.resource)),
@@ -123,6 +125,29 @@ def _lanes(req: Request) -> list:
     if len(groups) > MAX_PEER_LANES:
         lanes.append((f"+{len(groups) - MAX_PEER_LANES} more peer engines", "more", []))
     return lanes
+
+
+def _not_drawn_text(req: Request) -> str:
+    parts = []
+    if req.sends_not_drawn:
+        parts.append(f"{req.sends_not_drawn} of {req.send_spans} sends")
+    if req.computes_not_drawn:
+        parts.append(f"{req.computes_not_drawn} of {req.compute_spans} computes")
+    drawn = len(req.sends) if req.sends_not_drawn else len(req.computes)
+    return (f"+{' and '.join(parts)} not drawn: only the first {drawn} by start "
+            "are (--max-sends-per-request); figures, busy strip and tail count them all")
+
+
+def _pixel_runs(intervals: Sequence[tuple], x_of) -> list:
+    """(x0, x1) of the intervals, those less than a pixel apart drawn as one (at most one run per pixel)."""
+    runs = []
+    for lo, hi in intervals:
+        x0, x1 = x_of(lo), x_of(hi)
+        if runs and x0 - runs[-1][1] < 1:
+            runs[-1][1] = max(runs[-1][1], x1)
+        else:
+            runs.append([x0, x1])
+    return runs
 
 
 def _bar(kind: str, span, x0: float, by: float, w: float) -> list:
@@ -236,6 +261,11 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
             body.extend(_tail_lane(mark, busy, x_of, y, width))
             y += ROW_H + 4
             continue
+        if kind == "not-drawn":
+            body.append(Text(LEFT - 8, y + ROW_H / 2 + 4, "not drawn", FONT, MUTED, anchor="end", cls="lane-label"))
+            body.append(Text(LEFT + 4, y + ROW_H - 6, clip(text, plot_w - 8), FONT - 1, MUTED, cls="more not-drawn"))
+            y += ROW_H + 4
+            continue
         if kind in ("busy", "more"):
             lane_h = 10 if kind == "busy" else ROW_H
             rows, row_count, hidden = [], 1, 0
@@ -246,7 +276,10 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
             lane_h = (row_count + (1 if hidden else 0)) * ROW_H
         body.append(Text(LEFT - 8, y + min(lane_h, ROW_H) / 2 + 4, clip(text, LEFT - 16), FONT, MUTED,
                          anchor="end", cls="lane-label"))
-        if kind == "busy":
+        if kind == "busy" and len(busy) > plot_w:  # more intervals than pixels: one bar per run of them
+            for x0, x1 in _pixel_runs(busy, x_of):
+                body.append(Rect(x0, y + 2, max(x1 - x0, 1), 6, BUSY_COLOR, cls="busy"))
+        elif kind == "busy":
             for lo, hi in busy:
                 body.append(Rect(x_of(lo), y + 2, max(x_of(hi) - x_of(lo), 1), 6, BUSY_COLOR, cls="busy",
                                  title=f"busy {fmt_ms((hi - lo) / 1e9)}"))
