@@ -52,6 +52,8 @@ DEFAULTS: Dict[str, Any] = {
     "timeout_s": 60.0,
     "startup_timeout_s": 300.0,  # importing sglang takes ~3 s on a quiet machine, minutes on a loaded one
     "sglang_trace": False,  # sglang's own tracing (--enable-trace), exporting to a closed port
+    "register_order": None,  # decode ranks in the order their metadata must reach the prefill, e.g. [1, 0]
+    "prefills": 1,  # prefill TP ranks, one process each (rank 0 hosts the bootstrap server); MHA: head slices
 }
 
 
@@ -75,6 +77,8 @@ def _head_sliced(cfg) -> bool:
 def _local_item_len(cfg, mode: str) -> int:
     if mode == "decode" and _head_sliced(cfg):
         return cfg["item_len"] // cfg["decodes"]  # this rank's heads of a page
+    if mode == "prefill" and cfg["prefills"] > 1 and not cfg["mla"]:
+        return cfg["item_len"] // cfg["prefills"]  # this prefill rank's heads of a page
     return cfg["item_len"]
 
 
@@ -143,6 +147,8 @@ def _setup_sglang(cfg, mode: str, rank: int):
     )
     if mode == "decode" and cfg["decodes"] > 1:
         kwargs["tp_size"] = cfg["decodes"]
+    if mode == "prefill" and cfg["prefills"] > 1:
+        kwargs["tp_size"] = cfg["prefills"]
     if cfg["sglang_trace"]:
         kwargs.update(enable_trace=True, trace_modules="request,mooncake", otlp_traces_endpoint=f"{HOST}:9")
     server_args = ServerArgs(**kwargs)
@@ -167,13 +173,16 @@ def _make_buffers(cfg, mode: str, rank: int):
     kv = [np.zeros(cfg["pages"] * item_len, dtype=np.uint8) for _ in range(n_bufs)]
     aux = [np.zeros(cfg["aux_slots"] * cfg["aux_len"], dtype=np.uint8)]
     if mode == "prefill":
+        lo = rank * item_len if item_len != cfg["item_len"] else 0  # a prefill rank's head slice of each page
         for b, buf in enumerate(kv):
             view = buf.reshape(cfg["pages"], item_len)
             for p in range(cfg["pages"]):
-                view[p] = _fill_value(b, p, item_len)
+                view[p] = _fill_value(b, p, cfg["item_len"])[lo : lo + item_len]
         aux[0].reshape(cfg["aux_slots"], cfg["aux_len"])[0] = _fill_value(99, 0, cfg["aux_len"])
     total_heads = 1 if cfg["mla"] else 4
     heads = total_heads // cfg["decodes"] if (_head_sliced(cfg) and mode == "decode") else total_heads
+    if mode == "prefill" and item_len != cfg["item_len"]:
+        heads = total_heads // cfg["prefills"]
     args = KVArgs()
     args.engine_rank = rank
     args.kv_data_ptrs = [b.ctypes.data for b in kv]
@@ -286,14 +295,14 @@ def span_to_dict(span) -> Dict[str, Any]:
 # The processes
 
 
-def prefill_main(cfg, events, go) -> None:
-    out: Dict[str, Any] = {"role": "prefill"}
+def prefill_main(cfg, events, go, rank=0) -> None:
+    out: Dict[str, Any] = {"role": "prefill", "rank": rank}
     try:
         _process_env()
         collect = _setup_instrumentation(cfg)
         import numpy as np
 
-        server_args = _setup_sglang(cfg, "prefill", 0)
+        server_args = _setup_sglang(cfg, "prefill", rank)
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.mooncake.conn import (
             MooncakeKVBootstrapServer,
@@ -302,15 +311,15 @@ def prefill_main(cfg, events, go) -> None:
         )
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
-        _bootstrap = MooncakeKVBootstrapServer(HOST, cfg["bootstrap_port"])
-        args, kv, aux = _make_buffers(cfg, "prefill", 0)
+        _bootstrap = MooncakeKVBootstrapServer(HOST, cfg["bootstrap_port"]) if rank == 0 else None
+        args, kv, aux = _make_buffers(cfg, "prefill", rank)
         mgr = MooncakeKVManager(args, DisaggregationMode.PREFILL, server_args, cfg["mla"])
-        events.put(("prefill_ready", None))
+        events.put(("prefill_ready", rank))
 
         room = cfg["room"]
         if cfg["fail"] == "no_decode":
             out.update(_rooms_without_decode(cfg, mgr, MooncakeKVSender, KVPoll))
-            out["spans"], out["metrics"] = collect()
+            out["spans"], out["metrics"] = _collect_until_ended(collect, room + 3, cfg["timeout_s"])
             events.put(("prefill_done", out))
             return
         sender = MooncakeKVSender(mgr, f"{HOST}:{cfg['bootstrap_port']}", room)
@@ -321,11 +330,17 @@ def prefill_main(cfg, events, go) -> None:
         deadline = time.monotonic() + cfg["startup_timeout_s"]  # until the decode processes have imported sglang
         # decode_gone: a second room to the same decode, sent after the first failed (its session is then known dead)
         second = MooncakeKVSender(mgr, f"{HOST}:{cfg['bootstrap_port']}", room + 1) if cfg["fail"] else None
+        registered = 0
         for s in (sender, second):
             while s is not None and s.poll() == KVPoll.Bootstrapping:
                 if time.monotonic() > deadline:
                     raise TimeoutError("sender stayed in Bootstrapping")
+                if cfg["register_order"] and len(mgr.transfer_infos.get(room) or ()) > registered:
+                    registered = len(mgr.transfer_infos[room])
+                    events.put(("prefill_registered", registered))  # the parent lets the next decode in
                 time.sleep(0.01)
+        out["registered_ranks"] = [getattr(mgr.decode_kv_args_table.get(k), "dst_tp_rank", None)
+                                   for k in mgr.transfer_infos.get(room, ())]
         events.put(("prefill_bootstrapped", None))
         if not _wait_flag(go, cfg["startup_timeout_s"]):
             raise TimeoutError("no go from the parent")
@@ -408,8 +423,22 @@ def _rooms_without_decode(cfg, mgr, sender_class, KVPoll) -> Dict[str, Any]:
     while status != KVPoll.Failed and time.monotonic() < deadline:
         time.sleep(0.05)
         status = timed_out.poll()
-    time.sleep(cfg.get("linger_s", 0.0))  # past OTEL_KVTRANSFER_REQUEST_TTL_S: the forgotten room is evicted
     return {"status": {"aborted": aborted.poll(), "timed_out": int(status)}}
+
+
+def _collect_until_ended(collect, room: int, timeout_s: float):
+    """What `collect()` returns once `room`'s request span is among the spans (a forgotten room: only our TTL,
+    OTEL_KVTRANSFER_REQUEST_TTL_S, ends it), or once `timeout_s` passed (the test then says what is missing)."""
+    from otel_kvtransfer import semconv
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans, metrics = collect()
+        if time.monotonic() > deadline or any(
+                s["name"] == semconv.SPAN_REQUEST and s["attributes"].get(semconv.BOOTSTRAP_ROOM) == room
+                for s in spans):
+            return spans, metrics
+        time.sleep(0.05)
 
 
 def _simulated_forward(mgr, room: int, gap_s: float) -> None:
@@ -454,7 +483,7 @@ def _early_send(sender, pages) -> None:
     _Sched().maybe_send_cached_prefix_chunk(_Req())
 
 
-def decode_main(cfg, rank, events, stop) -> None:
+def decode_main(cfg, rank, events, stop, gate=None) -> None:
     out: Dict[str, Any] = {"role": "decode", "rank": rank}
     try:
         _process_env()
@@ -478,6 +507,8 @@ def decode_main(cfg, rank, events, stop) -> None:
         receiver = MooncakeKVReceiver(mgr, addr, room)
         receiver.init(prefill_dp_rank=0)
         dst = np.asarray(_dst_pages(cfg), dtype=np.int32)
+        if gate is not None and not _wait_flag(gate, cfg["startup_timeout_s"]):  # register_order: our turn
+            raise TimeoutError("not let in to register")
         receiver.send_metadata(dst, aux_index=1)
         if cfg["fail"] == "decode_gone":
             second = MooncakeKVReceiver(mgr, addr, room + 1)
@@ -542,24 +573,39 @@ def run_scenario(**overrides) -> Dict[str, Any]:
     stop = ctx.Event()
     t0 = time.monotonic()
     procs = [ctx.Process(target=prefill_main, args=(cfg, events, go), name="kvt-prefill", daemon=True)]
+    # More prefill ranks: started once rank 0's bootstrap server is up, the decodes once every rank registered.
+    more = [ctx.Process(target=prefill_main, args=(cfg, events, go, r), name=f"kvt-prefill{r}", daemon=True)
+            for r in range(1, cfg["prefills"])]
     if cfg["fail"] == "no_decode":
         cfg["decodes"] = 0
+    order = list(cfg["register_order"] or ())
+    gates = {r: ctx.Event() for r in order}
     for r in range(cfg["decodes"]):
-        procs.append(ctx.Process(target=decode_main, args=(cfg, r, events, stop), name=f"kvt-decode{r}", daemon=True))
-    result: Dict[str, Any] = {"prefill": None, "decodes": [], "cfg": cfg}
+        procs.append(ctx.Process(target=decode_main, args=(cfg, r, events, stop, gates.get(r)), name=f"kvt-decode{r}",
+                                 daemon=True))
+    result: Dict[str, Any] = {"prefill": None, "prefills": [], "decodes": [], "cfg": cfg, "registered": 0}
     try:
         procs[0].start()
         if not _wait_event(events, "prefill_ready", cfg["startup_timeout_s"], result):
             raise TimeoutError(f"prefill not ready: {result}")
+        for p in more:
+            p.start()
+            if not _wait_event(events, "prefill_ready", cfg["startup_timeout_s"], result):
+                raise TimeoutError(f"prefill {p.name} not ready: {result}")
         for p in procs[1:]:
             p.start()
-        metadata, bootstrapped = 0, cfg["fail"] == "no_decode"
+        if order:
+            gates[order[0]].set()
+        metadata, bootstrapped, senders = 0, cfg["fail"] == "no_decode", 0
         while metadata < cfg["decodes"] or not bootstrapped:
             kind = _next_event(events, cfg["startup_timeout_s"], result)  # decode processes import sglang too
             if kind == "decode_metadata_sent":
                 metadata += 1
             elif kind == "prefill_bootstrapped":
-                bootstrapped = True
+                senders += 1
+                bootstrapped = senders >= cfg["prefills"]
+            elif kind == "prefill_registered" and result["registered"] < len(order):
+                gates[order[result["registered"]]].set()  # the previous decode's metadata is in: the next one
             elif kind is None:
                 raise TimeoutError(f"decode metadata not sent: {result}")
             elif kind == "prefill_done":
@@ -572,12 +618,13 @@ def run_scenario(**overrides) -> Dict[str, Any]:
         go.set()
         expected_done = 1 + (0 if cfg["fail"] == "decode_gone" else cfg["decodes"])
         deadline = time.monotonic() + cfg["timeout_s"] + 10
-        while (result["prefill"] is None or len(result["decodes"]) < expected_done - 1) and time.monotonic() < deadline:
+        while ((result["prefill"] is None or len(result["prefills"]) < cfg["prefills"]
+                or len(result["decodes"]) < expected_done - 1) and time.monotonic() < deadline):
             if _next_event(events, max(0.1, deadline - time.monotonic()), result) is None:
                 break
     finally:
         stop.set()
-        for p in procs:
+        for p in procs + more:
             if p.pid is None:
                 continue
             p.join(timeout=5)
@@ -595,7 +642,11 @@ def _next_event(events, timeout, result) -> Optional[str]:
     except queue_mod.Empty:
         return None
     if kind == "prefill_done":
-        result["prefill"] = payload
+        result["prefills"].append(payload)
+        if payload.get("rank", 0) == 0:
+            result["prefill"] = payload
+    elif kind == "prefill_registered":
+        result["registered"] = payload
     elif kind == "decode_done":
         result["decodes"].append(payload)
     return kind

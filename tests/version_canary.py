@@ -102,7 +102,7 @@ MOONCAKE_OPTIONAL = ("initialize_ext", "transfer_sync", "batch_transfer_sync", "
 def _vllm_targets() -> List[Target]:
     from otel_kvtransfer.frameworks.vllm import targets
 
-    return targets.ALL
+    return targets.ALL + targets.PAYLOAD_TARGETS  # the KV connectors', then the traffic that is not KV (optional)
 
 
 @dataclass

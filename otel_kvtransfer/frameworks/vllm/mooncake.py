@@ -41,6 +41,7 @@ from otel_kvtransfer.frameworks.vllm.common import (
     BoundedMap,
     bind,
     has_blocks,
+    learn_ranks,
     patcher,
     request_attributes,
 )
@@ -90,6 +91,7 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
 
 
 _start_load_kv_wrapper = observe_call("read vLLM Mooncake connector metadata", _on_start_load_kv)
+_worker_init_wrapper = observe_call("read a vLLM Mooncake worker's rank", after=learn_ranks, when=None)
 
 
 _BUILD_PARAMS = ("ready_reqs", "agent_meta", "local_regions", "remote_regions")
@@ -146,17 +148,19 @@ def _remember_shares(instance, agent_meta, src_ptrs, parts) -> None:
     """Keep each request's share of the descriptor list until `_send_blocks` sends it."""
     if not src_ptrs or not parts:
         return
-    ranks = list(instance.transfer_topo.handshake_target_ranks(agent_meta.remote_tp_size))
-    destination = ranks.index(agent_meta.remote_tp_rank) if agent_meta.remote_tp_rank in ranks else 0
+    ranks = sorted(instance.transfer_topo.handshake_target_ranks(agent_meta.remote_tp_size))
+    peer = agent_meta.remote_tp_rank
+    destination = ranks.index(peer) if peer in ranks else 0  # the one rule: position by peer rank
     replicas = len(ranks) if getattr(instance, "use_mla", False) else 1
     shares = []
     for meta, (_, _, lengths, errors, _) in parts:
         if errors or not lengths:
             continue
         share = {"key": meta.transfer_id, "bytes": sum(lengths), "descriptors": len(lengths), "chunk_index": 0,
-                 "is_last_chunk": True, "destination_index": destination, "replica_factor": replicas}
+                 "is_last_chunk": True, "destination_index": destination, "replica_factor": replicas,
+                 "attributes": {semconv.PEER_RANK: peer}}
         if _layout_missed.pop(meta.transfer_id, None):
-            share["attributes"] = {RESEND: True}
+            share["attributes"][RESEND] = True
         shares.append(share)
     if sum(share["descriptors"] for share in shares) != len(src_ptrs):
         own_error("match a vLLM Mooncake batch to its requests")
@@ -285,6 +289,7 @@ def _fetch_recving_wrapper(wrapped, instance, args, kwargs):
 
 def patch(module) -> None:
     worker = module.MooncakeConnectorWorker
+    patcher.wrap(worker, "__init__", _worker_init_wrapper)
     patcher.wrap(worker, "start_load_kv", _start_load_kv_wrapper)
     patcher.wrap(worker, "_build_transfer_params", _build_transfer_params_wrapper)
     patcher.wrap(worker, "_send_blocks", _send_blocks_wrapper)

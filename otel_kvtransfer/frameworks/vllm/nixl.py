@@ -74,14 +74,16 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
 
 
 _start_load_kv_wrapper = observe_call("read vLLM NIXL connector metadata", _on_start_load_kv)
+_worker_init_wrapper = observe_call("read a vLLM NIXL worker's rank", after=common.learn_ranks, when=None)
 
 
 def _read_scope(instance, kwargs):
     """The transfer scope of one READ from one prefill rank: the rank's place among the ranks read from."""
     rank = kwargs["read_spec"].remote_rank
-    ranks = list(instance.tp_mappings[kwargs["dst_engine_id"]].all_source_ranks)
+    ranks = sorted(instance.tp_mappings[kwargs["dst_engine_id"]].all_source_ranks)
     return kvt.transfer_scope(kwargs["remote_request_id"], chunk_index=0, is_last_chunk=True,
-                              destination_index=ranks.index(rank) if rank in ranks else 0)
+                              destination_index=ranks.index(rank) if rank in ranks else 0,
+                              attributes={semconv.PEER_RANK: rank})
 
 
 def _read_blocks_wrapper(wrapped, instance, args, kwargs):
@@ -140,6 +142,7 @@ _transfer_results_wrapper = observe_call("end vLLM NIXL requests", after=_on_tra
 def patch(module) -> None:
     worker = module.NixlPullConnectorWorker
     base = getattr(module, "NixlBaseConnectorWorker", worker.__mro__[1])  # owns the completion bookkeeping
+    common.patcher.wrap(worker, "__init__", _worker_init_wrapper)
     common.patcher.wrap(worker, "start_load_kv", _start_load_kv_wrapper)
     common.patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
     common.patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)

@@ -1,9 +1,9 @@
 """What the vLLM wrappers need from vLLM, per patched module: the gate checks it before patching (on any vLLM
 release, tested or newer), and scripts/canary.py checks it in each new release's source.
 
-Keep in step with mooncake.py and nixl.py: every `patcher.wrap`, every parameter a wrapper reads by name, every
-attribute it reads from vLLM's objects. `optional` marks what only newer releases have (0.33's paths); without it
-the wrappers do not see that path, and nothing else changes.
+Keep in step with mooncake.py, nixl.py and payloads.py: every `patcher.wrap`, every parameter a wrapper reads by
+name, every attribute it reads from vLLM's objects. `optional` marks what only newer releases have (0.33's paths);
+without it the wrappers do not see that path, and nothing else changes.
 """
 
 from otel_kvtransfer.wiring.targets import Target
@@ -44,6 +44,8 @@ MOONCAKE_TARGETS = [
     Target(MOONCAKE, "MooncakeXferMetadata", attrs=("layout_id", "kv_caches_base_addr"), optional=True),
     Target(MOONCAKE, _WORKER, "unregister_kv_caches", (), ("_kv_unregistered",), optional=True),
     Target(MOONCAKE, _WORKER, "restore_kv_caches", optional=True),
+    # The worker's own rank (kv_transfer.tp_rank; dp_rank is read where vLLM has it), read once its __init__ ran.
+    Target(MOONCAKE, _WORKER, "__init__", attrs=("tp_rank",)),
 ]
 
 _PULL = "NixlPullConnectorWorker"
@@ -68,12 +70,31 @@ NIXL_TARGETS = [
     Target(NIXL_METADATA, "RemoteMeta", attrs=("registration_generation",), optional=True),
     Target(NIXL_BASE, _BASE, "unregister_kv_caches", (), ("_kv_unregistered",), optional=True),
     Target(NIXL_BASE, _BASE, "restore_kv_caches", optional=True),
+    Target(NIXL_PULL, _PULL, "__init__"),
+    Target(NIXL_BASE, _BASE, attrs=("tp_rank",)),
+]
+
+
+# Traffic that is not KV (payloads.py; 0.32 and 0.33 have all three): each entry method opens a payload scope. All
+# optional: a release without one keeps its KV wrappers, and those bytes show as raw sends.
+_EC = "vllm.distributed.ec_transfer.ec_connector"
+EC_MOONCAKE = f"{_EC}.mooncake.transfer"
+EC_NIXL = f"{_EC}.cpu.data.nixl"
+EPLB = "vllm.distributed.eplb.eplb_communicator"
+
+PAYLOAD_TARGETS = [
+    Target(EC_MOONCAKE, "MooncakeTransfer", "write", optional=True),
+    Target(EC_NIXL, "NixlDataTransport", "post_read", optional=True),
+    Target(EPLB, "NixlEplbCommunicator", "add_recv", optional=True),
 ]
 
 
 def by_module() -> dict:
     """Patched module -> the targets checked when it is imported (the gate's `targets`)."""
-    return {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS}
+    found = {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS}
+    for target in PAYLOAD_TARGETS:
+        found.setdefault(target.module, []).append(target)
+    return found
 
 
-ALL = MOONCAKE_TARGETS + NIXL_TARGETS
+ALL = MOONCAKE_TARGETS + NIXL_TARGETS  # the KV connectors' (tests/test_vllm_connector_paths.py patches them all)
