@@ -48,7 +48,14 @@ DESTINATION_INDEX = "kv_transfer.destination_index"
 RETURN_CODE = "kv_transfer.return_code"
 NOTIFICATION = "kv_transfer.notification"
 EVICTED = "kv_transfer.evicted"
+# What ended a span the request's own end never did: the process ending with it still open (ERROR too).
+ENDED_BY = "kv_transfer.ended_by"
 DROP_REASON = "kv_transfer.drop_reason"
+# Ranks (production shapes): this engine's own rank as its framework knows it, and a send's destination's.
+TP_RANK = "kv_transfer.tp_rank"
+DP_RANK = "kv_transfer.dp_rank"  # only under data-parallel attention
+PEER_RANK = "kv_transfer.peer_rank"
+RANK_ATTRIBUTES = (TP_RANK, DP_RANK)  # request-level: the builder repeats them on the request's sends and compute
 
 # Standard keys.
 SERVER_ADDRESS = "server.address"
@@ -68,12 +75,18 @@ ROLE_DECODE = "decode"
 PAYLOAD_KV = "kv"
 PAYLOAD_AUX = "aux"
 PAYLOAD_STATE = "state"
+# Bytes that move through the same engines but are not a request's KV (DESIGN, "Production shapes"): their sends
+# belong to no request; only the per-send metrics count them, under their payload label.
+PAYLOAD_ENCODER_CACHE = "encoder_cache"  # vLLM's encoder-cache (EC) connectors: multimodal encoder outputs
+PAYLOAD_EXPERT_WEIGHTS = "expert_weights"  # vLLM's EPLB: MoE expert weights moved between ranks
+NON_KV_PAYLOADS = frozenset({PAYLOAD_ENCODER_CACHE, PAYLOAD_EXPERT_WEIGHTS})
 OP_WRITE = "write"
 OP_READ = "read"
 DIRECTION_TRANSMIT = "transmit"
 DIRECTION_RECEIVE = "receive"
 DIRECTION_OF_OP = {OP_WRITE: DIRECTION_TRANSMIT, OP_READ: DIRECTION_RECEIVE}
 EVICTED_ERROR = "evicted"
+ENDED_BY_PROCESS_EXIT = "process_exit"  # kv_transfer.ended_by, and error.type, of what was open at exit
 
 # Metrics.
 METRIC_DURATION = "kv_transfer.duration"

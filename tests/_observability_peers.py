@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -211,15 +212,22 @@ def run(args) -> dict:
             return held if held == {a: float(n) for a, n in sent.items()} else None
 
         held = wait_until(scraped, 30, what="Prometheus holding every peer send")
-        # the rules are evaluated every second: a few evaluations over the complete data (the test judges what
-        # the alert says; a rule that never fires is a result, not an error here)
+        complete_at = time.time()
+        # the rules are evaluated every second: what is read below comes from evaluations over the complete data
+        # (the test judges what the alert says; a rule that never fires is a result, not an error here)
         try:
             wait_until(lambda: any(a["labels"].get("alertname") == ALERT
                                    for a in http_json(f"{base}/api/v1/alerts")["data"]["alerts"]), 15,
                        what=f"{ALERT} active")
         except TimeoutError:
             pass
-        time.sleep(3)
+
+        def evaluated_since_complete():  # each group (its recording rules, then its alerts) began after it
+            groups = http_json(f"{base}/api/v1/rules")["data"]["groups"]
+            return bool(groups) and all(datetime.fromisoformat(g["lastEvaluation"]).timestamp() > complete_at
+                                        for g in groups)
+
+        wait_until(evaluated_since_complete, 30, what="every rule group evaluated over the complete data")
         alerts = [{"labels": a["labels"], "state": a["state"], "value": float(a["value"])}
                   for a in http_json(f"{base}/api/v1/alerts")["data"]["alerts"]
                   if a["labels"].get("alertname") == ALERT]

@@ -229,8 +229,11 @@ def run(args) -> dict:
             index += 1
             time.sleep(args.pause)
         pool.shutdown(wait=True)
-        # let the TTL evict the forgotten room, then deliver everything
-        time.sleep(args.evict_wait)
+        # until the TTL has evicted the forgotten room and counted it (bounded; with no reader, nothing to wait
+        # for), then deliver everything
+        deadline = time.monotonic() + args.evict_wait
+        while reader is not None and not _evicted(reader) and time.monotonic() < deadline:
+            time.sleep(0.05)
         tracer_provider.force_flush(10_000)
         meter_provider.force_flush(10_000)
     finally:
@@ -259,6 +262,21 @@ def run(args) -> dict:
     return summary
 
 
+def _evicted(reader) -> bool:
+    """The dropped counter has counted an evicted request."""
+    from otel_kvtransfer import semconv
+
+    data = reader.get_metrics_data()
+    for resource_metrics in (data.resource_metrics if data else []):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == semconv.METRIC_DROPPED and any(
+                        p.attributes.get(semconv.DROP_REASON) == "request_evicted" and p.value > 0
+                        for p in metric.data.data_points):
+                    return True
+    return False
+
+
 def _join(process) -> None:
     process.join(15)
     if process.is_alive():
@@ -273,7 +291,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rooms", type=int, default=4)
     parser.add_argument("--room-base", type=int, default=1000)
     parser.add_argument("--pause", type=float, default=0.05)
-    parser.add_argument("--evict-wait", type=float, default=2.5)
+    parser.add_argument("--evict-wait", type=float, default=60.0,
+                        help="at most this long for the TTL to evict the forgotten room (metrics mode)")
     parser.add_argument("--linger", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--decode-metrics-port", type=int, default=0)

@@ -10,6 +10,7 @@ instrumentation, and every transfer is either in the spans/metrics or counted as
 them all.
 """
 
+import socket
 import threading
 import time
 
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from support.waiting import wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -88,6 +90,36 @@ class _HangingExporter(SpanExporter):
         self.release.set()
 
 
+class _Attempts(SpanExporter):
+    """A real exporter whose every export() is seen: how many spans it was given, and what it answered."""
+
+    def __init__(self, exporter):
+        self._exporter = exporter
+        self._lock = threading.Lock()
+        self._tried, self._results = 0, set()
+
+    def export(self, spans):
+        result = self._exporter.export(spans)
+        with self._lock:
+            self._tried += len(spans)
+            self._results.add(result)
+        return result
+
+    def spans_tried(self) -> int:
+        with self._lock:
+            return self._tried
+
+    def results(self) -> set:
+        with self._lock:
+            return set(self._results)
+
+    def force_flush(self, timeout_millis=30000):
+        return self._exporter.force_flush(timeout_millis)
+
+    def shutdown(self):
+        self._exporter.shutdown()
+
+
 class _RaisingProcessor(SpanProcessor):
     """A third-party span processor with a bug: raises in on_start/on_end (for every span, or when `poison`)."""
 
@@ -140,16 +172,23 @@ def test_collector_down_with_the_real_otlp_exporter(engine, receiver):
         OTLPSpanExporter,
     )
 
-    exporter = OTLPSpanExporter(endpoint="http://127.0.0.1:9/v1/traces", timeout=1)  # nothing listens on port 9
-    setup = _Setup(BatchSpanProcessor(exporter, schedule_delay_millis=50))
-    try:
-        for _ in range(100):
-            assert _write(engine, receiver) == 0
-        time.sleep(0.2)  # the batch processor tries (and fails) to export meanwhile
-        assert setup.transfers_in_metrics() == 100
-        assert setup.dropped() == {}
-    finally:
-        setup.close()
+    # A port bound on 127.0.0.1 and never listened on: every connection to it is refused, and no other process
+    # can take it meanwhile.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed_port:
+        closed_port.bind(("127.0.0.1", 0))
+        endpoint = "http://127.0.0.1:%d/v1/traces" % closed_port.getsockname()[1]
+        exporter = _Attempts(OTLPSpanExporter(endpoint=endpoint, timeout=1))
+        setup = _Setup(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+        try:
+            for _ in range(100):
+                assert _write(engine, receiver) == 0
+            RECORDER.drain()  # every span is with the batch processor now
+            wait_until(lambda: exporter.spans_tried() >= 100, 60, what="the exporter trying every span")
+            assert exporter.spans_tried() == 100 and exporter.results() == {SpanExportResult.FAILURE}
+            assert setup.transfers_in_metrics() == 100
+            assert setup.dropped() == {}
+        finally:
+            setup.close()
 
 
 def test_hung_exporter_behind_batch_processor_never_blocks_the_engine(engine, receiver):

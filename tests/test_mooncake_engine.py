@@ -6,6 +6,7 @@ import time
 
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
+from support.waiting import wait_until
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.demo.loopback import Receiver, digest
@@ -179,13 +180,16 @@ def test_receiver_killed_mid_transfer_gives_error_span(telemetry, engine):
 
             thread = threading.Thread(target=send)
             thread.start()
-            time.sleep(0.05)
+            # the first 64 MiB went through: the kill lands while the next ones are on the wire
+            wait_until(lambda result=result, thread=thread: result.get("rcs") or not thread.is_alive(), 60,
+                       interval_s=0.001, what="the first call to return")
             doomed.kill()
             thread.join(60)
             assert not thread.is_alive()
         finally:
             doomed.kill()
         rcs = result["rcs"]
+        assert rcs[0] == 0  # the peer was alive and whole for the first call: the kill came after it
         spans = telemetry.spans(semconv.SPAN_SEND)[-len(rcs):]
         # Whatever the engine returned, the span says the same: ERROR exactly when the code is non-zero.
         assert [s.status.status_code is StatusCode.ERROR for s in spans] == [rc != 0 for rc in rcs]

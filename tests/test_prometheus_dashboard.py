@@ -208,7 +208,16 @@ def run():
                 total("sum(kv_transfer_receive_duration_seconds_count)") == len(summary["rooms"])
 
         wait_until(scraped_everything, 20, what="Prometheus holding every transfer of the run")
-        time.sleep(1.5)  # one more scrape, so every series has its final sample
+
+        def scraped_since_done():  # each process scraped after the run's end: every series has its final sample
+            result = http_json(f"{base}/api/v1/query",
+                               {"query": 'timestamp(up{job="otel-collector-kvtransfer"})'})["data"]["result"]
+            stamps = [float(r["value"][1]) for r in result]
+            return max(stamps) if len(stamps) == 2 and min(stamps) > done else None
+
+        final = wait_until(scraped_since_done, 20, what="a scrape of both processes after the run's end")
+        # and the range the tests query (1 s steps up to "end") has a step at or after those final samples
+        wait_until(lambda: time.time() >= final + 1.0, 5, interval=0.05, what="one query step past the final scrapes")
         yield {"base": base, "summary": summary, "start": started, "end": time.time(), "done": done}
     finally:
         if workload is not None:

@@ -97,11 +97,19 @@ def test_sglang_plugin_loader_activates_instrumentation():
 @pytest.mark.parametrize("value", ["kv_transfer", "foo, kv_transfer"])
 def test_plugin_respects_disabled_instrumentations(monkeypatch, value):
     from otel_kvtransfer.frameworks.sglang import plugin
-
-    monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", value)
-    assert plugin.is_disabled()
     from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
-    was = KVTransferInstrumentor().is_instrumented_by_opentelemetry
-    plugin.activate()
-    assert KVTransferInstrumentor().is_instrumented_by_opentelemetry == was
+    # The instrumentor is a singleton, and activate() does nothing when it is already on: an earlier test that
+    # left it on would make this pass whatever activate() does with the setting. So it starts off, always.
+    instrumentor = KVTransferInstrumentor()
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+    assert not instrumentor.is_instrumented_by_opentelemetry
+    monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", value)
+    assert plugin.is_disabled()
+    try:
+        plugin.activate()
+        assert not KVTransferInstrumentor().is_instrumented_by_opentelemetry  # left off, as asked
+    finally:
+        if instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()

@@ -365,3 +365,39 @@ def test_the_tail_is_what_the_spans_own_intervals_say(main_run):
         early = any(s.attributes.get("kv_transfer.prefix_early_send") for s in sends)
         shapes.add("early" if early else "after")
     assert shapes == {"early", "after"}
+
+
+# --- ranks and the start-up line, on the real servers ----------------------------------------------------------
+
+
+def _startup_lines(deployment, name):
+    with open(deployment.log_path(name), encoding="utf-8", errors="replace") as handle:
+        return [line.rstrip("\n") for line in handle if "otel_kvtransfer: on (" in line]
+
+
+def test_each_servers_log_says_the_instrumentation_is_on_with_its_role_and_rank(traced_run):
+    """sglang's scheduler prints the start-up line through sglang's own root logging config when its KV manager
+    is built (TP1 here: one scheduler per server, rank 0); the other processes say they have no role, later."""
+    for role in ("prefill", "decode"):
+        lines = _startup_lines(traced_run.deployment, role)
+        with_role = [line for line in lines if "; role " in line]
+        assert len(with_role) == 1, lines
+        (line,) = with_role
+        assert line.startswith("[")  # sglang's own log format: "[time prefix] message"
+        assert f"; role {role}, kv_transfer.tp_rank 0 (sglang); " in line
+        assert "patched: sglang 0.5.23" in line and "engines: mooncake " in line
+        assert "; builder: process; " in line  # OTEL_KVTRANSFER_BUILDER=process in this deployment
+        assert "; spans: kvtransfer_file (" in line and "; metrics: none (" in line
+
+
+def test_every_span_kind_carries_the_rank_and_every_send_its_peers(traced_run):
+    kinds = {}
+    for role, span in traced_run.spans:
+        if "kv_transfer.request_key" in span.attributes:  # ours, of a request (no raw engine call here)
+            kinds.setdefault(span.name, []).append(span)
+            assert span.attributes.get("kv_transfer.tp_rank") == 0, (role, span.name, dict(span.attributes))
+            assert "kv_transfer.dp_rank" not in span.attributes  # no data-parallel attention here
+    assert {REQUEST, SEND, COMPUTE, "kv_transfer.receive"} <= set(kinds), sorted(kinds)
+    for send in kinds[SEND]:
+        assert send.attributes["kv_transfer.peer_rank"] == 0
+        assert send.attributes["kv_transfer.destination_index"] == 0

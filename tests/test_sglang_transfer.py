@@ -195,7 +195,7 @@ def test_request_goes_under_sglangs_own_span_when_its_tracing_is_on():
 def test_aborted_timed_out_and_forgotten_rooms_conclude(monkeypatch):
     monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "2")
     monkeypatch.setenv("OTEL_KVTRANSFER_REQUEST_TTL_S", "3")
-    result = _run(fail="no_decode", timeout_s=20.0, linger_s=4.0)
+    result = _run(fail="no_decode", timeout_s=20.0)
     prefill = result["prefill"]
     room = result["cfg"]["room"]
     assert prefill["status"] == {"aborted": 0, "timed_out": 0}  # KVPoll.Failed for both

@@ -4,22 +4,26 @@ with both builders (a thread of the engine process, and the helper process).
 Real parts: the engine process runs under `opentelemetry-instrument` (spans to a span file, metrics to the console
 exporter every 300 ms, through the standard OTEL_* variables) with OTEL_KVTRANSFER_STUCK_S=1. It opens a request,
 freezes its receiver process with SIGSTOP, and starts a 48 MiB write inside the request's transfer scope (far more
-than the sockets buffer: the call hangs inside the engine). It waits 6 s, then lets the receiver go on (SIGCONT);
-the write completes. Everything runs inside `unshare --net` with loopback up.
+than the sockets buffer: the call hangs inside the engine). It holds the receiver frozen until the test has read
+the stuck reports in its output (bounded), then lets it go on (SIGCONT); the write completes. Everything runs
+inside `unshare --net` with loopback up.
 """
 
 import json
 import os
+import select
 import signal
+import sys
 import threading
-import time
 
 import pytest
 from conftest import console_json_objects, console_points
 from support import instrumented_app
+from support.waiting import wait_until
 
 ROOM = 777001
 SIZE = 48 << 20
+REPORTED_MAX_S = 120  # bounded: the reports come within the 1 s threshold, a scan and a 300 ms export
 
 
 def engine_process(out_path: str) -> None:
@@ -45,7 +49,8 @@ def engine_process(out_path: str) -> None:
         os.kill(receiver.process.pid, signal.SIGSTOP)
         thread = threading.Thread(target=write)
         thread.start()
-        time.sleep(6.0)  # the stuck threshold is 1 s: scans, drains and exports have 5 s to show it
+        # frozen until the test saw the reports in this process's output (or its bound passed)
+        result["told"] = bool(select.select([sys.stdin], [], [], REPORTED_MAX_S + 30)[0]) and sys.stdin.readline()
         result["hung"] = thread.is_alive()  # still inside the engine when the receiver is let go
         print("KVT-RESUME", flush=True)
         os.kill(receiver.process.pid, signal.SIGCONT)
@@ -58,11 +63,31 @@ def engine_process(out_path: str) -> None:
             json.dump(result, handle)
 
 
+def _reported(app) -> bool:
+    """Both stuck lines logged, and a metric export since that counts both and saw the send 1 s old: what the
+    test asserts on (their exact values) is all in the output."""
+    lines = [line for line in app.stderr().splitlines() if "is stuck" in line]
+    if not (any("a send open" in line for line in lines) and any("a request open" in line for line in lines)):
+        return False
+    objects = console_json_objects(app.stdout())
+    kinds = {a["kv_transfer.inflight.kind"] for a, _ in console_points(objects, "kv_transfer.stuck")}
+    ages = [v for a, v in console_points(objects, "kv_transfer.inflight.oldest_age")
+            if a["kv_transfer.inflight.kind"] == "send"]
+    return {"send", "request"} <= kinds and bool(ages) and max(ages) >= 1.0
+
+
 def _run(tmp_path, builder: str):
-    proc, result, spans_path = instrumented_app.run(
-        tmp_path, "test_stuck", "engine_process", builder, timeout_s=180, own_user=True,
+    app = instrumented_app.start(
+        tmp_path, "test_stuck", "engine_process", builder, own_user=True,
         env={"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_KVTRANSFER_STUCK_S": "1",
              "MC_TRANSFER_TIMEOUT": "60"})
+    try:
+        wait_until(lambda: app.proc.poll() is not None or _reported(app), REPORTED_MAX_S, interval_s=0.2,
+                   what="the stuck reports while the receiver is frozen")
+        app.tell("resume")
+        proc, result, spans_path = app.finish(120)
+    finally:
+        app.stop()
     spans = []
     with open(spans_path, encoding="utf-8") as handle:
         for line in handle:
@@ -79,7 +104,8 @@ def _attributes(span) -> dict:
 @pytest.mark.parametrize("builder", ["thread", "process"])
 def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder):
     proc, result, spans = _run(tmp_path, builder)
-    assert result["hung"] is True and result["rc"] == 0  # it hung for the 6 s, then completed
+    assert result["told"] == "resume\n"  # held frozen until the test saw the reports (not past its own bound)
+    assert result["hung"] is True and result["rc"] == 0  # it hung while reported, then completed
     before, _, _ = proc.stdout.partition("KVT-RESUME")
     while_stuck = console_json_objects(before)
     # While it hung: the gauges saw one send in flight, at least 1 s old, and the counters one stuck send and

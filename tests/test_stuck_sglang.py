@@ -188,7 +188,17 @@ def frozen_run(tmp_path_factory):
                 raise AssertionError(f"{exc}: the prefill's request had ended, its KV sent before the decode was "
                                      "frozen") from exc
             raise
-        time.sleep(1.5)  # at least two more metric exports while still frozen
+        since = {"text": ""}
+
+        def exported():  # a metric export after the lines, still frozen: both counters and the send's age
+            since["text"] += tail.read()
+            objects = console_json_objects(since["text"])
+            kinds = {a.get("kv_transfer.inflight.kind") for a, _ in console_points(objects, "kv_transfer.stuck")}
+            ages = [v for a, v in console_points(objects, "kv_transfer.inflight.oldest_age")
+                    if a.get("kv_transfer.inflight.kind") == "send"]
+            return {"send", "request"} <= kinds and bool(ages) and max(ages) >= STUCK_S
+
+        _wait(exported, FROZEN_MAX_S, "a metric export showing the stuck counters")
         tail.read()
         with open(log, "rb") as handle:
             whole = handle.read(tail.offset)

@@ -8,8 +8,11 @@ tests/vllm_serving/pair.py drives it: link capacity of the same engine first, th
 and 300 prompt tokens) through the proxy's two steps one at a time, two more (150, 250 tokens) whose decode
 steps run concurrently (one decode step may pull both, and the Mooncake producer then sends both in one engine
 call, which the spans must split by request), then requests that fail (an orphan prefill whose KV expires; for
-Mooncake also a decode of a transfer_id no prefill had), then /metrics, then both servers stopped. The pairs run
-one after the other, once per pytest session (a session fixture per connector; about 3-5 minutes each).
+Mooncake also a decode of a transfer_id no prefill had), then /metrics, then (NIXL) one more request, then both
+servers stopped as a user stops them: the default OpenTelemetry settings throughout (builder, batch delays), and
+SIGTERM to each API server a second after the last answer, which makes vLLM SIGKILL its engine processes at once.
+The pairs run one after the other, once per pytest session (a session fixture per connector; about 3-5 minutes
+each).
 
 One test-only stand-in, because this machine has no GPU: vLLM's MooncakeConnectorWorker asks
 `torch.accelerator.current_device_index()`, which raises on a CPU-only torch; tests/vllm_serving/standin/ is a
@@ -87,8 +90,14 @@ def pair(request, tmp_path_factory) -> PairRun:
     return _pair(request.param, tmp_path_factory)
 
 
+def _before_the_metrics(pair) -> list:
+    """The requests vLLM's scraped figures cover (NIXL's last request came after the scrape)."""
+    return [r for r in pair.results["requests"] if not r.get("after_failures")]
+
+
 def test_every_request_served_and_its_bytes_are_blocks_times_block_bytes(pair):
-    assert len(pair.results["requests"]) == 5  # three one at a time, two decoded concurrently
+    # three one at a time, two decoded concurrently; NIXL: one more after the failures
+    assert len(pair.results["requests"]) == (6 if pair.connector == "nixl" else 5)
     for request in pair.results["requests"]:
         span = pair.request_span(pair.key_of(request))
         expected = pair.expected_bytes(request)
@@ -144,7 +153,7 @@ def test_concurrent_requests_each_get_their_own_bytes(pair):
 def test_bytes_equal_vllms_own_figures(pair):
     """vLLM counts per engine call (Mooncake) or per handle (NIXL), without requests: the totals must agree, and
     its number of transfers is our number of distinct engine calls (split sends share their call's times)."""
-    keys = [pair.key_of(r) for r in pair.results["requests"]]
+    keys = [pair.key_of(r) for r in _before_the_metrics(pair)]
     ours = sum(pair.request_span(key).attributes["kv_transfer.bytes"] for key in keys)
     sends = [s for key in keys for s in pair.named(pair.facts["initiator"], "kv_transfer.send", key)]
     calls = {(s.start_time_unix_nano, s.end_time_unix_nano) for s in sends}
@@ -199,7 +208,7 @@ def test_our_send_time_and_vllms_xfer_time_differ_by_at_most_the_end_uncertainty
     more than the sum of those windows (plus 1 ms per handle for the two clocks' reading points)."""
     if pair.connector != "nixl":
         pytest.skip("vLLM exports a transfer-time histogram for its NIXL connector only")
-    keys = [pair.key_of(r) for r in pair.results["requests"]]
+    keys = [pair.key_of(r) for r in _before_the_metrics(pair)]
     sends = [s for key in keys for s in pair.named(pair.facts["initiator"], "kv_transfer.send", key)]
     calls = {}
     for send in sends:  # split sends share their handle's times: one handle, one figure
@@ -214,3 +223,43 @@ def test_our_send_time_and_vllms_xfer_time_differ_by_at_most_the_end_uncertainty
     for (start, end), uncertainty in calls.items():
         assert 0 <= uncertainty <= (end - start) / 1e9, (start, end, uncertainty)
     assert abs(ours - theirs) <= window + 0.001 * len(calls), (ours, theirs, window)
+
+
+# vLLM's kv_role -> what the start-up line says (the NIXL pair runs kv_both engines).
+_STARTUP_ROLES = {"mooncake": {"prefill": "prefill", "decode": "decode"},
+                  "nixl": {"prefill": "prefill and decode", "decode": "prefill and decode"}}
+
+
+def test_each_servers_log_says_the_instrumentation_is_on_with_its_role_and_rank(pair):
+    """The connector worker's process prints the start-up line when the worker is built (vLLM configures only its
+    own logger: the line goes to stderr, into the server's log); the API server says it has no role, at exit."""
+    for role in ("prefill", "decode"):
+        with open(os.path.join(pair.out_dir, f"{role}.log"), encoding="utf-8", errors="replace") as handle:
+            lines = [line.rstrip("\n") for line in handle if "otel_kvtransfer: on (" in line]
+        with_role = [line for line in lines if "; role " in line]
+        assert len(with_role) == 1, lines
+        assert f"; role {_STARTUP_ROLES[pair.connector][role]}, kv_transfer.tp_rank 0 (vllm); " in with_role[0]
+        assert "patched: vllm 0.32" in with_role[0] and "spans: kvtransfer_file (" in with_role[0]
+
+
+def test_every_span_carries_the_rank_and_every_send_its_peers(pair):
+    for role in ("prefill", "decode"):
+        for span in pair.spans[role]:
+            if "kv_transfer.request_key" in span.attributes:  # the spans of the pair's requests
+                assert span.attributes.get("kv_transfer.tp_rank") == 0, (role, span.name, dict(span.attributes))
+    sends = [s for s in pair.spans[pair.facts["initiator"]] if s.name == "kv_transfer.send"]
+    assert sends and all(s.attributes["kv_transfer.peer_rank"] == 0 for s in sends)
+
+
+def test_a_sigterm_right_after_the_last_answer_loses_no_span_and_leaves_no_process(pair):
+    """The servers were stopped the way a user stops them, a second after the last answer: vLLM SIGKILLs its
+    engine core's process tree at once, and what the builder processes held (the batch delay is 5 s) must still
+    be exported; every process the pair started, the builder processes included, ended by itself."""
+    assert pair.results["subreaper"] is True and pair.results["left_running"] == []
+    last = pair.results["requests"][-1]
+    key = pair.key_of(last)
+    facts = pair.facts
+    assert pair.request_span(key).attributes["kv_transfer.bytes"] == pair.expected_bytes(last)
+    assert len(pair.named(facts["initiator"], "kv_transfer.send", key)) == 1
+    (peer,) = pair.named(facts["waiter"], facts["peer"], key)
+    assert not peer.is_error

@@ -60,6 +60,8 @@ class Attachment:
                 tracer.sampler = RecordUnsampledSampler(tracer.sampler)
             self.spans = SdkSpans(tracer)
             ours = (KVTransferMetricsProcessor(self._meter_provider, self._max_peers),)
+        if self._direct and flush_first:  # this process's drains bound the wait for room in the export queues
+            self.spans.room.drain_deadline = RECORDER.current_deadline
         if not flush_first:
             self._processors = ours
             for processor in ours:

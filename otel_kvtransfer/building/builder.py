@@ -21,6 +21,7 @@ from otel_kvtransfer.building.open_spans import OpenPeer, OpenRequest, OpenSpans
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.building.stitching import key_parent_span_context
 from otel_kvtransfer.recording import records as r
+from otel_kvtransfer.recording.clock import now_ns
 
 # backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
 PeerParser = Callable[[object], dict]
@@ -112,6 +113,8 @@ class SpanBuilder:
         model = (attributes or {}).get(semconv.GEN_AI_REQUEST_MODEL)
         if model is not None:
             labels[semconv.GEN_AI_REQUEST_MODEL] = model
+        if attributes:  # the initiator's rank: repeated on every send and compute span of the request
+            labels.update((name, attributes[name]) for name in semconv.RANK_ATTRIBUTES if name in attributes)
         state = self._requests[key] = OpenRequest(span, now, labels)
         state.parent = self._spans.context_of(span)
         state.backend = backend
@@ -130,12 +133,15 @@ class SpanBuilder:
         if state is not None:
             self._finish_request(state, rec[r.TIME], rec[r.END_ERROR])
 
-    def _finish_request(self, state: OpenRequest, end_ns: int, error_type: Optional[str], evicted=False):
+    def _finish_request(self, state: OpenRequest, end_ns: int, error_type: Optional[str], evicted=False,
+                        ended_by: Optional[str] = None):
         span = state.span
         attrs = {FIGURE_ATTRIBUTES[name]: value
                  for name, value in span_figures(state.aggregate.figures()).items()}
         if evicted:
             attrs[semconv.EVICTED] = True
+        if ended_by:
+            attrs[semconv.ENDED_BY] = ended_by
         span.set_attributes(attrs)
         failure = error_type or state.failure
         if failure:
@@ -144,7 +150,7 @@ class SpanBuilder:
         self._metrics.request(attrs, span, state, end_ns, failure)
 
     def _end_evicted_request(self, state: OpenRequest) -> None:
-        self._finish_request(state, time.time_ns(), semconv.EVICTED_ERROR, evicted=True)
+        self._finish_request(state, now_ns(), semconv.EVICTED_ERROR, evicted=True)  # the records' clock
 
     # --- transfers -------------------------------------------------------------------------------------------
     def _send(self, rec, now):
@@ -186,6 +192,9 @@ class SpanBuilder:
             attrs = {semconv.REQUEST_KEY: str(key)}
             if chunk is not None:
                 attrs[semconv.CHUNK_INDEX] = chunk
+            for name in semconv.RANK_ATTRIBUTES:
+                if name in state.labels:
+                    attrs[name] = state.labels[name]
             self._spans.child(semconv.SPAN_COMPUTE, state.parent, SpanKind.INTERNAL, attrs, start_ns, end_ns, _OK)
 
     # --- peers (receive / serve) -----------------------------------------------------------------------------
@@ -213,7 +222,17 @@ class SpanBuilder:
     def _end_evicted_peer(self, state: OpenPeer) -> None:
         state.span.set_attribute(semconv.EVICTED, True)
         _error(state.span, semconv.EVICTED_ERROR)
-        end_ns = time.time_ns()
+        end_ns = now_ns()  # the records' clock
+        self._spans.close(state.span, end_ns)
+        self._metrics.peer(state.span, end_ns)
+
+    def _end_request_at_exit(self, state: OpenRequest) -> None:
+        self._finish_request(state, now_ns(), semconv.ENDED_BY_PROCESS_EXIT, ended_by=semconv.ENDED_BY_PROCESS_EXIT)
+
+    def _end_peer_at_exit(self, state: OpenPeer) -> None:
+        state.span.set_attribute(semconv.ENDED_BY, semconv.ENDED_BY_PROCESS_EXIT)
+        _error(state.span, semconv.ENDED_BY_PROCESS_EXIT)
+        end_ns = now_ns()
         self._spans.close(state.span, end_ns)
         self._metrics.peer(state.span, end_ns)
 
@@ -240,3 +259,9 @@ class SpanBuilder:
     def end_all(self, on_drop: Optional[Callable[[str, int], None]] = None) -> None:
         """Uninstrument: end every open span as evicted (nothing would ever end it) and count them."""
         self._open.end_all(on_drop)
+
+    def end_at_exit(self) -> None:
+        """The process is ending (or its engine, seen from the builder process): every request and peer wait
+        still open ends now, as ended by the exit (ERROR, error.type and kv_transfer.ended_by = process_exit),
+        with its aggregates so far, so its sends' parent arrives. Delivered, so not counted as dropped."""
+        self._open.end_every(self._end_request_at_exit, self._end_peer_at_exit)

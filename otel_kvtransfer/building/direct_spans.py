@@ -9,6 +9,7 @@ the user's exporters and processors receive a genuine ReadableSpan. What differs
 is never built at all (the metrics count it all the same: they come from the records, not from spans).
 """
 
+import math
 import time
 from typing import Optional
 
@@ -18,6 +19,15 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler, TraceIdRatioBased
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from otel_kvtransfer.building.attribute_values import (
+    bounded,
+    bounded_events,
+    clean_enough,
+    limits_of,
+    repaired,
+    repaired_status,
+    repaired_value,
+)
 from otel_kvtransfer.building.sampler import RecordUnsampledSampler
 from otel_kvtransfer.building.stitching import is_synthetic
 
@@ -27,6 +37,7 @@ _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, on SDKs
 _EMPTY_STATE = TraceState()
 _UNSET = Status(StatusCode.UNSET)
 _ROOT = Context()
+_SEND_OWN_MAX = 16  # more entries than a send sets itself (send_attributes.PER_SEND)
 
 
 class SendAttributes(dict):
@@ -66,13 +77,17 @@ class OpenSpan:
         return True
 
     def set_attribute(self, key, value) -> None:
-        self.attributes[key] = value
+        # As the SDK's BoundedAttributes: a key set again moves to the end (the order the limits cut by).
+        attributes = self.attributes
+        attributes.pop(key, None)
+        attributes[key] = repaired_value(value)
 
     def set_attributes(self, attributes) -> None:
-        self.attributes.update(attributes)
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
 
     def set_status(self, status) -> None:
-        self.status = status
+        self.status = repaired_status(status)
 
     def add_event(self, name, attributes=None, timestamp=None) -> None:
         """An event on a span still open (a stuck report); rare, so no bound beyond the builder's own."""
@@ -111,7 +126,9 @@ class _QueueRoom:
     queue: when one is full it waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
     what cannot wait is counted where it queues (the recorder's queue, or the helper's socket). After WAIT_S (a
     hung exporter) the span goes on and is counted as dropped (`export_queue_full`), and so is every span that
-    finds that queue still full, without waiting again, until it has room.
+    finds that queue still full, without waiting again, until it has room. No wait outlasts the deadline of the
+    drain in progress (a flush's or the exit's own bound): a span whose wait that deadline ends is counted as
+    `flush_timeout` instead, and the exporter is not taken as hung.
     """
 
     WAIT_S = 5.0
@@ -121,6 +138,9 @@ class _QueueRoom:
         self._seen = None
         self._queues = []
         self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
+        # time.monotonic() by which the drain in progress must end: no wait for room outlasts it (the recorder's,
+        # set by the attachment in the engine process; the builder process's frame loop has none).
+        self.drain_deadline = lambda: math.inf
 
     def _rescan(self, processors) -> None:
         """The batch processors' queues, again whenever the provider's processor tuple changed."""
@@ -145,11 +165,14 @@ class _QueueRoom:
                 continue
             deadline = time.monotonic() + self.WAIT_S
             awaken = getattr(inner, "_worker_awaken", None)
-            while len(queue) >= size and time.monotonic() < deadline:
+            while len(queue) >= size and time.monotonic() < min(deadline, self.drain_deadline()):
                 if awaken is not None:
                     awaken.set()  # the worker exports at once instead of at its next scheduled time
                 time.sleep(0.001)
             if len(queue) >= size:
+                if self.drain_deadline() < deadline:  # the flush's or exit's bound, not a hung exporter
+                    self.on_drop("flush_timeout", 1)
+                    continue
                 entry[3] = True
                 self.on_drop("export_queue_full", 1)
 
@@ -170,6 +193,11 @@ class DirectSpans:
         self._tracer = tracer
         self._scope = tracer._instrumentation_scope
         self._enabled = getattr(tracer, "_is_enabled", None)
+        # The provider's span limits, applied as the SDK's Span applies them (attribute_values).
+        self._limits = limits_of(tracer)
+        self._max_count = self._limits.max_span_attributes
+        self._max_length = self._limits.max_span_attribute_length
+        self._statics = {}  # id(a send shape's static attributes) -> (them, whether the limits leave them be)
 
     @property
     def _processor(self):
@@ -213,6 +241,7 @@ class DirectSpans:
     def open(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int) -> OpenSpan:
         """A top span (request, peer) under `parent`: a real parent's span context, or the synthetic one."""
         synthetic = parent is not None and is_synthetic(parent)
+        attributes = repaired(attributes)  # what a sampler sees too, as on the SDK path
         context = self._context(name, parent, kind, attributes, synthetic)
         return OpenSpan(name, context, parent if parent is not None and parent.is_valid else None, kind, start_ns,
                         attributes)
@@ -240,8 +269,39 @@ class DirectSpans:
         if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
             return
         self.room.wait()
+        attributes = self._bounded(attributes)
+        if events:
+            events = bounded_events(events, self._limits)
+        if status is not _UNSET:
+            status = repaired_status(status)
         self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
                                       status, start_ns, end_ns, self._scope))
+
+    def _bounded(self, attributes):
+        """`attributes` as the SDK would keep them under the provider's limits: themselves when nothing is cut or
+        cleaned. A send's own figures are plain numbers and a valid error type (send_attributes), so a send needs
+        only its shared part judged, once per shape; anything else is checked whole."""
+        if type(attributes) is SendAttributes:
+            static = attributes.static
+            seen = self._statics.get(id(static))
+            if seen is None or seen[0] is not static:
+                seen = self._judge(static)
+            if seen[1]:
+                return attributes
+        max_count, max_length = self._max_count, self._max_length
+        if (max_count is None or len(attributes) <= max_count) and clean_enough(attributes.items(), max_length):
+            return attributes
+        return bounded(attributes, max_count, max_length)
+
+    def _judge(self, static) -> tuple:
+        """(static, True when every send of this shape is kept whole: its part is clean, no length limit applies
+        to its own error type, and its own figures cannot push it past the count limit)."""
+        if len(self._statics) >= 4096:
+            self._statics.clear()
+        whole = (self._max_length is None and clean_enough(static.items(), None)
+                 and (self._max_count is None or len(static) + _SEND_OWN_MAX <= self._max_count))
+        seen = self._statics[id(static)] = (static, whole)
+        return seen
 
 
 def span_context_of(context) -> Optional[SpanContext]:

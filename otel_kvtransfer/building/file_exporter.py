@@ -15,9 +15,15 @@ A span file must never hurt the process that writes it, and what it loses is nev
   `write_timeout_s`, so a hung mount holds that thread only, never the engine's exit;
 * the path is opened with O_NOFOLLOW and O_NONBLOCK and must be a regular file: a symlink planted at the path
   (a shared folder) is refused, a FIFO or a device is refused instead of blocking;
-* a failed write (no folder, a directory, a full disk, the file-size limit, a timeout) is one ERROR line per
-  cause naming the path and the OS error, its spans are counted in kv_transfer.instrumentation.dropped with
+* a failed write (no folder, a directory, a full disk, the file-size limit) is one ERROR line per cause naming
+  the path and the OS error, its spans are counted in kv_transfer.instrumentation.dropped with
   kv_transfer.drop_reason = `span_file`, and `force_flush()` returns False;
+* a span is counted only if it is not written: a write that outlasts `write_timeout_s` (a slow disk) ends its
+  export (FAILURE) but is counted only when it fails, or when it still has not returned at shutdown; while it
+  is pending, the batches that come fail at once and are counted (they are not written), and until a write
+  ends in time again no export waits for its write (the next line is handed over as the last one lands), so a
+  flush or an exit through a BatchSpanProcessor never waits on a slow disk batch after batch; `force_flush()`
+  waits for a pending write at most its own timeout and returns False while it is pending;
 * a line never continues a torn one: when the file does not end with a newline (a full disk, a crash) the next
   line starts with one, so the reader skips only the torn line;
 * a file renamed or removed under it (log rotation) is noticed at the next batch, which goes to a new file at
@@ -34,6 +40,7 @@ import os
 import queue
 import stat
 import threading
+import time
 from typing import Optional, Sequence
 
 from google.protobuf import json_format
@@ -124,6 +131,23 @@ class _Failure(Exception):
         self.cause, self.detail = cause, detail
 
 
+class _Job:
+    """One line for the writer thread. `late`: its export stopped waiting for it, so its outcome is settled where
+    it ends (the writer thread counts a failure) or at shutdown; `done` is set once it is settled."""
+
+    __slots__ = ("data", "count", "failure", "done", "late", "settled", "handed")
+
+    def __init__(self, data: bytes, count: int):
+        self.data, self.count = data, count
+        self.handed = time.monotonic()
+        self.failure: Optional[_Failure] = None
+        self.done = threading.Event()
+        self.late = self.settled = False
+
+
+_PENDING = _Failure("pending", "the write is still in progress")  # not a loss: settled when the write ends
+
+
 class _FileWriter:
     """Owns the descriptor; runs only on the exporter's writer thread."""
 
@@ -211,7 +235,9 @@ class OtlpJsonFileSpanExporter(SpanExporter):
     def _start(self) -> None:
         self._pid = os.getpid()
         self._jobs: "queue.Queue" = queue.Queue()
-        self._stuck = None  # a job whose wait timed out: until it returns, the writer is taken as hung
+        self._stuck: Optional[_Job] = None  # a write that outlasted its wait: until it ends, writes fail at once
+        self._slow = False  # a write outlasted its wait: exports hand their line over without waiting, until a
+        # write ends within write_timeout_s again (a flush through a BatchSpanProcessor exports batch after batch)
         self._thread = None
 
     def _ensure_thread(self) -> None:
@@ -227,44 +253,63 @@ class OtlpJsonFileSpanExporter(SpanExporter):
             if job is None:
                 writer.close()
                 return
-            data, result, done = job
+            failure = None
             try:
-                writer.write(data)
-            except _Failure as failure:
-                result.append(failure)
+                writer.write(job.data)
+            except _Failure as failed:
+                failure = failed
             except Exception as exc:  # anything else is a failed write too
-                result.append(_Failure(f"error:{type(exc).__name__}", f"write failed: {exc}"))
-            else:
-                result.append(None)
-            done.set()
+                failure = _Failure(f"error:{type(exc).__name__}", f"write failed: {exc}")
+            with self._lock:  # against the waiter giving up on it at this moment, and against shutdown
+                job.failure = failure
+                if time.monotonic() - job.handed <= self.write_timeout_s:
+                    self._slow = False  # the disk answers in time again
+                if job.late and not job.settled:
+                    job.settled = True
+                    if failure is not None:
+                        self._drop(job.count, failure)
+                job.done.set()
 
-    def _write(self, data: bytes) -> Optional[_Failure]:
-        """Hand one line to the writer thread and wait for it, at most write_timeout_s."""
+    def _write(self, data: bytes, count: int) -> Optional[_Failure]:
+        """Hand one line to the writer thread and wait for it, at most write_timeout_s: None once written, the
+        failure to count, or _PENDING when it outlasted the wait (settled when it ends: not counted here)."""
         if self._pid != os.getpid():  # a forked child: no writer thread, a lock another thread may have held
             self._lock = threading.Lock()
             self._start()
         with self._lock:
             self._ensure_thread()
             if self._stuck is not None:
-                if not self._stuck[2].is_set():  # fail at once: one timeout is all an exit waits for
-                    return _Failure("stuck", "an earlier write has not returned (a hung filesystem?)")
+                if not self._stuck.done.is_set():  # fail at once: one timeout is all an exit waits for
+                    return _Failure("stuck", "an earlier write has not returned (a slow or hung filesystem?)")
                 self._stuck = None
-            job = (data, [], threading.Event())
-            self._jobs.put(job)
-        if not job[2].wait(self.write_timeout_s):
-            with self._lock:
+            job = _Job(data, count)
+            if self._slow:  # the last write outlasted its wait: this one is not waited for, it is settled late
+                job.late = True
                 self._stuck = job
-            return _Failure("timeout", f"write did not return within {self.write_timeout_s:g} s "
-                                       "(a hung filesystem?)")
-        return job[1][0]
+            self._jobs.put(job)
+            if job.late:
+                return _PENDING
+        if not job.done.wait(self.write_timeout_s):
+            with self._lock:
+                if not job.done.is_set():
+                    job.late = True
+                    self._stuck, self._slow = job, True
+                    self._log_once(_Failure("timeout", f"write did not return within {self.write_timeout_s:g} s "
+                                                       "(a slow or hung filesystem?); its spans are counted if "
+                                                       "it fails or has not returned at shutdown"))
+                    return _PENDING
+        return job.failure
 
     # ---- accounting
-    def _drop(self, count: int, failure: _Failure) -> None:
-        self._failed = True
+    def _log_once(self, failure: _Failure) -> None:
         if failure.cause not in self._logged:
             self._logged.add(failure.cause)
-            _LOG.error("kvtransfer_file span exporter: %s: %s; spans are dropped and counted "
+            _LOG.error("kvtransfer_file span exporter: %s: %s; spans not written are dropped and counted "
                        "(kv_transfer.drop_reason=%s)", self.path, failure.detail, DROP_REASON)
+
+    def _drop(self, count: int, failure: _Failure) -> None:
+        self._failed = True
+        self._log_once(failure)
         try:
             if self._counter is None:
                 meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, meter_provider=self._meter_provider)
@@ -291,12 +336,13 @@ class OtlpJsonFileSpanExporter(SpanExporter):
             self._drop(len(too_big), _Failure("too_big", f"a span alone encodes to over {MAX_LINE >> 20} MiB, "
                                                          "the longest line a span file may hold"))
         for data, count in lines:
-            failure = self._write(data)
+            failure = self._write(data, count)
             if failure is None:
                 self._logged.clear()
             else:
                 ok = False
-                self._drop(count, failure)
+                if failure is not _PENDING:  # a pending write is counted where it ends, only if it fails
+                    self._drop(count, failure)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self, timeout_millis: float = 30000) -> None:
@@ -305,8 +351,19 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         self._jobs.put(None)
         # a writer stuck in a hung filesystem is left behind (a daemon thread): the exit does not wait for it
         self._thread.join(min(self.write_timeout_s, max(timeout_millis, 0) / 1000))
+        with self._lock:  # a write still pending now is taken as lost: counted once (its line may yet land)
+            stuck = self._stuck
+            if stuck is not None and not stuck.done.is_set() and not stuck.settled:
+                stuck.settled = True
+                self._drop(stuck.count, _Failure("shutdown", "a write had not returned at shutdown"))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """False when a batch was lost since the last call (every export already waited for its write)."""
-        failed, self._failed = self._failed, False
-        return not failed
+        """False when a batch was lost since the last call, or a write is still pending: that one is waited
+        for, at most `timeout_millis` (every other export already waited for its write)."""
+        stuck = self._stuck
+        if stuck is not None:
+            stuck.done.wait(max(timeout_millis, 0) / 1000)
+        with self._lock:
+            failed, self._failed = self._failed, False
+            pending = stuck is not None and not stuck.done.is_set()
+        return not (failed or pending)

@@ -10,8 +10,10 @@ processor the in-process mode attaches, and feeds every record it reads to a `Sp
 Its standard input is one end of a socket pair: `wire` frames come in, acknowledgements go back. Each frame is
 acknowledged once handled; a flush runs on a thread of its own and is acknowledged again when done, so a
 collector outage never stops the frame loop (the engine would drop what it cannot write). End-of-file ends it:
-the SDK's own exit handlers export what it holds. SIGINT is ignored; SIGTERM flushes what it holds and the helper
-goes on until its engine's end-of-file (a second SIGTERM ends it at once, exporting on the way out).
+the SDK's own exit handlers export what it holds, within EXIT_BOUND_S; a frame cut short by its engine's end
+(a kill) is counted as dropped. It is not its engine's child (`helper_lifecycle`): its pid is the first thing it
+writes back. SIGINT is ignored; SIGTERM flushes what it holds and the helper goes on until its engine's
+end-of-file (a second SIGTERM ends it at once, exporting on the way out).
 """
 
 import importlib
@@ -30,11 +32,13 @@ from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
 from otel_kvtransfer.recording import helper_lifecycle, wire
+from otel_kvtransfer.recording.offload import DROP_REASON
 from otel_kvtransfer.recording.recorder import log_own_error
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.building.helper_process")  # run as __main__
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+EXIT_BOUND_S = 120  # after its engine's end-of-file: the SDK's shutdown (30 s per provider) and a margin
 
 
 def _set_up_sdk() -> None:
@@ -184,8 +188,9 @@ class Helper:
             _logger.warning("otel_kvtransfer builder process: a frame of %d bytes; stopping", size)
             return False
         body = _read_exact(fd, size)
-        if len(body) < size:
-            return False  # the engine ended in the middle of a frame
+        if len(body) < size:  # the engine ended (was killed) in the middle of a frame: its records are lost
+            self.drop(DROP_REASON, records)
+            return False
         try:
             frame, unknown = wire.decode(body)
             if frame[0] == wire.FLUSH:
@@ -240,6 +245,7 @@ def main() -> None:
     sock.setblocking(True)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     acks = _Acks(sock)
+    acks.send(wire.HELLO | os.getpid())  # first: the engine knows its helper by this (it is not its child)
     try:
         _set_up_sdk()
         helper = Helper(acks)
@@ -248,6 +254,13 @@ def main() -> None:
                         "of this engine process are counted as dropped", type(exc).__name__, str(exc)[:200])
         sys.exit(1)
     helper.run(0)
+    # The engine ended (or was killed with its whole tree, which this process is not part of): what follows,
+    # exports included, is bounded; SIGALRM's default action ends a helper an exporter holds past it.
+    signal.alarm(EXIT_BOUND_S)
+    try:  # what its engine left open ends with it (the engine exited, or was killed), as ended by the exit
+        helper.builder.end_at_exit()
+    except Exception as exc:
+        log_own_error("ending the spans still open at exit", exc)
     # The SDK's exit handlers shut the providers down: spans and metrics still held are exported.
 
 

@@ -84,6 +84,8 @@ _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
  I_PEER_THROUGHPUT) = range(len(INSTRUMENTS))
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
+# kv_transfer.peer.throughput has one series per peer up to OTEL_KVTRANSFER_MAX_PEERS (at most 65,536) plus
+# `other`: its limit follows that setting (RecordMetrics raises it), so the documented bound holds.
 _OVERFLOW_KEY = ("__overflow__",)
 _OVERFLOW_ATTRIBUTES = {"otel.metric.overflow": True}
 
@@ -154,8 +156,9 @@ class _Point:
 class _Table:
     """One reader's view of every series: cumulative points never reset, delta points reset at each collect."""
 
-    def __init__(self, delta_histograms: bool, delta_counters: bool):
+    def __init__(self, delta_histograms: bool, delta_counters: bool, limits: List[int]):
         self.delta = [delta_counters if row[3] is None else delta_histograms for row in INSTRUMENTS]
+        self.limits = limits  # per instrument: series before the overflow series (shared, raised by the owner)
         self.series: List[Dict[tuple, _Point]] = [{} for _ in INSTRUMENTS]
         self.labels: Dict[tuple, dict] = {}
         self.interval_start = time.time_ns()  # a delta point starts where the previous collection ended
@@ -163,7 +166,7 @@ class _Table:
     def new_point(self, index: int, key: tuple, labels: dict, now: int) -> _Point:
         """The point of a series seen for the first time (beyond MAX_SERIES: the overflow series)."""
         series = self.series[index]
-        if len(series) >= MAX_SERIES:
+        if len(series) >= self.limits[index]:
             key, labels = _OVERFLOW_KEY, _OVERFLOW_ATTRIBUTES
             point = series.get(key)
             if point is not None:
@@ -204,7 +207,13 @@ class KVMetrics:
         self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
         self._resource = None
         self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
+        self._limits = [MAX_SERIES] * len(INSTRUMENTS)
         self.attached = False
+
+    def allow_series(self, index: int, count: int) -> None:
+        """Let instrument `index` keep `count` series before its overflow series (never below MAX_SERIES)."""
+        with self._lock:
+            self._limits[index] = max(self._limits[index], int(count))
 
     # --- the builder's side -------------------------------------------------------------------------------
     def record(self, key: tuple, labels: dict, measurements, span_context=None) -> None:
@@ -262,7 +271,7 @@ class KVMetrics:
                     elif cls.__name__ in ("_Counter", "Counter"):
                         delta_counters = True
             with self._lock:
-                self._tables[id(reader)] = _Table(delta_histograms, delta_counters)
+                self._tables[id(reader)] = _Table(delta_histograms, delta_counters, self._limits)
             reader._collect = self._collect_hook(reader, original)
         self.attached = True
         return True
@@ -327,6 +336,7 @@ class RecordMetrics:
         self.tables = tables
         self._series = {}  # (id(static attributes), error type) -> (static attributes, key, labels)
         self._peers = PeerSeries(max_peers)
+        tables.allow_series(I_PEER_THROUGHPUT, max_peers + 1)  # every peer, and `other`
 
     def _send_series(self, attrs, failure):
         static = getattr(attrs, "static", None)
@@ -340,27 +350,27 @@ class RecordMetrics:
         return cached[1], cached[2]
 
     def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
+        speed = attrs.get(semconv.THROUGHPUT)  # absent for a send of no measurable duration
         if failure:
             extra = ((I_FAILURES, 1),)
-        elif nbytes > 0:
-            extra = ((I_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
+        elif nbytes > 0 and speed is not None:
+            extra = ((I_THROUGHPUT, speed),)
         else:
             extra = ()
         key, labels = self._send_series(attrs, failure)
         self.tables.record(key, labels, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
                                          (I_DESCRIPTORS, descriptors)) + extra, span_context)
-        if nbytes >= semconv.PEER_THROUGHPUT_MIN_BYTES and not failure:
+        if nbytes >= semconv.PEER_THROUGHPUT_MIN_BYTES and not failure and speed is not None:
             peer = self._peers.of(attrs)
             if peer is not None:
-                self.tables.record(peer[0], peer[1], ((I_PEER_THROUGHPUT, attrs[semconv.THROUGHPUT]),),
-                                   span_context)
+                self.tables.record(peer[0], peer[1], ((I_PEER_THROUGHPUT, speed),), span_context)
 
     def request(self, figures, span, state, end_ns, failure) -> None:
         attrs = span.attributes
         nbytes = figures.get(semconv.BYTES, 0)
         measurements = [(I_REQUEST_DURATION, (max(end_ns, span.start_time) - span.start_time) / 1e9),
                         (I_REQUEST_SIZE, nbytes)]
-        if not failure and nbytes > 0:
+        if not failure and nbytes > 0 and figures.get(semconv.BUSY_S, 0) > 0:  # no busy time: no speed
             measurements.append((I_REQUEST_THROUGHPUT, figures.get(semconv.THROUGHPUT, 0.0)))
         if semconv.COMPUTE_OVERLAP_RATIO in figures:
             measurements.append((I_REQUEST_OVERLAP, figures[semconv.COMPUTE_OVERLAP_RATIO]))

@@ -106,6 +106,12 @@ class OpenSpans:
             if count:
                 on_drop(reason, count)
 
+    def end_every(self, end_request: Callable[[OpenRequest], None], end_peer: Callable[[OpenPeer], None]) -> None:
+        """End every open span with the enders given (the process is exiting), oldest first; nothing counted."""
+        for table, end in ((self.requests, end_request), (self.peers, end_peer)):
+            while table:
+                end(table.popitem(last=False)[1])
+
     def clear(self) -> None:
         """Forget every open span without ending it."""
         self.requests.clear()

@@ -5,7 +5,8 @@ Metrics come from the spans and never from the engine hooks, so a metric and its
 Histogram points are recorded in the context of the span they come from, so with the SDK's default
 trace-based exemplar filter their exemplars point at that (sampled) span. Spans that the sampler kept recording
 but did not sample reach `on_end` too, which is how the metrics count every transfer under any sampling ratio.
-A failed or empty transfer has no speed: throughput histograms take successful spans with bytes > 0 only.
+A failed or empty transfer has no speed, nor has one of no measurable duration (it carries no throughput):
+throughput histograms take successful spans with bytes > 0 and a throughput only.
 """
 
 import logging
@@ -39,6 +40,11 @@ class KVTransferMetricsProcessor(SpanProcessor):
          self._request_tail, self._request_tail_queued, self._peer_throughput) = (
             instrument(row) for row in kvmetrics.INSTRUMENTS)
         self._peers = kvmetrics.PeerSeries(max_peers)
+        if max_peers + 1 > kvmetrics.MAX_SERIES:  # the SDK's instruments keep their reader's cardinality limit
+            _logger.warning("otel_kvtransfer: OTEL_KVTRANSFER_MAX_PEERS=%d, but with OTEL_KVTRANSFER_PIPELINE=sdk "
+                            "the MeterProvider's cardinality limit (%d series by default; a View's "
+                            "aggregation_cardinality_limit raises it) also bounds kv_transfer.peer.throughput",
+                            max_peers, kvmetrics.MAX_SERIES)
         self._on_end = {
             semconv.SPAN_SEND: self._on_send,
             semconv.SPAN_REQUEST: self._on_request,
@@ -69,17 +75,17 @@ class KVTransferMetricsProcessor(SpanProcessor):
         self._descriptors.record(attrs.get(semconv.DESCRIPTOR_COUNT, 0), labels, context=context)
         if span.status.status_code is StatusCode.ERROR:
             self._failures.add(1, labels, context=context)
-        elif nbytes > 0:
-            self._throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), labels, context=context)
+        elif nbytes > 0 and semconv.THROUGHPUT in attrs:  # absent: a send of no measurable duration
+            self._throughput.record(attrs[semconv.THROUGHPUT], labels, context=context)
             peer = self._peers.of(attrs)
             if peer is not None:
-                self._peer_throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), peer[1], context=context)
+                self._peer_throughput.record(attrs[semconv.THROUGHPUT], peer[1], context=context)
 
     def _on_request(self, span, attrs, labels, context) -> None:
         nbytes = attrs.get(semconv.BYTES, 0)
         self._request_duration.record((span.end_time - span.start_time) / 1e9, labels, context=context)
         self._request_size.record(nbytes, labels, context=context)
-        if span.status.status_code is not StatusCode.ERROR and nbytes > 0:
+        if span.status.status_code is not StatusCode.ERROR and nbytes > 0 and attrs.get(semconv.BUSY_S, 0) > 0:
             self._request_throughput.record(attrs.get(semconv.THROUGHPUT, 0.0), labels, context=context)
         if semconv.COMPUTE_OVERLAP_RATIO in attrs:
             self._request_overlap.record(attrs[semconv.COMPUTE_OVERLAP_RATIO], labels, context=context)

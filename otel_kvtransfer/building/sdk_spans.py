@@ -3,16 +3,52 @@ instrumentation's are, so every span processor sees them from `on_start` on and 
 instruments of `processor.KVTransferMetricsProcessor`. It costs several times the direct path (docs/cost.md).
 
 The same interface as `direct_spans.DirectSpans`: parents are span contexts (ours, a real parent's, or the
-synthetic stitching parent), so the builder never needs to know which path it runs on.
+synthetic stitching parent), so the builder never needs to know which path it runs on. Values go into the SDK's
+spans repaired as the direct path repairs them (attribute_values), so both send the same valid strings; the SDK's
+span applies the provider's limits itself.
 """
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan
 
+from otel_kvtransfer.building.attribute_values import repaired, repaired_status, repaired_value
+from otel_kvtransfer.building.direct_spans import SendAttributes
+
 
 def _context(parent):
     return trace.set_span_in_context(NonRecordingSpan(parent), Context()) if parent is not None else None
+
+
+class RepairingSpan:
+    """An open SDK span (a request's, a peer's) whose later values are repaired on their way in: the builder and
+    the stuck reports set them as they set them on the direct path's OpenSpan."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span):
+        self.span = span
+
+    def set_attribute(self, key, value) -> None:
+        self.span.set_attribute(repaired_value(key), repaired_value(value))
+
+    def set_attributes(self, attributes) -> None:
+        self.span.set_attributes(repaired(attributes))
+
+    def set_status(self, status, description=None) -> None:
+        if description is None and hasattr(status, "status_code"):
+            self.span.set_status(repaired_status(status))
+        else:
+            self.span.set_status(status, repaired_value(description))
+
+    def add_event(self, name, attributes=None, timestamp=None) -> None:
+        self.span.add_event(name, repaired(attributes), timestamp)
+
+    def get_span_context(self):
+        return self.span.get_span_context()
+
+    def __getattr__(self, name):  # anything else read from the span (attributes, start_time, ...)
+        return getattr(self.span, name)
 
 
 class SdkSpans:
@@ -20,19 +56,22 @@ class SdkSpans:
         self.tracer = tracer
 
     def open(self, name, parent, kind, attributes, start_ns):
-        return self.tracer.start_span(name, context=_context(parent), kind=kind, attributes=attributes,
-                                      start_time=start_ns)
+        return RepairingSpan(self.tracer.start_span(name, context=_context(parent), kind=kind,
+                                                    attributes=repaired(attributes), start_time=start_ns))
 
     @staticmethod
     def close(span, end_ns: int) -> None:
+        span = span.span if type(span) is RepairingSpan else span
         # A non-recording span (a no-op or disabled SDK) has no start_time: end it all the same.
         span.end(end_time=max(end_ns, getattr(span, "start_time", None) or end_ns))
 
     def child(self, name, parent, kind, attributes, start_ns, end_ns, status):
+        if type(attributes) is not SendAttributes:  # a send's were made valid where they were made
+            attributes = repaired(attributes)
         span = self.tracer.start_span(name, context=_context(parent), kind=kind, attributes=attributes,
                                       start_time=start_ns)
         if status.status_code.value:  # not UNSET
-            span.set_status(status)
+            span.set_status(repaired_status(status))
         span.end(end_time=end_ns)
         return span.get_span_context()
 

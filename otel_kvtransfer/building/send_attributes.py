@@ -10,6 +10,7 @@ from typing import Callable, Dict, Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.aggregate import NS_PER_S
+from otel_kvtransfer.building.attribute_values import repaired, repaired_text, repaired_value
 from otel_kvtransfer.building.direct_spans import SendAttributes
 from otel_kvtransfer.recording import records as r
 
@@ -24,29 +25,40 @@ def measure(rec: tuple) -> tuple:
 
     The interval spans all the send's engine calls (or the scope's own times when it failed before making
     one); the first failing call names the failure unless the scope set its own. Bytes may come out negative
-    (an engine asked to move a negative length): the caller decides what that means."""
+    (an engine asked to move a negative length): the caller decides what that means. Bytes are a Python int (a
+    batch's lengths may be an array's integers), the error type a valid string (attribute_values)."""
     calls, failure, return_code = rec[r.SEND_CALLS], rec[r.SEND_ERROR], None
     if len(calls) == 1:  # the common case, without the loops
         first = calls[0]
         moved = first[r.CALL_BYTES]
-        nbytes = moved if type(moved) is int else sum(moved)
+        nbytes = moved if type(moved) is int else int(sum(moved))
         if first[r.CALL_ERROR] is not None:
             failure, return_code = failure or first[r.CALL_ERROR], first[r.CALL_RETURN_CODE]
+        if failure is not None:
+            failure, return_code = _valid_failure(failure, return_code)
         return first[r.CALL_START], first[r.CALL_END], nbytes, first[r.CALL_DESCRIPTORS], failure, return_code, first
     if not calls:  # a scope that failed before any engine call: its own time, taken on the engine thread
         start, end = rec[r.SEND_SCOPE_TIMES]
-        return start, end, 0, 0, failure, None, None
+        return start, end, 0, 0, failure and _valid_failure(failure, None)[0], None, None
     nbytes = descriptors = 0
     for call in calls:
         moved = call[r.CALL_BYTES]
-        nbytes += moved if type(moved) is int else sum(moved)
+        nbytes += moved if type(moved) is int else int(sum(moved))
         descriptors += call[r.CALL_DESCRIPTORS]
     for call in calls:
         if call[r.CALL_ERROR] is not None:
             failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
             break
+    if failure is not None:
+        failure, return_code = _valid_failure(failure, return_code)
     return (min(c[r.CALL_START] for c in calls), max(c[r.CALL_END] for c in calls), nbytes, descriptors, failure,
             return_code, calls[0])
+
+
+def _valid_failure(failure, return_code) -> tuple:
+    """A failed send's error type and return code as span values: a string UTF-8 carries (the integration API
+    passes a framework's string on as it is), the engine's code unchanged unless it is such a string."""
+    return (repaired_text(failure) if type(failure) is str else str(failure)), repaired_value(return_code)
 
 
 def attributes(start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
@@ -59,8 +71,8 @@ def attributes(start: int, end: int, nbytes: int, descriptors: int, calls: int, 
     attrs[semconv.DESCRIPTOR_COUNT] = descriptors
     attrs[semconv.ENGINE_CALLS] = calls
     duration = end - start
-    # aggregate.throughput, inline: one call fewer per send on the builder thread.
-    attrs[semconv.THROUGHPUT] = nbytes * NS_PER_S / duration if duration > 0 else 0.0
+    if duration > 0:  # aggregate.throughput, inline; a send of no measurable duration has no speed (none set)
+        attrs[semconv.THROUGHPUT] = nbytes * NS_PER_S / duration
     if info is not None:
         attrs[semconv.CHUNK_INDEX] = info[r.INFO_CHUNK]
     if failure:
@@ -133,4 +145,4 @@ def static_attributes(first: Optional[tuple], info: Optional[tuple], labels: Opt
             attrs.update(labels)
     for name in PER_SEND:
         attrs.pop(name, None)
-    return attrs
+    return repaired(attrs)  # framework values (ids, peers, labels) may hold strings UTF-8 cannot carry

@@ -9,6 +9,10 @@ that are in use: a batch's KVSpans are written here and merged (protobuf concate
 encoder makes of the other spans, so the exporter sends one request as before, through its own transport,
 endpoint, headers, TLS, compression, timeouts and retries. Any other span, or an error here, takes the
 original encoder. tests/test_span_encoding.py decodes both encoders' output and compares them field by field.
+
+What the SDK's encoder drops, this one drops too: an attribute whose key or string UTF-8 cannot carry (the span
+pipelines repair such strings before a span is made: attribute_values), an integer outside int64. What it keeps
+in its cache is bounded by count and by bytes; a pair too large to be worth keeping is encoded on each use.
 """
 
 import logging
@@ -16,6 +20,7 @@ import struct
 import sys
 from itertools import islice
 
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
 from otel_kvtransfer.building.direct_spans import _UNSET as _UNSET_STATUS
@@ -41,6 +46,10 @@ _NO_PARENT = b"\x0a\x10%b\x12\x08%b"  # trace_id, span_id
 _WITH_PARENT = b"\x0a\x10%b\x12\x08%b\x22\x08%b"  # and parent_span_id
 _TIMES = b"\x39%b\x41%b"  # start and end, fixed64
 _CACHE_LIMIT = 16384  # encoded (key, value) pairs kept; cleared whole when full (request keys are unique)
+_CACHE_BYTES = 8 << 20  # and at most this many bytes of them (the same for the static parts' encodings)
+_MAX_CACHED_PAIR = 4096  # a longer pair (a framework's long string) is encoded each time, never kept
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_DROPPED = b"\x50"  # Span.dropped_attributes_count, varint
 
 
 def _varint(n: int) -> bytes:
@@ -70,28 +79,50 @@ class _Pieces:
         self.wrappers = {}
         self.statics = {}
         self.size = 0
+        self.bytes = 0
+        self.statics_bytes = 0
 
     def slow(self, key, value) -> bytes:
-        """A pair not cached yet: encoded, and cached unless it is a double."""
+        """A pair not cached yet: encoded (empty where the SDK's encoder drops it), and cached unless it is a
+        double or too large."""
         kind = type(value)
+        if type(key) is not str:
+            raise _Unsupported(type(key))
+        try:
+            key_bytes = key.encode("utf-8")
+        except UnicodeEncodeError:  # the SDK's encoder drops the attribute
+            return b""
         if kind is float:
-            head = _field(b"\x0a", key.encode("utf-8"))
-            prefix = self.double_prefix[key] = b"\x4a" + _varint(len(head) + 11) + head + b"\x12\x09\x21"
+            head = _field(b"\x0a", key_bytes)
+            prefix = b"\x4a" + _varint(len(head) + 11) + head + b"\x12\x09\x21"
+            if len(self.double_prefix) >= 4096:
+                self.double_prefix.clear()
+            self.double_prefix[key] = prefix
             return prefix + _pack_d(value)
         if kind is str:
-            any_value, table = _field(b"\x0a", value.encode("utf-8", "surrogatepass")), self.strings
+            try:
+                any_value = _field(b"\x0a", value.encode("utf-8"))
+            except UnicodeEncodeError:  # the SDK's encoder drops the attribute
+                any_value = None
+            table = self.strings
         elif kind is bool:
             any_value, table = (b"\x10\x01" if value else b"\x10\x00"), self.ints
         elif kind is int:
-            any_value, table = b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF), self.ints
+            # protobuf refuses an int64 outside its range, and the SDK's encoder drops the attribute
+            any_value = b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF) if _INT64_MIN <= value <= _INT64_MAX else None
+            table = self.ints
         else:
             raise _Unsupported(kind)
-        pair = _field(b"\x4a", _field(b"\x0a", key.encode("utf-8")) + _field(b"\x12", any_value))
-        if self.size >= _CACHE_LIMIT:
+        pair = b"" if any_value is None else _field(b"\x4a", _field(b"\x0a", key_bytes) + _field(b"\x12", any_value))
+        size = 2 * len(pair) + 64  # what the cache holds for it, roughly: the pair and the value it is found by
+        if size > _MAX_CACHED_PAIR:
+            return pair
+        if self.size >= _CACHE_LIMIT or self.bytes + size > _CACHE_BYTES:
             self.strings.clear()
             self.ints.clear()
-            self.size = 0
+            self.size = self.bytes = 0
         self.size += 1
+        self.bytes += size
         table.setdefault(key, {})[(kind is bool, value)] = pair
         return pair
 
@@ -101,14 +132,20 @@ class _Pieces:
         if cached is not None and cached[0] is attributes:
             return cached[1]
         encoded = b"".join(self.slow(key, value) for key, value in attributes.items())
-        if len(self.statics) >= _CACHE_LIMIT:
+        if len(encoded) > _CACHE_BYTES // 16:  # kept, it would crowd out the rest: encoded again on each use
+            return encoded
+        if len(self.statics) >= _CACHE_LIMIT or self.statics_bytes + len(encoded) > _CACHE_BYTES:
             self.statics.clear()
+            self.statics_bytes = 0
+        self.statics_bytes += len(encoded)
         self.statics[id(attributes)] = (attributes, encoded)
         return encoded
 
     def name(self, name: str) -> bytes:
         encoded = self.names.get(name)
         if encoded is None:
+            if len(self.names) >= 256:  # our span names are a handful
+                self.names.clear()
             encoded = self.names[name] = _field(b"\x2a", name.encode("utf-8"))
         return encoded
 
@@ -183,10 +220,13 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
             prefix = doubles.get(key)
             append(prefix + _pack_d(value) if prefix is not None else pieces.slow(key, value))
             continue
-        table = strings.get(key) if kind is str else ints.get(key)
+        # exact types only: a subclass (a float of numpy's equal to an int) must not find the int's pair
+        table = strings.get(key) if kind is str else ints.get(key) if kind is int or kind is bool else None
         pair = table.get((kind is bool, value)) if table is not None else None
         append(pair if pair is not None else pieces.slow(key, value))
     append(static)
+    if type(attributes) is BoundedAttributes and attributes.dropped:  # the span limits cut some
+        append(_DROPPED + _varint(attributes.dropped))
     status = span._status
     if status is _UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
         append(_STATUS_UNSET)

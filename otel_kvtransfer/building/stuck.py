@@ -4,13 +4,14 @@ The builder keeps the open request and peer spans; the engine process reports it
 the engine, async submissions not yet seen to end) in INFLIGHT records (`inflight.py`). An item open longer than
 OTEL_KVTRANSFER_STUCK_S is reported once, while it is still open: one WARNING line (kind, request key, peer, bytes
 when known, age), the counter `kv_transfer.stuck` and the span event `kv_transfer.stuck` on its request or peer
-span. The gauges are observed at collection time from the builder's last snapshot, so they cost nothing per
-transfer.
+span. Many items stuck at once (a frozen peer under load) log their first MAX_LINES one by one and the rest in one
+summary line per scan (how many, the oldest, by kind and peer), so the log stays readable; every item is still
+counted and gets its event. The gauges are observed at collection time from the builder's last snapshot, so they
+cost nothing per transfer.
 """
 
 import logging
 import threading
-import time
 import weakref
 from collections import deque
 
@@ -18,12 +19,15 @@ from opentelemetry import metrics
 from opentelemetry.metrics import Observation
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
 KINDS = (semconv.INFLIGHT_SEND, semconv.INFLIGHT_REQUEST, semconv.INFLIGHT_PEER)
 _BY_PROVIDER = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+MAX_LINES = 5  # stuck items logged one by one per scan; the rest go into one summary line
+MAX_GROUPS = 8  # (kind, peer) groups named in a summary line
 
 
 class StuckReporter:
@@ -42,26 +46,52 @@ class StuckReporter:
         return [Observation(count, {semconv.INFLIGHT_KIND: kind}) for kind, (count, _) in self.snapshot.items()]
 
     def _ages(self, _options):
-        now = time.time_ns()
+        now = now_ns()  # the records' clock: ages are monotonic measures
         return [Observation(max(now - oldest, 0) / 1e9 if oldest is not None else 0.0,
                             {semconv.INFLIGHT_KIND: kind}) for kind, (_, oldest) in self.snapshot.items()]
 
     def stuck(self, kind, key, peer, nbytes, age_s, backend=None, role=None, span=None) -> None:
-        _logger.warning("otel_kvtransfer: a %s open for %.0f s is stuck: request key %s, peer %s, bytes %s", kind,
-                        age_s, _shown(key), _shown(peer), _shown(nbytes))
-        labels = {semconv.INFLIGHT_KIND: kind}
-        if backend:
-            labels[semconv.BACKEND] = backend
-        if role:
-            labels[semconv.ROLE] = role
-        self._counter.add(1, labels)
-        if span is not None:
-            attributes = {semconv.STUCK_AGE_S: float(age_s), semconv.INFLIGHT_KIND: kind}
-            if peer is not None:
-                attributes[semconv.SERVER_ADDRESS] = str(peer)[:256]
-            if nbytes is not None:
-                attributes[semconv.BYTES] = int(nbytes)
-            span.add_event(semconv.EVENT_STUCK, attributes, time.time_ns())
+        self.report([(kind, key, peer, nbytes, age_s, backend, role, span)])
+
+    def report(self, items) -> None:
+        """The items of one scan that just became stuck: (kind, key, peer, nbytes, age_s, backend, role, span)
+        each. Each is counted and gets its span event; the first MAX_LINES get a line each, the rest one line."""
+        counts, logged, rest, oldest, groups = {}, 0, 0, 0.0, {}
+        at_ns = now_ns()  # on the spans' clock
+        for kind, key, peer, nbytes, age_s, backend, role, span in items:
+            oldest = max(oldest, age_s)
+            if logged < MAX_LINES:
+                _logger.warning("otel_kvtransfer: a %s open for %.0f s is stuck: request key %s, peer %s, bytes %s",
+                                kind, age_s, _shown(key), _shown(peer), _shown(nbytes))
+                logged += 1
+            else:
+                rest += 1
+                group = (kind, None if peer is None else str(peer)[:120])
+                if group in groups or len(groups) < MAX_GROUPS:
+                    groups[group] = groups.get(group, 0) + 1
+            labels = (kind, backend or None, role or None)
+            counts[labels] = counts.get(labels, 0) + 1
+            if span is not None:
+                attributes = {semconv.STUCK_AGE_S: float(age_s), semconv.INFLIGHT_KIND: kind}
+                if peer is not None:
+                    attributes[semconv.SERVER_ADDRESS] = str(peer)[:256]
+                if nbytes is not None:
+                    attributes[semconv.BYTES] = int(nbytes)
+                span.add_event(semconv.EVENT_STUCK, attributes, at_ns)
+        for (kind, backend, role), count in counts.items():  # one add per label set, not per item
+            labels = {semconv.INFLIGHT_KIND: kind}
+            if backend:
+                labels[semconv.BACKEND] = backend
+            if role:
+                labels[semconv.ROLE] = role
+            self._counter.add(count, labels)
+        if rest:
+            named = sum(groups.values())
+            shown = ", ".join(f"{kind} to {_shown(peer)}: {count}" if peer is not None else f"{kind}: {count}"
+                              for (kind, peer), count in sorted(groups.items(), key=lambda item: -item[1]))
+            _logger.warning("otel_kvtransfer: %d items became stuck in this scan, %d more than the lines above (the "
+                            "oldest open for %.0f s); those by kind and peer: %s%s", logged + rest, rest, oldest,
+                            shown, f", others: {rest - named}" if rest > named else "")
 
 
 def _shown(value) -> str:
@@ -103,18 +133,24 @@ class OpenWatch:
         """An INFLIGHT record from the engine process: its open sends, and those that just became stuck."""
         _, at_ns, count, oldest, stuck = rec
         self._sends = (count, oldest)
+        if stuck:
+            self.reporter.report(self._stuck_sends(stuck, at_ns, find_request))
+
+    @staticmethod
+    def _stuck_sends(stuck, at_ns, find_request):
         for start_ns, key, peer, nbytes, backend in stuck:
             state = find_request(key) if key is not None else None
-            self.reporter.stuck(semconv.INFLIGHT_SEND, key, peer, nbytes, (at_ns - start_ns) / 1e9, backend,
-                                state.labels.get(semconv.ROLE) if state is not None else None,
-                                state.span if state is not None else None)
+            yield (semconv.INFLIGHT_SEND, key, peer, nbytes, (at_ns - start_ns) / 1e9, backend,
+                   state.labels.get(semconv.ROLE) if state is not None else None,
+                   state.span if state is not None else None)
 
     def tick(self, tables: dict, describe) -> None:
         """`tables`: kind -> the builder's open table (key -> state); `describe(kind, state)` -> (peer, nbytes,
         backend, role) for the report."""
-        now = time.time_ns()
+        now = now_ns()  # the records' clock: ages are monotonic measures
         threshold = now - self._stuck_ns
         snapshot = {semconv.INFLIGHT_SEND: self._sends}
+        stuck = []
         for kind, table in tables.items():
             young, old = self._young[kind], self._old[kind]
             while young and young[0][0] <= threshold:
@@ -123,7 +159,7 @@ class OpenWatch:
                 if table.get(key) is state:
                     old.append(item)
                     peer, nbytes, backend, role = describe(kind, state)
-                    self.reporter.stuck(kind, key, peer, nbytes, (now - start_ns) / 1e9, backend, role, state.span)
+                    stuck.append((kind, key, peer, nbytes, (now - start_ns) / 1e9, backend, role, state.span))
             oldest = None
             for queue in (old, young):
                 while queue and table.get(queue[0][1]) is not queue[0][2]:  # ended since: forget it
@@ -132,6 +168,8 @@ class OpenWatch:
                     oldest = queue[0][0]
             snapshot[kind] = (len(table), oldest)
         self.reporter.snapshot = snapshot
+        if stuck:
+            self.reporter.report(stuck)
 
     def reset(self) -> None:
         for queue in list(self._young.values()) + list(self._old.values()):

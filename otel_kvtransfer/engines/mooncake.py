@@ -9,12 +9,12 @@ path Python has); instrument() patches at once when `mooncake.engine` is already
 import logging
 import os
 import sys
-from time import time_ns
+from time import monotonic_ns
 
 import wrapt
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import inflight, integration
+from otel_kvtransfer.recording import clock, inflight, integration
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
@@ -113,6 +113,7 @@ def _sync(original, op, batch):
     recorder, context = RECORDER, current_context
     thread = integration.THREAD  # its .scope: this thread's transfer scope
     transports, state, suppress, suppress_plain = _transports, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+    base = clock.BASE  # times are monotonic_ns() + base: clock.now_ns(), inline
 
     def transfer(self, *args, **kwargs):
         if not recorder.active:
@@ -121,14 +122,14 @@ def _sync(original, op, batch):
         if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
             return original(self, *args, **kwargs)
         scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
-        start = time_ns()
+        start = monotonic_ns() + base
         try:
             rc = original(self, *args, **kwargs)
         except BaseException as exc:
             safely("record a failed Mooncake call", _deliver, self, args, kwargs, op, batch, start, None,
                    type(exc).__qualname__, ctx)
             raise
-        end = time_ns()
+        end = monotonic_ns() + base
         try:
             error = None if rc == 0 else "transfer_failed"
             if kwargs or op is None or len(args) < 4:
@@ -166,14 +167,14 @@ def _in_progress(frame_locals):
 
 def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
     """A call that failed (raised, or refused a submission), ending now."""
-    integration.deliver(_call(engine, args, kwargs, op, batch, start, time_ns(), rc, error_type), context)
+    integration.deliver(_call(engine, args, kwargs, op, batch, start, clock.now_ns(), rc, error_type), context)
 
 
 def _async(original, op, batch):
     def submit(self, *args, **kwargs):
         if not active():
             return original(self, *args, **kwargs)
-        start = time_ns()
+        start = clock.now_ns()
         batch_id = original(self, *args, **kwargs)
         try:
             if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1

@@ -7,14 +7,13 @@ sglang, for one, lets its handles go that way). Bytes and descriptor count come 
 handle was made from (remembered when `prep_xfer_dlist` prepared them, or read from `initialize_xfer`'s lists);
 op is the handle's READ or WRITE; the peer is the remote agent's name; the notification message travels as an
 attribute. These wrappers only time and count: the call tuple goes to the transfer scope current when the handle
-was posted (or becomes a raw send), through `PendingTransfers`, which bounds the handles waiting for completion
-and counts what it has to drop.
+was posted, else to the one current when it was made (a handle posted from another thread), else it is a raw
+send, through `PendingTransfers`, which bounds the handles waiting for completion and counts what it has to drop.
 """
 
 import importlib.util
 import logging
 import sys
-from time import time_ns
 from typing import Optional
 
 import wrapt
@@ -22,6 +21,7 @@ import wrapt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import Patcher, active, observe_call, own_error, safely
 from otel_kvtransfer.recording.pending import PendingTransfers
 
@@ -31,6 +31,7 @@ BACKEND = "nixl"
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
 
 _LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")
+_UNKNOWN_HANDLE = (0, 0, semconv.OP_WRITE, None, None, None)  # a handle made where no wrapper saw it
 _OPS = {"WRITE": semconv.OP_WRITE, "READ": semconv.OP_READ}
 _MAX_DLISTS = 4096  # prepared descriptor lists remembered (vLLM prepares a handful per peer engine)
 _MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
@@ -39,7 +40,7 @@ _state = {"on": False, "hooked": False}
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
-_handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer, notification)
+_handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer, notification, scope made in)
 
 
 def _key(handle):
@@ -143,14 +144,16 @@ def _describe(handle, operation, nbytes, descriptors, peer, notif_msg) -> None:
     # binding called directly), so its end will never be seen. Counted now, before a release of the new handle
     # could end it as if it were this one.
     _pending.forget(key)
+    # The transfer scope current where the handle is made: a handle posted from a thread outside any scope (vLLM
+    # work moves posting to a receiver or reader thread) still belongs to the transfer it was made for.
     _remember(_handles, _MAX_HANDLES, key,
-              (int(nbytes), int(descriptors), op, _text(peer), _text(notif_msg)))
+              (int(nbytes), int(descriptors), op, _text(peer), _text(notif_msg), kvt.THREAD.scope))
 
 
 def _transfer_wrapper(wrapped, instance, args, kwargs):
     if not active():
         return wrapped(*args, **kwargs)
-    start = time_ns()
+    start = now_ns()
     try:
         state = wrapped(*args, **kwargs)
     except Exception as exc:  # the post itself failed (e.g. the peer is gone): one failed send, then re-raised
@@ -164,16 +167,21 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
     try:
         handle = args[0] if args else kwargs["handle"]
         key = _key(handle)
-        nbytes, descriptors, op, peer, notification = _handles.get(key, (0, 0, semconv.OP_WRITE, None, None))
+        nbytes, descriptors, op, peer, notification, made_in = _handles.get(key, _UNKNOWN_HANDLE)
         notification = _text(args[1] if len(args) > 1 else kwargs.get("notif_msg")) or notification
         extra = {semconv.NOTIFICATION: notification} if notification else None
         protocol = _protocol(agent)
         _pending.forget(key)  # a transfer still pending under this key was never seen to end: counted, not lost
+        posting = kvt.THREAD.scope  # the posting thread's scope, else the one the handle was made in
         if state == "PROC":
-            _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra)
+            _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra, posting or made_in)
         else:  # finished (or failed) within the call itself
-            kvt.deliver(records.call(start, time_ns(), nbytes, descriptors, op, peer, protocol, state, error_type,
-                                     BACKEND, extra))
+            call = records.call(start, now_ns(), nbytes, descriptors, op, peer, protocol, state, error_type,
+                                BACKEND, extra)
+            if posting is None and made_in is not None:
+                made_in.record_apart(call)
+            else:
+                kvt.deliver(call)
     except Exception:
         own_error("record a NIXL transfer")
 

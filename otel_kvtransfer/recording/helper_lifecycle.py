@@ -1,11 +1,17 @@
 """The builder process's lifecycle, seen from the engine: starting it, spacing the restarts of one that keeps
-ending without acknowledging anything, and reaping every helper given up.
+ending without acknowledging anything, and reaping what it started.
 
 A helper runs in a session of its own (a group signal meant for the engine does not end it) with the engine's
 environment minus opentelemetry-instrument's sitecustomize (it instruments nothing), and reads its frames from a
-socket on its standard input. A dead helper is replaced: at once when it had acknowledged something, else after
-a backoff that doubles up to RESTART_BACKOFF_MAX_S; never a permanent give-up. What travels over the socket
-(frames, acknowledgements, flushes) is `offload.HelperLink`'s concern; this module only hands it the socket.
+socket on its standard input. It is not the engine's descendant either: a starter process forks it and ends at
+once (reaped here), so a supervisor that kills the engine's whole process tree leaves the helper out (vLLM's
+shutdown SIGKILLs every descendant of its engine core at once); the helper then sees end-of-file, exports what it
+holds and ends by itself, within a bound of its own. Its pid is the first thing it writes on the socket.
+A dead helper is replaced: at once when it had acknowledged something, else after a backoff that doubles up to
+RESTART_BACKOFF_MAX_S. A helper that never works (its interpreter gone, say: it cannot be started, or it ends
+before acknowledging anything) is `given_up()` after START_TRIES such helpers in a row; the link then builds in
+this process instead, when it can (`offload`). What travels over the socket (frames, acknowledgements, flushes)
+is `offload.HelperLink`'s concern; this module only hands it the socket.
 """
 
 import logging
@@ -16,11 +22,14 @@ import sys
 import time
 from typing import Optional, Tuple
 
+from otel_kvtransfer.recording import clock
+
 _logger = logging.getLogger(__name__)
 
 HELPER_ENV = "OTEL_KVTRANSFER_HELPER"  # set in the helper's environment: never instrument the helper itself
 SETUP_ENV = "OTEL_KVTRANSFER_HELPER_SETUP"  # module:function that sets up the helper's SDK instead of OTEL_*
 RESTART_BACKOFF_MAX_S = 60.0
+START_TRIES = 3  # helpers in a row that never worked before the link stops starting them (1 s + 2 s of backoff)
 SEND_BUFFER = 4 << 20  # room for bursts while the helper builds (the kernel caps it at net.core.wmem_max)
 
 # The helper's import path: the working directory off it (-P; on 3.10, where `-c` puts it first, removed), and
@@ -28,7 +37,9 @@ SEND_BUFFER = 4 << 20  # room for bursts while the helper builds (the kernel cap
 SAFE_PATH = ("import sys\n"
              "if sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
              "if sys.argv[1] not in sys.path:\n    sys.path.append(sys.argv[1])\n")
-_BOOTSTRAP = SAFE_PATH + "from otel_kvtransfer.building.helper_process import main\nmain()\n"
+# The starter forks the helper and ends: the helper is adopted by whoever reaps orphans, out of the engine's tree.
+_BOOTSTRAP = SAFE_PATH + ("import os\nif os.fork():\n    os._exit(0)\n"
+                          "from otel_kvtransfer.building.helper_process import main\nmain()\n")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -60,6 +71,7 @@ def _helper_environment() -> dict:
     """The engine's environment minus opentelemetry-instrument's sitecustomize: the helper instruments nothing."""
     env = dict(os.environ)
     env[HELPER_ENV] = "1"
+    env.update(clock.environment())  # the helper takes its own times (evicted ends, stuck ages) on our clock
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
              if p and not (os.path.basename(p.rstrip(os.sep)) == "auto_instrumentation"
                            and os.path.exists(os.path.join(p, "sitecustomize.py")))]
@@ -70,15 +82,25 @@ def _helper_environment() -> dict:
     return env
 
 
-class HelperProcess:
-    """The current helper (`proc`, None while none runs), when the next may start, and the helpers given up
-    until they are reaped. Its caller (the link) serialises every call."""
+class Helper:
+    """A helper as the engine knows it: `pid` once the helper has said it (None until then); its exit code is
+    never known (it is not this process's child: whoever adopted it reaps it)."""
 
     def __init__(self):
-        self.proc: Optional[subprocess.Popen] = None
-        self._forgotten = []  # helpers given up (or a parent's, seen from a forked child), until reaped
-        self._failures = 0  # helpers in a row that ended without acknowledging anything
+        self.pid: Optional[int] = None
+        self.returncode = None
+
+
+class HelperProcess:
+    """The current helper (`proc`, None while none runs), when the next may start, and the starters until they
+    are reaped. Its caller (the link) serialises every call."""
+
+    def __init__(self):
+        self.proc: Optional[Helper] = None
+        self._starters = []  # starter processes (each ends at once), until reaped
+        self._failures = 0  # helpers in a row that could not start or ended without acknowledging anything
         self._next_start = 0.0
+        self.last_error = ""  # why the latest helper could not start, for the link's one warning line
 
     def pid(self) -> Optional[int]:
         proc = self.proc
@@ -99,14 +121,17 @@ class HelperProcess:
                 pass
             # In a session of its own: a group signal meant for the engine (Ctrl-C, a stop) does not end it.
             # stdout and stderr are the engine's own (a console exporter prints where the engine prints).
-            self.proc = subprocess.Popen(
+            self._starters.append(subprocess.Popen(
                 helper_command(), stdin=theirs.fileno(), env=_helper_environment(), close_fds=True,
-                start_new_session=True)
-        except OSError:
+                start_new_session=True))
+            self.proc = Helper()
+        except OSError as exc:
             if mine is not None:
                 mine.close()
             self._back_off(now)
-            _logger.warning("otel_kvtransfer: could not start the builder process", exc_info=True)
+            # The link says it, once, with what it does instead: one line, not a traceback per retry.
+            self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            _logger.debug("otel_kvtransfer: could not start the builder process", exc_info=True)
             return None
         finally:
             if theirs is not None:
@@ -120,50 +145,50 @@ class HelperProcess:
         self._next_start = now + delay
         return delay
 
+    def given_up(self) -> bool:
+        """START_TRIES helpers in a row could not start or ended before acknowledging anything: none will work."""
+        return self._failures >= START_TRIES
+
+    def said_pid(self, pid: int) -> None:
+        """The current helper's first message: its pid."""
+        if self.proc is not None:
+            self.proc.pid = pid
+
     def answered(self) -> None:
         """The current helper acknowledged a frame: it works, and the backoff starts over."""
         self._failures = 0
 
-    def lost(self, worked: bool) -> Tuple[Optional[subprocess.Popen], Optional[int], float]:
-        """The current helper ended (or stopped reading its socket): (it, its exit code or None while it still
-        runs, seconds until the next may start). One that still runs is reaped later."""
+    def lost(self, worked: bool) -> Tuple[Optional[Helper], float]:
+        """The current helper closed its socket (it ended, or is ending): (it, seconds until the next may
+        start)."""
         proc, self.proc = self.proc, None
         if worked:
             self._failures, delay = 0, 0.0
             self._next_start = time.monotonic()
         else:
             delay = self._back_off(time.monotonic())
-        code = proc.poll() if proc is not None else None
-        if proc is not None and code is None:
-            self._forgotten.append(proc)
-        return proc, code, delay
+            self.last_error = "it ended before it built anything"
+        return proc, delay
 
-    def closed(self, wait_s: float) -> Tuple[Optional[subprocess.Popen], bool]:
-        """The engine closed the socket: (the helper, whether it ended within `wait_s`). One still exporting is
-        left to end by itself, and reaped later."""
+    def closed(self, ended: bool) -> Optional[Helper]:
+        """The engine closed the socket; `ended`: the helper closed its end in time (it has exported and ends).
+        One still exporting is left to end by itself (within its own bound)."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return None, True
-        try:
-            proc.wait(max(wait_s, 0.01))
-        except subprocess.TimeoutExpired:
-            _logger.warning("otel_kvtransfer: the builder process (pid %d) is still exporting; it ends by itself",
+        if proc is not None and not ended:
+            _logger.warning("otel_kvtransfer: the builder process (pid %s) is still exporting; it ends by itself",
                             proc.pid)
-            self._forgotten.append(proc)
-            return proc, False
-        return proc, True
+        return proc
 
     def reap_due(self) -> bool:
-        return bool(self._forgotten)
+        return bool(self._starters)
 
     def reap(self) -> None:
-        """Without waiting: forget the helpers given up that have ended (poll() reaps them)."""
-        if self._forgotten:
-            self._forgotten = [p for p in self._forgotten if p.poll() is None]
+        """Without waiting: the starters that have ended (poll() reaps them; each ends as soon as it forked)."""
+        if self._starters:
+            self._starters = [p for p in self._starters if p.poll() is None]
 
     def after_fork_in_child(self) -> None:
-        # The parent's helper is the parent's: this process starts its own on its first frame.
-        if self.proc is not None:
-            self._forgotten.append(self.proc)
+        # The parent's helper and starters are the parent's: this process starts its own helper on its first frame.
         self.proc = None
+        self._starters = []
         self._failures, self._next_start = 0, 0.0

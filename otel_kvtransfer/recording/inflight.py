@@ -17,10 +17,10 @@ import time
 import weakref
 from typing import Callable, Dict, Optional
 
+from otel_kvtransfer.recording import clock as records_clock  # `clock` is the watcher's own scan clock
 from otel_kvtransfer.recording import records as r
 
 SCAN_INTERVAL_S = 1.0
-MAX_REPORTED = 65536  # ids of items already reported stuck, kept while they stay open
 
 # code object of a wrapper -> describe(frame locals) -> (start_ns, key, peer, nbytes, backend) or None
 _WRAPPERS: Dict[object, Callable] = {}
@@ -75,7 +75,8 @@ class Watcher:
         (start_ns, key, peer, nbytes, backend), each reported once while it stays open; None when nothing is in
         flight and nothing was at the last scan (a process that never transfers sends no record at all, and so
         never starts a builder process)."""
-        now_ns = time.time_ns() if now_ns is None else now_ns
+        records_clock.refresh()  # once a second, off the hot path: the wall clock's step since start (clock.py)
+        now_ns = records_clock.now_ns() if now_ns is None else now_ns
         items = {}
         if _WRAPPERS:
             me = threading.get_ident()
@@ -102,9 +103,9 @@ class Watcher:
             if now_ns - start >= self._stuck_ns and ident not in self._reported:
                 stuck.append(item)
                 self._reported.add(ident)
-        self._reported &= items.keys()  # forget what has ended
-        if len(self._reported) > MAX_REPORTED:
-            self._reported.clear()
+        # Forget what has ended: the ids kept are a subset of what is open now (bounded by the pending tables and
+        # the threads), so each item is reported once for as long as it stays open, however many there are.
+        self._reported &= items.keys()
         if not items and not self._last_count:
             return None
         self._last_count = len(items)

@@ -16,6 +16,9 @@ bad input is counted as dropped (`api_error`) and ignored.
     kvt.begin_receive(key, ...); kvt.end_receive(key)   # the peer of a push (decode) waits
     kvt.begin_serve(key, ...);   kvt.end_serve(key)     # the peer of a pull (prefill) waits
 
+    with kvt.payload_scope("encoder_cache", framework="<framework>"):   # bytes that are not a request's KV
+        engine.write(...)                         # each call one send, labelled; no request span
+
 The key is what both sides of one request share (an int bootstrap room, a str transfer id). A scope may be
 entered on several threads (an executor running per-layer copies enters it too, or uses `scope.bind()`), and
 nested: it becomes one send when the last thread leaves it. One engine call that carries blocks of several
@@ -28,13 +31,13 @@ import logging
 import math
 import os
 import threading
-from time import time_ns
 from typing import Iterable, Optional
 
 from opentelemetry.context import Context
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording.clock import from_wall, now_ns
 from otel_kvtransfer.recording.patching import current_context
 from otel_kvtransfer.recording.recorder import RECORDER
 
@@ -70,7 +73,8 @@ def _key(key):
 
 
 def _time(ns) -> int:
-    return time_ns() if ns is None else int(ns)
+    """Now, or a framework's `time.time_ns()` value, on the records' clock (clock.py)."""
+    return now_ns() if ns is None else from_wall(ns)
 
 
 # --- what engine modules use -----------------------------------------------------------------------------------
@@ -99,8 +103,8 @@ capture_context = current_context
 
 
 def deliver(call: tuple, context: Optional[Context] = None) -> None:
-    """A finished engine call (records.CALL_*): joins this thread's scope, else it is a raw send of its own,
-    parented to `context` (the current one when not given)."""
+    """A finished engine call (records.CALL_*, its times from clock.now_ns()): joins this thread's scope, else it
+    is a raw send of its own, parented to `context` (the current one when not given)."""
     scope = THREAD.scope
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
@@ -151,13 +155,27 @@ class TransferScope:
         return self
 
     def __enter__(self) -> "TransferScope":
+        # The thread takes the scope last, and gives it back if an interrupt (KeyboardInterrupt) lands half-way:
+        # `with` calls __exit__ only after __enter__ returned, so a scope left attached here would swallow every
+        # later engine call of this thread.
         thread = THREAD
-        thread.saved.append(thread.scope)
-        thread.scope = self
-        with _DEPTH_LOCK:
-            if self._depth == 0:
-                self._entered_ns = time_ns()
-            self._depth += 1
+        previous, saved = thread.scope, thread.saved
+        depth, counted = len(saved), False
+        try:
+            with _DEPTH_LOCK:
+                if self._depth == 0:
+                    self._entered_ns = now_ns()
+                self._depth += 1
+                counted = True
+            saved.append(previous)
+            thread.scope = self
+        except BaseException:
+            thread.scope = previous
+            del saved[depth:]
+            if counted:
+                with _DEPTH_LOCK:
+                    self._depth -= 1
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -175,13 +193,27 @@ class TransferScope:
                 error, self.error_type = self.error_type, None
                 entered = self._entered_ns
             if (calls or error) and RECORDER.active:
-                self._emit(calls, error, (entered, time_ns()))
+                self._emit(calls, error, (entered, now_ns()))
         except Exception:
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
     def _emit(self, calls, error, times) -> None:
         RECORDER.record(records.send(self.info, calls, None, error, times))
+
+    # Where this scope's transfer is recorded from outside it (an engine module that remembered the scope a NIXL
+    # handle was made in, and sees the handle posted on a thread that is not in it).
+    context = None  # the parent of its sends when it describes no request (a PayloadScope's)
+
+    def label(self, extra: Optional[dict]) -> Optional[dict]:
+        """The extra attributes of one of its engine calls (a PayloadScope adds its labels)."""
+        return extra
+
+    def record_apart(self, call: tuple) -> None:
+        """One engine call of this transfer made where the scope is not entered (posted on another thread): a
+        send of its own, described as the scope's sends are."""
+        if RECORDER.active:
+            self._emit([call], None, None)
 
 
 # A call's bytes and descriptors are adjacent (test_records.py holds them so): a share replaces both in one slice.
@@ -210,6 +242,47 @@ def _info(key, chunk_index=0, payload=semconv.PAYLOAD_KV, destination_index=0, r
     return records.info(_key(key), int(chunk_index), str(payload)[:32], int(destination_index),
                         max(int(replica_factor), 1), bool(is_last_chunk), bool(prefix_early_send),
                         dict(attributes) if attributes else None)
+
+
+class PayloadScope(TransferScope):
+    """Engine calls that move something other than a request's KV (an encoder cache, expert weights): each call is
+    a send of its own, as a raw engine call is, parented to the span current where the scope was made and labelled
+    with its payload and framework. It opens no request, so the request figures, the per-peer throughput and the
+    tail stay the KV's; the per-send metrics keep the payload label."""
+
+    __slots__ = ("labels", "context")
+
+    def __init__(self, labels: dict, context):
+        super().__init__(None)
+        self.labels = labels
+        self.context = context
+
+    def label(self, extra: Optional[dict]) -> dict:
+        return {**extra, **self.labels} if extra else self.labels
+
+    def _labelled(self, call: tuple) -> tuple:
+        return call[:records.CALL_EXTRA] + (self.label(call[records.CALL_EXTRA]),)
+
+    def _emit(self, calls, error, times) -> None:
+        # Only engine calls are sends here: a scope that failed before making one moved nothing of a request.
+        for call in calls:
+            RECORDER.record(records.send(None, [self._labelled(call)], self.context))
+
+
+def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = None) -> TransferScope:
+    """A scope for engine calls whose bytes are not a request's KV: `payload` one of semconv.NON_KV_PAYLOADS
+    (`encoder_cache`, `expert_weights`), `framework` the caller's (`vllm`); `attributes` go on each send. Another
+    payload is bad input (counted, the calls become raw sends). Always returns a usable context manager."""
+    try:
+        if payload not in semconv.NON_KV_PAYLOADS:
+            raise ValueError(f"not a payload of non-KV traffic: {str(payload)[:32]!r}")
+        labels = dict(attributes) if attributes else {}
+        labels[semconv.PAYLOAD] = payload
+        labels[semconv.FRAMEWORK] = str(framework)[:64]
+        return PayloadScope(labels, current_context())
+    except Exception:
+        RECORDER.drop("api_error")
+        return TransferScope(None)
 
 
 def transfer_scope(key=None, **keywords) -> TransferScope:
@@ -260,9 +333,9 @@ def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] 
 
 @_never_raises
 def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
-    """A compute interval (time.time_ns clock) that served these requests."""
+    """A compute interval that served these requests: times from time.time_ns() or now_ns() (clock.py)."""
     if RECORDER.active:
-        RECORDER.record(records.compute(tuple(_key(k) for k in keys), int(start_ns), int(end_ns),
+        RECORDER.record(records.compute(tuple(_key(k) for k in keys), from_wall(start_ns), from_wall(end_ns),
                                         None if chunk_index is None else int(chunk_index)))
 
 

@@ -16,7 +16,9 @@ ends on end-of-file from its engine. Every record is counted exactly once:
   first). The socket (MSG_NOSIGNAL) never raises SIGPIPE in an engine that restored SIGPIPE's default action.
 A live helper is never given up for being slow; a dead one is replaced (with a backoff while they keep ending
 without acknowledging anything). Drops travel in the next frame to a live helper; what no helper can take is
-counted in this process's own MeterProvider (`builder_process`), so drops always reach an exporter.
+counted in this process's own MeterProvider (`builder_process`), so drops always reach an exporter. When no
+helper ever works (its interpreter gone: `helper_lifecycle`'s bounded tries), the link builds in this process
+from then on, with the in-process builder it was given (`fallback`), and says so in one warning line.
 Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its providers. At exit
 the helper gets end-of-file, exports what it holds and ends by itself; the engine waits at most EXIT_WAIT_S for
 it and never kills it. A forked child starts its own helper.
@@ -38,8 +40,9 @@ from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import wire
 from otel_kvtransfer.recording.helper_lifecycle import HELPER_ENV as HELPER_ENV  # re-exported: wiring reads it here
 from otel_kvtransfer.recording.helper_lifecycle import SETUP_ENV as SETUP_ENV  # as HELPER_ENV
-from otel_kvtransfer.recording.helper_lifecycle import HelperProcess
+from otel_kvtransfer.recording.helper_lifecycle import START_TRIES, HelperProcess
 from otel_kvtransfer.recording.helper_lifecycle import unavailable_reason as unavailable_reason  # as HELPER_ENV
+from otel_kvtransfer.recording.recorder import log_own_error
 
 _logger = logging.getLogger(__name__)
 
@@ -74,12 +77,17 @@ class HelperLink:
     """The engine side of the socket: numbered frames out, the helper's acknowledgements back.
 
     `count_dropped(reason, n)` counts in this process what no helper can carry (default: a counter on the global
-    MeterProvider, made when first needed). All state is under one lock; nothing here waits longer than
-    WRITE_WAIT_S on the recorder's thread, a flush's own timeout, or EXIT_WAIT_S at close.
+    MeterProvider, made when first needed). `fallback()`, when given, makes the in-process builder to build with
+    once no helper can start: an object with handle(record), tick(), end_all(on_drop), reset() (after a fork) and
+    detach() (uninstrument). All state is under one lock; nothing here waits longer than WRITE_WAIT_S on the
+    recorder's thread, a flush's own timeout, or EXIT_WAIT_S at close.
     """
 
-    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None):
+    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None, fallback: Optional[Callable] = None):
         self._count_dropped = count_dropped
+        self._fallback = fallback
+        self._local = None  # the in-process builder, once no helper could start: every record is built here
+        self._quiet = 0  # records counted without a word while helpers are still being tried
         self._lock = threading.Lock()
         self._helper = HelperProcess()
         self._sock: Optional[socket.socket] = None
@@ -96,16 +104,31 @@ class HelperLink:
 
     # --- recorder callbacks (the recorder's thread) --------------------------------------------------------
     def send_batch(self, batch: list) -> None:
-        with self._lock:
-            drops, self._drops = self._drops, {}
-            self._send((wire.BATCH, batch, drops), len(batch), drops, WRITE_WAIT_S)
+        if self._local is None:
+            with self._lock:
+                if not self._builds_here():
+                    drops, self._drops = self._drops, {}
+                    self._send((wire.BATCH, batch, drops), len(batch), drops, WRITE_WAIT_S)
+                    return
+        handle = self._local.handle
+        for rec in batch:
+            try:
+                handle(rec)
+            except Exception as exc:  # a bug of ours loses only this record, and is counted
+                self.add_drops("builder_error", 1)
+                log_own_error("building a span", exc)
 
     def add_drops(self, reason: str, count: int) -> None:
         with self._lock:
+            if self._local is not None:
+                self._count_here(0, {reason: count}, None)
+                return
             self._drops[reason] = self._drops.get(reason, 0) + count
 
     def tick(self) -> None:
-        if self._drops:
+        if self._local is not None:
+            self._local.tick()
+        elif self._drops:
             self.send_batch([])
         elif self._tail is not None or self._helper.reap_due():
             with self._lock:
@@ -117,6 +140,9 @@ class HelperLink:
         (the recorder's thread) are never held up for longer than one slice of the wait. A helper that ends
         before it has flushed is replaced, and the fresh one asked (with the drops the loss left)."""
         deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._builds_here():  # the spans went to this process's processors, flushed by its provider
+                return True
         while True:
             asked = self._ask_flush(deadline)
             if asked is None:
@@ -166,12 +192,20 @@ class HelperLink:
 
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
+        if self._local is not None:
+            self._local.end_all(self.add_drops)
+            return
         with self._lock:
             if self._helper.proc is not None:
                 self._send((wire.END_OPEN,), 0, {}, WRITE_WAIT_S)
 
-    def close(self, wait_s: float = EXIT_WAIT_S) -> None:
-        """End-of-file to the helper (it exports what it holds, then exits); wait for it at most `wait_s`."""
+    def close(self, wait_s: float = EXIT_WAIT_S, detach: bool = True) -> None:
+        """End-of-file to the helper (it exports what it holds, then exits); wait for it at most `wait_s`. Building
+        in this process instead: nothing to wait for; `detach` takes the in-process builder off the SDK."""
+        if self._local is not None:
+            if detach:
+                self._local.detach()
+            return
         deadline = time.monotonic() + wait_s
         self.tick()  # the drops not yet carried
         with self._lock:
@@ -189,10 +223,11 @@ class HelperLink:
                 pass
             while self._sock is sock and _ready(sock.fileno(), select.POLLIN, deadline - time.monotonic()):
                 self._read_acks(ending=True)
-            self._closed_helper(deadline)
+            # The helper holds its end until it exits: end-of-file there means it has exported and ended.
+            self._closed_helper(ended=self._sock is not sock)
 
-    def _closed_helper(self, deadline) -> None:
-        proc, ended = self._helper.closed(deadline - time.monotonic())
+    def _closed_helper(self, ended: bool) -> None:
+        self._helper.closed(ended)
         if not ended:
             self._unacked.clear()  # still working on them: not lost
         self._forget_helper()
@@ -203,13 +238,20 @@ class HelperLink:
         for _, _, carried in lost:
             for reason, count in carried.items():
                 drops[reason] = drops.get(reason, 0) + count
-        self._count_here(sum(records for _, records, _ in lost), drops,
-                         f"the builder process ended (exit code {proc.returncode})")
+        self._count_here(sum(records for _, records, _ in lost), drops, "the builder process ended")
+
+    def close_at_exit(self) -> None:
+        """close() at interpreter exit: an in-process builder stays on the SDK, whose own shutdown (after this)
+        still drains the last records into it and exports them."""
+        self.close(detach=False)
 
     def after_fork_in_child(self) -> None:
         # The parent's socket is the parent's: close this process's copy only (the parent's helper still sees
         # end-of-file when the parent closes), and let this process start its own helper on its first frame.
         self._lock = threading.Lock()
+        if self._local is not None:  # no helper could start in the parent: none would here either
+            self._local.reset()
+            return
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -251,8 +293,37 @@ class HelperLink:
         for reason, count in self._take_drops().items():  # those a lost helper left: nobody else carries them
             drops = dict(drops)
             drops[reason] = drops.get(reason, 0) + count
-        self._count_here(records, drops, "no builder process is running")
+        if self._fallback is not None and not self._acked:  # helpers still tried: one line says how it ends
+            self._quiet += records + sum(drops.values())
+            self._count_here(records, drops, None)
+        else:
+            self._count_here(records, drops, "no builder process is running")
         return None
+
+    def _builds_here(self) -> bool:
+        """True once this process builds its own records: no helper could start in START_TRIES tries, and the
+        link has an in-process builder to fall back to (made now, on first need)."""
+        if self._local is not None:
+            return True
+        if self._fallback is None or self._helper.proc is not None or not self._helper.given_up():
+            return False
+        fallback, self._fallback = self._fallback, None
+        try:
+            self._local = fallback()
+        except Exception as exc:
+            _logger.warning("otel_kvtransfer: the builder process could not start (%s), and building in this process "
+                            "failed too (%s: %s); records are counted as dropped (%s)", self._helper.last_error,
+                            type(exc).__name__, str(exc)[:200], DROP_REASON)
+            self._logged = True
+            return False
+        drops = self._take_drops()
+        self._quiet += sum(drops.values())
+        self._count_here(0, drops, None)
+        _logger.warning("otel_kvtransfer: the builder process could not start in %d tries (%s); spans and metrics "
+                        "are built in this process from now on (%d records recorded meanwhile are counted as "
+                        "dropped, %s)", START_TRIES, self._helper.last_error, self._quiet, DROP_REASON)
+        self._quiet = 0
+        return True
 
     def _push_tail(self, deadline: float) -> bool:
         """The rest of the frame begun, waiting for room until `deadline`; True once it is all written."""
@@ -318,6 +389,8 @@ class HelperLink:
             value = wire.ACK.unpack_from(buffer, offset)[0]
             if value & wire.FLUSHED:
                 self._flushed = max(self._flushed, value & ~wire.FLUSHED)
+            elif value & wire.HELLO:
+                self._helper.said_pid(value & ~wire.HELLO)
             else:
                 acknowledged = value
         self._ack_buffer = buffer[whole:]
@@ -328,6 +401,11 @@ class HelperLink:
             if not self._acked:
                 self._acked, self._logged = True, False
                 self._helper.answered()
+                if self._quiet:  # helpers failed to start before this one: what it cost, in one line
+                    _logger.warning("otel_kvtransfer: the builder process started after failed tries (%s); %d records "
+                                    "recorded meanwhile are counted as dropped (%s)", self._helper.last_error,
+                                    self._quiet, DROP_REASON)
+                    self._quiet = 0
 
     def _lost(self) -> None:
         """The helper ended: read every acknowledgement it sent, then what it never acknowledged is lost (carried
@@ -343,14 +421,14 @@ class HelperLink:
                 self._drops[reason] = self._drops.get(reason, 0) + dropped
         if records:
             self._drops[DROP_REASON] = self._drops.get(DROP_REASON, 0) + records
-        proc, code, delay = self._helper.lost(worked=self._acked)
+        proc, delay = self._helper.lost(worked=self._acked)
         self._forget_helper()
         if not self._logged:
             self._logged = True
             lost_part = (f" without building {records} records; they are counted as dropped ({DROP_REASON})"
                          if records else "")
-            _logger.warning("otel_kvtransfer: the builder process (pid %s) ended (exit code %s)%s; a fresh one "
-                            "starts %s", getattr(proc, "pid", "?"), code, lost_part,
+            _logger.warning("otel_kvtransfer: the builder process (pid %s) ended%s; a fresh one starts %s",
+                            getattr(proc, "pid", None) or "?", lost_part,
                             "now" if delay == 0 else f"in {delay:g} s")
 
     def _forget_socket(self) -> None:
@@ -379,8 +457,9 @@ class HelperLink:
         drops, self._drops = self._drops, {}
         return drops
 
-    def _count_here(self, records: int, drops: dict, why: str) -> None:
-        """Counted in this process's own metrics: no helper can carry them now."""
+    def _count_here(self, records: int, drops: dict, why: Optional[str]) -> None:
+        """Counted in this process's own metrics: no helper can carry them now (`why`: for the episode's one
+        warning line; None: counted without a word)."""
         if records:
             drops = dict(drops)
             drops[DROP_REASON] = drops.get(DROP_REASON, 0) + records
@@ -393,7 +472,7 @@ class HelperLink:
                 self._count_dropped(reason, count)
             except Exception:
                 _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
-        if not self._logged:
+        if why is not None and not self._logged:
             self._logged = True
             _logger.warning("otel_kvtransfer: %s; %d records are counted as dropped (%s) in this process's own "
                             "metrics, and what follows until a helper takes records again",
@@ -420,8 +499,8 @@ class HelperFlushProcessor(SpanProcessor):
 
 def register_exit(link: HelperLink) -> None:
     """Close the link at exit after the recorder's final drain (registered before it: atexit runs last first)."""
-    atexit.register(link.close)
+    atexit.register(link.close_at_exit)
 
 
 def unregister_exit(link: HelperLink) -> None:
-    atexit.unregister(link.close)
+    atexit.unregister(link.close_at_exit)

@@ -7,11 +7,11 @@ builder. The table is bounded (`max_pending_async`): a submission beyond it, or 
 is counted as dropped, never lost silently.
 """
 
-from time import time_ns
 from typing import Any, Hashable, Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import inflight, integration, records
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.recorder import RECORDER
 
 
@@ -26,19 +26,26 @@ class PendingTransfers:
         return len(self._pending)
 
     def submit(self, handle: Hashable, start_ns: int, nbytes: int, descriptors: int, op: str, peer: Any,
-               protocol: Optional[str], extra: Optional[dict] = None) -> None:
+               protocol: Optional[str], extra: Optional[dict] = None, scope=None) -> None:
+        """`scope`: the transfer scope the submission belongs to, when the engine module knows it better than the
+        submitting thread does (a NIXL handle made in a scope, posted from another thread); else this thread's."""
         if len(self._pending) >= RECORDER.settings.max_pending_async:
             RECORDER.drop("async_pending_full")
             return
-        scope = integration.current_scope()
-        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra,
-                                 scope.info if scope is not None else None,
-                                 None if scope is not None else integration.capture_context())
+        if scope is None:
+            scope = integration.current_scope()
+        if scope is None:
+            info, context = None, integration.capture_context()
+        else:
+            info, context = scope.info, scope.context
+            if info is None:  # a payload scope (no request): its labels on the send
+                extra = scope.label(extra)
+        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context)
 
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
         if handle in self._pending:
-            self._running_seen[handle] = time_ns()
+            self._running_seen[handle] = now_ns()
 
     def in_flight(self):
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
@@ -55,7 +62,7 @@ class PendingTransfers:
         if entry is None:
             return False
         start, nbytes, descriptors, op, peer, protocol, extra, info, context = entry
-        end = time_ns()
+        end = now_ns()
         uncertainty = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
         extra = {**extra, **uncertainty} if extra else uncertainty
         call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,

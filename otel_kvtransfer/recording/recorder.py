@@ -8,16 +8,21 @@ of each reason is logged.
 Delivery: the background thread drains every `flush_interval_s`; `drain()` does it at once and is called by
 `FlushFirstSpanProcessor` before the other processors flush or shut down, at interpreter exit, and when a
 multiprocessing child exits (which skips atexit), also a child that inherited the instrumentation by fork
-without running `instrument()` itself. A drain that cannot finish in time at exit (a hung exporter
-holding the builder) counts everything it did not deliver, including records already taken from the queue, as
-dropped (`flush_timeout`): nothing vanishes uncounted.
+without running `instrument()` itself. A drain given a timeout carries one deadline through all of its work,
+including the direct pipeline's wait for room in the export queues (`deadline` is what that wait reads): a slow
+but live exporter cannot stretch it. What a flush could not deliver by its deadline stays queued, in order, for
+the next drain; what an exit drain could not (a slow or hung exporter), including records already taken from the
+queue, is counted as dropped (`flush_timeout`): nothing vanishes uncounted. After its last records, within the
+same bound, the exit drain has the builder end what is still open (`on_exit`: ended by the process's exit).
 """
 
 import atexit
 import logging
+import math
 import multiprocessing.util
 import os
 import threading
+import time
 from collections import deque
 from typing import Callable, Optional
 
@@ -31,6 +36,7 @@ _logger = logging.getLogger(__name__)
 EXIT_DRAIN_TIMEOUT_S = 5.0
 # How long stop() waits for the background thread to end.
 JOIN_TIMEOUT_S = 5.0
+NO_DEADLINE = math.inf
 
 
 _OWN_ERRORS_LOGGED = set()
@@ -62,12 +68,17 @@ class Recorder:
         self._tick: Optional[Callable[[], None]] = None
         self._on_drops: Optional[Callable[[str, int], None]] = None
         self._on_fork: Optional[Callable[[], None]] = None
+        self._on_exit: Optional[Callable[[], None]] = None  # the builder ends what is still open (thread builder)
         self._fresh_locks()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._batch: list = []  # records taken from the queue by the drain in progress
         self._done = 0  # how many of them it has handled
-        self._abandoned = False  # an exit drain gave up on the drain in progress and counted its rest
+        self._abandoned = False  # an exit drain gave up (on its deadline, or on a drain in progress)
+        self._drains = 0  # drains begun: the number of the one in progress
+        self._given_up_on = 0  # the drain in progress an exit drain gave up on and counted the rest of
+        # time.monotonic() by which the drain in progress must end (NO_DEADLINE: a background drain, unbounded).
+        self.deadline = NO_DEADLINE
         # What a multiprocessing child runs on its way out; None: drain, then flush the global providers.
         self.child_exit: Optional[Callable[[], None]] = None
         if hasattr(os, "register_at_fork"):
@@ -103,11 +114,15 @@ class Recorder:
     # --- lifecycle ----------------------------------------------------------------------------------------
     def start(self, settings: config.Settings, handle: Optional[Callable[[tuple], None]], tick: Callable[[], None],
               on_drops: Callable[[str, int], None], on_fork: Optional[Callable[[], None]] = None,
-              handle_batch: Optional[Callable[[list], None]] = None) -> None:
-        """`handle` takes one record at a time; or `handle_batch` takes each drain's records in one list."""
+              handle_batch: Optional[Callable[[list], None]] = None,
+              on_exit: Optional[Callable[[], None]] = None) -> None:
+        """`handle` takes one record at a time; or `handle_batch` takes each drain's records in one list.
+        `on_exit`: run by the exit drain after the last records, within its bound (the builder ends what is
+        still open)."""
         self.settings = settings
         self._capacity = settings.queue_size
         self._handle, self._tick, self._on_drops, self._on_fork = handle, tick, on_drops, on_fork
+        self._on_exit = on_exit
         self._handle_batch = handle_batch
         self._stopping = False
         self._abandoned = False
@@ -120,7 +135,7 @@ class Recorder:
     def stop(self) -> None:
         """Stop recording; deliver what is queued (bounded wait), then end and join the background thread."""
         self.active = False
-        self.final_drain()
+        self.final_drain(at_exit=False)  # the instrumentor ends what is still open, as evicted
         self._stopping = True
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -131,7 +146,7 @@ class Recorder:
                                 JOIN_TIMEOUT_S)
         atexit.unregister(self.final_drain)
         self._report_drops()
-        self._handle = self._handle_batch = self._tick = self._on_drops = self._on_fork = None
+        self._handle = self._handle_batch = self._tick = self._on_drops = self._on_fork = self._on_exit = None
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-recorder", daemon=True)
@@ -159,24 +174,61 @@ class Recorder:
 
     # --- delivery -----------------------------------------------------------------------------------------
     def drain(self, timeout_s: Optional[float] = None) -> bool:
-        """Hand everything queued so far to the builder, on the calling thread.
+        """Hand everything queued so far to the builder, on the calling thread, within `timeout_s` (None: no bound).
 
-        False when another drain (held up by a hung synchronous exporter) did not let go within `timeout_s`;
-        nothing is lost then, the records stay queued.
+        False when it could not within `timeout_s`: another drain (a hung synchronous exporter holding the builder)
+        did not let go, or the exporters took longer than that; nothing is lost then, what was not delivered stays
+        queued, in order, ahead of what is recorded meanwhile.
         """
+        return self._drain(timeout_s, self._requeue) is True
+
+    def current_deadline(self) -> float:
+        """The deadline of the drain in progress (what the direct pipeline's wait for room reads)."""
+        return self.deadline
+
+    def _drain(self, timeout_s: Optional[float], on_rest: Callable[[list], None],
+               at_end: Optional[Callable[[], None]] = None):
+        """True when everything was delivered; None when the drain lock was not had in time; False when the
+        deadline came first, after `on_rest` got the records not delivered (under the lock: order is kept).
+        `at_end` runs last, under the lock and the same deadline, whether or not everything was delivered."""
         handle, handle_batch = self._handle, self._handle_batch  # as they are now: stop() may clear them
         if handle is None and handle_batch is None:
             return True
-        if not self._drain_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            return False
+        wait_s = -1 if timeout_s is None else max(timeout_s, 0)
+        deadline = NO_DEADLINE if timeout_s is None else time.monotonic() + wait_s
+        if not self._drain_lock.acquire(timeout=wait_s):
+            return None
         try:
+            self._drains += 1
             batch = self._take()
-            if self._deliver(batch, handle, handle_batch):
-                self._batch = []
-                self._after_delivery()
+            self.deadline = deadline
+            if not self._deliver(batch, handle, handle_batch, deadline):
+                if self._given_up_on == self._drains:
+                    return False  # an exit drain counted this batch's rest already
+                rest = batch[self._done:]
+                self._batch, self._done = [], 0
+                on_rest(rest)
+                self._run_at_end(at_end)
+                self._report_drops()  # what the wait for room counted: the flush's caller reads the metrics next
+                return False
+            self._batch = []
+            self._run_at_end(at_end)
+            self._after_delivery()
         finally:
+            self.deadline = NO_DEADLINE
             self._drain_lock.release()
         return True
+
+    @staticmethod
+    def _run_at_end(at_end: Optional[Callable[[], None]]) -> None:
+        if at_end is not None:
+            try:
+                at_end()
+            except Exception as exc:
+                log_own_error("ending the spans still open at exit", exc)
+
+    def _requeue(self, rest: list) -> None:
+        self._queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
 
     def _take(self) -> list:
         """Everything queued now, in order, as the batch in progress (what an exit drain counts if it hangs)."""
@@ -190,9 +242,10 @@ class Recorder:
             pass
         return batch
 
-    def _deliver(self, batch: list, handle, handle_batch) -> bool:
-        """Hand the batch to the builder: in one list (the builder process's link), or record by record (the
-        builder in this process), each failure counted. False when an exit drain gave up on it meanwhile."""
+    def _deliver(self, batch: list, handle, handle_batch, deadline: float = NO_DEADLINE) -> bool:
+        """Hand the batch to the builder: in one list (the builder process's link, whose writes are bounded), or
+        record by record (the builder in this process), each failure counted. False when an exit drain gave up on
+        it meanwhile, or when `deadline` came first (`self._done` records were handled)."""
         if handle_batch is not None:
             if batch:
                 try:
@@ -202,9 +255,13 @@ class Recorder:
                     log_own_error("handing records to the builder", exc)
                 self._done = len(batch)
             return True
+        bounded = deadline != NO_DEADLINE
+        clock, number = time.monotonic, self._drains
         for rec in batch:
-            if self._abandoned:
+            if self._given_up_on == number:
                 return False  # an exit drain counted the rest of this batch; stop delivering it
+            if bounded and clock() >= deadline:
+                return False
             try:
                 handle(rec)
             except Exception as exc:
@@ -223,27 +280,38 @@ class Recorder:
                 _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
         self._report_drops()
 
-    def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S) -> bool:
-        """Drain for a process that is about to end (or an uninstrument): never waits longer than `timeout_s`.
+    def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S, at_exit: bool = True) -> bool:
+        """Drain for a process that is about to end (or, `at_exit` False, an uninstrument): never longer than
+        `timeout_s`, whatever the exporters do. At exit, the builder then ends what is still open (`on_exit`),
+        within the same bound.
 
         What could not be delivered in time is counted as dropped (`flush_timeout`): the queue, and the part of
-        the batch the stuck drain had taken but not handled (it will not be handled: nothing runs after exit).
+        the batch not handled by then, this drain's own or the stuck drain's it gave up on (it will not be
+        handled: nothing runs after exit).
         """
         if self._abandoned:
             timeout_s = 0  # already gave up once on the way out: don't wait again
-        if self.drain(timeout_s):
+        lost = []
+        outcome = self._drain(timeout_s, lost.append, self._on_exit if at_exit else None)
+        if outcome is True:
             return True
-        # The stuck batch's rest is counted once: the providers' shutdown calls this again after the atexit drain.
-        lost = 0 if self._abandoned else max(len(self._batch) - self._done, 0)
+        if outcome is None:  # the drain in progress did not let go: its batch's rest is counted here, once
+            # (the providers' shutdown calls this again after the atexit drain)
+            left = 0 if self._given_up_on == self._drains else max(len(self._batch) - self._done, 0)
+            self._given_up_on = self._drains
+        else:
+            left = sum(len(rest) for rest in lost)
         self._abandoned = True
         try:
             while True:
                 self._queue.popleft()
-                lost += 1
+                left += 1
         except IndexError:
             pass
-        if lost:
-            self.drop("flush_timeout", lost)
+        if left:
+            self.drop("flush_timeout", left)
+            _logger.warning("otel_kvtransfer: the exit drain stopped at its %g s bound (a slow or hung exporter); "
+                            "%d records not delivered are counted as dropped (flush_timeout)", timeout_s, left)
         self._report_drops()
         return False
 

@@ -48,7 +48,7 @@ def info(key, chunk, payload, destination, replica, is_last, early, attributes) 
 
 
 # One engine call, as an engine wrapper times it.
-CALL_START = 0  # time_ns()
+CALL_START = 0  # clock.now_ns(): every time in a record is on the records' clock (clock.py)
 CALL_END = 1
 CALL_BYTES = 2  # an int, or the list of lengths the engine was given (summed on the builder thread)
 CALL_DESCRIPTORS = 3

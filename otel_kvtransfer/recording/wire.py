@@ -25,9 +25,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-# Frame kinds: every payload is (kind, ...). The helper writes each frame's sequence (from the header) back, an
-# ACK, once it has handled it, in order; a FLUSH frame's sequence comes back a second time, with FLUSHED set, once
-# the helper's providers have flushed (on a thread of its own: its frame loop never waits for an exporter).
+# Frame kinds: every payload is (kind, ...). The helper writes its pid first (HELLO), then each frame's sequence
+# (from the header) back, an ACK, once it has handled it, in order; a FLUSH frame's sequence comes back a second
+# time, with FLUSHED set, once the helper's providers have flushed (on a thread of its own: its frame loop never
+# waits for an exporter).
 BATCH = "b"  # ("b", [record, ...], {drop reason: count})
 FLUSH = "f"  # ("f",)
 END_OPEN = "e"  # ("e",): end the spans still open as evicted (uninstrument)
@@ -35,6 +36,7 @@ END_OPEN = "e"  # ("e",): end the spans still open as evicted (uninstrument)
 HEADER = struct.Struct(">IIQ")  # body length, records in it, sequence
 ACK = struct.Struct(">Q")
 FLUSHED = 1 << 63  # in an ACK: the flush asked by that sequence is done
+HELLO = 1 << 62  # in an ACK: the helper's pid, its first message (it is not the engine's child)
 MAX_FRAME = 256 << 20  # far above any real frame (a full queue is ~140 MiB in memory, less on the wire)
 
 # Modules the helper may import to rebuild a value; any other class must be loaded already.

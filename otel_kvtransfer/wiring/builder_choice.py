@@ -8,14 +8,21 @@ OTEL_METRICS_EXPORTER (what `opentelemetry-instrument` and the sglang / vLLM plu
 that made its providers in code (its own processors, an in-memory exporter), or passed a provider to
 `instrument()`, keeps building in process, where its own processors see the spans. OTEL_KVTRANSFER_BUILDER=
 process or thread decides instead (with OTEL_KVTRANSFER_HELPER_SETUP naming how a helper sets up its SDK).
+A helper that can never start (its interpreter gone) is not waited for: after the link's bounded tries, this
+process builds in process after all (`InProcessFallback`), as if it had chosen the thread builder.
 """
 
 import logging
 import os
 from importlib.metadata import entry_points
 
-from otel_kvtransfer import config
+from opentelemetry import trace
+
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer.building.attachment import Attachment, new_builder
 from otel_kvtransfer.recording import offload
+from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
 
@@ -83,3 +90,45 @@ def sdk_from_environment(tracer_provider, meter_provider) -> bool:
         if type(reader).__name__ != "PeriodicExportingMetricReader" or type(exporter) not in metric_exporters:
             return False
     return True
+
+
+class InProcessFallback:
+    """`offload.HelperLink`'s fallback: called once no helper could start, it assembles the in-process builder on
+    this process's SDK as instrument() does for the thread builder (drain-first processor, metrics, the span
+    path) and returns what the link builds with. Until then it holds only what it was given."""
+
+    def __init__(self, settings: config.Settings, tracer_provider, meter_provider, engines):
+        self._settings = settings
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._engines = engines
+
+    def __call__(self) -> "_InProcess":
+        provider = self._tracer_provider
+        tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, provider)
+        attachment = Attachment(self._meter_provider, self._settings.pipeline, self._settings.max_peers)
+        attachment.attach(tracer, provider)
+        builder = new_builder(attachment, self._settings, self._engines, on_drop=RECORDER.drop,
+                              meter_provider=self._meter_provider)
+        return _InProcess(builder, attachment)
+
+
+class _InProcess:
+    """The thread builder as the link drives it (handle, tick, end_all, reset, detach)."""
+
+    def __init__(self, builder, attachment: Attachment):
+        self._builder = builder
+        self._attachment = attachment
+        self.handle = builder.handle
+        self.reset = builder.reset
+
+    def tick(self) -> None:
+        if self._attachment.tick():  # the metric tables came late: the builder takes them now
+            self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
+        self._builder.evict_stale()
+
+    def end_all(self, on_drop) -> None:
+        self._builder.end_all(on_drop)
+
+    def detach(self) -> None:
+        self._attachment.detach()

@@ -40,7 +40,7 @@ from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.recording import inflight, offload
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
-from otel_kvtransfer.wiring import builder_choice
+from otel_kvtransfer.wiring import builder_choice, startup
 from otel_kvtransfer.wiring.package import _instruments
 
 _logger = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
                                  provider_given=kwargs.get("tracer_provider") is not None) == "process":
             # The helper starts with the first records (none, no helper); drops no helper can carry are counted
             # in instrument()'s own MeterProvider.
-            self._link = offload.HelperLink(count_dropped=drop_counter(meter_provider))
+            self._link = offload.HelperLink(count_dropped=drop_counter(meter_provider), fallback=builder_choice.
+                                            InProcessFallback(settings, tracer_provider, meter_provider, engines))
         if self._link is not None:
             self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
             return
@@ -105,7 +106,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
                               meter_provider=kwargs.get("meter_provider"))
         tick = _LateAttach(builder, self._attachment, done=not waiting_for_sdk)
         RECORDER.watcher = inflight.Watcher(settings.stuck_s)
-        RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset)
+        RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset,
+                       on_exit=builder.end_at_exit)
         self._end_open = lambda: builder.end_all(count_dropped)
 
         self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
@@ -125,11 +127,14 @@ class KVTransferInstrumentor(BaseInstrumentor):
     def _patch_and_finalize(self, backends, tracer_provider, meter_provider):
         # 4. Engines, then frameworks (which build on them).
         self._backends = backends
+        patched = {}
         for backend in self._backends:
             try:
-                backend.instrument()
+                patched[backend.__name__] = bool(backend.instrument())
             except Exception:
                 _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
+        _announce(backends, patched, "process" if self._link is not None else "thread", tracer_provider,
+                  meter_provider)
 
         # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out. A
         # child forked from this process inherits the instrumentation without running this: the recorder's
@@ -141,6 +146,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs):
         RECORDER.child_exit = None
+        startup.withdraw()
         if self._finalizer is not None:
             self._finalizer.cancel()
         # 4.
@@ -162,6 +168,26 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._link = None
         # 1-2.
         self._attachment.detach()
+
+
+def _announce(backends, patched, builder, tracer_provider, meter_provider) -> None:
+    """The start-up line (wiring.startup): now, or once a framework names this process's role and rank."""
+    try:
+        engines, frameworks = [], []
+        for backend in backends:
+            name = backend.__name__
+            if hasattr(backend, "FRAMEWORK"):
+                hooks = getattr(backend, "HOOKS", None)
+                version = hooks.installed_version() if hooks is not None else None
+                frameworks.append((backend.FRAMEWORK, version, patched.get(name, False)))
+            else:
+                version = startup.distribution_version(getattr(backend, "DISTRIBUTIONS", (backend.BACKEND,)))
+                engines.append((backend.BACKEND, version, patched.get(name, False) and version is not None))
+        announcement = startup.Announcement(__version__, frameworks, engines, builder, tracer_provider,
+                                            meter_provider)
+        startup.announce(announcement, wait_for_role=any(on for _, _, on in frameworks))
+    except Exception:  # the line never stands in the instrumentation's way
+        _logger.debug("otel_kvtransfer: no start-up line", exc_info=True)
 
 
 def _flush_providers(tracer_provider, meter_provider, link=None):

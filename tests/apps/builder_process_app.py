@@ -132,11 +132,10 @@ def main(steps):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
             elif name == "cont-helper":
                 os.kill(link.pid(), signal.SIGCONT)
-            elif name == "kill-helper-nowait":  # not reaped here: the link must reap it
+            elif name == "kill-helper-nowait":  # the link must notice it on its own
                 pid = outcome["killed"] = link.pid()
                 os.kill(pid, signal.SIGKILL)
-                # Until every thread of it has ended (its socket closed), leaving it a zombie for the link to reap.
-                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+                _wait_gone(pid, link)  # every thread of it ended (its socket closed); not this process's child
             elif name == "zombies":
                 RECORDER.drain()
                 outcome["zombies"] = _children("Z")
@@ -176,7 +175,7 @@ def main(steps):
             elif name == "kill-helper":
                 pid = link.pid()
                 os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)  # reaped here: it is gone before the next frame
+                _wait_gone(pid, link)  # it is gone before the next frame
                 outcome["killed"] = pid
             elif name == "uninstrument":
                 helper = link.pid()
@@ -222,13 +221,28 @@ def _drops(reader):
     return totals
 
 
+def _wait_gone(pid, link, timeout_s=30.0):
+    """Until the helper has ended and its end of the socket is closed (the kernel may release a dead process's
+    files a moment after it is a zombie): what the link sees next is a helper that is gone."""
+    poller = select.poll()
+    poller.register(link._sock, select.POLLHUP)
+    deadline = time.monotonic() + timeout_s
+    while not (_gone(pid) and any(events & select.POLLHUP for _, events in poller.poll(0))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the helper {pid} did not end within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def _gone(pid):
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-        return handle.read().split(") ", 1)[1].startswith("Z")  # ended, waiting to be reaped
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().split(") ", 1)[1].startswith("Z")  # ended, waiting to be reaped
+    except OSError:  # reaped meanwhile (by whoever adopted it)
+        return True
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 - instrumented_app: a test's own app under `opentelemetry-instrument`, inside such a namespace;
 - nixl_agents: NIXL agents kept out of the pytest process, and an initiator connected to a loopback receiver;
 - sglang_runs: the requests sent to a real SGLang deployment and the spans its servers wrote.
+- waiting: bounded waits on a condition itself (never a fixed sleep standing in for "until").
 
 The SGLang and vLLM deployments themselves live in tests/sglang_serving/ and tests/vllm_serving/.
 """

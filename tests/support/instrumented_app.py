@@ -8,6 +8,8 @@ The app is a function of a test module, `function(out_path)`, called in a fresh 
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
 
 from conftest import mooncake_importable, require_part
@@ -27,6 +29,67 @@ def run(tmp_path, module: str, function: str, builder: str, env: dict, timeout_s
 
     Returns (the finished process, the JSON the app wrote, the span file's path); a failed run fails the test
     with the end of its stderr."""
+    argv, full_env, spans_path, out_path = _command(tmp_path, module, function, builder, env)
+    proc = netns.run(argv, full_env, timeout_s, own_user=own_user, cwd=str(tmp_path))
+    return _finished(proc, out_path, spans_path)
+
+
+def start(tmp_path, module: str, function: str, builder: str, env: dict, own_user: bool = False) -> "Running":
+    """`run`, without waiting for its end: the test reads the app's output while it runs and can tell it a line
+    on its stdin (an app that waits for a condition only the test sees)."""
+    argv, full_env, spans_path, out_path = _command(tmp_path, module, function, builder, env)
+    return Running(argv, full_env, tmp_path, spans_path, out_path, own_user)
+
+
+class Running:
+    """An app started by `start`; its stdout and stderr go to files in tmp_path, read while it runs."""
+
+    def __init__(self, argv, env, tmp_path, spans_path, out_path, own_user):
+        self.spans_path, self._out_path = spans_path, out_path
+        self._stdout_path, self._stderr_path = str(tmp_path / "app.stdout"), str(tmp_path / "app.stderr")
+        with open(self._stdout_path, "wb") as stdout, open(self._stderr_path, "wb") as stderr:
+            # a session of its own: the app, its helper processes and its children are stopped together
+            self.proc = subprocess.Popen(netns.private_net(argv, own_user), env=env, cwd=str(tmp_path),
+                                         stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                                         start_new_session=True)
+
+    def stdout(self) -> str:
+        return _read(self._stdout_path)
+
+    def stderr(self) -> str:
+        return _read(self._stderr_path)
+
+    def tell(self, line: str) -> None:
+        """One line on the app's stdin (none if it has ended: `finish` then says why)."""
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+
+    def finish(self, timeout_s: float):
+        """(the finished process, the JSON the app wrote, the span file's path), as `run` returns them."""
+        try:
+            returncode = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"the app did not end within {timeout_s:g} s: {self.stderr()[-3000:]}") from None
+        proc = subprocess.CompletedProcess(self.proc.args, returncode, self.stdout(), self.stderr())
+        return _finished(proc, self._out_path, self.spans_path)
+
+    def stop(self) -> None:
+        """Ends what is left of the app's session: its process group, named by the app's PID (a child it left
+        frozen with SIGSTOP would never end on its own)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass  # nothing of it is left
+        self.proc.wait(30)
+        if self.proc.stdin:
+            self.proc.stdin.close()
+
+
+def _command(tmp_path, module: str, function: str, builder: str, env: dict):
     require_parts()
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
@@ -36,8 +99,15 @@ def run(tmp_path, module: str, function: str, builder: str, env: dict, timeout_s
          "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR", **env}, netns.ROOT)
     script = (f"import sys; sys.path.insert(0, {netns.TESTS!r}); import {module}; "
               f"{module}.{function}({out_path!r})")
-    proc = netns.run([instrument, sys.executable, "-c", script], full_env, timeout_s, own_user=own_user,
-                     cwd=str(tmp_path))
+    return [instrument, sys.executable, "-c", script], full_env, spans_path, out_path
+
+
+def _finished(proc, out_path: str, spans_path: str):
     assert proc.returncode == 0 and os.path.exists(out_path), proc.stderr[-3000:]
     with open(out_path, encoding="utf-8") as handle:
         return proc, json.load(handle), spans_path
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as handle:
+        return handle.read().decode("utf-8", "replace")

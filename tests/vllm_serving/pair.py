@@ -10,9 +10,17 @@ proxy's two requests (prefill with max_tokens 1, then decode with the prefill's 
 prompt, scrapes both servers' /metrics, stops both servers by their PID and writes DIR/results.json. The
 servers, the client and the engines all live in the namespace: several listeners bind all interfaces.
 Everything waits a bounded time; a failure is written to results.json as "error" with the log tails.
+
+The servers run as a user runs them: the default OpenTelemetry settings (the default builder, the
+BatchSpanProcessor's default 5 s delay), stopped with SIGTERM to each API server's PID (what `kill`, docker and
+systemd send) a moment after the last answer. vLLM then SIGKILLs its engine core's whole process tree at once;
+what the instrumentation had not exported by then must still come out. This driver is a child subreaper: the
+builder processes, which are no engine's descendants, become its children, so it waits for every process it
+started (helpers included) to end before anything is read, and stops any left over by its PID.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -32,6 +40,7 @@ NIXL_SIDE_PORTS = {"prefill": 5600, "decode": 5601}
 MOONCAKE_BOOTSTRAP_PORT = 8998
 BLOCK_SIZE = 32
 PROMPT_TOKENS = (100, 200, 300)  # 4, 7 and 10 blocks of 32 tokens, one request at a time
+LAST_TOKENS = 120  # 4 blocks: NIXL's last request, after the failures and the metrics
 CONCURRENT_TOKENS = (150, 250)  # 5 and 8 blocks: prefilled one by one, then decoded at the same time, so one
 # decode step may ask for both at once and the Mooncake producer may send both in one engine call
 START_TIMEOUT_S = 420
@@ -40,6 +49,9 @@ START_TIMEOUT_S = 420
 # Long enough for a normal read on a busy 2-core CI machine: in one fresh-clone CI run a prefill's answer
 # reached the decode 25-34 s after the prefill, where the pair run alone takes 1-2 s (the cause is not known).
 KV_TIMEOUT_S = 60
+LAST_ANSWER_TO_STOP_S = 1.0  # a user stops the servers right after the traffic (the recorder drains every 0.2 s)
+HELPERS_END_S = 180  # the builder processes export what they hold and end (each within its own 120 s bound)
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def kv_transfer_config(connector: str, role: str) -> dict:
@@ -61,8 +73,9 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
         # The test-only torch.accelerator stand-in (see standin/), loaded by vLLM's own plugin loader.
         "PYTHONPATH": os.pathsep.join(p for p in (STANDIN_DIR, env.get("PYTHONPATH", "")) if p),
         "OTEL_SERVICE_NAME": f"vllm-{role}", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
-        "OTEL_BSP_SCHEDULE_DELAY": "200",
     })
+    for name in [n for n in env if n.startswith(("OTEL_BSP_", "OTEL_KVTRANSFER_"))]:
+        del env[name]  # the defaults, as a user has them (the span file is set below)
     if _has_file_exporter():
         env["OTEL_TRACES_EXPORTER"] = "kvtransfer_file"
         env["OTEL_KVTRANSFER_SPAN_FILE"] = os.path.join(out_dir, f"spans-{role}.jsonl")
@@ -247,20 +260,69 @@ def link_capacity(connector: str) -> float:
         return measure_link_capacity(engine, receiver, src.ctypes.data, size)
 
 
-def stop(process, timeout_s: float = 30.0) -> None:
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGINT)  # vLLM shuts down its engine-core and worker processes on SIGINT
-        process.wait(timeout_s)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        pass
-    if process.poll() is None:
+def stop(processes, timeout_s: float = 60.0) -> None:
+    """SIGTERM to each API server's PID at once, as a user stops them; what is left of a group is killed."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # vLLM stops (and kills) its engine-core and worker processes
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
         try:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_group(process)
+
+
+def _kill_group(process) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # a straggler of its group (the server has ended or hangs)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait(10)
+
+
+def become_subreaper() -> bool:
+    """Orphans of the processes this driver starts (the builder processes) become its children."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children() -> list:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii") as handle:
+                fields = handle.read().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid():
+            found.append(int(entry))
+    return found
+
+
+def await_every_child(timeout_s: float, own: set) -> list:
+    """Reap every child but this driver's `own` (its multiprocessing helpers), the builder processes adopted here
+    included, until none is left or `timeout_s`; the PIDs of those left then, killed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in _children() if pid not in own]
+        if not left or time.monotonic() >= deadline:
+            break
+        for pid in left:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        process.wait(10)
+    return left
 
 
 def main() -> int:
@@ -270,11 +332,13 @@ def main() -> int:
     parser.add_argument("--skip-capacity", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    results = {"connector": args.connector, "model_dir": MODEL_DIR, "block_size": BLOCK_SIZE, "requests": []}
-    processes = {}
+    results = {"connector": args.connector, "model_dir": MODEL_DIR, "block_size": BLOCK_SIZE, "requests": [],
+               "subreaper": become_subreaper()}
+    processes, own = {}, set()
     try:
         if not args.skip_capacity:
             results["link_capacity_bytes_per_s"] = link_capacity(args.connector)
+        own = set(_children())  # multiprocessing's resource tracker: this driver's, ends with it
         for role in ("prefill", "decode"):
             log_path = os.path.join(args.out, f"{role}.log")
             with open(log_path, "wb") as log:
@@ -290,14 +354,19 @@ def main() -> int:
         results["requests"].extend(run_concurrent(args.connector, len(PROMPT_TOKENS)))
         time.sleep(3)
         results["failures"] = run_failures(args.connector)
-        time.sleep(3)  # the last stats line and the batched span export
+        time.sleep(3)  # the last stats line
         results["metrics"] = {role: _http("GET", f"http://127.0.0.1:{PORTS[role]}/metrics", timeout_s=30)
                               for role in processes}
+        if args.connector == "nixl":  # one more request, whose spans are the newest when the servers stop (vLLM's
+            last = run_request(args.connector, len(results["requests"]), LAST_TOKENS)  # figures above omit it)
+            last["after_failures"] = True
+            results["requests"].append(last)
+        time.sleep(LAST_ANSWER_TO_STOP_S)
     except Exception as exc:
         results["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        for process in processes.values():
-            stop(process)
+        stop(list(processes.values()))
+        results["left_running"] = await_every_child(HELPERS_END_S, own)
         with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=1)
     return 1 if "error" in results else 0
