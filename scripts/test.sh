@@ -14,4 +14,4 @@ bash "$ROOT/scripts/setup-timeline.sh" >&2
 KVT_VLLM_PYTHON="$(bash "$ROOT/scripts/setup-vllm.sh" | tail -n 1)"
 export KVT_VLLM_PYTHON
 cd "$ROOT"
-exec "$PY" -m pytest -q -p no:cacheprovider "$@" tests
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@" tests

@@ -19,8 +19,10 @@ device staging buffers), DCP (decode context parallel) and state payloads (hybri
 back-pressure answer is tested on sglang's real method in test_sglang_serving_fixes.py.
 """
 
+import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -28,6 +30,7 @@ import pytest
 from conftest import IN_CI, require_part
 from support import sglang_runs
 from support.sglang_runs import COMPUTE, REQUEST, SEND, Run
+from support.waiting import wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -321,21 +324,33 @@ def test_aux_over_tcp_gives_an_aux_send_with_its_bytes(traced_run):
 
 def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced_run):
     """OTEL_KVTRANSFER_BUILDER=process on a real server: each sglang process that transfers KV started one helper;
-    every kv_transfer span was built by a helper whose parent is an sglang process of the same server, and
-    sglang's own spans by sglang's processes (the test above checks that ours still sit under them)."""
+    every kv_transfer span was built by a helper of the same server (it has that server's environment), none by
+    an sglang process, and sglang's own spans by sglang's processes (the test above checks that ours still sit
+    under them). A helper is not in its server's process tree: a starter forks it and ends, so a supervisor that
+    kills the server's tree leaves it to export what it holds."""
     import psutil
 
+    def helpers_of(service):
+        found = set()
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if "otel_kvtransfer.building.helper_process" in " ".join(proc.info["cmdline"] or ()) \
+                        and proc.environ().get("OTEL_SERVICE_NAME") == service:
+                    found.add(proc.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
     for role in ("prefill", "decode"):
-        tree = {pid: psutil.Process(pid) for pid in traced_run.deployment.server_pids(role)}
-        helpers = {pid for pid, proc in tree.items()
-                   if "otel_kvtransfer.building.helper_process" in " ".join(proc.cmdline())}
-        assert helpers, f"no builder process under the {role} server"
+        tree = set(traced_run.deployment.server_pids(role))
+        helpers = helpers_of(f"sglang-{role}")
+        assert helpers, f"no builder process of the {role} server"
+        assert not helpers & tree  # out of the server's tree
         ours = [s for r, s in traced_run.spans if r == role and s.name.startswith("kv_transfer.")]
         sglang_own = [s for r, s in traced_run.spans if r == role and not s.name.startswith("kv_transfer.")]
         assert ours and sglang_own
         assert {s.resource["process.pid"] for s in ours} <= helpers
-        assert all(s.resource["process.parent_pid"] in set(tree) - helpers for s in ours)
-        assert not {s.resource["process.pid"] for s in sglang_own} & helpers
+        assert {s.resource["process.pid"] for s in sglang_own} <= tree
 
 
 def test_the_tail_is_what_the_spans_own_intervals_say(main_run):
@@ -401,3 +416,56 @@ def test_every_span_kind_carries_the_rank_and_every_send_its_peers(traced_run):
     for send in kinds[SEND]:
         assert send.attributes["kv_transfer.peer_rank"] == 0
         assert send.attributes["kv_transfer.destination_index"] == 0
+
+
+# --- a client's hostile rid, on the same deployment --------------------------------------------------------------
+
+HOSTILE_RID = "\ud800"  # what the JSON escape "\ud800" in a client's body decodes to: a lone surrogate
+
+
+def test_a_hostile_rid_leaves_every_other_requests_spans_whole(serving, traced_run):
+    """A client controls `rid` (the package puts it on the request span as `sglang.rid`). One request with a lone
+    surrogate for its rid, sent at the same moment as two normal ones straight to both servers as the router sends
+    them (tests/support/pd_direct_client.py: a client that reaches the servers sends any rid). sglang 0.5.23 parses
+    a body with orjson, which refuses a lone surrogate: both servers answer 400 before a request exists, so nothing
+    of it may be made; a release that admits it must show the rid repaired (U+FFFD). Either way the other
+    requests' spans arrive whole. (The repair itself, and the whole OTLP batches it saves, are shown through the
+    real OTLP/HTTP and gRPC exporters in test_encoder_validity.py.)"""
+    from sglang_serving import deployment as dep
+
+    assert serving.kind == "traced" and serving.current is traced_run.deployment, "the traced deployment is down"
+    requests = dep.prompts(3, 120, 4, repeat_every=0, seed=21, rid_prefix="calm")
+    for n, request in enumerate(requests):
+        request["room"] = 7_000_000 + n
+    hostile = requests[1]
+    hostile["rid"] = HOSTILE_RID
+    code, out, err = traced_run.deployment.run_in_namespace(
+        [sys.executable, os.path.join(HERE, "support", "pd_direct_client.py"),
+         f"http://127.0.0.1:{dep.PREFILL_PORT}/generate", f"http://127.0.0.1:{dep.DECODE_PORT}/generate",
+         str(dep.BOOTSTRAP_PORT)], timeout=600, input_text=json.dumps(requests))
+    assert code == 0, err[-2000:]
+    answers = {a["room"]: a for a in json.loads(out)}
+    for request in requests:
+        if request is not hostile:
+            assert answers[request["room"]]["prefill"] == 200 and answers[request["room"]]["decode"] == 200, answers
+    admitted = answers[hostile["room"]]["prefill"] == 200
+    if not admitted:
+        assert all(str(answers[hostile["room"]][role]).startswith("400") for role in ("prefill", "decode")), answers
+    expected = [r for r in requests if r is not hostile or admitted]
+    wanted_rids = {"\ufffd" if r is hostile else r["rid"] for r in expected}
+
+    def arrived():
+        spans = sglang_runs.Run(traced_run.deployment, [], []).read_spans()
+        rids = {s.attributes.get("sglang.rid") for _, s in spans if s.name == REQUEST}
+        rooms = {s.attributes.get("kv_transfer.bootstrap_room") for _, s in spans if s.name == "kv_transfer.receive"}
+        return spans if wanted_rids <= rids and {r["room"] for r in expected} <= rooms else None
+
+    spans = wait_until(arrived, 120, "the normal requests' request and receive spans in the span files",
+                       interval_s=1.0)  # the exporters write every 0.5 s
+    for request in expected:
+        rid = "\ufffd" if request is hostile else request["rid"]
+        (top,) = [s for _, s in spans if s.name == REQUEST and s.attributes.get("sglang.rid") == rid]
+        sends = [s for _, s in spans if s.name == SEND and s.parent_span_id == top.span_id]
+        assert sends and all(s.attributes["kv_transfer.bootstrap_room"] == request["room"] for s in sends)
+    if not admitted:  # nothing half-made of a request that never existed
+        assert not [s for _, s in spans if s.attributes.get("kv_transfer.bootstrap_room") == hostile["room"]]

@@ -51,6 +51,7 @@ SGLANG_TARGETS = [
     Target(f"{_SG}.common.conn", "CommonKVReceiver", "abort"),
     Target(f"{_SG}.common.utils", "FastQueue", "put"),
     Target(f"{_SG}.common.utils", "FastQueue", "get"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "__init__"),  # its rank: the start-up line
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache"),
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache_slice"),
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache_dcp"),
@@ -59,6 +60,7 @@ SGLANG_TARGETS = [
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_aux"),
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "add_transfer_request"),
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_aux_data_to_endpoint"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "__init__"),
     Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache"),
     Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache_slice"),
     Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache_mixed"),
