@@ -75,7 +75,7 @@ ROLE_DECODE = "decode"
 PAYLOAD_KV = "kv"
 PAYLOAD_AUX = "aux"
 PAYLOAD_STATE = "state"
-# Bytes that move through the same engines but are not a request's KV (DESIGN, "Production shapes"): their sends
+# Bytes that move through the same engines but are not a request's KV: their sends
 # belong to no request; only the per-send metrics count them, under their payload label.
 PAYLOAD_ENCODER_CACHE = "encoder_cache"  # vLLM's encoder-cache (EC) connectors: multimodal encoder outputs
 PAYLOAD_EXPERT_WEIGHTS = "expert_weights"  # vLLM's EPLB: MoE expert weights moved between ranks
