@@ -8,10 +8,7 @@ real builder in the direct pipeline (our fixed-shape encoder inside the OTLP exp
 it cannot parse). Both pipelines get the same sequential ids, so their spans compare field by field.
 """
 
-import importlib
-import threading
-from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from google.protobuf.message import DecodeError
@@ -22,6 +19,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support import otlp
 from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
 from test_span_encoding import Sequential
 
@@ -39,14 +37,8 @@ HOSTILE = 7_777
 
 @pytest.fixture(autouse=True)
 def _accelerated():
-    for name in span_encoding.EXPORTER_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # the minimum-versions job has the HTTP exporter only
-            pass
-    span_encoding.accelerate()
-    yield
-    span_encoding.restore()
+    with otlp.accelerated():
+        yield
 
 
 def _normal_request(key, at):
@@ -168,40 +160,20 @@ class _Collector(BaseHTTPRequestHandler):
 def _through_http(pipeline):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     _Collector.parsed, _Collector.rejected = [], []
-    try:
-        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces", timeout=10)
+    with otlp.http_receiver(_Collector) as port:
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=10)
         flushed = _build(pipeline, BatchSpanProcessor(exporter, max_export_batch_size=512), _hostile_records())
-    finally:
-        server.shutdown()
-        server.server_close()
     return flushed, list(_Collector.parsed), list(_Collector.rejected)
 
 
 def _through_grpc(pipeline):
-    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("grpc")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-    parsed = []
-
-    class Service(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # grpc has parsed it with opentelemetry-proto's message
-            parsed.append(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with otlp.grpc_receiver() as (port, parsed):  # grpc parses each request with opentelemetry-proto's message
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=10)
         flushed = _build(pipeline, BatchSpanProcessor(exporter, max_export_batch_size=512), _hostile_records())
-    finally:
-        server.stop(0)
     return flushed, parsed, []
 
 

@@ -22,6 +22,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from support.waiting import exited
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -173,15 +174,10 @@ def test_the_engine_process_exits_within_its_bound_behind_a_slow_collector(tmp_p
     env = {**os.environ, config.FLUSH_INTERVAL_MS: "60000"}  # all 2,000 wait for the exit drain
     proc = subprocess.Popen([sys.executable, str(script), str(sends)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
-    try:
-        # At 16 spans a second, exporting all 2,000 takes over two minutes (what the exit took before); the drain
-        # is bounded at 5 s and the SDK's shutdown exports the 64 it holds in 4 s more. 90 s only tells a slow
-        # machine from an exit that waits for the collector.
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the process did not exit within 90 s behind a slow collector: {err.decode()[-800:]}")
+    # At 16 spans a second, exporting all 2,000 takes over two minutes (what the exit took before); the drain is
+    # bounded at 5 s and the SDK's shutdown exports the 64 it holds in 4 s more. 90 s only tells a slow machine
+    # from an exit that waits for the collector.
+    out, err = exited(proc, 90, "the process did not exit within 90 s behind a slow collector")
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"exiting" in out
     report = json.loads(out.decode().split("REPORT ", 1)[1].splitlines()[0])

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from support.waiting import wait_until
+from support.waiting import exited, wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -580,12 +580,7 @@ def test_a_hung_synchronous_exporter_does_not_stop_the_engine_process_from_exiti
     script = tmp_path / "hung_exit.py"
     script.write_text(_EXIT_WITH_HUNG_EXPORTER)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        # The exit drain waits at most 5 s; 60 s only tells a slow machine from a process that never exits.
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"the process did not exit after its main thread ended: {out.decode()[-500:]}")
+    # The exit drain waits at most 5 s; 60 s only tells a slow machine from a process that never exits.
+    out, _ = exited(proc, 60, "the process did not exit after its main thread ended", tail=500)
     assert b"exiting" in out
     assert proc.returncode == 0

@@ -10,7 +10,6 @@ Everything runs inside `unshare --net` with loopback up: Mooncake's handshake li
 
 import json
 import multiprocessing
-import os
 
 import pytest
 from support import instrumented_app
@@ -66,21 +65,8 @@ def _run(tmp_path, builder: str):
         env={"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"})
     assert outcome["exitcode"] == 0 and outcome["arrived"], outcome
     # The engine process waits for its helpers at exit, not for its child's: the child's helper may still write.
-    spans = _wait_for_spans(spans_path, WRITES + 1)
+    spans = instrumented_app.spans_when(spans_path, WRITES + 1)
     return [s for s in spans if s.attributes.get("kv_transfer.request_key") == str(ROOM)]
-
-
-def _wait_for_spans(path, count, timeout_s=30.0):
-    import time
-
-    from otel_kvtransfer.tools.spanfile import read_spans
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = read_spans(path) if os.path.exists(path) else []
-        if len(spans) >= count or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("builder", ["thread", "process"])

@@ -10,17 +10,14 @@ child process (this file run as a script: `python tests/test_nixl_engine.py OUT.
 (spans, metric points, bytes checks) and leaves with os._exit; the tests below assert on that.
 """
 
-import contextlib
-import functools
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from support import nixl_agents
-from support.nixl_agents import Initiator, result_of
+from support.nixl_agents import Initiator, result_of, spans_named
 
 BLOCK = 64 << 10
 BLOCKS = 16
@@ -32,14 +29,6 @@ BIG_BLOCK = 1 << 20
 BIG = 64 * BIG_BLOCK
 
 
-@contextlib.contextmanager
-def _frozen(receiver):
-    """The receiver's process stopped for the duration: what is posted to it stays in flight."""
-    os.kill(receiver.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(receiver.pid, signal.SIGCONT)
 SCENARIOS = {}
 
 
@@ -210,7 +199,7 @@ def freed_by_gc(receiver, _originals):
         init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
         states = [init.write_all()]  # connected before the peer stops
-        with _frozen(receiver):
+        with nixl_agents.frozen(receiver):
             for _ in range(2):  # still in flight when dropped: cancelled sends
                 handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
                 states.append(init.agent.transfer(handle))
@@ -235,7 +224,7 @@ def address_reused(receiver, _originals):
         init = Initiator(receiver, BIG, BIG_BLOCK)
         local, remote = init.descs()
         done_first = int(init.write_all() == "DONE")  # a plain send, connected before the peer stops
-        with _frozen(receiver):
+        with nixl_agents.frozen(receiver):
             first = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
             first_state = init.agent.transfer(first)
         raw = init.agent.agent  # the binding: nothing of ours sees these calls
@@ -268,13 +257,9 @@ def _child(out_path: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import nixl._api as api
 
-    from otel_kvtransfer.demo.nixl_loopback import Receiver
-
     originals = {name: api.nixl_agent.__dict__[name] for name in ("transfer", "check_xfer_state", "make_prepped_xfer")}
-    with Receiver(BIG) as receiver:  # the scenarios write its first SIZE bytes, two of them all of it
-        results = nixl_agents.run_scenarios({name: functools.partial(function, receiver, originals)
-                                             for name, function in SCENARIOS.items()})
-    nixl_agents.leave(out_path, results)
+    # the scenarios write the receiver's first SIZE bytes, two of them all of it
+    nixl_agents.run_with_receiver(out_path, BIG, SCENARIOS, originals)
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -282,13 +267,7 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("nixl") / "outcomes.json")
-    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_TLS="tcp,self")
-    return nixl_agents.run_apart(__file__, out, env, timeout_s=600)
-
-
-def _named(result, name) -> list:
-    return [s for s in result["spans"] if s["name"] == name]
+    return nixl_agents.loopback_outcomes(__file__, tmp_path_factory, "nixl")
 
 
 def test_prepped_write_is_one_send_with_its_bytes_peer_and_notification(outcomes):
@@ -296,7 +275,7 @@ def test_prepped_write_is_one_send_with_its_bytes_peer_and_notification(outcomes
     assert result["state"] == "DONE"
     assert result["arrived"]  # the bytes arrived where they were sent
     assert result["notes"] == ["req-42:1"]
-    (send,) = _named(result, "kv_transfer.send")
+    (send,) = spans_named(result, "kv_transfer.send")
     attrs = send["attributes"]
     assert attrs["kv_transfer.bytes"] == result["chosen"] * BLOCK
     assert attrs["kv_transfer.descriptor_count"] == result["chosen"]
@@ -314,8 +293,8 @@ def test_read_in_a_transfer_scope_belongs_to_its_request(outcomes):
     result = result_of(outcomes, "read_in_scope")
     assert result["state"] == "DONE"
     assert result["read_back"]  # READ brought the target's bytes here
-    (send,) = _named(result, "kv_transfer.send")
-    (request,) = _named(result, "kv_transfer.request")
+    (send,) = spans_named(result, "kv_transfer.send")
+    (request,) = spans_named(result, "kv_transfer.request")
     assert send["parent"] == request["span_id"]
     assert send["attributes"]["kv_transfer.op"] == "read"
     assert send["attributes"]["network.io.direction"] == "receive"
@@ -329,7 +308,7 @@ def test_read_in_a_transfer_scope_belongs_to_its_request(outcomes):
 def test_transfer_to_a_peer_that_is_gone_is_a_failed_send(outcomes):
     result = result_of(outcomes, "peer_gone")
     assert result["state"] == "ERR" or result["state"].startswith("raised")
-    (send,) = _named(result, "kv_transfer.send")
+    (send,) = spans_named(result, "kv_transfer.send")
     assert not send["ok"]
     assert send["attributes"]["error.type"] in ("transfer_failed", "nixlBackendError", "nixlRemoteDisconnectError")
     assert send["attributes"]["kv_transfer.bytes"] == SIZE
@@ -339,7 +318,7 @@ def test_transfer_to_a_peer_that_is_gone_is_a_failed_send(outcomes):
 def test_pending_handles_are_bounded_and_drops_counted(outcomes):
     result = result_of(outcomes, "bounded")
     pending = sum(1 for state in result["states"] if state == "PROC")
-    sends = _named(result, "kv_transfer.send")
+    sends = spans_named(result, "kv_transfer.send")
     full = sum(p["value"] for p in result["metrics"].get("kv_transfer.instrumentation.dropped", [])
                if p["attributes"].get("kv_transfer.drop_reason") == "async_pending_full")
     # Every post is either a span or a counted drop: at most one handle waits at a time.
@@ -357,7 +336,7 @@ def test_handles_freed_by_the_garbage_collector_are_sends(outcomes):
     then is a cancelled send, one already done a successful one."""
     result = result_of(outcomes, "freed_by_gc")
     assert "PROC" in result["states"], result["states"]  # at least one was still pending when dropped
-    sends = _named(result, "kv_transfer.send")
+    sends = spans_named(result, "kv_transfer.send")
     assert len(sends) == len(result["states"]) >= 3
     for send in sends:
         assert send["attributes"]["kv_transfer.bytes"] == BIG
@@ -369,7 +348,7 @@ def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
     result = result_of(outcomes, "address_reused")
     assert result["reused"], "NIXL never handed the freed address out again"
     assert result["first_state"] == "PROC" and result["second_state"] == "DONE"
-    sends = _named(result, "kv_transfer.send")
+    sends = spans_named(result, "kv_transfer.send")
     assert len(sends) == 1 + result["done_first"] and all(s["ok"] for s in sends)  # the second handle's ...
     assert _dropped(result, "async_released") == 1  # ... and the first one, counted: 2 posts, 2 accounted for
 
@@ -387,8 +366,8 @@ def test_demo_loopback_engine_writes_are_sends_of_their_request(outcomes):
     result = result_of(outcomes, "demo_engine")
     assert result["codes"] == [0, 0, 0]
     assert result["arrived"]
-    (request,) = _named(result, "kv_transfer.request")
-    sends = sorted(_named(result, "kv_transfer.send"), key=lambda s: s["attributes"]["kv_transfer.chunk_index"])
+    (request,) = spans_named(result, "kv_transfer.request")
+    sends = sorted(spans_named(result, "kv_transfer.send"), key=lambda s: s["attributes"]["kv_transfer.chunk_index"])
     assert [s["attributes"]["kv_transfer.bytes"] for s in sends] == [SIZE // 2, SIZE // 2]
     assert all(s["parent"] == request["span_id"] for s in sends)
     assert request["attributes"]["kv_transfer.bytes"] == SIZE

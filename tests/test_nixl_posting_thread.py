@@ -11,17 +11,14 @@ the handles (post, poll, release). The scenarios run in ONE child process (this 
 what it saw and leaves with os._exit (tests/support/nixl_agents.py says why).
 """
 
-import contextlib
-import functools
 import os
 import queue
-import signal
 import sys
 import threading
 
 import pytest
 from support import nixl_agents
-from support.nixl_agents import Initiator, result_of
+from support.nixl_agents import Initiator, result_of, spans_named
 
 BLOCK = 1 << 20
 BLOCKS = 64
@@ -37,14 +34,6 @@ def scenario(function):
 # --- the child process -----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _frozen(receiver):
-    """The receiver's process stopped for the duration: what is posted to it stays in flight."""
-    os.kill(receiver.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(receiver.pid, signal.SIGCONT)
 
 
 class PostingThread:
@@ -136,7 +125,7 @@ def posted_elsewhere(receiver):
         local, remote = init.descs()
         with kvt.transfer_scope("p-frozen", destination_index=1, is_last_chunk=True):
             frozen = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
-        with _frozen(receiver):
+        with nixl_agents.frozen(receiver):
             out["frozen_posted"] = poster.post(frozen)
         out["frozen_final"] = init.wait(frozen, post=False, timeout_s=120)
         init.agent.release_xfer_handle(frozen)
@@ -216,12 +205,7 @@ def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     os.environ.setdefault("UCX_TLS", "tcp,self")  # over shared memory a frozen peer would not hold a post back
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from otel_kvtransfer.demo.nixl_loopback import Receiver
-
-    with Receiver(SIZE) as receiver:
-        results = nixl_agents.run_scenarios({name: functools.partial(function, receiver)
-                                             for name, function in SCENARIOS.items()})
-    nixl_agents.leave(out_path, results)
+    nixl_agents.run_with_receiver(out_path, SIZE, SCENARIOS)
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -229,17 +213,11 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("nixl_posting") / "outcomes.json")
-    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_TLS="tcp,self")
-    return nixl_agents.run_apart(__file__, out, env, timeout_s=600)
-
-
-def _named(result, name) -> list:
-    return [s for s in result["spans"] if s["name"] == name]
+    return nixl_agents.loopback_outcomes(__file__, tmp_path_factory, "nixl_posting")
 
 
 def _of(result, name, key) -> list:
-    return [s for s in _named(result, name) if s["attributes"].get("kv_transfer.request_key") == key]
+    return [s for s in spans_named(result, name) if s["attributes"].get("kv_transfer.request_key") == key]
 
 
 def test_handles_posted_on_another_thread_are_sends_of_the_request_they_were_made_for(outcomes):
@@ -264,7 +242,7 @@ def test_handles_posted_on_another_thread_are_sends_of_the_request_they_were_mad
     (frozen,) = _of(result, "kv_transfer.send", "p-frozen")
     assert frozen["attributes"]["kv_transfer.end_uncertainty_s"] >= 0
     # nothing became a raw send: the only send outside the three requests is the connecting write
-    raw = [s for s in _named(result, "kv_transfer.send") if "kv_transfer.request_key" not in s["attributes"]]
+    raw = [s for s in spans_named(result, "kv_transfer.send") if "kv_transfer.request_key" not in s["attributes"]]
     assert [s["attributes"]["kv_transfer.bytes"] for s in raw] == [SIZE]
     assert not result["metrics"].get("kv_transfer.instrumentation.dropped")
 
@@ -280,11 +258,11 @@ def test_the_posting_threads_own_scope_decides_over_the_one_the_handle_was_made_
 def test_a_payload_handle_posted_on_another_thread_keeps_its_label_and_no_request(outcomes):
     result = result_of(outcomes, "payload_posted_elsewhere")
     assert result["state"] == "DONE"
-    (send,) = _named(result, "kv_transfer.send")
+    (send,) = spans_named(result, "kv_transfer.send")
     attrs = send["attributes"]
     assert attrs["kv_transfer.payload"] == "encoder_cache" and attrs["kv_transfer.framework"] == "vllm"
     assert attrs["kv_transfer.bytes"] == 4 * BLOCK and "kv_transfer.request_key" not in attrs
-    assert _named(result, "kv_transfer.request") == []
+    assert spans_named(result, "kv_transfer.request") == []
     sizes = result["metrics"]["kv_transfer.size"]
     assert [(p["attributes"].get("kv_transfer.payload"), p["count"]) for p in sizes] == [("encoder_cache", 1)]
 

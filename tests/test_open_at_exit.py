@@ -13,8 +13,6 @@ can deliver. Everything runs inside `unshare --net` with loopback up (Mooncake's
 """
 
 import json
-import os
-import time
 
 import pytest
 from support import instrumented_app
@@ -58,17 +56,6 @@ def engine_process(out_path: str) -> None:
 # --- the tests -------------------------------------------------------------------------------------------------
 
 
-def _wait_for_spans(path, count, timeout_s=30.0):
-    from otel_kvtransfer.tools.spanfile import read_spans
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = read_spans(path) if os.path.exists(path) else []
-        if len(spans) >= count or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("builder", ["thread", "process"])
 def test_requests_open_at_exit_end_as_ended_by_the_exit_with_their_sends(tmp_path, builder):
     _, outcome, spans_path = instrumented_app.run(
@@ -76,7 +63,7 @@ def test_requests_open_at_exit_end_as_ended_by_the_exit_with_their_sends(tmp_pat
         env={"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"})
     assert outcome["arrived"], outcome
     # The engine waits for its helper at exit at most a few seconds: the helper may still be writing.
-    spans = _wait_for_spans(spans_path, len(ROOMS) * (WRITES + 1) + 1)
+    spans = instrumented_app.spans_when(spans_path, len(ROOMS) * (WRITES + 1) + 1)
     requests = {s.attributes.get("kv_transfer.request_key"): s for s in spans if s.name == "kv_transfer.request"}
     assert sorted(requests) == sorted(str(room) for room in ROOMS), f"{len(spans)} spans arrived"
     for key, request in requests.items():

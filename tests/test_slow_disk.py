@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
+from support.metrics import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
@@ -39,18 +40,6 @@ def _spans(count, key):
         span = tracer.start_span(sc.SPAN_SEND, attributes={sc.REQUEST_KEY: f"{key}-{number}", sc.BYTES: 4096})
         span.end()
         out.append(span)
-    return out
-
-
-def _dropped(reader) -> dict:
-    out = {}
-    data = reader.get_metrics_data()
-    for rm in data.resource_metrics if data else ():
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                if metric.name == sc.METRIC_DROPPED:
-                    for point in metric.data.data_points:
-                        out[point.attributes[sc.DROP_REASON]] = point.value
     return out
 
 
@@ -94,7 +83,7 @@ def test_a_write_that_lands_after_its_timeout_is_not_counted(tmp_path, monkeypat
     exporter.shutdown()
     written = sorted(s.attributes[sc.REQUEST_KEY] for s in read_spans(path))
     assert written == ["late-0", "late-1"]
-    assert _dropped(reader) == {fe.DROP_REASON: 3}  # exactly the spans not written (before: 5, the late 2 too)
+    assert dropped_by_reason(reader) == {fe.DROP_REASON: 3}  # exactly the spans not written (before: 5, the late 2 too)
 
 
 def test_a_write_that_fails_after_its_timeout_is_counted_when_it_fails(tmp_path, monkeypatch):
@@ -103,10 +92,10 @@ def test_a_write_that_fails_after_its_timeout_is_counted_when_it_fails(tmp_path,
     path = tmp_path / "spans.jsonl"
     exporter, reader = _exporter(path)
     assert exporter.export(_spans(2, "late")) == SpanExportResult.FAILURE
-    assert _dropped(reader) == {}  # not yet known to be lost
+    assert dropped_by_reason(reader) == {}  # not yet known to be lost
     disk.answer.set()
     assert exporter.force_flush(timeout_millis=30000) is False  # it failed: lost since the last flush
-    assert _dropped(reader) == {fe.DROP_REASON: 2}
+    assert dropped_by_reason(reader) == {fe.DROP_REASON: 2}
     exporter.shutdown()
     assert not path.exists() or path.read_bytes() == b""  # nothing of it was written
 
@@ -116,11 +105,11 @@ def test_a_write_still_pending_at_shutdown_is_counted_once(tmp_path, monkeypatch
     exporter, reader = _exporter(tmp_path / "spans.jsonl")
     assert exporter.export(_spans(2, "late")) == SpanExportResult.FAILURE
     exporter.shutdown(timeout_millis=100)  # returns with the write still in the kernel's hands
-    assert _dropped(reader) == {fe.DROP_REASON: 2}
+    assert dropped_by_reason(reader) == {fe.DROP_REASON: 2}
     disk.error = errno.EIO
     disk.answer.set()  # it ends afterwards, failed: settled already, not counted again
     assert exporter.force_flush(timeout_millis=30000) is False
-    assert _dropped(reader) == {fe.DROP_REASON: 2}
+    assert dropped_by_reason(reader) == {fe.DROP_REASON: 2}
 
 
 class _PerWriteDisk:
@@ -179,7 +168,7 @@ def test_after_a_write_outlasted_its_wait_exports_do_not_wait_on_the_slow_disk(t
     exporter.shutdown()
     written = sorted(s.attributes[sc.REQUEST_KEY] for s in read_spans(path))
     assert written == ["first-0", "first-1", "second-0", "second-1", "second-2"]
-    assert _dropped(reader) == {fe.DROP_REASON: 4}  # exactly the spans not written
+    assert dropped_by_reason(reader) == {fe.DROP_REASON: 4}  # exactly the spans not written
 
 
 # --- a real frozen filesystem ---------------------------------------------------------------------------------

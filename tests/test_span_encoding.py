@@ -7,11 +7,8 @@ fixed-shape encoder inside it, as `span_encoding.accelerate()` installs it) and 
 Then the same spans travel through the real OTLP/HTTP and OTLP/gRPC exporters to receivers on 127.0.0.1.
 """
 
-import importlib
-import threading
 import time
-from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
@@ -25,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
+from support import otlp
 from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
 
 from otel_kvtransfer import config, registry, semconv
@@ -96,15 +94,8 @@ def _run(pipeline, sampler=None):
 
 @pytest.fixture(autouse=True)
 def _accelerated():
-    # The exporter modules must be imported for accelerate() to find them (a deployment has imported its own).
-    for name in span_encoding.EXPORTER_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # the minimum-versions job has the HTTP exporter only
-            pass
-    span_encoding.accelerate()
-    yield
-    span_encoding.restore()
+    with otlp.accelerated():
+        yield
 
 
 def _decoded(message) -> ExportTraceServiceRequest:
@@ -211,45 +202,25 @@ def test_the_real_http_exporter_sends_our_bytes_to_a_receiver():
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     direct, _ = _run("direct")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     _Sink.received = []
-    try:
-        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces", timeout=5)
+    with otlp.http_receiver(_Sink) as port:
+        exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces", timeout=5)
         assert exporter.export(direct) is SpanExportResult.SUCCESS
         exporter.shutdown()
-    finally:
-        server.shutdown()
-        server.server_close()
     (received,) = _Sink.received
     assert _sorted_spans(received) == _sorted_spans(encode_spans(direct))
 
 
 def test_the_real_grpc_exporter_sends_our_spans_to_a_receiver():
-    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("grpc")
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    received = []
-
-    class Service(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):
-            received.append(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with otlp.grpc_receiver() as (port, received):
         direct, _ = _run("direct")
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True, timeout=5)
         assert exporter.export(direct) is SpanExportResult.SUCCESS
         exporter.shutdown()
-    finally:
-        server.stop(0)
     (request,) = received
     assert _sorted_spans(request) == _sorted_spans(encode_spans(direct))
 

@@ -17,6 +17,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
+from support.metrics import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
@@ -49,15 +50,7 @@ class _Counted:
             metric_readers=[self.reader]), **kwargs)
 
     def dropped(self) -> dict:
-        data = self.reader.get_metrics_data()
-        out = {}
-        for rm in data.resource_metrics if data else ():
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    if metric.name == sc.METRIC_DROPPED:
-                        for point in metric.data.data_points:
-                            out[point.attributes[sc.DROP_REASON]] = point.value
-        return out
+        return dropped_by_reason(self.reader)
 
 
 def _errors(caplog):

@@ -46,31 +46,28 @@ class _Held:
 
     def __init__(self, monkeypatch):
         self.held, self.scans, self.ticks, self.opened = True, 0, 0, 0
-        scan, tick, opened = inflight.Watcher.scan, stuck.OpenWatch.tick, stuck.OpenWatch.opened
-
-        def held_scan(watcher, *args, **kwargs):
-            if self.held:
-                return None
-            try:
-                return scan(watcher, *args, **kwargs)
-            finally:
-                self.scans += 1
-
-        def held_tick(watch, *args, **kwargs):
-            if self.held:
-                return None
-            try:
-                return tick(watch, *args, **kwargs)
-            finally:
-                self.ticks += 1
+        opened = stuck.OpenWatch.opened
 
         def counted_opened(watch, *args, **kwargs):
             self.opened += 1
             return opened(watch, *args, **kwargs)
 
-        monkeypatch.setattr(inflight.Watcher, "scan", held_scan)
-        monkeypatch.setattr(stuck.OpenWatch, "tick", held_tick)
+        monkeypatch.setattr(inflight.Watcher, "scan", self._held(inflight.Watcher.scan, "scans"))
+        monkeypatch.setattr(stuck.OpenWatch, "tick", self._held(stuck.OpenWatch.tick, "ticks"))
         monkeypatch.setattr(stuck.OpenWatch, "opened", counted_opened)
+
+    def _held(self, method, counter: str):
+        """`method`, doing nothing while held; once let go, each call that ran is counted in `counter`."""
+
+        def held(owner, *args, **kwargs):
+            if self.held:
+                return None
+            try:
+                return method(owner, *args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + 1)
+
+        return held
 
 
 def test_seventy_thousand_stuck_items_are_counted_once_and_summarised(monkeypatch, caplog):

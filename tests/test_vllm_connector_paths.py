@@ -37,18 +37,24 @@ def _release_path(release: str) -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=None)
-def _run(release: str) -> dict:
+def run_release(script: str, release: str, unset=("OTEL_", "VLLM_")) -> dict:
+    """What `script` printed last (one JSON line), run in the vLLM virtualenv inside `unshare --net` with `release`
+    first on its path and none of the variables whose names start with `unset`."""
     python = harness.vllm_python()
     require_part(harness.vllm_ready(python),
                  f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
     netns.require_tools()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(unset)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_release_path(release), ROOT) if p)
-    done = netns.run([python, SCRIPT], env, timeout_s=600)
+    done = netns.run([python, script], env, timeout_s=600)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     return json.loads(lines[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _run(release: str) -> dict:
+    return run_release(SCRIPT, release)
 
 
 def _spans(result, name, key):

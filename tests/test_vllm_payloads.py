@@ -10,17 +10,12 @@ rank's process, its collectives, GPU memory) is listed in its docstring.
 """
 
 import functools
-import json
 import os
 
 import pytest
-from conftest import require_part
-from support import netns
-from test_vllm_connector_paths import RELEASES, _release_path
-from vllm_serving import harness
+from test_vllm_connector_paths import RELEASES, run_release
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "vllm_versions", "payload_paths.py")
 MIB = 1 << 20
 ENTRIES = {"MooncakeTransfer.write", "NixlDataTransport.post_read", "NixlEplbCommunicator.add_recv"}
@@ -28,16 +23,7 @@ ENTRIES = {"MooncakeTransfer.write", "NixlDataTransport.post_read", "NixlEplbCom
 
 @functools.lru_cache(maxsize=None)
 def _run(release: str) -> dict:
-    python = harness.vllm_python()
-    require_part(harness.vllm_ready(python),
-                 f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
-    netns.require_tools()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_", "UCX_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_release_path(release), ROOT) if p)
-    done = netns.run([python, SCRIPT], env, timeout_s=600)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1])
+    return run_release(SCRIPT, release, unset=("OTEL_", "VLLM_", "UCX_"))
 
 
 def _sends(result, payload=None) -> list:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from conftest import mooncake_importable, require_part
 
@@ -39,6 +40,19 @@ def start(tmp_path, module: str, function: str, builder: str, env: dict, own_use
     on its stdin (an app that waits for a condition only the test sees)."""
     argv, full_env, spans_path, out_path = _command(tmp_path, module, function, builder, env)
     return Running(argv, full_env, tmp_path, spans_path, out_path, own_user)
+
+
+def spans_when(spans_path: str, count: int, timeout_s: float = 30.0) -> list:
+    """The span file's spans once it holds `count`, or all it holds after `timeout_s` (the test then says what is
+    missing): a helper process may still be writing when the app has ended."""
+    from otel_kvtransfer.tools.spanfile import read_spans
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = read_spans(spans_path) if os.path.exists(spans_path) else []
+        if len(spans) >= count or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
 
 
 class Running:

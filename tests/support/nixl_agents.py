@@ -7,9 +7,12 @@ child process (the module run as a script) that runs its scenarios, writes what 
 leaves with os._exit; the tests assert on that file.
 """
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +42,14 @@ def run_apart(script: str, out_path: str, env: dict, timeout_s: float, private_n
         return json.load(handle)
 
 
+def loopback_outcomes(script: str, tmp_path_factory, folder: str, timeout_s: float = 600) -> dict:
+    """`run_apart` of a test module whose agents talk UCX over TCP on the loopback device (unless the environment
+    names other devices)."""
+    out = str(tmp_path_factory.mktemp(folder) / "outcomes.json")
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"), UCX_TLS="tcp,self")
+    return run_apart(script, out, env, timeout_s=timeout_s)
+
+
 def run_scenarios(scenarios: dict) -> dict:
     """{name: what scenario() returned, or {"error": its traceback}}: one failing scenario fails only its tests."""
     results = {}
@@ -48,6 +59,16 @@ def run_scenarios(scenarios: dict) -> dict:
         except Exception:  # the traceback goes to the tests, which fail on it
             results[name] = {"error": traceback.format_exc()[-3000:]}
     return results
+
+
+def run_with_receiver(out_path: str, size: int, scenarios: dict, *args) -> None:
+    """Run every `scenario(receiver, *args)` against one loopback Receiver of `size` bytes, then `leave`."""
+    from otel_kvtransfer.demo.nixl_loopback import Receiver
+
+    with Receiver(size) as receiver:
+        results = run_scenarios({name: functools.partial(function, receiver, *args)
+                                 for name, function in scenarios.items()})
+    leave(out_path, results)
 
 
 def leave(out_path: str, results: dict) -> None:
@@ -64,6 +85,21 @@ def result_of(outcomes: dict, name: str) -> dict:
     result = outcomes[name]
     assert "error" not in result, result.get("error")
     return result
+
+
+def spans_named(result: dict, name: str) -> list:
+    """The spans of one scenario's result that are called `name`."""
+    return [s for s in result["spans"] if s["name"] == name]
+
+
+@contextlib.contextmanager
+def frozen(receiver):
+    """The receiver's process stopped for the duration: what is posted to it stays in flight."""
+    os.kill(receiver.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(receiver.pid, signal.SIGCONT)
 
 
 class Initiator:

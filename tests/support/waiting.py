@@ -4,7 +4,10 @@ A sleep may stay in a test only where the elapsed time IS the scenario (a peer h
 pass by design); it then says so in a comment.
 """
 
+import subprocess
 import time
+
+import pytest
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
@@ -24,3 +27,14 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05)
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 300 else text[:300] + "..."
+
+
+def exited(proc, timeout_s: float, what: str, tail: int = 800):
+    """(stdout, stderr) of the subprocess.Popen `proc` once it has exited. Past `timeout_s` it is killed and the
+    test fails with `what` and the end of its stderr (of its stdout where stderr goes there)."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{what}: {(out if err is None else err).decode()[-tail:]}")
