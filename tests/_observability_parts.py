@@ -86,6 +86,23 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
+def stop_all(procs, timeout: float = 10.0) -> None:
+    """stop() for several processes at once: every group gets SIGTERM first, so they wind down side by side
+    within one `timeout`; what is still there at its end gets SIGKILL."""
+    running = [p for p in procs if p is not None and p.poll() is None]
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for proc in running:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stop(proc, timeout=0)
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.25, what: str = "condition"):
     deadline = time.monotonic() + timeout
     last = None

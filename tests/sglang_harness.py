@@ -96,7 +96,11 @@ def _dst_pages(cfg) -> List[int]:
 # Per-process set-up
 
 
-def _process_env() -> None:
+def _process_env(cfg) -> None:
+    environ = cfg.get("environ")
+    if environ is not None:  # forked from the fork server: the parent's environment of this run, as spawn gives
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")  # bounds the fault tests
     os.environ.setdefault("MC_FORCE_TCP", "1")
     os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
@@ -298,7 +302,7 @@ def span_to_dict(span) -> Dict[str, Any]:
 def prefill_main(cfg, events, go, rank=0) -> None:
     out: Dict[str, Any] = {"role": "prefill", "rank": rank}
     try:
-        _process_env()
+        _process_env(cfg)
         collect = _setup_instrumentation(cfg)
         import numpy as np
 
@@ -486,7 +490,7 @@ def _early_send(sender, pages) -> None:
 def decode_main(cfg, rank, events, stop, gate=None) -> None:
     out: Dict[str, Any] = {"role": "decode", "rank": rank}
     try:
-        _process_env()
+        _process_env(cfg)
         collect = _setup_instrumentation(cfg)
         import numpy as np
 
@@ -559,6 +563,25 @@ def _verify(cfg, kv, aux, rank) -> Dict[str, Any]:
 # The parent
 
 
+# What every scenario process imports; a fork server imports it once (sglang's imports cost ~15 s of CPU a process).
+FORKSERVER_PRELOAD = ["numpy", "sglang.srt.server_args", "sglang.srt.disaggregation.base.conn",
+                      "sglang.srt.disaggregation.mooncake.conn", "sglang.srt.disaggregation.prefill",
+                      "sglang.srt.disaggregation.decode"]
+
+
+def _context(start_method, cfg):
+    """spawn (a program run under opentelemetry-instrument: each process starts as a fresh interpreter would), or
+    forkserver (a test process: the processes fork from one that imported sglang once, and each takes the
+    parent's environment of this run; nothing of our package is preloaded, so each instruments afresh)."""
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method: spawn or forkserver, not {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        cfg["environ"] = dict(os.environ)
+    return ctx
+
+
 def run_scenario(**overrides) -> Dict[str, Any]:
     """Run one scenario; returns {"prefill": {...}, "decodes": [{...}, ...], "wall_s": float}."""
     cfg = dict(DEFAULTS)
@@ -567,7 +590,7 @@ def run_scenario(**overrides) -> Dict[str, Any]:
         cfg["room"] = int.from_bytes(os.urandom(7), "big")
     cfg["bootstrap_port"] = free_port()
     cfg["model_dir"] = _model_dir()
-    ctx = mp.get_context("spawn")
+    ctx = _context(cfg.pop("start_method", "spawn"), cfg)
     events = ctx.Queue()
     go = ctx.Event()
     stop = ctx.Event()

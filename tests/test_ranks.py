@@ -6,10 +6,10 @@ prefill has rank 1's), so registration order and rank order disagree.
 Asserted: every span kind carries the engine's own `kv_transfer.tp_rank`; every send its destination's
 `kv_transfer.peer_rank`, and `kv_transfer.destination_index` is the position of that rank among the request's
 destinations ordered by rank (not sglang's registration order); each receive's expected bytes are what reached it;
-each harness process prints one start-up line naming its role and rank. A second scenario, prefill TP2 ->
-decode TP1 (MHA: each prefill rank sends its half of every page's heads and its own aux), checks that the
-decode's expected bytes count both ranks' aux. Each scenario runs once, as a subprocess (python
-tests/sglang_harness.py), so its processes' stderr, where the start-up lines go, is read too.
+each harness process prints one start-up line naming its role and rank. The scenario runs once, as a subprocess
+(python tests/sglang_harness.py), so its processes' stderr, where the start-up lines go, is read too. The other
+shapes (prefill TP2 -> decode TP1 and TP2, MLA -> decode TP2, TP1 -> TP2 head slices) run on real servers in
+test_sglang_shapes.py; registration order cannot be forced there, so it is held back here.
 """
 
 import importlib.util
@@ -30,10 +30,6 @@ HARNESS = os.path.join(HERE, "sglang_harness.py")
 # hung run, and a loaded 2-core CI machine takes minutes where a quiet one takes seconds.
 SCENARIO = {"mla": True, "decodes": 2, "chunks": [16, 16], "register_order": [1, 0], "timeout_s": 300.0}
 RUN_TIMEOUT_S = 900  # two sglang imports in spawned processes take minutes on a loaded 2-core machine
-
-
-# Prefill TP2 -> decode TP1, MHA: each prefill rank sends its half of every page's heads, and its own aux.
-TP2_TO_TP1 = {"prefills": 2, "decodes": 1, "chunks": [16, 16], "timeout_s": 300.0}
 
 
 def _run(scenario, prefills=1, decodes=1):
@@ -57,11 +53,6 @@ def _run(scenario, prefills=1, decodes=1):
 @pytest.fixture(scope="module")
 def fanout():
     return _run(SCENARIO, decodes=2)
-
-
-@pytest.fixture(scope="module")
-def tp2_to_tp1():
-    return _run(TP2_TO_TP1, prefills=2)
 
 
 def _named(spans, name):
@@ -131,30 +122,3 @@ def test_each_process_prints_one_start_up_line_with_its_role_and_rank(fanout):
         assert " INFO " in line and "patched: sglang 0.5.23" in line and "engines: mooncake " in line
         assert "builder: thread" in line  # a provider given to instrument(): spans built in process
         assert "spans: unset (InMemorySpanExporter)" in line and "metrics: unset (InMemoryMetricReader)" in line
-
-
-def test_prefill_tp2_to_decode_tp1_the_receive_expects_every_ranks_kv_and_aux(tp2_to_tp1):
-    (decode,) = tp2_to_tp1["decodes"]
-    (receive,) = _named(decode["spans"], sc.SPAN_RECEIVE)
-    sends = [s for p in tp2_to_tp1["prefills"] for s in _named(p["spans"], sc.SPAN_SEND)]
-    aux = [s for s in sends if s["attributes"][sc.PAYLOAD] == sc.PAYLOAD_AUX]
-    assert len(aux) == 2  # one per prefill rank
-    assert receive["attributes"][sc.EXPECTED_BYTES] == sum(s["attributes"][sc.BYTES] for s in sends)
-    assert receive["attributes"][sc.TP_RANK] == 0
-
-
-def test_prefill_tp2_to_decode_tp1_each_rank_says_which_it_is(tp2_to_tp1):
-    for prefill in tp2_to_tp1["prefills"]:
-        spans = prefill["spans"]
-        (request,) = _named(spans, sc.SPAN_REQUEST)
-        assert request["attributes"][sc.TP_RANK] == prefill["rank"]
-        for send in _named(spans, sc.SPAN_SEND):
-            attrs = send["attributes"]
-            assert attrs[sc.TP_RANK] == prefill["rank"] and attrs[sc.PEER_RANK] == 0
-            assert attrs[sc.DESTINATION_INDEX] == 0
-        for compute in _named(spans, sc.SPAN_COMPUTE):
-            assert compute["attributes"][sc.TP_RANK] == prefill["rank"]
-    lines = _startup_lines(tp2_to_tp1["stderr"])
-    said = sorted(line.split("; ")[3] for line in lines)
-    assert said == ["role decode, kv_transfer.tp_rank 0 (sglang)", "role prefill, kv_transfer.tp_rank 0 (sglang)",
-                    "role prefill, kv_transfer.tp_rank 1 (sglang)"]

@@ -1,5 +1,5 @@
-"""sglang's NIXL backend without a server, on sglang 0.5.23's real module (the deployment test is
-test_sglang_serving_nixl.py).
+"""sglang's NIXL backend without a server, on sglang 0.5.23's real module (the deployment test,
+MLA over NIXL to a TP2 decode, is in test_sglang_shapes.py).
 
 - every NixlKVManager / NixlKVSender / NixlKVReceiver method the package patches is ours after instrument() and
   the very original after uninstrument();

@@ -8,7 +8,8 @@
   the method under test, the queue and the chunk are sglang's own;
 - warm-up / health requests (sglang's fake bootstrap host) make no compute record, whatever their room;
 - with no OTEL_* exporter and no SDK, the sglang plugin says so in ONE line, with how to send the spans.
-The end-to-end paths (aux over TCP, compute on a real server) are in test_sglang_serving.py.
+The end-to-end paths (aux over TCP, compute on a real server) are in test_sglang_serving.py and
+test_sglang_shapes.py.
 """
 
 import importlib.util

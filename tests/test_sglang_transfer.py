@@ -1,8 +1,8 @@
-"""sglang 0.5.23's real PD classes (Mooncake backend) in spawned processes, CPU, loopback TCP.
+"""sglang 0.5.23's real PD classes (Mooncake backend) in processes of their own, CPU, loopback TCP.
 
 Each test runs one scenario of sglang_harness: a prefill process (with sglang's bootstrap server) and one or two
-decode processes over numpy KV buffers; the decode side verifies every byte it was promised. The spans come back
-from the processes' in-memory exporters.
+decode processes over numpy KV buffers, forked from a fork server that imported sglang once for the session; the
+decode side verifies every byte it was promised. The spans come back from the processes' in-memory exporters.
 """
 
 import importlib.util
@@ -21,7 +21,7 @@ def _require_sglang():
 
 def _run(**cfg):
     _require_sglang()
-    result = harness.run_scenario(**cfg)
+    result = harness.run_scenario(start_method="forkserver", **cfg)
     prefill = result["prefill"]
     assert prefill is not None, result
     assert "error" not in prefill, prefill.get("error")

@@ -2,6 +2,7 @@
 
     client.py ok URL                 -> {"ok": bool}    (a 200 answer within 5 s)
     client.py get URL PARAMS_JSON    -> the JSON body
+    client.py text URL               -> {"text": the body} (a Prometheus exposition, say; at most 4 MiB)
     client.py generate URL < REQUESTS_JSON
         requests: [{"rid", "input_ids", "max_new_tokens", optional "traceparent"}]; sent one after another as
         streaming /generate calls;
@@ -35,6 +36,11 @@ def get(url: str, params: dict):
         url += "?" + urllib.parse.urlencode(params, doseq=True)
     with urllib.request.urlopen(_loopback(url), timeout=20) as response:
         return json.loads(response.read().decode())
+
+
+def text(url: str) -> dict:
+    with urllib.request.urlopen(_loopback(url), timeout=20) as response:
+        return {"text": response.read(4 << 20).decode(errors="replace")}
 
 
 ROUTER_WARMUP_S = 120  # how long a 503 from a router that is up but has no ready worker pair is retried
@@ -91,6 +97,8 @@ def main(argv) -> int:
         answer = ok(url)
     elif command == "get":
         answer = get(url, json.loads(argv[2]) if len(argv) > 2 else {})
+    elif command == "text":
+        answer = text(url)
     elif command == "generate":
         answer = [generate_one(url, r) for r in json.load(sys.stdin)]
     else:

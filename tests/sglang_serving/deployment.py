@@ -25,15 +25,19 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the observability parts
-from _observability_parts import phoenix_binary, prometheus_binary, start, stop, wait_until
+from _observability_parts import phoenix_binary, prometheus_binary, start, stop, stop_all, wait_until
 
 MODEL_DIR = os.path.join(HERE, "model")
+MLA_MODEL_DIR = os.path.join(HERE, "model_mla")  # a tiny DeepSeek-V2 (MLA); its servers need the MLA stand-in
+MLA_ENV = {"KVT_TEST_MLA_ON_TORCH_NATIVE": "1"}
 STAND_INS = os.path.join(HERE, "pythonpath")
 CLIENT = os.path.join(HERE, "client.py")
+DIRECT_CLIENT = os.path.join(os.path.dirname(HERE), "support", "pd_direct_client.py")
 
 # Inside the deployment's own network namespace: nothing else listens there.
 PREFILL_PORT, BOOTSTRAP_PORT, DECODE_PORT, ROUTER_PORT = 30000, 8998, 30001, 8000
 PHOENIX_HTTP_PORT, PHOENIX_GRPC_PORT, PROMETHEUS_PORT = 6006, 4317, 9090
+ROUTER_METRICS_PORT = 29000  # sglang-router's default
 SERVER_START_S = 420  # 60-130 s on an idle 2-core machine; more when it is shared
 
 COMMON_FLAGS = [
@@ -44,12 +48,57 @@ COMMON_FLAGS = [
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 # UCX for NIXL: TCP and shared memory only (no RDMA or CUDA here); it listens on the namespace's loopback only.
 NIXL_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
-PREFILL_FLAGS = ["--disaggregation-mode", "prefill", "--port", str(PREFILL_PORT),
-                 "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT),
+PREFILL_FLAGS = ["--disaggregation-mode", "prefill",
                  # the early cached-prefix send records a CUDA event on the forward stream under overlap scheduling
                  "--disable-overlap-schedule"]
-DECODE_FLAGS = ["--disaggregation-mode", "decode", "--port", str(DECODE_PORT),
-                "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+DECODE_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "cpu_tensor"]
+
+
+class Server:
+    """One sglang server of a deployment: its name (its log, span file and service name), its role, its ports and
+    its tensor-parallel size, its own environment, model and transfer backend (else the deployment's). The
+    suite's pair is Server("prefill") and Server("decode")."""
+
+    def __init__(self, name: str, role: str = None, *, port: int = None, bootstrap_port: int = None, tp: int = 1,
+                 env=None, model_dir=None, backend=None):
+        self.name = name
+        self.role = role or name
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"server {name!r}: role prefill or decode, not {self.role!r}")
+        self.port = port or (PREFILL_PORT if self.role == "prefill" else DECODE_PORT)
+        self.bootstrap_port = (bootstrap_port or BOOTSTRAP_PORT) if self.role == "prefill" else None
+        self.tp = tp
+        self.env = dict(env or {})
+        self.model_dir = model_dir
+        if backend is not None and backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"server {name!r}: backend one of {TRANSFER_BACKENDS}, not {backend!r}")
+        self.backend = backend
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Router:
+    """An sglang-router in PD mode over some of the deployment's servers (by name), on its own port."""
+
+    def __init__(self, name: str, port: int, prefills, decodes, flags=()):
+        self.name, self.port = name, port
+        self.prefills, self.decodes, self.flags = list(prefills), list(decodes), list(flags)
+
+
+# Tensor parallelism on a CPU: sglang would build an NCCL communicator (and die: "Expected a cuda device") unless
+# its NCCL library path names a file that does not load; each rank gets a core of its own.
+def _tp_env(tp: int, workdir: str) -> dict:
+    if tp == 1:
+        return {}
+    not_a_library = os.path.join(workdir, "no-nccl.so")
+    if not os.path.exists(not_a_library):
+        with open(not_a_library, "w", encoding="utf-8") as handle:
+            handle.write("a CPU machine has no NCCL\n")
+    cores = os.cpu_count() or 1
+    return {"SGLANG_NCCL_SO_PATH": not_a_library,
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp))}
 
 
 def model_config(model_dir: str = MODEL_DIR) -> dict:
@@ -62,6 +111,27 @@ def expected_kv_bytes(tokens: int, config: dict) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[config.get("torch_dtype", "bfloat16")]
     return tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def kv_bytes_between(tokens, config, prefill_tp, prefill_rank, decode_tp, decode_rank):
+    """KV bytes one prefill rank sends one decode rank for `tokens` tokens. MHA: the K and V of the heads the two
+    ranks both hold (heads split evenly across each side's ranks); MLA: the whole latent (kv_lora_rank +
+    qk_rope_head_dim per token and layer) to every decode rank, from a TP1 prefill (the only MLA prefill here)."""
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[config.get("torch_dtype", "bfloat16")]
+    layers = config["num_hidden_layers"]
+    if "kv_lora_rank" in config:
+        if prefill_tp != 1:
+            raise ValueError("MLA truth is written for a TP1 prefill only")
+        return tokens * layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * dtype_bytes
+    heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+    def held(tp, rank):
+        per = heads // tp
+        return set(range(rank * per, (rank + 1) * per))
+
+    shared = held(prefill_tp, prefill_rank) & held(decode_tp, decode_rank)
+    return tokens * layers * 2 * len(shared) * head_dim * dtype_bytes
 
 
 def _tool(name: str) -> str:
@@ -92,11 +162,13 @@ def wait_for(check, timeout: float, interval: float, what: str):
 
 
 class Deployment:
-    """One deployment; `start()` brings it up (or stops everything it started and raises), `stop()` ends it."""
+    """One deployment; `start()` brings it up (or stops everything it started and raises), `stop()` ends it.
+    By default the pair (servers "prefill" and "decode", TP1) behind one router ("router"); `servers` and
+    `routers` give other shapes (several servers of a role, tensor parallelism, several routers)."""
 
     def __init__(self, workdir=None, *, phoenix=False, prometheus=False, enable_trace=False, instrument=True,
                  prefill_env=None, extra_env=None, exporters=None, transfer_backend="mooncake", model_dir=None,
-                 server_flags=(), router_flags=()):
+                 server_flags=(), router_flags=(), servers=None, routers=None):
         if transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer_backend: one of {TRANSFER_BACKENDS}")
         self.transfer_backend = transfer_backend
@@ -110,7 +182,15 @@ class Deployment:
         # another model config (a folder with a config.json) and flags after the common ones (argparse: last wins)
         self.model_dir = model_dir or MODEL_DIR
         self.server_flags = list(server_flags)
-        self.router_flags = list(router_flags)
+        self.servers = {s.name: s for s in (servers or (Server("prefill"), Server("decode")))}
+        self.routers = list(routers or [Router("router", ROUTER_PORT, [n for n, s in self.servers.items()
+                                                                      if s.role == "prefill"],
+                                               [n for n, s in self.servers.items() if s.role == "decode"])])
+        for router in self.routers:
+            router.flags = list(router_flags) + router.flags
+            unknown = [n for n in router.prefills + router.decodes if n not in self.servers]
+            if unknown:
+                raise ValueError(f"router {router.name!r}: no server named {unknown}")
         self.procs = {}  # name -> Popen, in start order
         self._logs = []
         self.holder = None
@@ -118,8 +198,9 @@ class Deployment:
         self.sd_dir = os.path.join(self.workdir, "prometheus-targets")
 
     # --- paths of what the run writes -------------------------------------------------------------------------
-    def span_file(self, role: str) -> str:
-        return os.path.join(self.workdir, f"spans-{role}.jsonl")
+    def span_file(self, name: str) -> str:
+        """The span file of the server called `name`."""
+        return os.path.join(self.workdir, f"spans-{name}.jsonl")
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.log")
@@ -162,25 +243,31 @@ class Deployment:
     def http_get(self, url, params=None, timeout=30):
         return self.client("get", url, json.dumps(params or {}), timeout=timeout)
 
+    def metrics_text(self, name):
+        """The Prometheus exposition of sglang's own metrics on a server (it runs with --enable-metrics)."""
+        return self.client("text", f"{self.servers[name].url}/metrics")["text"]
+
     def _healthy(self, name, url):
         self._alive(name)
         return self.client("ok", url, timeout=30)["ok"]
 
-    # --- environment of the two servers ---------------------------------------------------------------------------
-    def server_env(self, role: str) -> dict:
+    # --- environment of the servers -------------------------------------------------------------------------------
+    def server_env(self, name: str) -> dict:
+        server = self.servers[name]
         env = dict(os.environ)
         env.update({
             "PYTHONPATH": os.pathsep.join(p for p in [STAND_INS, ROOT, env.get("PYTHONPATH", "")] if p),
             "SGLANG_USE_CPU_ENGINE": "1", "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp",
             "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": env.get("MC_LOG_LEVEL", "ERROR"),
-            "OTEL_SERVICE_NAME": f"sglang-{role}", "OTEL_LOGS_EXPORTER": "none",
+            "OTEL_SERVICE_NAME": f"sglang-{name}", "OTEL_LOGS_EXPORTER": "none",
             "OTEL_BSP_SCHEDULE_DELAY": "500",
-            "OTEL_KVTRANSFER_SPAN_FILE": self.span_file(role),
+            "OTEL_KVTRANSFER_SPAN_FILE": self.span_file(name),
+            **_tp_env(server.tp, self.workdir),
         })
         if not self.instrument:  # the baseline: not even the package's sglang plugin may switch it on
             env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "kv_transfer"
             env["OTEL_TRACES_EXPORTER"] = env["OTEL_METRICS_EXPORTER"] = "none"
-            return self._own_env(env, role)
+            return self._own_env(env, server)
         exporters = self.exporters or (["otlp", "kvtransfer_file"] if self.phoenix else ["kvtransfer_file"])
         env["OTEL_TRACES_EXPORTER"] = ",".join(exporters)
         if "otlp" in exporters:
@@ -192,20 +279,31 @@ class Deployment:
                         "OTEL_EXPORTER_PROMETHEUS_PORT": "0", "KVT_TEST_PROMETHEUS_SD_DIR": self.sd_dir})
         else:
             env["OTEL_METRICS_EXPORTER"] = "none"
-        return self._own_env(env, role)
+        return self._own_env(env, server)
 
-    def _own_env(self, env, role):
-        if self.transfer_backend == "nixl":
+    def backend_of(self, name: str) -> str:
+        return self.servers[name].backend or self.transfer_backend
+
+    def _own_env(self, env, server):
+        if self.backend_of(server.name) == "nixl":
             env.update(NIXL_ENV)
         env.update(self.extra_env)
-        if role == "prefill":
+        if server.role == "prefill":
             env.update(self.prefill_env)
+        env.update(server.env)
         return env
 
-    def server_argv(self, role: str):
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_dir] + COMMON_FLAGS
-        argv += ["--disaggregation-transfer-backend", self.transfer_backend]
-        argv += PREFILL_FLAGS if role == "prefill" else DECODE_FLAGS
+    def server_argv(self, name: str):
+        server = self.servers[name]
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", server.model_dir or self.model_dir]
+        argv += COMMON_FLAGS
+        argv += ["--disaggregation-transfer-backend", self.backend_of(name), "--port", str(server.port)]
+        if server.role == "prefill":
+            argv += PREFILL_FLAGS + ["--disaggregation-bootstrap-port", str(server.bootstrap_port)]
+        else:
+            argv += DECODE_FLAGS
+        if server.tp > 1:
+            argv += ["--tp", str(server.tp)]
         argv += self.server_flags
         if self.enable_trace:
             argv += ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{PHOENIX_GRPC_PORT}"]
@@ -223,20 +321,32 @@ class Deployment:
                 shutil.rmtree(self.sd_dir, ignore_errors=True)
                 os.makedirs(self.sd_dir)
                 self._start_prometheus()
-            self._start("prefill", self.server_argv("prefill"), self.server_env("prefill"))
-            self._start("decode", self.server_argv("decode"), self.server_env("decode"))
-            # The router's launcher imports sglang (20-60 s here): it starts beside the servers and waits for them.
-            self._start("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                   "--prefill", f"http://127.0.0.1:{PREFILL_PORT}", str(BOOTSTRAP_PORT),
-                                   "--decode", f"http://127.0.0.1:{DECODE_PORT}",
-                                   "--host", "127.0.0.1", "--port", str(ROUTER_PORT)] + self.router_flags)
-            for name, port in (("prefill", PREFILL_PORT), ("decode", DECODE_PORT), ("router", ROUTER_PORT)):
+            for name in self.servers:
+                self._start(name, self.server_argv(name), self.server_env(name))
+            # A router's launcher imports part of sglang (10-60 s here): it starts beside the servers and waits
+            # for them.
+            for router in self.routers:
+                self._start(router.name, self._router_argv(router))
+            ports = [(name, s.port) for name, s in self.servers.items()] + [(r.name, r.port) for r in self.routers]
+            for name, port in ports:
                 wait_for(lambda n=name, p=port: self._healthy(n, f"http://127.0.0.1:{p}/health"),
                          SERVER_START_S, 2.0, what=f"sglang {name} healthy")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _router_argv(self, router):
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for name in router.prefills:
+            argv += ["--prefill", self.servers[name].url, str(self.servers[name].bootstrap_port)]
+        for name in router.decodes:
+            argv += ["--decode", self.servers[name].url]
+        argv += ["--host", "127.0.0.1", "--port", str(router.port)]
+        index = self.routers.index(router)
+        if index:  # each router serves its own metrics; the first keeps sglang-router's default port
+            argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(ROUTER_METRICS_PORT + index)]
+        return argv + router.flags
 
     def _start_namespace(self):
         # The holder owns the namespace for the deployment's lifetime; unshare without --fork becomes `sleep`.
@@ -281,11 +391,24 @@ class Deployment:
                    what="prometheus ready")
 
     # --- requests ------------------------------------------------------------------------------------------------
-    def generate(self, requests, timeout=600):
-        """Send requests (dicts with input_ids, max_new_tokens, rid) one after another through the router,
+    def generate(self, requests, timeout=600, router="router"):
+        """Send requests (dicts with input_ids, max_new_tokens, rid) one after another through a router,
         streaming; per request: rid, ttft_s, total_s, tokens (output token count), meta."""
-        return self.client("generate", f"http://127.0.0.1:{ROUTER_PORT}/generate", timeout=timeout,
+        (port,) = [r.port for r in self.routers if r.name == router]
+        return self.client("generate", f"http://127.0.0.1:{port}/generate", timeout=timeout,
                            input_text=json.dumps(requests))
+
+    def generate_on(self, prefill, decode, requests, timeout=600):
+        """Send requests (dicts with rid, input_ids, max_new_tokens, room) all at once straight to one prefill
+        and one decode server, as a router sends them (tests/support/pd_direct_client.py); per request: room and
+        each server's HTTP status."""
+        code, out, err = self.run_in_namespace(
+            [sys.executable, DIRECT_CLIENT, f"{self.servers[prefill].url}/generate",
+             f"{self.servers[decode].url}/generate", str(self.servers[prefill].bootstrap_port)],
+            timeout=timeout, input_text=json.dumps(requests))
+        if code != 0:
+            raise RuntimeError(f"pd_direct_client failed ({code}): {err[-2000:]}")
+        return json.loads(out)
 
     def prometheus_query(self, expr):
         body = self.http_get(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query", {"query": expr})
@@ -303,11 +426,10 @@ class Deployment:
 
     # --- tear-down -----------------------------------------------------------------------------------------------
     def stop(self):
-        """Stop every process by its PID (process group), servers first so their exporters flush on SIGTERM."""
-        for name in ("router", "prefill", "decode", "prometheus", "phoenix"):
-            proc = self.procs.get(name)
-            if proc is not None:
-                stop(proc, timeout=30)
+        """Stop every process by its PID (process group): the routers, then the servers side by side (their
+        exporters flush on SIGTERM), then what they export to."""
+        for names in ([r.name for r in self.routers], list(self.servers), ["prometheus", "phoenix"]):
+            stop_all([self.procs.get(name) for name in names], timeout=30)
         for proc in self.procs.values():
             stop(proc)
         if self.holder is not None:
@@ -355,7 +477,7 @@ def main(argv=None) -> int:
         deployment.stop()
     with open(os.path.join(out, "requests.json"), "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=1)
-    print(json.dumps({"requests": len(results), "span_files": [deployment.span_file(r) for r in ("prefill", "decode")],
+    print(json.dumps({"requests": len(results), "span_files": [deployment.span_file(n) for n in deployment.servers],
                       "ttft_s": [round(r["ttft_s"], 4) for r in results]}))
     return 0
 

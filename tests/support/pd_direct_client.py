@@ -2,10 +2,11 @@
 
     python pd_direct_client.py PREFILL_GENERATE_URL DECODE_GENERATE_URL BOOTSTRAP_PORT < REQUESTS_JSON
 
-requests: [{"rid", "input_ids", "max_new_tokens", "room"}], all sent at once (one thread each); each is POSTed to
-both servers with bootstrap_host / bootstrap_port / bootstrap_room added, as sglang's router does, so a client
-that reaches the servers can send any rid the JSON body holds. Prints [{"room", "prefill", "decode"}]: each
-server's HTTP status: 200, or the code and the start of the answer's body, or the error's name.
+requests: [{"rid", "input_ids", "max_new_tokens", "room", optional "traceparent"}], all sent at once (one thread
+each); each is POSTed to both servers with bootstrap_host / bootstrap_port / bootstrap_room added, as sglang's
+router does, so a client that reaches the servers can send any rid the JSON body holds. Prints
+[{"room", "prefill", "decode"}]: each server's HTTP status: 200, or the code and the start of the answer's body,
+or the error's name.
 """
 
 import json
@@ -15,10 +16,10 @@ import urllib.error
 import urllib.request
 
 
-def _post(url: str, body: bytes) -> object:
+def _post(url: str, body: bytes, headers: dict) -> object:
     if not url.startswith("http://127.0.0.1:"):
         raise SystemExit(f"pd_direct_client: only http://127.0.0.1 URLs, not {url[:80]!r}")
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             response.read()
@@ -38,10 +39,14 @@ def main(argv) -> int:
             "sampling_params": {"max_new_tokens": item["max_new_tokens"], "temperature": 0, "ignore_eos": True},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": item["room"],
         }).encode()
+        headers = {"Content-Type": "application/json"}
+        if item.get("traceparent"):  # a caller's trace context (W3C), as a traced client would send it
+            headers["traceparent"] = str(item["traceparent"])[:55]
         answer = {"room": item["room"]}
         answers.append(answer)
         for role, url in (("prefill", prefill), ("decode", decode)):
-            thread = threading.Thread(target=lambda a=answer, r=role, u=url, b=body: a.__setitem__(r, _post(u, b)))
+            thread = threading.Thread(target=lambda a=answer, r=role, u=url, b=body, h=headers:
+                                      a.__setitem__(r, _post(u, b, h)))
             thread.start()
             threads.append(thread)
     for thread in threads:

@@ -24,7 +24,8 @@ def require_parts(*modules: str) -> None:
 
 
 class Run:
-    """The requests sent to one deployment, their answers, and the spans both servers wrote, as (role, span)."""
+    """The requests sent to one deployment, their answers, and the spans its servers wrote, as (server name, span);
+    the pair's servers are called by their roles, "prefill" and "decode"."""
 
     def __init__(self, deployment, requests, results):
         self.deployment = deployment
@@ -36,15 +37,16 @@ class Run:
         from otel_kvtransfer.tools.spanfile import read_spans
 
         spans = []
-        for role in ("prefill", "decode"):
-            path = self.deployment.span_file(role)
+        for name in self.deployment.servers:
+            path = self.deployment.span_file(name)
             if os.path.exists(path):
-                spans += [(role, s) for s in read_spans(path)]
+                spans += [(name, s) for s in read_spans(path)]
         return spans
 
-    def wait_for_spans(self, timeout_s=60.0):
-        """Until every request has its request span and a decode receive, and with sglang's tracing on, their
-        parents (sglang's request spans end later, when the request finishes; the exporters batch every 0.5 s)."""
+    def wait_for_spans(self, timeout_s=60.0, receives_per_request=1):
+        """Until every request has its request span and a receive on each of its decode ranks, and with sglang's
+        tracing on, their parents (sglang's request spans end later, when the request finishes; the exporters
+        batch every 0.5 s)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.spans = self.read_spans()
@@ -53,7 +55,8 @@ class Run:
             receives = sum(1 for s in tops if s.name == RECEIVE)
             ids = {s.span_id for _, s in self.spans}
             parents = not self.deployment.enable_trace or all(s.parent_span_id in ids for s in tops)
-            if (all(r["rid"] in rids for r in self.requests) and receives >= len(self.requests) and parents) \
+            if (all(r["rid"] in rids for r in self.requests) and receives >= receives_per_request * len(
+                    self.requests) and parents) \
                     or time.monotonic() > deadline:
                 return self
             time.sleep(1)

@@ -224,6 +224,7 @@ def run_failures(connector: str) -> dict:
         params["transfer_id"] = failures["orphan_transfer_id"] = f"kvt-{connector}-orphan"
     orphan = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['prefill']}/v1/completions", {
         "model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params}))
+    lease_over = time.monotonic() + KV_TIMEOUT_S + 5  # the orphan's lease runs out; the next engine steps reap it
     failures["orphan_prefill_response_id"] = orphan.get("id")
     failures["orphan_kv_transfer_params"] = orphan.get("kv_transfer_params") or {}
     if connector == "mooncake":
@@ -237,7 +238,7 @@ def run_failures(connector: str) -> dict:
             failures["ghost_answer"] = "completed"
         except OSError as exc:  # vLLM answers a failed KV load with an error (kv_load_failure_policy=fail)
             failures["ghost_answer"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    time.sleep(KV_TIMEOUT_S + 5)  # the orphan's lease runs out; the next engine steps reap it
+    time.sleep(max(0.0, lease_over - time.monotonic()))  # the ghost's wait above is most of it
     return failures
 
 

@@ -11,6 +11,12 @@ with (engine, scheduler, detokenizer), found through the dist-info folder beside
    (OTEL_EXPORTER_PROMETHEUS_PORT=0, as sglang's processes share one environment); when
    KVT_TEST_PROMETHEUS_SD_DIR is set, this writes the port the process got as a Prometheus file_sd target, so the
    real Prometheus finds every engine process.
+4. Stand-in for what cannot run here (MLA models, only when KVT_TEST_MLA_ON_TORCH_NATIVE=1): sglang 0.5.23's
+   only CPU MLA attention (intel_amx) needs the real sgl_kernel, and its DeepSeek attention dispatch has no entry
+   for torch_native, so it falls back to triton's choice: MHA for a fresh prefill, which reads the latent KV pool
+   as if it held per-head K and V and fails. torch_native is routed to sglang's own MLA dispatch instead (the
+   latent attention, computed by torch_native's SDPA); the KV pool, and the transfer that moves it, stay
+   sglang's own.
 """
 
 import json
@@ -19,6 +25,7 @@ import sys
 
 _MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
 _NIXL_CONN = "sglang.srt.disaggregation.nixl.conn"
+_MLA_DISPATCH = "sglang.srt.models.deepseek_common.attention_backend_handler"
 _ROLES = {"run_scheduler_process": "scheduler", "run_detokenizer_process": "detokenizer",
           "run_data_parallel_controller_process": "dp_controller"}
 
@@ -36,6 +43,10 @@ def _kv_pool_as_dram(module) -> None:
         return wrapped(*args, **kwargs)
 
     wrapt.wrap_function_wrapper(module, "NixlKVManager.__init__", init)
+
+
+def _mla_on_torch_native(module) -> None:
+    module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
 
 
 def _on_import(name, patch) -> None:
@@ -82,6 +93,8 @@ def _publish_metrics_target(directory: str) -> None:
 def activate() -> None:
     _on_import(_MOONCAKE_CONN, _host_indices_off)
     _on_import(_NIXL_CONN, _kv_pool_as_dram)
+    if os.environ.get("KVT_TEST_MLA_ON_TORCH_NATIVE") == "1":
+        _on_import(_MLA_DISPATCH, _mla_on_torch_native)
     directory = os.environ.get("KVT_TEST_PROMETHEUS_SD_DIR")
     if directory and os.path.isdir(directory):
         _publish_metrics_target(directory)
