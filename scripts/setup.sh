@@ -13,7 +13,9 @@ PYTHON="${PYTHON:-python3}"
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 missing=()
-for pkg in libibverbs1 libnuma1; do
+# libibverbs1, libnuma1: the Mooncake engine links them; g++: torch compiles CPU kernels when an MLA server warms
+# up; iproute2: ip and ss in the deployments' network namespaces
+for pkg in libibverbs1 libnuma1 g++ iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
