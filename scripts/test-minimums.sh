@@ -65,9 +65,12 @@ if [ "$(cat "$VENV/.otel-kvtransfer-stamp" 2>/dev/null)" != "$stamp" ] \
   "$PYTHON" -m venv "$VENV"
   quiet_pip --upgrade pip
   quiet_pip "${PINS[@]}"
-  quiet_pip --no-deps -e "$ROOT"
   echo "$stamp" > "$VENV/.otel-kvtransfer-stamp"
 fi
+# This checkout itself, editable, every time: the venv is cached between checkouts, and one that points at a
+# checkout since deleted still imports in this process (the current directory is on its path) but not in the
+# child processes the tests start.
+quiet_pip --no-deps -e "$ROOT"
 
 # The job means something only if the versions in force are the pins AND the pins are pyproject's minimums.
 "$VENV/bin/python" - "$ROOT/pyproject.toml" "${PINS[@]}" <<'EOF'
