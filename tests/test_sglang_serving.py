@@ -54,8 +54,10 @@ def main_run():
     from sglang_serving import deployment as dep
 
     base = tempfile.mkdtemp(prefix="kvt-sglang-serving-")
+    # --sleep-on-idle: an idle scheduler busy-polls a core of the two this machine has (see test_sglang_shapes.py)
     deployment = dep.Deployment(os.path.join(base, "main"), phoenix=True, prometheus=True,
-                                extra_env={"OTEL_RESOURCE_ATTRIBUTES": f"openinference.project.name={PROJECT}"})
+                                extra_env={"OTEL_RESOURCE_ATTRIBUTES": f"openinference.project.name={PROJECT}"},
+                                server_flags=["--sleep-on-idle"])
     try:
         deployment.start()
         requests = _main_requests()

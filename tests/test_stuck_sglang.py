@@ -131,7 +131,8 @@ def frozen_run(tmp_path_factory):
 
     workdir = str(tmp_path_factory.mktemp("sglang-stuck"))
     deployment = dep.Deployment(
-        workdir, model_dir=_model(os.path.join(workdir, "model")), server_flags=["--max-total-tokens", "8192"],
+        workdir, model_dir=_model(os.path.join(workdir, "model")),
+        server_flags=["--max-total-tokens", "8192", "--sleep-on-idle"],  # an idle scheduler busy-polls a core
         prefill_env={"OTEL_KVTRANSFER_STUCK_S": str(STUCK_S), "OTEL_METRICS_EXPORTER": "console",
                      "OTEL_METRIC_EXPORT_INTERVAL": "500"})
     frozen, run = [], {"started": time.monotonic()}
