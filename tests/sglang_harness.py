@@ -1,4 +1,5 @@
-"""Drive sglang's real PD-disaggregation classes (Mooncake backend) on CPU over loopback, in spawned processes.
+"""Drive sglang's real PD-disaggregation classes (Mooncake backend) on CPU over loopback, in processes of their own
+(spawned, or forked from a fork server that imported sglang once: `start_method`).
 
 One scenario = one prefill process (it also hosts sglang's real `MooncakeKVBootstrapServer`) and N decode
 processes, each building a real `MooncakeKVManager` over numpy buffers described by a `KVArgs`, with real

@@ -3,10 +3,15 @@ under `opentelemetry-instrument`), sglang-router in PD mode, optionally Phoenix 
 (scraping every engine process), all inside ONE private network namespace (`unshare --net`, loopback up).
 The KV moves over Mooncake (TCP) or, with transfer_backend="nixl", over NIXL (UCX over TCP and shared memory).
 
-Used by the serving tests (tests/test_sglang_serving*.py, one deployment per pytest session) and by
-scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What cannot run here has a stand-in,
-named as such: an import-only `sgl_kernel` and a test-only sglang plugin (pythonpath/ beside this file; for
-NIXL it also declares the KV pool DRAM, as UCX without CUDA refuses the VRAM sglang would register).
+By default the pair (prefill + decode, TP1) behind one router; `Server` and `Router` describe other shapes (several
+servers of a role, tensor parallelism, another model or transfer backend per server, several routers), as the
+production-shapes test runs them (tests/test_sglang_shapes.py).
+
+Used by the serving tests (tests/test_sglang_serving*.py, tests/test_sglang_shapes.py, tests/test_stuck_sglang.py,
+one deployment per module) and by scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What
+cannot run here has a stand-in, named as such: an import-only `sgl_kernel` and a test-only sglang plugin
+(pythonpath/ beside this file; for NIXL it also declares the KV pool DRAM, as UCX without CUDA refuses the VRAM
+sglang would register; for MLA models it routes the attention to sglang's own MLA dispatch).
 
 Every process is started in its own session, inside the namespace through `nsenter --net` (which execs, so the
 PID we hold is the process itself), and stopped by its PID's process group. Every wait is bounded. Nothing
