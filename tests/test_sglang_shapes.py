@@ -199,7 +199,7 @@ def shapes():
     # process.pid / parent_pid on every span tell which process built it
     builder = {"OTEL_KVTRANSFER_BUILDER": "process", "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,process"}
     # --sleep-on-idle: nine schedulers that busy-poll when idle take most of two cores, and Mooncake's own threads
-    # starve: a first transfer to a new peer then fails ("Session ... failed") instead of taking milliseconds.
+    # starve: a first transfer to a new peer then fails ("Session ... failed") instead of taking a second or two.
     # Idle, each now waits for its next message (up to 1 s): requests take longer, the bytes are the same.
     deployment = dep.Deployment(os.path.join(base, "shapes"), enable_trace=True, extra_env=builder,
                                 servers=servers, routers=routers, server_flags=["--enable-metrics", "--sleep-on-idle"])
