@@ -112,10 +112,8 @@ def model_config(model_dir: str = MODEL_DIR) -> dict:
 
 
 def expected_kv_bytes(tokens: int, config: dict) -> int:
-    """tokens x layers x 2 (K and V) x KV heads x head_dim x dtype bytes, from the model's config."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[config.get("torch_dtype", "bfloat16")]
-    return tokens * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * dtype_bytes
+    """A TP1 -> TP1 request's KV: tokens x layers x 2 (K and V) x KV heads x head_dim x dtype bytes (MHA)."""
+    return kv_bytes_between(tokens, config, 1, 0, 1, 0)
 
 
 def kv_bytes_between(tokens, config, prefill_tp, prefill_rank, decode_tp, decode_rank):
