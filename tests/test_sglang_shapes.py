@@ -39,6 +39,7 @@ from conftest import IN_CI
 from support import sglang_runs
 from support.sglang_runs import COMPUTE, RECEIVE, REQUEST, SEND, Run
 from support.waiting import wait_until
+from vllm_serving.harness import prometheus_value  # sums a sample over its label sets, whoever exposes it
 
 TRACEPARENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 AUX_TCP = {"SGLANG_MOONCAKE_SEND_AUX_TCP": "1"}
@@ -143,14 +144,8 @@ def _sglang_metrics(deployment):
         text = deployment.metrics_text(name)
         with open(os.path.join(deployment.workdir, f"sglang-metrics-{name}.txt"), "w", encoding="utf-8") as out:
             out.write(text)
-        total = count = 0.0
-        for line in text.splitlines():
-            metric, _, value = line.rpartition(" ")
-            if metric.startswith(SGLANG_TOTAL_MB + "_sum"):
-                total += float(value)
-            elif metric.startswith(SGLANG_TOTAL_MB + "_count"):
-                count += float(value)
-        found[name] = (total, count)
+        found[name] = (prometheus_value(text, SGLANG_TOTAL_MB + "_sum"),
+                       prometheus_value(text, SGLANG_TOTAL_MB + "_count"))
     return found
 
 
