@@ -36,6 +36,7 @@ MODEL_DIR = os.path.join(HERE, "model")
 MLA_MODEL_DIR = os.path.join(HERE, "model_mla")  # a tiny DeepSeek-V2 (MLA); its servers need the MLA stand-in
 MLA_ENV = {"KVT_TEST_MLA_ON_TORCH_NATIVE": "1"}
 STAND_INS = os.path.join(HERE, "pythonpath")
+NIXL_PACING = os.path.join(os.path.dirname(HERE), "nixl_pacing")  # a NIXL progress thread is not a busy core
 CLIENT = os.path.join(HERE, "client.py")
 DIRECT_CLIENT = os.path.join(os.path.dirname(HERE), "support", "pd_direct_client.py")
 
@@ -259,7 +260,7 @@ class Deployment:
         server = self.servers[name]
         env = dict(os.environ)
         env.update({
-            "PYTHONPATH": os.pathsep.join(p for p in [STAND_INS, ROOT, env.get("PYTHONPATH", "")] if p),
+            "PYTHONPATH": os.pathsep.join(p for p in [STAND_INS, NIXL_PACING, ROOT, env.get("PYTHONPATH", "")] if p),
             "SGLANG_USE_CPU_ENGINE": "1", "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp",
             "SGLANG_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": env.get("MC_LOG_LEVEL", "ERROR"),
             "OTEL_SERVICE_NAME": f"sglang-{name}", "OTEL_LOGS_EXPORTER": "none",

@@ -27,6 +27,11 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_TLS", "tcp,self")
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nixl_pacing"))
+import kvt_test_nixl_pacing  # noqa: E402  (four NIXL agents here: their progress threads must not busy-poll)
+
+kvt_test_nixl_pacing.activate()
+
 import connector_paths  # noqa: E402  (same folder: its telemetry, its Mooncake KV path)
 import numpy as np  # noqa: E402
 
