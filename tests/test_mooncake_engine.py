@@ -82,6 +82,7 @@ def test_opcode_argument_decides_op(telemetry, engine, receiver):
 def test_async_submission_span_ends_when_completion_is_observed(telemetry, engine, receiver):
     submitted = time.time_ns()
     batch_id = engine.engine.transfer_submit_write(receiver.session, engine.base, receiver.base_address, 8 << 20)
+    returned = time.time_ns()
     assert batch_id > 0
     deadline = time.monotonic() + 30
     status, polls = 0, []
@@ -104,6 +105,11 @@ def test_async_submission_span_ends_when_completion_is_observed(telemetry, engin
     assert span.end_time <= observed
     assert span.end_time - span.start_time >= 10_000_000  # at least the first 10 ms poll interval
     assert receiver.digest(0, 8 << 20) == digest(engine.source[:8 << 20])
+    # Post vs wire: the time inside the submitting call, within what the caller saw that call take.
+    post = span.attributes[semconv.POST_S]
+    assert 0 < post * 1e9 <= returned - submitted
+    (point,) = telemetry.metrics()[semconv.METRIC_POST_DURATION]
+    assert (point.count, point.sum) == (1, post)
 
 
 def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, receiver):
@@ -120,6 +126,7 @@ def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, r
     assert len(spans) == 3
     assert all(s.attributes[semconv.BYTES] == 65536 for s in spans)
     assert all(s.end_time - s.start_time >= 20_000_000 for s in spans)
+    assert all(0 < s.attributes[semconv.POST_S] * 1e9 < 20_000_000 for s in spans)  # the submit, not the wait
 
 
 def test_zero_length_calls_are_zero_byte_spans(telemetry, engine, receiver):

@@ -162,6 +162,26 @@ def overlapping_sends(count):
     return records
 
 
+def test_a_sends_post_part_is_drawn_in_proportion_and_hostile_post_times_draw_none(tmp_path):
+    trace, req, t = "ab" * 16, "cd" * 8, 1_700_000_000_000_000_000
+    posts = [0.25, 2.0, -1.0, "0.5", True, [0.5], None]  # of 1 s sends: a quarter; over-long; then nonsense
+    records = []
+    for i, post in enumerate(posts):
+        attrs = {sc.REQUEST_KEY: "posted", sc.BYTES: 1 << 20, sc.PAYLOAD: "kv", sc.DESTINATION_INDEX: i}
+        if post is not None:
+            attrs[sc.POST_S] = post
+        records.append(span_record(sc.SPAN_SEND, trace, f"{i + 1:016x}", req, t, t + 10**9, attrs, kind="CLIENT"))
+    records.append(span_record(sc.SPAN_REQUEST, trace, req, None, t, t + 10**9, {sc.REQUEST_KEY: "posted"}))
+    html_path, _png = _timeline(tmp_path, write_jsonl(tmp_path / "p.jsonl", records))
+    page = html_path.read_text()
+    sends = [float(w) for w in re.findall(r'<rect [^>]*width="([0-9.]+)"[^>]*class="send payload-kv', page)]
+    posted = [float(w) for w in re.findall(r'<rect [^>]*width="([0-9.]+)"[^>]*class="send-post"', page)]
+    assert len(sends) == len(posts) and len(set(sends)) == 1
+    # a quarter of the bar, then the whole bar (a post longer than its send is capped); the rest draw none
+    assert posted == [pytest.approx(sends[0] / 4, abs=0.1), pytest.approx(sends[0], abs=0.1)]
+    assert "posting 250 ms (25% of the send), the rest on the wire" in page
+
+
 def test_overlapping_sends_are_capped_with_a_more_row(tmp_path):
     count = 5000  # every send drawn: the rows, not the sends drawn per request, are the bound here
     html_path, png_path = _timeline(tmp_path, write_jsonl(tmp_path / "o.jsonl", overlapping_sends(count)),

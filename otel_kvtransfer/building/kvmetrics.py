@@ -74,14 +74,16 @@ REQUEST_TAIL_QUEUED = (semconv.METRIC_REQUEST_TAIL_QUEUED, "s",
 PEER_THROUGHPUT = (semconv.METRIC_PEER_THROUGHPUT, "By/s",
                    "Bytes of one successful KV send of at least 1 MiB over its own duration, per peer",
                    RATE_BUCKETS)
+POST_DURATION = (semconv.METRIC_POST_DURATION, "s",
+                 "Time inside the call that posted a KV transfer whose completion is observed apart", SECONDS_BUCKETS)
 INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
                REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION, REQUEST_TAIL, REQUEST_TAIL_QUEUED,
-               PEER_THROUGHPUT)
+               PEER_THROUGHPUT, POST_DURATION)
 _INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
 _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
  I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
- I_PEER_THROUGHPUT) = range(len(INSTRUMENTS))
+ I_PEER_THROUGHPUT, I_POST_DURATION) = range(len(INSTRUMENTS))
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
 # kv_transfer.peer.throughput has one series per peer up to OTEL_KVTRANSFER_MAX_PEERS (at most 65,536) plus
@@ -357,6 +359,9 @@ class RecordMetrics:
             extra = ((I_THROUGHPUT, speed),)
         else:
             extra = ()
+        post = attrs.get(semconv.POST_S)  # only a send posted and completed in separate calls
+        if post is not None:
+            extra += ((I_POST_DURATION, post),)
         key, labels = self._send_series(attrs, failure)
         self.tables.record(key, labels, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
                                          (I_DESCRIPTORS, descriptors)) + extra, span_context)

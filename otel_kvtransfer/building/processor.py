@@ -37,7 +37,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
 
         (self._duration, self._size, self._throughput, self._descriptors, self._failures, self._request_duration,
          self._request_size, self._request_throughput, self._request_overlap, self._receive_duration,
-         self._request_tail, self._request_tail_queued, self._peer_throughput) = (
+         self._request_tail, self._request_tail_queued, self._peer_throughput, self._post_duration) = (
             instrument(row) for row in kvmetrics.INSTRUMENTS)
         self._peers = kvmetrics.PeerSeries(max_peers)
         if max_peers + 1 > kvmetrics.MAX_SERIES:  # the SDK's instruments keep their reader's cardinality limit
@@ -73,6 +73,8 @@ class KVTransferMetricsProcessor(SpanProcessor):
         self._duration.record((span.end_time - span.start_time) / 1e9, labels, context=context)
         self._size.record(nbytes, labels, context=context)
         self._descriptors.record(attrs.get(semconv.DESCRIPTOR_COUNT, 0), labels, context=context)
+        if semconv.POST_S in attrs:  # only a send posted and completed in separate calls
+            self._post_duration.record(attrs[semconv.POST_S], labels, context=context)
         if span.status.status_code is StatusCode.ERROR:
             self._failures.add(1, labels, context=context)
         elif nbytes > 0 and semconv.THROUGHPUT in attrs:  # absent: a send of no measurable duration

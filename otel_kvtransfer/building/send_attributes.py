@@ -17,7 +17,9 @@ from otel_kvtransfer.recording import records as r
 MAX_SHAPES = 4096  # cached static attribute sets per cache
 # What each send sets itself: a framework's or engine's extra attribute may not shadow it.
 PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semconv.THROUGHPUT,
-            semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE, semconv.END_UNCERTAINTY_S)
+            semconv.CHUNK_INDEX, semconv.ERROR_TYPE, semconv.RETURN_CODE, semconv.END_UNCERTAINTY_S, semconv.POST_S)
+# An engine's extra attributes that differ from send to send (timings): never part of a send's cached shape.
+_PER_SEND_EXTRA = (semconv.END_UNCERTAINTY_S, semconv.POST_S)
 
 
 def measure(rec: tuple) -> tuple:
@@ -80,9 +82,11 @@ def attributes(start: int, end: int, nbytes: int, descriptors: int, calls: int, 
         if return_code is not None:
             attrs[semconv.RETURN_CODE] = return_code
     extra = first[r.CALL_EXTRA] if first is not None else None
-    if extra and semconv.END_UNCERTAINTY_S in extra:  # per send: not part of the shape
-        attrs[semconv.END_UNCERTAINTY_S] = extra[semconv.END_UNCERTAINTY_S]
-        extra = {k: v for k, v in extra.items() if k != semconv.END_UNCERTAINTY_S}
+    if extra and (semconv.POST_S in extra or semconv.END_UNCERTAINTY_S in extra):
+        for name in _PER_SEND_EXTRA:
+            if name in extra:
+                attrs[name] = extra[name]
+        extra = {k: v for k, v in extra.items() if k not in _PER_SEND_EXTRA}
     attrs.dynamic = len(attrs)
     # The static part: one dict per distinct shape, never changed once made, so the encoder and the metrics
     # can key their own caches on it.

@@ -2,8 +2,9 @@
 
 Sync calls are one transfer each. An async submission is one transfer from submit until its completion is
 observed through `transfer_check_status` or `get_batch_transfer_status` (`pending.PendingTransfers`), so its
-duration is the real transfer time. Each wrapper is a plain function set on the pybind class (the cheapest call
-path Python has); instrument() patches at once when `mooncake.engine` is already imported, else when it is.
+duration is the real transfer time; the time inside the submitting call is its `kv_transfer.post_s`. Each
+wrapper is a plain function set on the pybind class (the cheapest call path Python has); instrument() patches at
+once when `mooncake.engine` is already imported, else when it is.
 """
 
 import logging
@@ -176,13 +177,14 @@ def _async(original, op, batch):
             return original(self, *args, **kwargs)
         start = clock.now_ns()
         batch_id = original(self, *args, **kwargs)
+        posted = clock.now_ns()
         try:
             if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
                 _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed")
             else:
                 call = _call(self, args, kwargs, op, batch, start, start, None, None)
                 _pending.submit((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
-                                call[CALL_PEER], call[CALL_PROTOCOL])
+                                call[CALL_PEER], call[CALL_PROTOCOL], posted_ns=posted)
         except Exception:
             own_error("record a Mooncake submission")
         return batch_id

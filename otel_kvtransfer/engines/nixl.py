@@ -1,6 +1,7 @@
 """Instrumentation of NIXL's `nixl_agent` (the transfer library under vLLM's NIXL connector and NVIDIA Dynamo).
 
-Every posted transfer handle is one `kv_transfer.send`, from `transfer()` until its completion is observed:
+Every posted transfer handle is one `kv_transfer.send`, from `transfer()` until its completion is observed
+(the time inside `transfer()` itself is the send's `kv_transfer.post_s`):
 `check_xfer_state` answering DONE or ERR, or the handle being released (a release while still in progress is
 a cancelled transfer), by `release()` or by the garbage collector (`__del__` frees it without `release()`:
 sglang, for one, lets its handles go that way). Bytes and descriptor count come from the descriptor lists the
@@ -157,13 +158,13 @@ def _transfer_wrapper(wrapped, instance, args, kwargs):
     try:
         state = wrapped(*args, **kwargs)
     except Exception as exc:  # the post itself failed (e.g. the peer is gone): one failed send, then re-raised
-        _posted(instance, args, kwargs, start, "ERR", type(exc).__qualname__)
+        _posted(instance, args, kwargs, start, None, "ERR", type(exc).__qualname__)
         raise
-    _posted(instance, args, kwargs, start, state, None if state in ("DONE", "PROC") else "transfer_failed")
+    _posted(instance, args, kwargs, start, now_ns(), state, None if state in ("DONE", "PROC") else "transfer_failed")
     return state
 
 
-def _posted(agent, args, kwargs, start, state, error_type) -> None:
+def _posted(agent, args, kwargs, start, posted, state, error_type) -> None:
     try:
         handle = args[0] if args else kwargs["handle"]
         key = _key(handle)
@@ -174,9 +175,14 @@ def _posted(agent, args, kwargs, start, state, error_type) -> None:
         _pending.forget(key)  # a transfer still pending under this key was never seen to end: counted, not lost
         posting = kvt.THREAD.scope  # the posting thread's scope, else the one the handle was made in
         if state == "PROC":
-            _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra, posting or made_in)
-        else:  # finished (or failed) within the call itself
-            call = records.call(start, now_ns(), nbytes, descriptors, op, peer, protocol, state, error_type,
+            _pending.submit(key, start, nbytes, descriptors, op, peer, protocol, extra, posting or made_in, posted)
+        else:  # finished (or failed) within the call itself: all of it was the post
+            if posted is None:  # the post raised
+                end = now_ns()
+            else:
+                end = posted
+                extra = {**(extra or {}), semconv.POST_S: (end - start) / 1e9}
+            call = records.call(start, end, nbytes, descriptors, op, peer, protocol, state, error_type,
                                 BACKEND, extra)
             if posting is None and made_in is not None:
                 made_in.record_apart(call)

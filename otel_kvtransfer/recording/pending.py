@@ -26,9 +26,11 @@ class PendingTransfers:
         return len(self._pending)
 
     def submit(self, handle: Hashable, start_ns: int, nbytes: int, descriptors: int, op: str, peer: Any,
-               protocol: Optional[str], extra: Optional[dict] = None, scope=None) -> None:
+               protocol: Optional[str], extra: Optional[dict] = None, scope=None,
+               posted_ns: Optional[int] = None) -> None:
         """`scope`: the transfer scope the submission belongs to, when the engine module knows it better than the
-        submitting thread does (a NIXL handle made in a scope, posted from another thread); else this thread's."""
+        submitting thread does (a NIXL handle made in a scope, posted from another thread); else this thread's.
+        `posted_ns`: when the posting call returned (the send then says how long posting took)."""
         if len(self._pending) >= RECORDER.settings.max_pending_async:
             RECORDER.drop("async_pending_full")
             return
@@ -40,7 +42,7 @@ class PendingTransfers:
             info, context = scope.info, scope.context
             if info is None:  # a payload scope (no request): its labels on the send
                 extra = scope.label(extra)
-        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context)
+        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context, posted_ns)
 
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
@@ -61,10 +63,12 @@ class PendingTransfers:
         entry = self._pending.pop(handle, None)
         if entry is None:
             return False
-        start, nbytes, descriptors, op, peer, protocol, extra, info, context = entry
+        start, nbytes, descriptors, op, peer, protocol, extra, info, context, posted = entry
         end = now_ns()
-        uncertainty = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
-        extra = {**extra, **uncertainty} if extra else uncertainty
+        own = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
+        if posted is not None:
+            own[semconv.POST_S] = (min(posted, end) - start) / 1e9
+        extra = {**extra, **own} if extra else own
         call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
                             self.backend, extra)
         RECORDER.record(records.send(info, [call], context))

@@ -20,6 +20,7 @@ from otel_kvtransfer.tools.timeline.drawing import (
     LEFT,
     MUTED,
     PAYLOAD_COLORS,
+    POST_COLOR,
     QUEUED_COLOR,
     RECEIVE_COLOR,
     RIGHT,
@@ -50,6 +51,14 @@ def _send_label(span) -> str:
     return f"{fmt_bytes(send_bytes(span))} · {fmt_rate(send_throughput(span))}"
 
 
+def post_share(span) -> Optional[float]:
+    """The share of a send spent inside its posting call (`kv_transfer.post_s`), when the span says it sanely."""
+    post, duration = span.attr(sc.POST_S), span.duration_ns
+    if type(post) not in (int, float) or not 0 < post < float("inf") or duration <= 0:
+        return None
+    return min(post * aggregate.NS_PER_S / duration, 1.0)
+
+
 def _send_title(span) -> str:
     a = span.attributes
     parts = [
@@ -58,6 +67,9 @@ def _send_title(span) -> str:
         f"{fmt_bytes(send_bytes(span))} in {fmt_ms(span.duration_ns / aggregate.NS_PER_S)} = "
         f"{fmt_rate(send_throughput(span))}",
     ]
+    share = post_share(span)
+    if share is not None:
+        parts.append(f"posting {fmt_ms(a[sc.POST_S])} ({share:.0%} of the send), the rest on the wire")
     if a.get(sc.SERVER_ADDRESS) is not None:
         parts.append(f"peer {label(a.get(sc.SERVER_ADDRESS))}:{label(a.get(sc.SERVER_PORT))}")
     if a.get(sc.IS_LAST_CHUNK) is True:
@@ -167,6 +179,9 @@ def _bar(kind: str, span, x0: float, by: float, w: float) -> list:
         ops = [Rect(x0, by, w, BAR_H, PAYLOAD_COLORS[known], ERROR_COLOR if span.is_error else None,
                     cls=f"send payload-{known}" + (" error" if span.is_error else ""), title=_send_title(span),
                     data={"payload": label(payload), "bytes": send_bytes(span), "span": span.span_id})]
+        share = post_share(span)
+        if share is not None:  # the posting part, darker, from the send's start
+            ops.append(Rect(x0, by, max(w * share, 1), BAR_H, POST_COLOR, cls="send-post", title=_send_title(span)))
         text = _send_label(span)
         if not fits(text, w):
             text = fmt_bytes(send_bytes(span))

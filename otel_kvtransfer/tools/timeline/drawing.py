@@ -27,6 +27,7 @@ PAYLOAD_COLORS = {
 COMPUTE_COLOR = "#a0a0a0"
 RECEIVE_COLOR = "#b07aa1"
 ERROR_COLOR = "#e15759"
+POST_COLOR = "#1d2f45"  # the part of a send spent inside its posting call (kv_transfer.post_s)
 BUSY_COLOR = "#2f4b7c"
 TAIL_COLOR = "#8a5a00"  # the tail's outline and label
 TAIL_BAND = "#fbecc6"  # the tail across the block, behind every lane

@@ -20,6 +20,7 @@ from otel_kvtransfer.tools.timeline.drawing import (
     GRID,
     MUTED,
     PAYLOAD_COLORS,
+    POST_COLOR,
     QUEUED_COLOR,
     RECEIVE_COLOR,
     RIGHT,
@@ -116,7 +117,7 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
     for text, color in (("kv", PAYLOAD_COLORS["kv"]), ("aux", PAYLOAD_COLORS["aux"]),
                         ("state", PAYLOAD_COLORS["state"]), ("compute", COMPUTE_COLOR),
                         ("peer receive / serve", RECEIVE_COLOR), ("busy (union of transfers)", BUSY_COLOR),
-                        ("failed", ERROR_COLOR), ("tail (compute end → last byte)", TAIL_BAND),
+                        ("posting", POST_COLOR), ("failed", ERROR_COLOR), ("tail (compute end → last byte)", TAIL_BAND),
                         ("tail queued", QUEUED_COLOR)):
         ops.append(Rect(lx, ly - 10, 12, 12, color, TAIL_COLOR if color == TAIL_BAND else None, cls="legend"))
         ops.append(Text(lx + 16, ly, text, FONT, TEXT))

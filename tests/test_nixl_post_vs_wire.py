@@ -1,0 +1,122 @@
+"""Post vs wire on real NIXL: a send posted with `transfer()` and completed by a later poll says how long the post
+took (`kv_transfer.post_s`, histogram `kv_transfer.post.duration`), so a descriptor storm shows as post time.
+
+The same 64 MiB is written to the same peer twice over: as 64 descriptors of 1 MiB, and as 32,768 descriptors of
+2 KiB. UCX posts one operation per descriptor, so the many-descriptor writes spend a larger share of their sends
+inside `transfer()` than the few-descriptor ones, whose time is the wire's (over TCP, UCX also completes each
+operation apart, so part of the per-descriptor cost stays outside the post). A send that `transfer()` already finished is all post: its `post_s` is its duration. Both pipelines (spans and metric
+points built directly, or through the SDK) show the same.
+
+Real parts: two NIXL agents over UCX (TCP on the loopback device), the receiver in a process of its own
+(otel_kvtransfer.demo.nixl_loopback). The scenarios run in ONE child process (this file run as a script) that
+writes what it saw and leaves with os._exit (tests/support/nixl_agents.py says why).
+"""
+
+import os
+import sys
+
+import pytest
+from support import nixl_agents
+from support.nixl_agents import Initiator, result_of, spans_named
+
+SIZE = 64 << 20  # more than loopback TCP's socket buffers hold: a few large descriptors cannot finish in the post
+SHAPES = {"few": 1 << 20, "many": 2048}  # descriptor size: 64 and 32,768 descriptors
+ROUNDS = 4  # each shape written this many times, alternating, so neither shape has the quieter moments
+
+
+# --- the child process -----------------------------------------------------------------------------------------
+
+
+def _writes(receiver, pipeline: str) -> dict:
+    from conftest import Telemetry
+
+    from otel_kvtransfer import integration as kvt
+
+    os.environ["OTEL_KVTRANSFER_PIPELINE"] = pipeline
+    tel = Telemetry().instrument()
+    try:
+        initiators = {shape: Initiator(receiver, SIZE, block, name=f"kvt-post-{shape}")
+                      for shape, block in SHAPES.items()}
+        for init in initiators.values():
+            assert init.write_all() == "DONE"  # connected, and UCX's registrations warm, before anything counts
+        states = []
+        for round_index in range(ROUNDS):
+            for shape, init in initiators.items():
+                key = f"{shape}-{round_index}"
+                kvt.begin_request(key, backend="nixl", framework="test", role="prefill")
+                local, remote = init.descs()
+                with kvt.transfer_scope(key, is_last_chunk=True):
+                    handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+                    states.append(init.wait(handle, timeout_s=120))
+                init.agent.release_xfer_handle(handle)
+                kvt.end_request(key)
+        spans = [{"name": s.name, "attributes": dict(s.attributes), "duration_ns": s.end_time - s.start_time}
+                 for s in tel.spans()]
+        points = tel.metrics().get("kv_transfer.post.duration", [])
+        return {"states": states, "spans": spans,
+                "post_metric": {"count": sum(p.count for p in points), "sum": sum(p.sum for p in points)}}
+    finally:
+        tel.uninstrument()
+        os.environ.pop("OTEL_KVTRANSFER_PIPELINE", None)
+
+
+def direct(receiver):
+    return _writes(receiver, "direct")
+
+
+def sdk(receiver):
+    return _writes(receiver, "sdk")
+
+
+def _child(out_path: str) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
+    os.environ.setdefault("UCX_TLS", "tcp,self")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    nixl_agents.run_with_receiver(out_path, SIZE, {"direct": direct, "sdk": sdk})
+
+
+# --- the tests -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return nixl_agents.loopback_outcomes(__file__, tmp_path_factory, "nixl_post_vs_wire")
+
+
+def _measured_sends(result) -> dict:
+    """{request key: its send}, for the measured writes (the connecting writes belong to no request)."""
+    sends = [s for s in spans_named(result, "kv_transfer.send") if "kv_transfer.request_key" in s["attributes"]]
+    return {s["attributes"]["kv_transfer.request_key"]: s for s in sends}
+
+
+@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+def test_every_polled_send_says_how_long_its_post_took(outcomes, pipeline):
+    result = result_of(outcomes, pipeline)
+    assert result["states"] == ["DONE"] * (ROUNDS * len(SHAPES))
+    sends = _measured_sends(result)
+    assert sorted(sends) == sorted(f"{shape}-{i}" for shape in SHAPES for i in range(ROUNDS))
+    for key, send in sends.items():
+        attrs = send["attributes"]
+        assert attrs["kv_transfer.bytes"] == SIZE
+        assert attrs["kv_transfer.descriptor_count"] == SIZE // SHAPES[key.split("-")[0]]
+        assert 0 < attrs["kv_transfer.post_s"] * 1e9 <= send["duration_ns"]
+    # Every send with a post time is one point of the histogram (the connecting writes too), with that value.
+    posted = [s["attributes"]["kv_transfer.post_s"] for s in spans_named(result, "kv_transfer.send")
+              if "kv_transfer.post_s" in s["attributes"]]
+    assert result["post_metric"]["count"] == len(posted)
+    assert result["post_metric"]["sum"] == pytest.approx(sum(posted))
+
+
+@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+def test_many_small_descriptors_spend_a_larger_share_posting_than_few_large_ones(outcomes, pipeline):
+    sends = _measured_sends(result_of(outcomes, pipeline))
+
+    def share(shape):  # over its rounds: one round's share moves with what else the two cores were doing
+        mine = [sends[f"{shape}-{i}"] for i in range(ROUNDS)]
+        return sum(s["attributes"]["kv_transfer.post_s"] * 1e9 for s in mine) / sum(s["duration_ns"] for s in mine)
+
+    assert share("many") > share("few"), (share("many"), share("few"))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
