@@ -4,8 +4,9 @@ took (`kv_transfer.post_s`, histogram `kv_transfer.post.duration`), so a descrip
 The same 64 MiB is written to the same peer twice over: as 64 descriptors of 1 MiB, and as 32,768 descriptors of
 2 KiB. UCX posts one operation per descriptor, so the many-descriptor writes spend a larger share of their sends
 inside `transfer()` than the few-descriptor ones, whose time is the wire's (over TCP, UCX also completes each
-operation apart, so part of the per-descriptor cost stays outside the post). A send that `transfer()` already finished is all post: its `post_s` is its duration. Both pipelines (spans and metric
-points built directly, or through the SDK) show the same.
+operation apart, so part of the per-descriptor cost stays outside the post). A send that `transfer()` already
+finished is all post: its `post_s` is its duration. Both pipelines (spans and metric points built directly, or
+through the SDK) show the same.
 
 Real parts: two NIXL agents over UCX (TCP on the loopback device), the receiver in a process of its own
 (otel_kvtransfer.demo.nixl_loopback). The scenarios run in ONE child process (this file run as a script) that
