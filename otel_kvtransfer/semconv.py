@@ -40,6 +40,9 @@ END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
 # Post vs wire: the time inside the call that posted a send whose completion is a separate call (NIXL handles,
 # Mooncake async batches); the rest of the send is the wire (and the engine's queues).
 POST_S = "kv_transfer.post_s"
+# Late completion: a send that ended after its request had concluded (span event on the send).
+EVENT_LATE_COMPLETION = "kv_transfer.late_completion"
+AFTER_REQUEST_END_S = "kv_transfer.after_request_end_s"
 DESCRIPTOR_COUNT = "kv_transfer.descriptor_count"
 ENGINE_CALLS = "kv_transfer.engine_calls"
 PAYLOAD = "kv_transfer.payload"
@@ -106,6 +109,7 @@ METRIC_REQUEST_TAIL = "kv_transfer.request.tail"
 METRIC_REQUEST_TAIL_QUEUED = "kv_transfer.request.tail_queued"
 METRIC_PEER_THROUGHPUT = "kv_transfer.peer.throughput"  # the only metric that carries a peer
 METRIC_POST_DURATION = "kv_transfer.post.duration"
+METRIC_LATE_COMPLETIONS = "kv_transfer.late_completions"
 PEER_THROUGHPUT_MIN_BYTES = 1 << 20  # sends below this say more about latency than about the link
 PEER_OTHER = "other"  # server.address of every peer beyond the per-process cap
 METRIC_INFLIGHT = "kv_transfer.inflight"

@@ -462,3 +462,65 @@ def test_requests_that_never_end_stay_bounded_by_number():
     assert h.drops == {"request_limit": 19_000}
     assert tally.count == 19_000  # each evicted request ended (as evicted), none vanished
     assert (tally.first, list(tally.last)) == (["0", "1", "2"], ["18997", "18998", "18999"])  # oldest first
+
+
+# --- sends that complete after their request concluded ---------------------------------------------------------
+
+
+def _late_events(span):
+    return [e for e in span.events if e.name == semconv.EVENT_LATE_COMPLETION]
+
+
+def test_a_send_ending_after_its_request_is_late_under_that_request(caplog):
+    h = Harness()
+    h.feed(begin_request(7, 0), send(info(7, 0), [call(1_000, 2_000, 100)]), end_request(7, 5_000, error="aborted"))
+    # The aborted request's last chunks still leave: one ends 2,000 ns after the request, one 7,000 ns after.
+    with caplog.at_level("WARNING", logger="otel_kvtransfer.building.late"):
+        h.feed(send(info(7, 1), [call(3_000, 7_000, 200)]), send(info(7, 2), [call(4_000, 12_000, 300)]))
+    (request,) = h.spans(semconv.SPAN_REQUEST)  # no second request span for the late sends
+    assert request.attributes[semconv.BYTES] == 100 and request.status.status_code is StatusCode.ERROR
+    sends = sorted(h.spans(semconv.SPAN_SEND), key=lambda s: s.start_time)
+    assert [s.parent.span_id for s in sends] == [request.context.span_id] * 3
+    assert [s.context.trace_id for s in sends] == [request.context.trace_id] * 3
+    assert [s.attributes[semconv.BYTES] for s in sends] == [100, 200, 300]
+    assert _late_events(sends[0]) == []
+    late = [_late_events(s) for s in sends[1:]]
+    assert [[(e.attributes[semconv.AFTER_REQUEST_END_S], e.timestamp) for e in events] for events in late] == [
+        [(2_000 / 1e9, 7_000)], [(7_000 / 1e9, 12_000)]]
+    assert [(s.start_time, s.end_time) for s in sends[1:]] == [(3_000, 7_000), (4_000, 12_000)]
+    warnings = [rec for rec in caplog.records if rec.levelname == "WARNING"]
+    assert len(warnings) == 1 and "request 7" in warnings[0].getMessage()  # one per request
+    assert h.drops == {}
+
+
+def test_a_send_recorded_after_its_request_but_ended_before_it_is_not_late():
+    h = Harness()
+    h.feed(begin_request(8, 0), end_request(8, 5_000), send(info(8, 0), [call(1_000, 4_000, 64)]))
+    (request,) = h.spans(semconv.SPAN_REQUEST)
+    (sent,) = h.spans(semconv.SPAN_SEND)
+    assert sent.parent.span_id == request.context.span_id and _late_events(sent) == []
+
+
+def test_a_new_request_of_the_same_key_owns_its_sends():
+    h = Harness()
+    h.feed(begin_request(9, 0), end_request(9, 1_000), begin_request(9, 2_000),
+           send(info(9, 0), [call(3_000, 4_000, 32)]), end_request(9, 5_000))
+    first, second = sorted(h.spans(semconv.SPAN_REQUEST), key=lambda s: s.start_time)
+    (sent,) = h.spans(semconv.SPAN_SEND)
+    assert sent.parent.span_id == second.context.span_id and _late_events(sent) == []
+    assert (first.attributes.get(semconv.BYTES, 0), second.attributes[semconv.BYTES]) == (0, 32)
+
+
+def test_ended_requests_are_remembered_within_a_bound():
+    from otel_kvtransfer.building.late import MAX_ENDED
+
+    h = Harness()
+    for key in range(MAX_ENDED + 1):
+        h.feed(begin_request(key, key), end_request(key, key + 1))
+    assert len(h.builder._ended) == MAX_ENDED
+    # the oldest was forgotten: its late send opens a request of its own, as any send of an unknown key does
+    h.feed(send(info(0, 0), [call(10**6, 2 * 10**6, 8)]), send(info(1, 0), [call(10**6, 2 * 10**6, 8)]))
+    assert h.builder.open_count() == 1  # key 0's; key 1's send was late under its ended request
+    sends = {s.attributes[semconv.REQUEST_KEY]: s for s in h.spans(semconv.SPAN_SEND)}
+    assert sorted(sends) == ["0", "1"]
+    assert (len(_late_events(sends["0"])), len(_late_events(sends["1"]))) == (0, 1)

@@ -250,6 +250,28 @@ def address_reused(receiver, _originals):
         tel.uninstrument()
 
 
+@scenario
+def released_then_rebound(receiver, _originals):
+    """The usual loop: make a handle, post it, wait, release it, and bind the same name to the next handle. The
+    released handle's wrapper is freed only when the name moves on, by then NIXL may have handed its address to
+    the new handle: that one's description must survive the old wrapper's `__del__`."""
+    tel = _telemetry()
+    try:
+        init = Initiator(receiver, BIG, BIG_BLOCK)
+        local, remote = init.descs()
+        states, addresses = [], []
+        handle = None
+        for _ in range(4):
+            handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)  # the old one is freed here
+            addresses.append(handle._handle)
+            states.append(init.wait(handle, timeout_s=60))
+            init.agent.release_xfer_handle(handle)
+        del handle
+        return dict(_seen(tel), states=states, reused=len(set(addresses)) < len(addresses))
+    finally:
+        tel.uninstrument()
+
+
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     # TCP only: over shared memory UCX writes straight into a frozen peer's memory, and nothing stays in flight
@@ -351,6 +373,16 @@ def test_a_reused_handle_address_counts_the_unseen_transfer(outcomes):
     sends = spans_named(result, "kv_transfer.send")
     assert len(sends) == 1 + result["done_first"] and all(s["ok"] for s in sends)  # the second handle's ...
     assert _dropped(result, "async_released") == 1  # ... and the first one, counted: 2 posts, 2 accounted for
+
+
+def test_a_released_handles_late_free_leaves_the_next_handle_at_its_address_whole(outcomes):
+    result = result_of(outcomes, "released_then_rebound")
+    assert result["states"] == ["DONE"] * 4
+    assert result["reused"], "NIXL never handed a released address out again"  # the case under test happened
+    sends = spans_named(result, "kv_transfer.send")
+    assert [(s["attributes"]["kv_transfer.bytes"], s["attributes"]["kv_transfer.descriptor_count"])
+            for s in sends] == [(BIG, BIG // BIG_BLOCK)] * 4
+    assert not result["metrics"].get("kv_transfer.instrumentation.dropped")
 
 
 def test_uninstrument_restores_the_agent(outcomes):

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.building import send_attributes
+from otel_kvtransfer.building import late, send_attributes
 from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, span_figures
 from otel_kvtransfer.building.direct_spans import span_context_of
 from otel_kvtransfer.building.kvmetrics import NO_METRICS
@@ -54,6 +54,7 @@ class SpanBuilder:
         self._clock = clock
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._open = OpenSpans(max_open, self._end_evicted_request, self._end_evicted_peer, self._on_drop)
+        self._ended = late.EndedRequests()  # requests that concluded: a send of theirs arriving later is late
         # Read per record: bound here, no extra lookup on the builder thread.
         self._requests, self._peers = self._open.requests, self._open.peers
         self._touch_request = self._open.touch_request
@@ -88,6 +89,7 @@ class SpanBuilder:
     def reset(self) -> None:
         """Forget open spans without ending them (a forked child must not end its parent's spans)."""
         self._open.clear()
+        self._ended.clear()
         if self._watch is not None:
             self._watch.reset()
 
@@ -115,7 +117,7 @@ class SpanBuilder:
             labels[semconv.GEN_AI_REQUEST_MODEL] = model
         if attributes:  # the initiator's rank: repeated on every send and compute span of the request
             labels.update((name, attributes[name]) for name in semconv.RANK_ATTRIBUTES if name in attributes)
-        state = self._requests[key] = OpenRequest(span, now, labels)
+        state = self._requests[key] = OpenRequest(span, now, labels, key)
         state.parent = self._spans.context_of(span)
         state.backend = backend
         if self._watch is not None:
@@ -124,6 +126,7 @@ class SpanBuilder:
 
     def _begin_request(self, rec, now):
         key = rec[r.KEY]
+        self._ended.reopened(key)
         if key not in self._requests:
             self._open_request(key, rec[r.TIME], now, rec[r.REQ_ROLE], rec[r.REQ_BACKEND], rec[r.REQ_FRAMEWORK],
                                rec[r.REQ_ATTRIBUTES], rec[r.REQ_PARENT])
@@ -148,6 +151,7 @@ class SpanBuilder:
             _error(span, failure)
         self._spans.close(span, end_ns)
         self._metrics.request(attrs, span, state, end_ns, failure)
+        self._ended.ended(state.key, state.parent, end_ns, state.labels, state.statics)
 
     def _end_evicted_request(self, state: OpenRequest) -> None:
         self._finish_request(state, now_ns(), semconv.EVICTED_ERROR, evicted=True)  # the records' clock
@@ -161,8 +165,14 @@ class SpanBuilder:
         info = rec[r.SEND_INFO]
         if info is not None:
             key = info[r.INFO_KEY]
-            state = self._touch_request(key, now) or self._open_request(
-                key, start, now, backend=first[r.CALL_BACKEND] if first is not None else None)
+            state = self._touch_request(key, now)
+            if state is None:
+                ended = self._ended.get(key)
+                if ended is not None:
+                    return self._ended_request_send(rec, key, ended, start, end, nbytes, descriptors, failure,
+                                                    return_code, first)
+                state = self._open_request(key, start, now,
+                                           backend=first[r.CALL_BACKEND] if first is not None else None)
             state.aggregate.add_send(start, end, nbytes, info[r.INFO_REPLICA], info[r.INFO_CHUNK])
             if failure and state.failure is None:
                 state.failure = failure
@@ -177,6 +187,27 @@ class SpanBuilder:
                                                self._peer_parsers)
         status = Status(StatusCode.ERROR, failure) if failure else _OK
         span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
+        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
+
+    def _ended_request_send(self, rec, key, ended, start, end, nbytes, descriptors, failure, return_code, first):
+        """A send of a request that already concluded: under that request's span, late if it ended after it."""
+        attrs = send_attributes.attributes(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure,
+                                           return_code, first, rec[r.SEND_INFO], ended.labels, ended.statics,
+                                           self._peer_parsers)
+        late_s = late.late_by_s(ended, end)
+        if late_s is None:  # it ended in time, its record only came after the request's end
+            status = Status(StatusCode.ERROR, failure) if failure else _OK
+            span_context = self._spans.child(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start, end,
+                                             status)
+        else:
+            span = self._spans.open(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start)
+            span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, end)
+            if failure:
+                _error(span, failure)
+            span_context = self._spans.context_of(span)
+            self._spans.close(span, end)
+            self._metrics.late(attrs, span_context)
+            late.warn_once(ended, key, attrs, late_s)
         self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
 
     # --- compute ---------------------------------------------------------------------------------------------

@@ -76,14 +76,16 @@ PEER_THROUGHPUT = (semconv.METRIC_PEER_THROUGHPUT, "By/s",
                    RATE_BUCKETS)
 POST_DURATION = (semconv.METRIC_POST_DURATION, "s",
                  "Time inside the call that posted a KV transfer whose completion is observed apart", SECONDS_BUCKETS)
+LATE_COMPLETIONS = (semconv.METRIC_LATE_COMPLETIONS, "{transfer}",
+                    "KV sends that completed after their request had concluded", None)
 INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
                REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION, REQUEST_TAIL, REQUEST_TAIL_QUEUED,
-               PEER_THROUGHPUT, POST_DURATION)
+               PEER_THROUGHPUT, POST_DURATION, LATE_COMPLETIONS)
 _INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
 _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
  I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
- I_PEER_THROUGHPUT, I_POST_DURATION) = range(len(INSTRUMENTS))
+ I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS) = range(len(INSTRUMENTS))
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
 # kv_transfer.peer.throughput has one series per peer up to OTEL_KVTRANSFER_MAX_PEERS (at most 65,536) plus
@@ -370,6 +372,10 @@ class RecordMetrics:
             if peer is not None:
                 self.tables.record(peer[0], peer[1], ((I_PEER_THROUGHPUT, speed),), span_context)
 
+    def late(self, attrs, span_context) -> None:
+        """A send that completed after its request had concluded (its send measurements come apart)."""
+        self.tables.record(*series_of(attrs), ((I_LATE_COMPLETIONS, 1),), span_context)
+
     def request(self, figures, span, state, end_ns, failure) -> None:
         attrs = span.attributes
         nbytes = figures.get(semconv.BYTES, 0)
@@ -396,7 +402,7 @@ class _NoMetrics:
     def send(self, *args) -> None:
         pass
 
-    request = peer = send
+    request = peer = late = send
 
 
 NO_METRICS = _NoMetrics()

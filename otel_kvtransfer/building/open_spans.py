@@ -13,9 +13,10 @@ from otel_kvtransfer.building.aggregate import RequestAggregate
 
 
 class OpenRequest:
-    __slots__ = ("span", "aggregate", "failure", "touched", "labels", "parent", "statics", "backend")
+    __slots__ = ("key", "span", "aggregate", "failure", "touched", "labels", "parent", "statics", "backend")
 
-    def __init__(self, span, now: float, labels: dict):
+    def __init__(self, span, now: float, labels: dict, key=None):
+        self.key = key
         self.span = span
         self.aggregate = RequestAggregate()
         self.failure: Optional[str] = None

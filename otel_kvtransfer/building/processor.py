@@ -37,7 +37,8 @@ class KVTransferMetricsProcessor(SpanProcessor):
 
         (self._duration, self._size, self._throughput, self._descriptors, self._failures, self._request_duration,
          self._request_size, self._request_throughput, self._request_overlap, self._receive_duration,
-         self._request_tail, self._request_tail_queued, self._peer_throughput, self._post_duration) = (
+         self._request_tail, self._request_tail_queued, self._peer_throughput, self._post_duration,
+         self._late_completions) = (
             instrument(row) for row in kvmetrics.INSTRUMENTS)
         self._peers = kvmetrics.PeerSeries(max_peers)
         if max_peers + 1 > kvmetrics.MAX_SERIES:  # the SDK's instruments keep their reader's cardinality limit
@@ -75,6 +76,8 @@ class KVTransferMetricsProcessor(SpanProcessor):
         self._descriptors.record(attrs.get(semconv.DESCRIPTOR_COUNT, 0), labels, context=context)
         if semconv.POST_S in attrs:  # only a send posted and completed in separate calls
             self._post_duration.record(attrs[semconv.POST_S], labels, context=context)
+        if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
+            self._late_completions.add(1, labels, context=context)
         if span.status.status_code is StatusCode.ERROR:
             self._failures.add(1, labels, context=context)
         elif nbytes > 0 and semconv.THROUGHPUT in attrs:  # absent: a send of no measurable duration

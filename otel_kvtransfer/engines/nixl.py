@@ -219,10 +219,14 @@ def _failed(args, kwargs, error_type: str) -> None:
 
 def _observe_release(handle, *_call) -> None:
     """The handle is about to be freed: the last chance to observe how its transfer ended (its call's arguments,
-    when it is `release()`'s observer, say nothing more)."""
+    when it is `release()`'s observer, say nothing more). A handle released before is done with: its address
+    may already belong to a new handle, whose entries must stay (the garbage collector frees a released handle's
+    wrapper when the name holding it is bound to the next handle)."""
+    if handle._released:
+        return
     key = _key(handle)
     _handles.pop(key, None)
-    if len(_pending) and not handle._released:
+    if len(_pending):
         try:
             state = _state_of(handle)
         except Exception as exc:  # the peer is gone: the transfer failed

@@ -22,6 +22,15 @@ from conftest import require_part
 
 from support import netns
 
+# These tests' agents pause 100 us between idle progress polls, as the test deployments' do (tests/nixl_pacing/
+# says why; a busy-polling progress thread per agent, three agents per test, take both cores from the calls the
+# tests time): in the child that runs a test module's scenarios and in the receivers it spawns (each imports the
+# test module, and with it this one, before it makes an agent).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nixl_pacing"))
+import kvt_test_nixl_pacing  # noqa: E402
+
+kvt_test_nixl_pacing.activate()
+
 
 def require_nixl() -> None:
     require_part(importlib.util.find_spec("nixl") is not None,
