@@ -37,8 +37,8 @@ TAIL_BUSY_S = "kv_transfer.tail_busy_s"
 TAIL_QUEUED_S = "kv_transfer.tail_queued_s"
 # How late an observed end can be: time since the previous poll that saw the send unfinished.
 END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
-# Post vs wire: the time inside the call that posted a send whose completion is a separate call (NIXL handles,
-# Mooncake async batches); the rest of the send is the wire (and the engine's queues).
+# Post vs wire: the time inside the call that posted a send (NIXL's transfer(), Mooncake's async submit); the rest
+# of the send is the wire (and the engine's queues).
 POST_S = "kv_transfer.post_s"
 # Late completion: a send that ended after its request had concluded (span event on the send).
 EVENT_LATE_COMPLETION = "kv_transfer.late_completion"

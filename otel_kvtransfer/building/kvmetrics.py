@@ -75,7 +75,8 @@ PEER_THROUGHPUT = (semconv.METRIC_PEER_THROUGHPUT, "By/s",
                    "Bytes of one successful KV send of at least 1 MiB over its own duration, per peer",
                    RATE_BUCKETS)
 POST_DURATION = (semconv.METRIC_POST_DURATION, "s",
-                 "Time inside the call that posted a KV transfer whose completion is observed apart", SECONDS_BUCKETS)
+                 "Time inside the call that posted a KV transfer (NIXL transfer(), Mooncake async submit)",
+                 SECONDS_BUCKETS)
 LATE_COMPLETIONS = (semconv.METRIC_LATE_COMPLETIONS, "{transfer}",
                     "KV sends that completed after their request had concluded", None)
 INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
@@ -361,7 +362,7 @@ class RecordMetrics:
             extra = ((I_THROUGHPUT, speed),)
         else:
             extra = ()
-        post = attrs.get(semconv.POST_S)  # only a send posted and completed in separate calls
+        post = attrs.get(semconv.POST_S)  # only a send whose engine has a posting call
         if post is not None:
             extra += ((I_POST_DURATION, post),)
         key, labels = self._send_series(attrs, failure)

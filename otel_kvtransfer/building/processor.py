@@ -74,7 +74,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
         self._duration.record((span.end_time - span.start_time) / 1e9, labels, context=context)
         self._size.record(nbytes, labels, context=context)
         self._descriptors.record(attrs.get(semconv.DESCRIPTOR_COUNT, 0), labels, context=context)
-        if semconv.POST_S in attrs:  # only a send posted and completed in separate calls
+        if semconv.POST_S in attrs:  # only a send whose engine has a posting call
             self._post_duration.record(attrs[semconv.POST_S], labels, context=context)
         if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
             self._late_completions.add(1, labels, context=context)
