@@ -40,6 +40,8 @@ END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
 # Post vs wire: the time inside the call that posted a send (NIXL's transfer(), Mooncake's async submit); the rest
 # of the send is the wire (and the engine's queues).
 POST_S = "kv_transfer.post_s"
+# Set-up hidden in a transfer: the first send to a peer of an engine that connects inside its first call.
+FIRST_TO_PEER = "kv_transfer.first_to_peer"
 # Late completion: a send that ended after its request had concluded (span event on the send).
 EVENT_LATE_COMPLETION = "kv_transfer.late_completion"
 AFTER_REQUEST_END_S = "kv_transfer.after_request_end_s"

@@ -39,7 +39,26 @@ def test_sync_write_span_has_exact_bytes_and_the_bytes_arrive(telemetry, engine,
         semconv.SERVER_PORT: int(port),
         semconv.BACKEND: mooncake.BACKEND,
         semconv.PROTOCOL: "tcp",
+        semconv.FIRST_TO_PEER: True,  # the first send to this peer since the instrumentation was turned on
     }
+
+
+def test_the_first_send_to_each_new_peer_says_it_set_the_peer_up(telemetry, engine):
+    """Mooncake opens a peer's segment inside the first call to it: that send, and only that one, is marked; a
+    failed first call sets nothing up, so the next one is a first one again."""
+    assert engine.engine.transfer_sync_write("127.0.0.1:1", engine.base, 0, 16) != 0  # nothing listens there
+    with Receiver(1 << 20) as first, Receiver(1 << 20) as second:
+        for peer in (first, first, second, first, second):
+            assert engine.engine.transfer_sync_write(peer.session, engine.base, peer.base_address, 4096) == 0
+    assert engine.engine.transfer_sync_write("127.0.0.1:1", engine.base, 0, 16) != 0
+    sends = telemetry.spans(semconv.SPAN_SEND)
+    assert [(s.attributes[semconv.SERVER_PORT], s.attributes.get(semconv.FIRST_TO_PEER, False)) for s in sends] == [
+        (1, True),
+        (int(first.session.rsplit(":", 1)[1]), True), (int(first.session.rsplit(":", 1)[1]), False),
+        (int(second.session.rsplit(":", 1)[1]), True),
+        (int(first.session.rsplit(":", 1)[1]), False), (int(second.session.rsplit(":", 1)[1]), False),
+        (1, True),
+    ]
 
 
 def test_one_span_per_call_with_batch_bytes_summed(telemetry, engine, receiver):

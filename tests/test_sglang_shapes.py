@@ -507,6 +507,22 @@ def test_no_send_of_these_requests_completes_after_its_request_ended(shapes):
         assert late == [], (name, late[:3])
 
 
+def test_the_first_mooncake_send_of_each_process_to_each_peer_and_only_it_says_it_set_the_peer_up(shapes):
+    """Mooncake opens a peer's segment inside its first transfer to it: per engine process (here each has a
+    builder process of its own, whose pid its spans carry) and peer, the earliest send is marked
+    `first_to_peer`, no other."""
+    by_peer = {}
+    for name, span in shapes.traced.spans:
+        if span.name == SEND and span.attributes.get("kv_transfer.backend") == "mooncake":
+            peer = (name, span.resource.get("process.pid"), span.attributes.get("server.address"),
+                    span.attributes.get("server.port"))
+            by_peer.setdefault(peer, []).append(span)
+    assert len({peer[:2] for peer in by_peer}) >= 4  # prefill, both prefill-tp2 ranks, ... (decode sends nothing)
+    for peer, sends in by_peer.items():
+        marked = [s for s in sends if s.attributes.get("kv_transfer.first_to_peer") is True]
+        assert marked == [min(sends, key=lambda s: s.start_time_unix_nano)], (peer, len(sends), len(marked))
+
+
 def test_every_span_kind_carries_the_rank_and_every_send_its_peers(traced_run):
     """On the pair (TP1 to TP1): rank 0 everywhere, one destination; the other shapes' ranks are checked above."""
     kinds = {}

@@ -131,6 +131,8 @@ def new_builder(attachment: "Attachment", settings: config.Settings, engines,
     engine's peer parser, the stuck watch on the MeterProvider's instruments."""
     return SpanBuilder(attachment.spans, settings.request_ttl_s, settings.max_open_requests,
                        peer_parsers={engine.BACKEND: engine.peer_attributes for engine in engines},
+                       setup_in_first_call={engine.BACKEND for engine in engines
+                                            if getattr(engine, "SETUP_IN_FIRST_CALL", False)},
                        on_drop=on_drop, metrics=attachment.metrics,
                        watch=stuck.OpenWatch(stuck.reporter_for(meter_provider), settings.stuck_s))
 

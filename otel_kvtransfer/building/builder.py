@@ -16,6 +16,7 @@ from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late, send_attributes
 from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, span_figures
 from otel_kvtransfer.building.direct_spans import span_context_of
+from otel_kvtransfer.building.first_calls import FirstToPeer
 from otel_kvtransfer.building.kvmetrics import NO_METRICS
 from otel_kvtransfer.building.open_spans import OpenPeer, OpenRequest, OpenSpans
 from otel_kvtransfer.building.sdk_spans import SdkSpans
@@ -43,7 +44,7 @@ class SpanBuilder:
     def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
                  on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None,
-                 watch=None):
+                 watch=None, setup_in_first_call=()):
         self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
         self._on_drop = on_drop or (lambda reason, n: None)
         self._count_queue_drops()
@@ -55,6 +56,8 @@ class SpanBuilder:
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._open = OpenSpans(max_open, self._end_evicted_request, self._end_evicted_peer, self._on_drop)
         self._ended = late.EndedRequests()  # requests that concluded: a send of theirs arriving later is late
+        # Backends whose first transfer to a peer sets the connection up, and the peers each has sent to.
+        self._first_calls = FirstToPeer(setup_in_first_call)
         # Read per record: bound here, no extra lookup on the builder thread.
         self._requests, self._peers = self._open.requests, self._open.peers
         self._touch_request = self._open.touch_request
@@ -159,6 +162,8 @@ class SpanBuilder:
     # --- transfers -------------------------------------------------------------------------------------------
     def _send(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, first = send_attributes.measure(rec)
+        if first is not None and first[r.CALL_BACKEND] in self._first_calls.backends:
+            first = self._first_calls.mark(first)
         if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
             self._on_drop("invalid_length", 1)
             nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)

@@ -39,6 +39,7 @@ from otel_kvtransfer.recording.records import (
 _logger = logging.getLogger(__name__)
 
 BACKEND = "mooncake"
+SETUP_IN_FIRST_CALL = True  # the first transfer to a segment opens it (its send says kv_transfer.first_to_peer)
 MODULE = "mooncake.engine"
 DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 WRITE, READ = semconv.OP_WRITE, semconv.OP_READ

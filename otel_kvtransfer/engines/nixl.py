@@ -29,6 +29,7 @@ from otel_kvtransfer.recording.pending import PendingTransfers
 _logger = logging.getLogger(__name__)
 
 BACKEND = "nixl"
+SETUP_IN_FIRST_CALL = False  # set-up is add_remote_agent and friends, before any transfer
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
 
 _LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")

@@ -84,9 +84,12 @@ class Backend(Protocol):
 
 @runtime_checkable
 class Engine(Backend, Protocol):
-    """A transfer engine module: also its `BACKEND` name (kv_transfer.backend) and how its peer names read."""
+    """A transfer engine module: also its `BACKEND` name (kv_transfer.backend), how its peer names read, and
+    whether its first transfer to a peer also sets the connection up (`SETUP_IN_FIRST_CALL`: Mooncake opens the
+    peer's segment inside that call; NIXL's set-up calls are calls of their own)."""
 
     BACKEND: str
+    SETUP_IN_FIRST_CALL: bool
 
     def peer_attributes(self, peer) -> dict: ...
 
