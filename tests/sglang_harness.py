@@ -300,7 +300,7 @@ def span_to_dict(span) -> Dict[str, Any]:
 # The processes
 
 
-def prefill_main(cfg, events, go, rank=0) -> None:
+def prefill_main(cfg, events, go, stop, rank=0) -> None:
     out: Dict[str, Any] = {"role": "prefill", "rank": rank}
     try:
         _process_env(cfg)
@@ -394,6 +394,10 @@ def prefill_main(cfg, events, go, rank=0) -> None:
     except BaseException:
         out["error"] = traceback.format_exc()
     events.put(("prefill_done", out))
+    # Up until every decode concluded, as a server stays: a decode learns its KV arrived from a message this
+    # process sends after its own poll said Success, and it takes a prefill that stops answering its bootstrap
+    # server's heartbeats for gone (sglang then fails the decode's request: "Lost connection with prefill").
+    _wait_flag(stop, cfg["timeout_s"])
 
 
 def _report(out: dict, collect) -> None:
@@ -596,9 +600,9 @@ def run_scenario(**overrides) -> Dict[str, Any]:
     go = ctx.Event()
     stop = ctx.Event()
     t0 = time.monotonic()
-    procs = [ctx.Process(target=prefill_main, args=(cfg, events, go), name="kvt-prefill", daemon=True)]
+    procs = [ctx.Process(target=prefill_main, args=(cfg, events, go, stop), name="kvt-prefill", daemon=True)]
     # More prefill ranks: started once rank 0's bootstrap server is up, the decodes once every rank registered.
-    more = [ctx.Process(target=prefill_main, args=(cfg, events, go, r), name=f"kvt-prefill{r}", daemon=True)
+    more = [ctx.Process(target=prefill_main, args=(cfg, events, go, stop, r), name=f"kvt-prefill{r}", daemon=True)
             for r in range(1, cfg["prefills"])]
     if cfg["fail"] == "no_decode":
         cfg["decodes"] = 0
