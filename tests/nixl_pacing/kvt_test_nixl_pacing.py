@@ -4,13 +4,14 @@ nixl's Python API (1.5) builds each agent's C++ configuration with `pthrDelay = 
 starts (on by default, and sglang and vLLM keep it on) never sleeps: one full core per agent, busy or idle
 (one idle agent here: 0.98 CPU-s per second; with a 100 us pause, 0.02). On a GPU host that is one core of many;
 here two or three such agents take both cores from the servers (a vLLM NIXL pair's first request took 23 s
-instead of 5 s, and a normal request's KV lease could run out). The configuration type is replaced, in nixl's
+instead of 4 s, and a normal request's KV lease could run out). The configuration type is replaced, in nixl's
 API module only, by a subclass that turns the 0 into 100 us; the thread still progresses transfers in the
 background, and what moves, and when the engines see it done, is unchanged. `KVT_TEST_NIXL_BUSY_POLL=1` keeps
 NIXL's own setting.
 
 Loaded by sglang's and vLLM's own plugin loaders (the dist-info folder beside this file declares both groups) in
-every process they start, when the tests put this folder on PYTHONPATH.
+every process they start, when the tests put this folder on PYTHONPATH; the tests that make agents themselves
+(tests/support/nixl_agents.py, tests/vllm_versions/payload_paths.py) call `activate()` before NIXL is imported.
 """
 
 import os
