@@ -95,6 +95,19 @@ def _before_the_metrics(pair) -> list:
     return [r for r in pair.results["requests"] if not r.get("after_failures")]
 
 
+def _assert_concluded_or_ended_by_the_stop(request: dict, peer) -> None:
+    """The peer's span of a request ended OK; only NIXL's last request's serve may have ended at the stop instead.
+
+    vLLM's NIXL prefill learns that the decode has read a request's KV from the decode's notice, at one of its own
+    engine steps after the notice arrived; the decode answers without waiting for that, and the servers are stopped
+    a second after the last answer, which can come first. That serve was then still open when the prefill exited,
+    and its span says so (ERROR, ended by the exit): not lost, and not claimed as served."""
+    if peer.is_error and request.get("after_failures"):
+        assert peer.attributes["error.type"] == peer.attributes["kv_transfer.ended_by"] == "process_exit"
+        return
+    assert not peer.is_error, dict(peer.attributes)
+
+
 def test_every_request_served_and_its_bytes_are_blocks_times_block_bytes(pair):
     # three one at a time, two decoded concurrently; NIXL: one more after the failures
     assert len(pair.results["requests"]) == (6 if pair.connector == "nixl" else 5)
@@ -125,7 +138,7 @@ def test_request_span_and_its_sends_are_one_trace_with_the_peers_span(pair):
         (peer,) = pair.named(facts["waiter"], facts["peer"], key)
         assert peer.trace_id == span.trace_id  # stitched by the shared key, no propagation
         assert peer.attributes["kv_transfer.role"] == facts["peer_role"]
-        assert not peer.is_error
+        _assert_concluded_or_ended_by_the_stop(request, peer)
         assert span.attributes["kv_transfer.role"] == facts["role"]
         assert span.attributes["gen_ai.request.model"] == MODEL_NAME
         assert span.attributes["kv_transfer.framework"] == "vllm"
@@ -262,4 +275,4 @@ def test_a_sigterm_right_after_the_last_answer_loses_no_span_and_leaves_no_proce
     assert pair.request_span(key).attributes["kv_transfer.bytes"] == pair.expected_bytes(last)
     assert len(pair.named(facts["initiator"], "kv_transfer.send", key)) == 1
     (peer,) = pair.named(facts["waiter"], facts["peer"], key)
-    assert not peer.is_error
+    _assert_concluded_or_ended_by_the_stop(last, peer)

@@ -33,6 +33,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DIR = os.path.join(HERE, "model")
 STANDIN_DIR = os.path.join(HERE, "standin")
+NIXL_PACING_DIR = os.path.join(os.path.dirname(HERE), "nixl_pacing")
 MODEL_NAME = "kvt-tiny-llama"
 PORTS = {"prefill": 8100, "decode": 8200}
 ENGINE_IDS = {"prefill": "prefill0", "decode": "decode0"}
@@ -46,9 +47,9 @@ CONCURRENT_TOKENS = (150, 250)  # 5 and 8 blocks: prefilled one by one, then dec
 START_TIMEOUT_S = 420
 # Short KV leases, so the failure requests below conclude within the run: the producer frees KV nobody read
 # after this long (Mooncake: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; NIXL: kv_lease_duration).
-# Long enough for a normal read while NIXL's two progress threads busy-poll both cores: the first request then
-# takes 23-34 s to reach the decode (4 s with them paced, ../nixl_pacing/), and a 30 s lease ran out in CI.
-KV_TIMEOUT_S = 60
+# A normal read takes seconds here, once NIXL's progress threads no longer busy-poll both cores (../nixl_pacing/:
+# while they did, the first request took 23-34 s to reach the decode and a 30 s lease ran out in CI).
+KV_TIMEOUT_S = 30
 LAST_ANSWER_TO_STOP_S = 1.0  # a user stops the servers right after the traffic (the recorder drains every 0.2 s)
 HELPERS_END_S = 180  # the builder processes export what they hold and end (each within its own 120 s bound)
 PR_SET_CHILD_SUBREAPER = 36
@@ -70,11 +71,9 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
         "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1",
         "VLLM_LOG_STATS_INTERVAL": "2", "MC_LOG_LEVEL": "ERROR",
-        # The test-only torch.accelerator stand-in (see standin/), loaded by vLLM's own plugin loader. NIXL's
-        # progress threads keep busy-polling here (../nixl_pacing/ says what that costs): paced, the last
-        # request's serve span was still open when the servers stopped a second after its answer in one of four
-        # runs, for a reason not found yet.
-        "PYTHONPATH": os.pathsep.join(p for p in (STANDIN_DIR, env.get("PYTHONPATH", "")) if p),
+        # The test-only torch.accelerator stand-in (see standin/) and NIXL's paced progress thread (see
+        # ../nixl_pacing/), loaded by vLLM's own plugin loader.
+        "PYTHONPATH": os.pathsep.join(p for p in (STANDIN_DIR, NIXL_PACING_DIR, env.get("PYTHONPATH", "")) if p),
         "OTEL_SERVICE_NAME": f"vllm-{role}", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
     })
     for name in [n for n in env if n.startswith(("OTEL_BSP_", "OTEL_KVTRANSFER_"))]:
