@@ -35,17 +35,13 @@ class Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _scenario(receiver, pipeline: str) -> dict:
-    from conftest import Telemetry
-
+def _scenario(receiver, tel) -> dict:
     from otel_kvtransfer import integration as kvt
 
-    os.environ["OTEL_KVTRANSFER_PIPELINE"] = pipeline
     warnings = Warnings()
     logging.getLogger("otel_kvtransfer").addHandler(warnings)
-    tel = Telemetry().instrument()
     try:
-        init = Initiator(receiver, SIZE, BLOCK, name=f"kvt-late-{pipeline}")
+        init = Initiator(receiver, SIZE, BLOCK, name=f"kvt-late-{os.environ['OTEL_KVTRANSFER_PIPELINE']}")
         assert init.write_all() == "DONE"  # connected before anything is measured
         out = {}
         # In time: posted, completed, then its request ends.
@@ -76,24 +72,14 @@ def _scenario(receiver, pipeline: str) -> dict:
         return dict(out, spans=spans, late_metric=late,
                     warnings=[line for line in warnings.lines if "late_completion" in line])
     finally:
-        tel.uninstrument()
         logging.getLogger("otel_kvtransfer").removeHandler(warnings)
-        os.environ.pop("OTEL_KVTRANSFER_PIPELINE", None)
-
-
-def direct(receiver):
-    return _scenario(receiver, "direct")
-
-
-def sdk(receiver):
-    return _scenario(receiver, "sdk")
 
 
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     os.environ.setdefault("UCX_TLS", "tcp,self")  # over shared memory a frozen peer would not hold a post back
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    nixl_agents.run_with_receiver(out_path, SIZE, {"direct": direct, "sdk": sdk})
+    nixl_agents.run_in_each_pipeline(out_path, SIZE, _scenario)
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -108,7 +94,7 @@ def _of(result, name, key) -> list:
     return [s for s in spans_named(result, name) if s["attributes"].get("kv_transfer.request_key") == key]
 
 
-@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+@pytest.mark.parametrize("pipeline", nixl_agents.PIPELINES)
 def test_a_write_completing_after_its_request_ended_is_reported_late_once(outcomes, pipeline):
     result = result_of(outcomes, pipeline)
     assert (result["late_posted"], result["late_final"]) == ("PROC", "DONE")  # in flight at the end, then done
@@ -128,7 +114,7 @@ def test_a_write_completing_after_its_request_ended_is_reported_late_once(outcom
     assert "request late" in warning
 
 
-@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+@pytest.mark.parametrize("pipeline", nixl_agents.PIPELINES)
 def test_a_write_completing_before_its_request_ends_reports_nothing_late(outcomes, pipeline):
     result = result_of(outcomes, pipeline)
     assert result["in_time_final"] == "DONE"

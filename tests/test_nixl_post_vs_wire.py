@@ -30,52 +30,36 @@ ROUNDS = 3  # each shape written this many times, alternating, so neither shape 
 # --- the child process -----------------------------------------------------------------------------------------
 
 
-def _writes(receiver, pipeline: str) -> dict:
-    from conftest import Telemetry
-
+def _writes(receiver, tel) -> dict:
     from otel_kvtransfer import integration as kvt
 
-    os.environ["OTEL_KVTRANSFER_PIPELINE"] = pipeline
-    tel = Telemetry().instrument()
-    try:
-        initiators = {shape: Initiator(receiver, SIZE, block, name=f"kvt-post-{shape}")
-                      for shape, block in SHAPES.items()}
-        for init in initiators.values():
-            assert init.write_all() == "DONE"  # connected, and UCX's registrations warm, before anything counts
-        states = []
-        for round_index in range(ROUNDS):
-            for shape, init in initiators.items():
-                key = f"{shape}-{round_index}"
-                kvt.begin_request(key, backend="nixl", framework="test", role="prefill")
-                local, remote = init.descs()
-                with kvt.transfer_scope(key, is_last_chunk=True):
-                    handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
-                    states.append(init.wait(handle, timeout_s=120))
-                init.agent.release_xfer_handle(handle)
-                kvt.end_request(key)
-        spans = [{"name": s.name, "attributes": dict(s.attributes), "duration_ns": s.end_time - s.start_time}
-                 for s in tel.spans()]
-        points = tel.metrics().get("kv_transfer.post.duration", [])
-        return {"states": states, "spans": spans,
-                "post_metric": {"count": sum(p.count for p in points), "sum": sum(p.sum for p in points)}}
-    finally:
-        tel.uninstrument()
-        os.environ.pop("OTEL_KVTRANSFER_PIPELINE", None)
-
-
-def direct(receiver):
-    return _writes(receiver, "direct")
-
-
-def sdk(receiver):
-    return _writes(receiver, "sdk")
+    initiators = {shape: Initiator(receiver, SIZE, block, name=f"kvt-post-{shape}")
+                  for shape, block in SHAPES.items()}
+    for init in initiators.values():
+        assert init.write_all() == "DONE"  # connected, and UCX's registrations warm, before anything counts
+    states = []
+    for round_index in range(ROUNDS):
+        for shape, init in initiators.items():
+            key = f"{shape}-{round_index}"
+            kvt.begin_request(key, backend="nixl", framework="test", role="prefill")
+            local, remote = init.descs()
+            with kvt.transfer_scope(key, is_last_chunk=True):
+                handle = init.agent.initialize_xfer("WRITE", local, remote, init.peer)
+                states.append(init.wait(handle, timeout_s=120))
+            init.agent.release_xfer_handle(handle)
+            kvt.end_request(key)
+    spans = [{"name": s.name, "attributes": dict(s.attributes), "duration_ns": s.end_time - s.start_time}
+             for s in tel.spans()]
+    points = tel.metrics().get("kv_transfer.post.duration", [])
+    return {"states": states, "spans": spans,
+            "post_metric": {"count": sum(p.count for p in points), "sum": sum(p.sum for p in points)}}
 
 
 def _child(out_path: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
     os.environ.setdefault("UCX_TLS", "tcp,self")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    nixl_agents.run_with_receiver(out_path, SIZE, {"direct": direct, "sdk": sdk})
+    nixl_agents.run_in_each_pipeline(out_path, SIZE, _writes)
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -92,7 +76,7 @@ def _measured_sends(result) -> dict:
     return {s["attributes"]["kv_transfer.request_key"]: s for s in sends}
 
 
-@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+@pytest.mark.parametrize("pipeline", nixl_agents.PIPELINES)
 def test_every_send_says_how_long_its_post_took(outcomes, pipeline):
     result = result_of(outcomes, pipeline)
     assert result["states"] == ["DONE"] * (ROUNDS * len(SHAPES))
@@ -110,7 +94,7 @@ def test_every_send_says_how_long_its_post_took(outcomes, pipeline):
     assert result["post_metric"]["sum"] == pytest.approx(sum(posted))
 
 
-@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+@pytest.mark.parametrize("pipeline", nixl_agents.PIPELINES)
 def test_many_small_descriptors_spend_a_larger_share_posting_than_few_large_ones(outcomes, pipeline):
     sends = _measured_sends(result_of(outcomes, pipeline))
 

@@ -80,6 +80,27 @@ def run_with_receiver(out_path: str, size: int, scenarios: dict, *args) -> None:
     leave(out_path, results)
 
 
+PIPELINES = ("direct", "sdk")  # OTEL_KVTRANSFER_PIPELINE: our own span and metric builder, or the SDK's
+
+
+def run_in_each_pipeline(out_path: str, size: int, scenario) -> None:
+    """Run `scenario(receiver, telemetry)` once per pipeline, each instrumented afresh, against one Receiver."""
+    run_with_receiver(out_path, size, {pipeline: functools.partial(_in_pipeline, scenario, pipeline)
+                                       for pipeline in PIPELINES})
+
+
+def _in_pipeline(scenario, pipeline: str, receiver) -> dict:
+    from conftest import Telemetry
+
+    os.environ["OTEL_KVTRANSFER_PIPELINE"] = pipeline
+    telemetry = Telemetry().instrument()
+    try:
+        return scenario(receiver, telemetry)
+    finally:
+        telemetry.uninstrument()
+        os.environ.pop("OTEL_KVTRANSFER_PIPELINE", None)
+
+
 def leave(out_path: str, results: dict) -> None:
     """Write `results` for the tests and end the process before UCX's exit handlers can crash it."""
     with open(out_path, "w", encoding="utf-8") as handle:
