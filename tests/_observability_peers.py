@@ -1,17 +1,18 @@
 """Two real Mooncake receivers, one behind a rate-limited link; a real Prometheus scrapes the sender's per-peer
-throughput and evaluates dashboards/alerts.yaml over it. Run by tests/test_peer_alert.py (never imported by pytest):
+throughput and busy time and evaluates dashboards/alerts.yaml over them. Run by tests/test_peer_alert.py (never
+imported by pytest):
 
     unshare -rn python tests/_observability_peers.py --outer-netns NETNS --prometheus BIN --rules ALERTS --workdir DIR
 
-`unshare -rn` gives this process a user namespace in which it is root and a network namespace of its own; it
-refuses to run in the namespace named by --outer-netns (the caller's), so it never touches a real network. In it:
-loopback up; each receiver runs in a further network namespace of its own (`unshare -n`), joined to this one by a
-veth pair on a private /24 (10.231.N.0/24, only inside these namespaces); the slow receiver's veth end here has a
-`tc` token-bucket rate limit (the sick link), the fast one none. The sender (this process, instrumented) pushes
-requests of 1 MiB KV sends to both over Mooncake TCP and serves its metrics on 127.0.0.1 in the Collector's
-exposition; Prometheus, on 127.0.0.1 of this namespace, scrapes them every second and evaluates the rules every
-second. Mooncake binds all interfaces: all of them are inside these namespaces. Every wait is bounded; every
-process started here is stopped by its PID before the script exits.
+`unshare -rn` gives this process a user namespace in which it is root and a network namespace of its own; it refuses
+to run in the namespace named by --outer-netns (the caller's), so it never touches a real network. In it: loopback
+up; each receiver runs in a further network namespace of its own (`unshare -n`), joined to this one by a veth pair
+on a private /24 (10.231.N.0/24, only inside these namespaces); the slow receiver's veth end here has a `tc`
+token-bucket rate limit (the sick link), the fast one none. The sender (this process, instrumented) pushes requests
+of 1 MiB KV sends to both over Mooncake TCP (to the slow one back to back, from a thread of its own) and serves its
+metrics on 127.0.0.1 in the Collector's exposition; Prometheus, on 127.0.0.1 of this namespace, scrapes them every
+second and evaluates the rules every second. Mooncake binds all interfaces: all of them are inside these namespaces.
+Every wait is bounded; every process started here is stopped by its PID before the script exits.
 
 Protocol on stdout: one line `RESULT {json}` (peers, sends, what Prometheus holds, the alerts), or `ERROR <one line>`.
 """
@@ -23,6 +24,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 
@@ -34,12 +36,15 @@ for _path in (ROOT, HERE):
 
 SEND_BYTES = 1 << 20  # the smallest send kv_transfer.peer.throughput takes
 CHUNKS = 4  # sends per request
-ROUNDS = 10  # requests per peer: 40 sends each, above the alert's minimum of 20 in its window
+ROUNDS = 10  # requests to the fast peer: 40 sends, above the alert's minimum of 20 in its window
+SLOW_ROUNDS = 14  # to the slow peer, back to back: ~9 s, so the saturated-link alert holds for several evaluations
 ROUND_S = 0.7  # a round lasts at least this: the sends span several scrapes, so rate() sees them arrive
 SLOW_RATE = "50mbit"  # 6.25 MB/s; the unlimited veth moves several hundred MB/s or more here
 PEER_IFNAME = "kvtpeer"
 ALERT = "KVTransferPeerFarBelowFleet"
 RECORD = "kv_transfer:peer_throughput_bytes_per_second:p50_10m"
+UTILISATION = "kv_transfer:peer_utilisation:ratio_rate5m"
+SATURATED = "KVTransferLinkSaturated"
 SERVICE, INSTANCE = "kvt-prefill", "prefill-0"
 
 
@@ -147,6 +152,42 @@ def _query(base: str, expr: str) -> list:
             for s in http_json(f"{base}/api/v1/query", {"query": expr})["data"]["result"]]
 
 
+def _send_requests(engine, source, peer, first_room: int, rounds: int, began) -> tuple:
+    """`rounds` requests of CHUNKS 1 MiB sends to `peer`: one every ROUND_S from `began`, or back to back when it
+    is None. (sends that succeeded, sends that failed)."""
+    from otel_kvtransfer import integration
+
+    session = f"{peer['address']}:{peer['port']}"
+    ok = failed = 0
+    for round_index in range(rounds):
+        if began is not None:
+            time.sleep(max(0.0, began + round_index * ROUND_S - time.monotonic()))
+        room = first_room + round_index
+        integration.begin_request(room, backend="mooncake", framework="test_peers")
+        for chunk in range(CHUNKS):
+            offset = chunk * SEND_BYTES
+            with integration.transfer_scope(room, chunk_index=chunk, payload="kv", is_last_chunk=chunk == CHUNKS - 1):
+                rc = engine.transfer_sync_write(session, source.ctypes.data + offset, peer["buffer"] + offset,
+                                                SEND_BYTES)
+            if rc == 0:
+                ok += 1
+            else:
+                failed += 1
+        integration.end_request(room, error_type=None if rc == 0 else "transfer_failed")
+    return ok, failed
+
+
+def _union_s(intervals) -> float:
+    """Seconds covered by the (start_ns, end_ns) intervals."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered, reach = covered + end - start, end
+        elif end > reach:
+            covered, reach = covered + end - reach, end
+    return covered / 1e9
+
+
 def run(args) -> dict:
     import numpy as np
     from _observability_exposition import ScrapeEndpoint
@@ -155,14 +196,18 @@ def run(args) -> dict:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from otel_kvtransfer import KVTransferInstrumentor, integration
+    from otel_kvtransfer import KVTransferInstrumentor
 
     _ip("link", "set", "lo", "up")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
     receivers, prometheus, log, endpoint = [], None, None, None
     resource = Resource.create({"service.name": SERVICE, "service.instance.id": INSTANCE})
     tracer_provider = TracerProvider(resource=resource)
+    spans = InMemorySpanExporter()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
     try:
@@ -182,29 +227,29 @@ def run(args) -> dict:
         wait_until(lambda: any(t["health"] == "up" for t in
                                http_json(f"{base}/api/v1/targets")["data"]["activeTargets"]), 20,
                    what="first scrape")
-        sent = {peer["address"]: 0 for peer in receivers}
-        failed = 0
-        room = 5000
+        # the fast link paced (a round every ROUND_S), the slow one back to back from its own thread: a link in
+        # use all the time, as a sick link under load is
+        fast, slow = receivers
+        slow_done = {}
+
+        def slow_sender():
+            slow_done["counts"] = _send_requests(engine, source, slow, 6000, SLOW_ROUNDS, None)
+
         began = time.monotonic()
-        for round_index in range(ROUNDS):
-            time.sleep(max(0.0, began + round_index * ROUND_S - time.monotonic()))
-            for peer in receivers:  # interleaved, so both peers see the same moments of this machine
-                room += 1
-                session = f"{peer['address']}:{peer['port']}"
-                integration.begin_request(room, backend="mooncake", framework="test_peers")
-                for chunk in range(CHUNKS):
-                    offset = chunk * SEND_BYTES
-                    with integration.transfer_scope(room, chunk_index=chunk, payload="kv",
-                                                    is_last_chunk=chunk == CHUNKS - 1):
-                        rc = engine.transfer_sync_write(session, source.ctypes.data + offset,
-                                                        peer["buffer"] + offset, SEND_BYTES)
-                    if rc == 0:
-                        sent[peer["address"]] += 1
-                    else:
-                        failed += 1
-                integration.end_request(room, error_type=None if rc == 0 else "transfer_failed")
+        slow_thread = threading.Thread(target=slow_sender, name="kvt-slow-link")
+        slow_thread.start()
+        fast_counts = _send_requests(engine, source, fast, 5000, ROUNDS, began)
+        slow_thread.join(120)
+        if "counts" not in slow_done:
+            raise RuntimeError("the slow link's sends did not finish within 120 s")
+        sent = {fast["address"]: fast_counts[0], slow["address"]: slow_done["counts"][0]}
+        failed = fast_counts[1] + slow_done["counts"][1]
         sent_at = time.monotonic()
         tracer_provider.force_flush(10_000)
+        sends = [span for span in spans.get_finished_spans() if span.name == "kv_transfer.send"]
+        busy_from_spans = {peer["address"]: _union_s([(span.start_time, span.end_time) for span in sends
+                                                      if span.attributes.get("server.address") == peer["address"]])
+                           for peer in receivers}
 
         def scraped():
             held = {m.get("server_address"): v for m, v in _query(
@@ -238,6 +283,14 @@ def run(args) -> dict:
         rules = http_json(f"{base}/api/v1/rules")["data"]["groups"]
         # the dashboard's slowest-peers query, rows in the order Prometheus returns them
         panel = [[m.get("server_address"), v] for m, v in _query(base, args.panel_query)] if args.panel_query else None
+        busy_held = {m["server_address"]: v for m, v in _query(
+            base, "sum by (server_address) (kv_transfer_peer_busy_time_seconds_total)")}
+        process_busy_held = [v for _, v in _query(base, "kv_transfer_busy_time_seconds_total")]
+        # the highest utilisation recorded during the run, and the saturated-link alert over the run (pending while
+        # both its conditions held, gone once the links went idle: the ALERTS series keeps it)
+        utilisation = {m["server_address"]: v for m, v in _query(base, f"max_over_time({UTILISATION}[10m])")}
+        saturated = sorted({m["server_address"] for m, _ in _query(
+            base, f'max_over_time(ALERTS{{alertname="{SATURATED}"}}[10m])')})
         means = {m["server_address"]: v for m, v in _query(
             base, "sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_sum)"
                   " / sum by (server_address) (kv_transfer_peer_throughput_bytes_per_second_count)")}
@@ -245,6 +298,9 @@ def run(args) -> dict:
                 "peers": [{k: peer[k] for k in ("role", "address", "port", "rate")} for peer in receivers],
                 "sent": sent, "failed": failed, "held": held, "alerts": alerts, "medians": medians,
                 "direct_medians": direct, "job": SERVICE, "panel": panel,
+                "busy_from_spans": busy_from_spans, "busy_held": busy_held,
+                "process_busy_from_spans": _union_s([(span.start_time, span.end_time) for span in sends]),
+                "process_busy_held": process_busy_held, "utilisation": utilisation, "saturated": saturated,
                 "rule_health": {r.get("name"): r.get("health") for g in rules for r in g["rules"]}}
     finally:
         for peer in receivers:

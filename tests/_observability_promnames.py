@@ -122,6 +122,8 @@ DESIGN_METRICS = [
     ("kv_transfer.request.tail", "s", HISTOGRAM),
     ("kv_transfer.request.tail_queued", "s", HISTOGRAM),
     ("kv_transfer.peer.throughput", "By/s", HISTOGRAM),
+    ("kv_transfer.peer.busy_time", "s", COUNTER),
+    ("kv_transfer.busy_time", "s", COUNTER),
     ("kv_transfer.inflight", "{item}", GAUGE),
     ("kv_transfer.inflight.oldest_age", "s", GAUGE),
     ("kv_transfer.stuck", "{item}", COUNTER),

@@ -143,6 +143,8 @@ def test_variables_filter_every_query(dashboard):
 FILTERS_OF = {
     "instrumentation_dropped": ("service", "instance"),
     "peer_throughput": ("service", "instance"),  # only the peer
+    "peer_busy_time": ("service", "instance"),
+    "kv_transfer_busy_time_seconds_total{": ("service", "instance", "backend", "role"),  # only the process's
     "kv_transfer_inflight{": ("service", "instance"),  # only the kind
     "kv_transfer_inflight_oldest_age_seconds{": ("service", "instance"),
     "kv_transfer_stuck_total{": ("service", "instance", "backend", "role"),
@@ -211,6 +213,20 @@ def test_slowest_peers_panel_lists_peers_lowest_first(dashboard):
     renamed = panel["transformations"][0]["options"]["renameByName"]
     assert sort_by == {"displayName": renamed["Value"], "desc": False}
     assert panel["transformations"][0]["options"]["excludeByName"] == {"Time": True}
+
+
+def test_link_utilisation_panel_shows_each_peers_share_of_time_in_use(dashboard):
+    """Per peer, the rate of its busy time (a share of time, 0..1), the busiest process of each service (shares of
+    two processes do not add up); and per process over all its peers."""
+    (panel,) = _panel_with(dashboard, "kv_transfer_peer_busy_time_seconds_total")
+    defaults = panel["fieldConfig"]["defaults"]
+    assert panel["type"] == "timeseries" and defaults["unit"] == "percentunit"
+    assert (defaults["min"], defaults["max"]) == (0, 1)
+    peer, process = (t["expr"] for t in panel["targets"])
+    assert peer.startswith("max by (job, server_address, server_port) (rate(kv_transfer_peer_busy_time_seconds_total{")
+    assert process.startswith("max by (job, instance, kv_transfer_backend, kv_transfer_role) "
+                              "(rate(kv_transfer_busy_time_seconds_total{")
+    assert all("[$__rate_interval]))" in expr for expr in (peer, process))
 
 
 def test_one_panel_per_engine(dashboard):

@@ -1,6 +1,7 @@
-"""The alert "a peer far below the fleet" on data scraped from real transfers: two real Mooncake receivers, one
-behind a rate-limited link (a veth pair with a `tc` token bucket), a real Prometheus that scrapes the sender's
-`kv_transfer.peer.throughput` and evaluates dashboards/alerts.yaml, unmodified, every second.
+"""The alerts "a peer far below the fleet" and "a link saturated" on data scraped from real transfers: two real
+Mooncake receivers, one behind a rate-limited link (a veth pair with a `tc` token bucket) kept busy from a thread of
+its own, a real Prometheus that scrapes the sender's `kv_transfer.peer.throughput` and `kv_transfer.peer.busy_time`
+and evaluates dashboards/alerts.yaml, unmodified, every second.
 
 Everything runs in a user + network namespace of the test's own (`unshare -rn`; tests/_observability_peers.py):
 Mooncake binds all interfaces, so its listeners, the veth links (a private 10.231.N.0/24 each) and Prometheus live
@@ -10,6 +11,10 @@ the parts and their start/stop are the same (_observability_parts). promtool's u
 (dashboards/alerts.test.yaml) cover its 10-minute window and `for`; here the window holds the whole run (rate()
 over 10 minutes of a series a few seconds old is its rate over those seconds), and `for: 5m` is not waited for:
 the sick peer's alert is active (pending), the healthy peer's is absent.
+
+The utilisation record is the one rule whose window matters on its own: rate() divides by its window, so over 5
+minutes a series a few seconds old shows its seconds of use over 300 s. The run's copy of the rules shortens that
+one window to 4 s (promtool's unit tests check the file's own window and `for`); every other rule is the file's.
 """
 
 import json
@@ -27,6 +32,7 @@ SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
 ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
 ALERT = "KVTransferPeerFarBelowFleet"
+UTILISATION_WINDOW = 'rate(kv_transfer_peer_busy_time_seconds_total{server_address!="other"}[5m])'
 # what 50mbit lets through, with its 32 KiB burst on top of one 1 MiB send: no send can be faster than this
 SLOW_CEILING = (1 << 20) / (((1 << 20) - (32 << 10)) / 6.25e6)
 
@@ -59,10 +65,15 @@ def result():
     require_part(_namespaces_work(), "unshare -rn with veth and tc (util-linux, iproute2; user namespaces on)")
     workdir = tempfile.mkdtemp(prefix="kvt-peers-")
     try:
+        rules = os.path.join(workdir, "alerts.yaml")
+        with open(ALERTS, encoding="utf-8") as source, open(rules, "w", encoding="utf-8") as copy:
+            text = source.read()
+            assert UTILISATION_WINDOW in text
+            copy.write(text.replace(UTILISATION_WINDOW, UTILISATION_WINDOW.replace("[5m]", "[4s]")))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
         # its own process group, with the receivers and Prometheus it starts: a run past the bound ends them all
         proc = start(["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
-                      "--prometheus", binary, "--rules", ALERTS, "--workdir", workdir,
+                      "--prometheus", binary, "--rules", rules, "--workdir", workdir,
                       "--panel-query", _panel_query()],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         try:
@@ -86,7 +97,7 @@ def test_every_send_to_each_peer_is_in_the_metric(result):
     assert result["failed"] == 0
     assert result["held"] == {address: float(count) for address, count in result["sent"].items()}
     assert sorted(result["sent"]) == sorted(p["address"] for p in result["peers"])
-    assert all(count == 40 for count in result["sent"].values())
+    assert result["sent"] == {_peer(result, "fast")["address"]: 40, _peer(result, "slow")["address"]: 56}
 
 
 def test_the_slow_link_stands_out(result):
@@ -114,3 +125,26 @@ def test_the_alert_names_the_slow_peer_only(result):
                                "server_port": str(slow["port"]), "severity": "warning"}
     assert alert["state"] in ("pending", "firing")  # `for: 5m` is longer than the run
     assert alert["value"] == pytest.approx(result["medians"][slow["address"]], rel=0.01)
+
+
+def test_each_links_busy_time_is_the_union_of_its_sends(result):
+    """What Prometheus holds of each peer's busy time, and of the process's over all peers, is the time covered by
+    the send spans (to that peer; to any), as the spans themselves say."""
+    for address, seconds in result["busy_from_spans"].items():
+        assert seconds > 0
+        assert result["busy_held"][address] == pytest.approx(seconds, rel=1e-6)
+    assert result["process_busy_held"] == [pytest.approx(result["process_busy_from_spans"], rel=1e-6)]
+    slow, fast = _peer(result, "slow")["address"], _peer(result, "fast")["address"]
+    # the two links were in use at the same moments: the process was busy no longer than their sum (the slow link's
+    # sends, back to back, may cover every fast one), no shorter than either
+    assert max(result["busy_from_spans"].values()) <= result["process_busy_from_spans"] < \
+        result["busy_from_spans"][slow] + result["busy_from_spans"][fast]
+
+
+def test_the_slow_link_in_use_all_the_time_is_the_one_saturated(result):
+    slow, fast = _peer(result, "slow")["address"], _peer(result, "fast")["address"]
+    # the highest recorded: its sends followed each other without a pause; the fast link's came in rounds and
+    # each round ended in milliseconds
+    assert result["utilisation"][slow] > 0.9
+    assert result["utilisation"][fast] < 0.5
+    assert result["saturated"] == [slow]

@@ -24,6 +24,8 @@ HIGH_CARDINALITY = {
 }
 LABELS = {semconv.BACKEND: "eng", semconv.FRAMEWORK: "fw", semconv.ROLE: semconv.ROLE_PREFILL,
           semconv.PAYLOAD: semconv.PAYLOAD_KV, semconv.REPLICA_FACTOR: 2, semconv.GEN_AI_REQUEST_MODEL: "tiny"}
+PEER = {semconv.SERVER_ADDRESS: "127.0.0.1", semconv.SERVER_PORT: 4242}
+PROCESS = {semconv.BACKEND: "eng", semconv.ROLE: semconv.ROLE_PREFILL}
 
 
 class Setup:
@@ -61,6 +63,9 @@ def test_a_successful_send_gives_one_point_per_send_metric_with_low_cardinality_
         semconv.METRIC_SIZE: [(LABELS, 1, 1_000)],
         semconv.METRIC_THROUGHPUT: [(LABELS, 1, 5e8)],
         semconv.METRIC_DESCRIPTORS: [(LABELS, 1, 4)],
+        # under 1 MiB: no peer throughput, but its time on the link counts
+        semconv.METRIC_PEER_BUSY_TIME: [(PEER, None, 2_000 / 1e9)],
+        semconv.METRIC_BUSY_TIME: [(PROCESS, None, 2_000 / 1e9)],
     }
 
 
@@ -75,6 +80,7 @@ def test_a_failed_send_is_counted_and_has_no_speed():
         semconv.METRIC_SIZE: [(labels, 1, 1_000)],
         semconv.METRIC_DESCRIPTORS: [(labels, 1, 1)],
         semconv.METRIC_FAILURES: [(labels, None, 1)],
+        semconv.METRIC_BUSY_TIME: [(PROCESS, None, 2_000 / 1e9)],  # it held the engine as long, peer or not
     }
 
 

@@ -368,6 +368,8 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests():
     # without the young-series branch, a process's first drop / first stuck item never pages
     ("unless kv_transfer_instrumentation_dropped_total offset 10m", "unless kv_transfer_instrumentation_dropped_total"),
     ("unless kv_transfer_stuck_total offset 10m", "unless kv_transfer_stuck_total"),
+    ("ratio_rate5m > 0.9", "ratio_rate5m > 0.99"),      # "saturated" tightened: the sick link at 95% is missed
+    ("> 0.9\n          and on", "> 0.9\n          or on"),  # busy alone pages: busy healthy links page too
 ])
 def test_alert_unit_tests_have_teeth(tmp_path, old, new):
     with open(ALERTS, encoding="utf-8") as handle:

@@ -34,107 +34,22 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.building import metric_rules as rules
+from otel_kvtransfer.building.metric_rules import INSTRUMENTS, metric_labels
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
 
-# Bucket boundaries that fit KV transfers: a few KiB to tens of GiB, microseconds to minutes, MB/s to TB/s.
-SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                   2.5, 5.0, 10.0, 30.0, 60.0)
-BYTES_BUCKETS = tuple(float(1 << n) for n in range(10, 36, 2))  # 1 KiB .. 16 GiB, x4 steps
-RATE_BUCKETS = tuple(x * 10.0 ** e for e in range(6, 13) for x in (1.0, 2.5, 5.0))  # 1 MB/s .. 5 TB/s
-RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
-
-# (name, unit, description, bucket boundaries or None for a counter): the DESIGN table, in one place for both
-# pipelines (processor.py creates SDK instruments from the same rows).
-DURATION = (semconv.METRIC_DURATION, "s", "Duration of one KV transfer", SECONDS_BUCKETS)
-SIZE = (semconv.METRIC_SIZE, "By", "Bytes moved by one KV transfer", BYTES_BUCKETS)
-THROUGHPUT = (semconv.METRIC_THROUGHPUT, "By/s", "Bytes of one successful KV transfer over its own duration",
-              RATE_BUCKETS)
-DESCRIPTORS = (semconv.METRIC_DESCRIPTORS, "{descriptor}",
-               "Memory descriptors (contiguous pieces) in one KV transfer", COUNT_BUCKETS)
-FAILURES = (semconv.METRIC_FAILURES, "{transfer}", "KV transfers that failed", None)
-REQUEST_DURATION = (semconv.METRIC_REQUEST_DURATION, "s",
-                    "From a request's first transfer enqueue to its conclusion", SECONDS_BUCKETS)
-REQUEST_SIZE = (semconv.METRIC_REQUEST_SIZE, "By", "Wire bytes of one request's KV transfers", BYTES_BUCKETS)
-REQUEST_THROUGHPUT = (semconv.METRIC_REQUEST_THROUGHPUT, "By/s",
-                      "A successful request's wire bytes over its busy time (union of its transfer intervals)",
-                      RATE_BUCKETS)
-REQUEST_OVERLAP = (semconv.METRIC_REQUEST_COMPUTE_OVERLAP, "1",
-                   "Share of a request's busy transfer time that overlapped its compute", RATIO_BUCKETS)
-RECEIVE_DURATION = (semconv.METRIC_RECEIVE_DURATION, "s",
-                    "The peer's wait for a request's KV (receive or serve span)", SECONDS_BUCKETS)
-REQUEST_TAIL = (semconv.METRIC_REQUEST_TAIL, "s",
-                "Time from a request's last compute to its last KV byte: what the first decode step waited for",
-                SECONDS_BUCKETS)
-REQUEST_TAIL_QUEUED = (semconv.METRIC_REQUEST_TAIL_QUEUED, "s",
-                       "The part of a request's tail in which none of its transfers moved bytes (queues, threads)",
-                       SECONDS_BUCKETS)
-PEER_THROUGHPUT = (semconv.METRIC_PEER_THROUGHPUT, "By/s",
-                   "Bytes of one successful KV send of at least 1 MiB over its own duration, per peer",
-                   RATE_BUCKETS)
-POST_DURATION = (semconv.METRIC_POST_DURATION, "s",
-                 "Time inside the call that posted a KV transfer (NIXL transfer(), Mooncake async submit)",
-                 SECONDS_BUCKETS)
-LATE_COMPLETIONS = (semconv.METRIC_LATE_COMPLETIONS, "{transfer}",
-                    "KV sends that completed after their request had concluded", None)
-INSTRUMENTS = (DURATION, SIZE, THROUGHPUT, DESCRIPTORS, FAILURES, REQUEST_DURATION, REQUEST_SIZE,
-               REQUEST_THROUGHPUT, REQUEST_OVERLAP, RECEIVE_DURATION, REQUEST_TAIL, REQUEST_TAIL_QUEUED,
-               PEER_THROUGHPUT, POST_DURATION, LATE_COMPLETIONS)
-_INDEX = {row[0]: i for i, row in enumerate(INSTRUMENTS)}
-_BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for the counter
-(I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
- I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
- I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS) = range(len(INSTRUMENTS))
+_BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for a counter
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
-# kv_transfer.peer.throughput has one series per peer up to OTEL_KVTRANSFER_MAX_PEERS (at most 65,536) plus
-# `other`: its limit follows that setting (RecordMetrics raises it), so the documented bound holds.
+# kv_transfer.peer.throughput and kv_transfer.peer.busy_time have one series per peer up to
+# OTEL_KVTRANSFER_MAX_PEERS (at most 65,536) plus `other`: their limit follows that setting (RecordMetrics raises
+# it), so the documented bound holds.
 _OVERFLOW_KEY = ("__overflow__",)
 _OVERFLOW_ATTRIBUTES = {"otel.metric.overflow": True}
 
 SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_NAME, __version__, None, None)
-
-
-def metric_labels(attributes) -> dict:
-    """The low-cardinality metric attributes of a span's attributes (the design contract's list)."""
-    return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
-
-
-class PeerSeries:
-    """The series of `kv_transfer.peer.throughput` for a send's peer: (server.address, server.port), for at most
-    `max_peers` distinct peers per process; every other peer is `other` (said once in the log)."""
-
-    def __init__(self, max_peers: int):
-        self._max = max_peers
-        self._known = {}
-        self._other = ((semconv.PEER_OTHER, None), {semconv.SERVER_ADDRESS: semconv.PEER_OTHER})
-        self._lock = threading.Lock()
-
-    def of(self, attrs) -> Optional[Tuple[tuple, dict]]:
-        """(key, labels) when `attrs` are a successful kv send's of >= 1 MiB with a known peer, else None."""
-        address = attrs.get(semconv.SERVER_ADDRESS)
-        if (address is None or attrs.get(semconv.PAYLOAD) != semconv.PAYLOAD_KV
-                or attrs.get(semconv.BYTES, 0) < semconv.PEER_THROUGHPUT_MIN_BYTES or semconv.ERROR_TYPE in attrs):
-            return None
-        peer = (address, attrs.get(semconv.SERVER_PORT))
-        found = self._known.get(peer)
-        if found is not None:
-            return found
-        with self._lock:
-            if len(self._known) >= self._max:
-                if len(self._known) == self._max:
-                    self._known[None] = self._other  # the marker that the cap was reached (logged once)
-                    _logger.warning("otel_kvtransfer: more than %d peers (OTEL_KVTRANSFER_MAX_PEERS); "
-                                    "kv_transfer.peer.throughput counts the others as server.address=%s",
-                                    self._max, semconv.PEER_OTHER)
-                return self._other
-            labels = {semconv.SERVER_ADDRESS: address}
-            if peer[1] is not None:
-                labels[semconv.SERVER_PORT] = peer[1]
-            found = self._known[peer] = (peer, labels)
-            return found
 
 
 def series_of(attributes) -> Tuple[tuple, dict]:
@@ -334,14 +249,16 @@ def _taken(point: _Point) -> _Point:
 
 
 class RecordMetrics:
-    """The builder's figures as measurements into `KVMetrics`: the same values the spans carry, the same rules as
-    `processor.KVTransferMetricsProcessor` applies to the spans on the SDK path."""
+    """The builder's figures as measurements into `KVMetrics`, by the rules of `metric_rules` (which the SDK
+    pipeline's `processor.KVTransferMetricsProcessor` applies to the spans)."""
 
     def __init__(self, tables: KVMetrics, max_peers: int = 64):
         self.tables = tables
         self._series = {}  # (id(static attributes), error type) -> (static attributes, key, labels)
-        self._peers = PeerSeries(max_peers)
-        tables.allow_series(I_PEER_THROUGHPUT, max_peers + 1)  # every peer, and `other`
+        self._peers = rules.PeerSeries(max_peers)
+        self._busy = rules.BusyTime()
+        for index in rules.PER_PEER:
+            tables.allow_series(index, max_peers + 1)  # every peer, and `other`
 
     def _send_series(self, attrs, failure):
         static = getattr(attrs, "static", None)
@@ -355,46 +272,30 @@ class RecordMetrics:
         return cached[1], cached[2]
 
     def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
-        speed = attrs.get(semconv.THROUGHPUT)  # absent for a send of no measurable duration
-        if failure:
-            extra = ((I_FAILURES, 1),)
-        elif nbytes > 0 and speed is not None:
-            extra = ((I_THROUGHPUT, speed),)
-        else:
-            extra = ()
-        post = attrs.get(semconv.POST_S)  # only a send whose engine has a posting call
-        if post is not None:
-            extra += ((I_POST_DURATION, post),)
-        key, labels = self._send_series(attrs, failure)
-        self.tables.record(key, labels, ((I_DURATION, (end_ns - start_ns) / 1e9), (I_SIZE, nbytes),
-                                         (I_DESCRIPTORS, descriptors)) + extra, span_context)
-        if nbytes >= semconv.PEER_THROUGHPUT_MIN_BYTES and not failure and speed is not None:
-            peer = self._peers.of(attrs)
-            if peer is not None:
-                self.tables.record(peer[0], peer[1], ((I_PEER_THROUGHPUT, speed),), span_context)
+        record = self.tables.record
+        record(*self._send_series(attrs, failure),
+               rules.send(attrs, (end_ns - start_ns) / 1e9, nbytes, descriptors, bool(failure)), span_context)
+        peer = self._peers.of(attrs)
+        if peer is not None:
+            speed = rules.peer_speed(attrs, nbytes, bool(failure))
+            if speed:
+                record(peer[0], peer[1], speed, span_context)
+            # busy time sums many sends: no one send is its exemplar
+            record(peer[0], peer[1], ((rules.I_PEER_BUSY_TIME, self._busy.add(peer[0], start_ns, end_ns)),))
+        key, labels = rules.process_series(attrs)
+        record(key, labels, ((rules.I_BUSY_TIME, self._busy.add(key, start_ns, end_ns)),))
 
     def late(self, attrs, span_context) -> None:
-        """A send that completed after its request had concluded (its send measurements come apart)."""
-        self.tables.record(*series_of(attrs), ((I_LATE_COMPLETIONS, 1),), span_context)
+        self.tables.record(*series_of(attrs), rules.late_send(), span_context)
 
     def request(self, figures, span, state, end_ns, failure) -> None:
-        attrs = span.attributes
-        nbytes = figures.get(semconv.BYTES, 0)
-        measurements = [(I_REQUEST_DURATION, (max(end_ns, span.start_time) - span.start_time) / 1e9),
-                        (I_REQUEST_SIZE, nbytes)]
-        if not failure and nbytes > 0 and figures.get(semconv.BUSY_S, 0) > 0:  # no busy time: no speed
-            measurements.append((I_REQUEST_THROUGHPUT, figures.get(semconv.THROUGHPUT, 0.0)))
-        if semconv.COMPUTE_OVERLAP_RATIO in figures:
-            measurements.append((I_REQUEST_OVERLAP, figures[semconv.COMPUTE_OVERLAP_RATIO]))
-        if semconv.TAIL_S in figures:
-            measurements.append((I_REQUEST_TAIL, figures[semconv.TAIL_S]))
-            measurements.append((I_REQUEST_TAIL_QUEUED, figures[semconv.TAIL_QUEUED_S]))
-        self.tables.record(*series_of(attrs), measurements, span.context)
+        duration_s = (max(end_ns, span.start_time) - span.start_time) / 1e9
+        self.tables.record(*series_of(span.attributes), rules.request(figures, duration_s, bool(failure)),
+                           span.context)
 
     def peer(self, span, end_ns) -> None:
         self.tables.record(*series_of(span.attributes),
-                           ((I_RECEIVE_DURATION, (max(end_ns, span.start_time) - span.start_time) / 1e9),),
-                           span.context)
+                           rules.peer_wait((max(end_ns, span.start_time) - span.start_time) / 1e9), span.context)
 
 
 class _NoMetrics:

@@ -1,0 +1,190 @@
+"""The metric table and its rules: which instruments exist, and what one ended span measures into them.
+
+Both pipelines apply these rules: `kvmetrics.RecordMetrics` (our own tables, the default) to the figures the
+builder has in hand, `processor.KVTransferMetricsProcessor` (SDK instruments, `OTEL_KVTRANSFER_PIPELINE=sdk`) to
+ended spans. A rule returns (instrument index, value) pairs; each pipeline only says where they go.
+"""
+
+import logging
+import threading
+from bisect import bisect_left, bisect_right
+from typing import Optional, Tuple
+
+from otel_kvtransfer import semconv
+
+_logger = logging.getLogger(__name__)
+
+# Bucket boundaries that fit KV transfers: a few KiB to tens of GiB, microseconds to minutes, MB/s to TB/s.
+SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+BYTES_BUCKETS = tuple(float(1 << n) for n in range(10, 36, 2))  # 1 KiB .. 16 GiB, x4 steps
+RATE_BUCKETS = tuple(x * 10.0 ** e for e in range(6, 13) for x in (1.0, 2.5, 5.0))  # 1 MB/s .. 5 TB/s
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
+
+# (name, unit, description, bucket boundaries or None for a counter): the telemetry contract's table.
+INSTRUMENTS = (
+    (semconv.METRIC_DURATION, "s", "Duration of one KV transfer", SECONDS_BUCKETS),
+    (semconv.METRIC_SIZE, "By", "Bytes moved by one KV transfer", BYTES_BUCKETS),
+    (semconv.METRIC_THROUGHPUT, "By/s", "Bytes of one successful KV transfer over its own duration", RATE_BUCKETS),
+    (semconv.METRIC_DESCRIPTORS, "{descriptor}", "Memory descriptors (contiguous pieces) in one KV transfer",
+     COUNT_BUCKETS),
+    (semconv.METRIC_FAILURES, "{transfer}", "KV transfers that failed", None),
+    (semconv.METRIC_REQUEST_DURATION, "s", "From a request's first transfer enqueue to its conclusion",
+     SECONDS_BUCKETS),
+    (semconv.METRIC_REQUEST_SIZE, "By", "Wire bytes of one request's KV transfers", BYTES_BUCKETS),
+    (semconv.METRIC_REQUEST_THROUGHPUT, "By/s",
+     "A successful request's wire bytes over its busy time (union of its transfer intervals)", RATE_BUCKETS),
+    (semconv.METRIC_REQUEST_COMPUTE_OVERLAP, "1",
+     "Share of a request's busy transfer time that overlapped its compute", RATIO_BUCKETS),
+    (semconv.METRIC_RECEIVE_DURATION, "s", "The peer's wait for a request's KV (receive or serve span)",
+     SECONDS_BUCKETS),
+    (semconv.METRIC_REQUEST_TAIL, "s",
+     "Time from a request's last compute to its last KV byte: what the first decode step waited for",
+     SECONDS_BUCKETS),
+    (semconv.METRIC_REQUEST_TAIL_QUEUED, "s",
+     "The part of a request's tail in which none of its transfers moved bytes (queues, threads)", SECONDS_BUCKETS),
+    (semconv.METRIC_PEER_THROUGHPUT, "By/s",
+     "Bytes of one successful KV send of at least 1 MiB over its own duration, per peer", RATE_BUCKETS),
+    (semconv.METRIC_POST_DURATION, "s",
+     "Time inside the call that posted a KV transfer (NIXL transfer(), Mooncake async submit)", SECONDS_BUCKETS),
+    (semconv.METRIC_LATE_COMPLETIONS, "{transfer}", "KV sends that completed after their request had concluded",
+     None),
+    (semconv.METRIC_PEER_BUSY_TIME, "s",
+     "Time in which at least one send of this process to the peer was in flight (rate(): the link's use)", None),
+    (semconv.METRIC_BUSY_TIME, "s",
+     "Time in which at least one send of this process was in flight, over all its peers", None),
+)
+(I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
+ I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
+ I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS, I_PEER_BUSY_TIME, I_BUSY_TIME) = range(len(INSTRUMENTS))
+PER_PEER = (I_PEER_THROUGHPUT, I_PEER_BUSY_TIME)  # instruments whose series are the peers (PeerSeries)
+
+
+def metric_labels(attributes) -> dict:
+    """The low-cardinality metric attributes of a span's attributes (the design contract's list)."""
+    return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
+
+
+# --- the rules -------------------------------------------------------------------------------------------------
+def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
+    """A send's measurements in its own series. A failed or empty send has no speed, nor has one of no
+    measurable duration (it carries no throughput)."""
+    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
+    if failed:
+        measured += ((I_FAILURES, 1),)
+    elif nbytes > 0 and semconv.THROUGHPUT in attrs:
+        measured += ((I_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
+    if semconv.POST_S in attrs:  # only a send whose engine has a posting call
+        measured += ((I_POST_DURATION, attrs[semconv.POST_S]),)
+    return measured
+
+
+def late_send() -> tuple:
+    """A send that completed after its request had concluded (its send measurements come apart)."""
+    return ((I_LATE_COMPLETIONS, 1),)
+
+
+def peer_speed(attrs, nbytes: int, failed: bool) -> tuple:
+    """A send's measurement in its peer's series: successful kv sends of >= 1 MiB with a speed only (smaller ones
+    say more about latency than about the link)."""
+    if failed or nbytes < semconv.PEER_THROUGHPUT_MIN_BYTES or semconv.THROUGHPUT not in attrs \
+            or attrs.get(semconv.PAYLOAD) != semconv.PAYLOAD_KV:
+        return ()
+    return ((I_PEER_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
+
+
+def request(attrs, duration_s: float, failed: bool) -> tuple:
+    """A request span's measurements; `attrs`: its figures (busy time, throughput, overlap, tail)."""
+    nbytes = attrs.get(semconv.BYTES, 0)
+    measured = ((I_REQUEST_DURATION, duration_s), (I_REQUEST_SIZE, nbytes))
+    if not failed and nbytes > 0 and attrs.get(semconv.BUSY_S, 0) > 0:  # no busy time: no speed
+        measured += ((I_REQUEST_THROUGHPUT, attrs.get(semconv.THROUGHPUT, 0.0)),)
+    if semconv.COMPUTE_OVERLAP_RATIO in attrs:
+        measured += ((I_REQUEST_OVERLAP, attrs[semconv.COMPUTE_OVERLAP_RATIO]),)
+    if semconv.TAIL_S in attrs:
+        measured += ((I_REQUEST_TAIL, attrs[semconv.TAIL_S]), (I_REQUEST_TAIL_QUEUED, attrs[semconv.TAIL_QUEUED_S]))
+    return measured
+
+
+def peer_wait(duration_s: float) -> tuple:
+    """A receive or serve span: how long the peer waited for the request's KV."""
+    return ((I_RECEIVE_DURATION, duration_s),)
+
+
+# --- the series that are not the spans' own labels -------------------------------------------------------------
+class PeerSeries:
+    """The peer series (server.address, server.port) of a send, for at most `max_peers` distinct peers per
+    process; every other peer is `other` (said once in the log)."""
+
+    def __init__(self, max_peers: int):
+        self._max = max_peers
+        self._known = {}
+        self._other = ((semconv.PEER_OTHER, None), {semconv.SERVER_ADDRESS: semconv.PEER_OTHER})
+        self._lock = threading.Lock()
+
+    def of(self, attrs) -> Optional[Tuple[tuple, dict]]:
+        """(key, labels) of the send's peer, None when the send names none."""
+        address = attrs.get(semconv.SERVER_ADDRESS)
+        if address is None:
+            return None
+        peer = (address, attrs.get(semconv.SERVER_PORT))
+        found = self._known.get(peer)
+        if found is not None:
+            return found
+        with self._lock:
+            if len(self._known) >= self._max:
+                if len(self._known) == self._max:
+                    self._known[None] = self._other  # the marker that the cap was reached (logged once)
+                    _logger.warning("otel_kvtransfer: more than %d peers (OTEL_KVTRANSFER_MAX_PEERS); "
+                                    "kv_transfer.peer.* counts the others as server.address=%s",
+                                    self._max, semconv.PEER_OTHER)
+                return self._other
+            labels = {semconv.SERVER_ADDRESS: address}
+            if peer[1] is not None:
+                labels[semconv.SERVER_PORT] = peer[1]
+            found = self._known[peer] = (peer, labels)
+            return found
+
+
+def process_series(attrs) -> Tuple[tuple, dict]:
+    """(key, labels) of a send's series of `kv_transfer.busy_time`: its backend and role."""
+    labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.ROLE) if key in attrs}
+    return ("busy_time", labels.get(semconv.BACKEND), labels.get(semconv.ROLE)), labels
+
+
+class BusyTime:
+    """The link busy time: per series, the union of the send intervals seen so far, and what each new send adds
+    to it (so a counter of the additions grows by the union's length, and its rate() is the share of time in use).
+
+    Sends arrive as they end, not as they start: each series keeps its last `KEPT` disjoint busy stretches, which
+    makes the addition exact for any send that starts after the oldest kept stretch ended (a send older than that
+    is counted as if nothing had overlapped it before that stretch)."""
+
+    KEPT = 64
+
+    def __init__(self):
+        self._unions = {}  # series key -> ([stretch starts], [stretch ends]), sorted and disjoint
+
+    def add(self, key, start_ns: int, end_ns: int) -> float:
+        """Seconds the send [start_ns, end_ns] adds to the busy time of series `key`."""
+        if end_ns <= start_ns:
+            return 0.0
+        union = self._unions.get(key)
+        if union is None:
+            if len(self._unions) >= 65536:  # series are capped upstream (peers); this bounds a misuse
+                self._unions.clear()
+            union = self._unions[key] = ([], [])
+        starts, ends = union
+        first = bisect_left(ends, start_ns)  # the first stretch that ends at or after the send's start
+        last = bisect_right(starts, end_ns)  # past the last stretch that starts at or before its end
+        before = 0  # what the stretches the send touches covered already
+        for i in range(first, last):
+            before += ends[i] - starts[i]
+        if first < last:
+            start_ns, end_ns = min(start_ns, starts[first]), max(end_ns, ends[last - 1])
+        starts[first:last] = [start_ns]
+        ends[first:last] = [end_ns]
+        if len(starts) > self.KEPT:
+            del starts[0], ends[0]
+        return (end_ns - start_ns - before) / 1e9
