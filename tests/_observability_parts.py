@@ -51,6 +51,17 @@ def mooncake_available() -> bool:
     return True
 
 
+def veth_namespaces_work() -> bool:
+    """A user + network namespace in which veth pairs and tc qdiscs can be made (kernels or sandboxes may refuse)."""
+    if not (shutil.which("unshare") and shutil.which("ip") and shutil.which("tc")):
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", "ip link add kvtprobe type veth peer name kvtprobe1 && "
+         "tc qdisc add dev kvtprobe root tbf rate 1mbit burst 32kb latency 400ms"],
+        capture_output=True, timeout=20, check=False)
+    return probe.returncode == 0
+
+
 def mooncake_tcp_engine(address: str):
     """A Mooncake TransferEngine at `address` over TCP, peers found by handshake (no metadata server)."""
     os.environ.setdefault("MC_FORCE_TCP", "1")

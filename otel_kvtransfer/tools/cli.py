@@ -5,6 +5,7 @@
                                   [--since S] [--until S] [--page-size N] [--max-requests N]
                                   [--max-sends-per-request N]
     otel-kvtransfer summarize FILE [--json] [--key K ...] [--since S] [--until S] [--limit N]
+    otel-kvtransfer summarize FILE --links [--json]
 
 FILE is OTLP-JSON (what `OTEL_TRACES_EXPORTER=kvtransfer_file` or the Collector's file exporter writes) or the
 older JSON-lines span format; `-` is stdin, and a pipe or FIFO works too. Bad input (an empty, foreign or hostile
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "distribution of per-transfer throughput.")
     summarize.add_argument("--json", action="store_true", help="machine-readable output")
     summarize.add_argument("--limit", type=_count, default=50, metavar="N", help="rows of the text table (50; 0 = all)")
+    summarize.add_argument("--links", action="store_true",
+                           help="the link model instead: per peer, duration = fixed cost + bytes / bandwidth "
+                                "(+ per descriptor), its spread, the calls far above it, the requests it bounds")
     return parser
 
 
@@ -226,6 +230,8 @@ def run_timeline(args) -> int:
 
 
 def run_summarize(args) -> int:
+    if args.links:
+        return _run_links(args)
     from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.summarize import format_text, summary_dict, write_json
 
@@ -242,6 +248,23 @@ def run_summarize(args) -> int:
         if note:
             sys.stdout.write(label(note, 400) + "\n")
         sys.stdout.write(format_text(summary, limit=args.limit or None))
+    sys.stdout.flush()
+    return 0
+
+
+def _run_links(args) -> int:
+    from otel_kvtransfer.tools import links
+
+    if args.keys or args.since is not None or args.until is not None:
+        return _error("--links fits every send of the file: --key, --since and --until select requests, not sends")
+    model = links.link_model(args.file)
+    if not model["peers"]:
+        return _error(f"{args.file}: no kv_transfer.send span with a peer (server.address) in "
+                      f"{model['span_count']} spans")
+    if args.json:
+        links.write_json(model, sys.stdout)
+    else:
+        sys.stdout.write(links.format_text(model))
     sys.stdout.flush()
     return 0
 
