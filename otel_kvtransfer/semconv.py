@@ -13,6 +13,10 @@ SPAN_SEND = "kv_transfer.send"
 SPAN_COMPUTE = "kv_transfer.compute"
 SPAN_RECEIVE = "kv_transfer.receive"  # the peer's wait in a push (decode)
 SPAN_SERVE = "kv_transfer.serve"  # the peer's wait in a pull (prefill)
+SPAN_CONNECT = "kv_transfer.connect"  # an explicit set-up call before transfers to a peer (NIXL: add_remote_agent)
+CONNECT_OPERATION = "kv_transfer.connect.operation"  # the engine's set-up call: add_remote_agent, make_connection
+CONNECT_OUTCOME = "kv_transfer.connect.outcome"
+OUTCOME_OK, OUTCOME_ERROR = "ok", "error"
 
 # kv_transfer.* attributes.
 REQUEST_KEY = "kv_transfer.request_key"
@@ -114,13 +118,14 @@ METRIC_POST_DURATION = "kv_transfer.post.duration"
 METRIC_LATE_COMPLETIONS = "kv_transfer.late_completions"
 METRIC_PEER_BUSY_TIME = "kv_transfer.peer.busy_time"  # per peer, as kv_transfer.peer.throughput
 METRIC_BUSY_TIME = "kv_transfer.busy_time"  # per backend and role, over all peers
+METRIC_CONNECT_DURATION = "kv_transfer.connect.duration"  # per backend, framework and outcome
 PEER_THROUGHPUT_MIN_BYTES = 1 << 20  # sends below this say more about latency than about the link
 PEER_OTHER = "other"  # server.address of every peer beyond the per-process cap
 METRIC_INFLIGHT = "kv_transfer.inflight"
 METRIC_INFLIGHT_OLDEST_AGE = "kv_transfer.inflight.oldest_age"
 METRIC_STUCK = "kv_transfer.stuck"
 INFLIGHT_KIND = "kv_transfer.inflight.kind"
-INFLIGHT_SEND, INFLIGHT_REQUEST, INFLIGHT_PEER = "send", "request", "peer"
+INFLIGHT_SEND, INFLIGHT_REQUEST, INFLIGHT_PEER, INFLIGHT_CONNECT = "send", "request", "peer", "connect"
 EVENT_STUCK = "kv_transfer.stuck"
 STUCK_AGE_S = "kv_transfer.stuck.age_s"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"

@@ -27,7 +27,10 @@ LAYOUTS = {
     r.compute: (r.COMPUTE, {"keys": r.COMPUTE_KEYS, "start_ns": r.COMPUTE_START, "end_ns": r.COMPUTE_END,
                             "chunk": r.COMPUTE_CHUNK}),
     r.inflight: (r.INFLIGHT, {"now_ns": r.INFLIGHT_AT, "count": r.INFLIGHT_COUNT, "oldest": r.INFLIGHT_OLDEST,
-                              "stuck": r.INFLIGHT_STUCK}),
+                              "stuck": r.INFLIGHT_STUCK, "connects": r.INFLIGHT_CONNECTS}),
+    r.connect: (r.CONNECT, {"start": r.CONNECT_START, "end": r.CONNECT_END, "backend": r.CONNECT_BACKEND,
+                            "operation": r.CONNECT_OPERATION, "peer": r.CONNECT_PEER, "error": r.CONNECT_ERROR,
+                            "key": r.CONNECT_KEY, "context": r.CONNECT_CONTEXT}),
 }
 
 
@@ -47,7 +50,7 @@ def test_each_argument_lands_on_its_named_position(constructor):
 
 
 def test_the_kinds_are_distinct():
-    kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT]
+    kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT]
     assert len(set(kinds)) == len(kinds)
 
 

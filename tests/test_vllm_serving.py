@@ -276,3 +276,19 @@ def test_a_sigterm_right_after_the_last_answer_loses_no_span_and_leaves_no_proce
     assert len(pair.named(facts["initiator"], "kv_transfer.send", key)) == 1
     (peer,) = pair.named(facts["waiter"], facts["peer"], key)
     _assert_concluded_or_ended_by_the_stop(last, peer)
+
+
+def test_the_decode_sets_its_prefill_up_once_before_its_first_read(pair):
+    """NIXL: the decode's handshake adds the prefill's agent (add_remote_agent) on the first request only: one
+    `kv_transfer.connect`, naming the agent every read goes to, ended before the first read began. Mooncake sets
+    its peer up inside its first transfer instead (`kv_transfer.first_to_peer`): no connect span on either side."""
+    connects = {role: [s for s in pair.spans[role] if s.name == "kv_transfer.connect"] for role in pair.spans}
+    if pair.connector == "mooncake":
+        assert connects == {"prefill": [], "decode": []}
+        return
+    (connect,) = connects["decode"]
+    assert connect.attributes["kv_transfer.connect.operation"] == "add_remote_agent" and not connect.is_error
+    assert connect.attributes["kv_transfer.connect.outcome"] == "ok"
+    sends = [s for s in pair.spans["decode"] if s.name == "kv_transfer.send"]
+    assert {s.attributes["nixl.remote_agent"] for s in sends} == {connect.attributes["nixl.remote_agent"]}
+    assert connect.end_time_unix_nano <= min(s.start_time_unix_nano for s in sends)

@@ -69,6 +69,7 @@ class SpanBuilder:
             r.BEGIN_PEER: self._begin_peer,
             r.END_PEER: self._end_peer,
             r.INFLIGHT: self._inflight,
+            r.CONNECT: self._connect,
         }
 
     def handle(self, rec: tuple) -> None:
@@ -232,6 +233,31 @@ class SpanBuilder:
                 if name in state.labels:
                     attrs[name] = state.labels[name]
             self._spans.child(semconv.SPAN_COMPUTE, state.parent, SpanKind.INTERNAL, attrs, start_ns, end_ns, _OK)
+
+    # --- set-up ----------------------------------------------------------------------------------------------
+    def _connect(self, rec, now):
+        """A set-up call towards a peer: under its request when it ran in that request's transfer scope."""
+        start, end, backend, error = rec[r.CONNECT_START], rec[r.CONNECT_END], rec[r.CONNECT_BACKEND], \
+            rec[r.CONNECT_ERROR]
+        attrs = {semconv.BACKEND: backend, semconv.CONNECT_OPERATION: rec[r.CONNECT_OPERATION],
+                 semconv.CONNECT_OUTCOME: semconv.OUTCOME_ERROR if error else semconv.OUTCOME_OK}
+        peer, parser = rec[r.CONNECT_PEER], self._peer_parsers.get(backend)
+        if peer is not None and parser is not None:
+            attrs.update(parser(peer))
+        key = rec[r.CONNECT_KEY]
+        state = self._requests.get(key) if key is not None else None
+        if state is not None:
+            attrs[semconv.REQUEST_KEY] = str(key)
+            attrs.update(state.labels)
+            parent = state.parent
+        else:
+            parent = span_context_of(rec[r.CONNECT_CONTEXT])
+        status = _OK
+        if error:
+            attrs[semconv.ERROR_TYPE] = error
+            status = Status(StatusCode.ERROR, error)
+        span_context = self._spans.child(semconv.SPAN_CONNECT, parent, SpanKind.CLIENT, attrs, start, end, status)
+        self._metrics.connect(attrs, start, end, span_context)
 
     # --- peers (receive / serve) -----------------------------------------------------------------------------
     def _begin_peer(self, rec, now):

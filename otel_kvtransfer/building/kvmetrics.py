@@ -128,7 +128,29 @@ class KVMetrics:
         self._resource = None
         self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
         self._limits = [MAX_SERIES] * len(INSTRUMENTS)
+        # Counters summed before they are recorded (busy time: many sends, no exemplar): (index, key) ->
+        # [index, key, labels, sum since the last collection, measured since then]; recorded at each collection.
+        self._held = {}
         self.attached = False
+
+    def held(self, index: int, key: tuple, labels: dict) -> list:
+        """The running sum of counter `index`'s series `key`: the builder adds to it with `add_held`, every
+        collection records what it gathered since the last one (a series it never saw stays out)."""
+        with self._lock:
+            return self._held.setdefault((index, key), [index, key, labels, 0, False])
+
+    def add_held(self, held: list, value) -> None:
+        with self._lock:
+            held[3] += value
+            held[4] = True
+
+    def _record_held(self) -> None:
+        with self._lock:
+            due = [tuple(held[:4]) for held in self._held.values() if held[4]]
+            for held in self._held.values():
+                held[3], held[4] = 0, False
+        for index, key, labels, value in due:
+            self.record(key, labels, ((index, value),))
 
     def allow_series(self, index: int, count: int) -> None:
         """Let instrument `index` keep `count` series before its overflow series (never below MAX_SERIES)."""
@@ -210,6 +232,7 @@ class KVMetrics:
         return collect
 
     def _points(self, reader) -> List[Metric]:
+        self._record_held()
         now = time.time_ns()
         taken = []
         with self._lock:
@@ -254,36 +277,48 @@ class RecordMetrics:
 
     def __init__(self, tables: KVMetrics, max_peers: int = 64):
         self.tables = tables
-        self._series = {}  # (id(static attributes), error type) -> (static attributes, key, labels)
+        # (id(static attributes), error type) -> the send shape's series (`_shape`)
+        self._series = {}
         self._peers = rules.PeerSeries(max_peers)
         self._busy = rules.BusyTime()
         for index in rules.PER_PEER:
             tables.allow_series(index, max_peers + 1)  # every peer, and `other`
 
-    def _send_series(self, attrs, failure):
+    def _shape(self, attrs, failure) -> tuple:
+        """(static, key, labels, peer series or None, its busy time held or None, the process's busy time held)
+        of a send, computed once per shape of the builder's attributes (the part sends share, which holds the
+        engine, the peer and the request's labels)."""
         static = getattr(attrs, "static", None)
-        if static is None:
-            return series_of(attrs)
-        cached = self._series.get((id(static), failure))
-        if cached is None or cached[0] is not static:
+        if static is not None:
+            cached = self._series.get((id(static), failure))
+            if cached is not None and cached[0] is static:
+                return cached
+        key, labels = series_of(attrs)
+        peer = self._peers.of(attrs)
+        # busy time sums many sends: the tables add it up and record it once per collection, with no exemplar
+        process = rules.process_series(attrs)
+        shape = (static, key, labels, peer,
+                 self.tables.held(rules.I_PEER_BUSY_TIME, *peer) if peer is not None else None,
+                 self.tables.held(rules.I_BUSY_TIME, *process))
+        if static is not None:
             if len(self._series) >= 4096:
                 self._series.clear()
-            cached = self._series[(id(static), failure)] = (static,) + series_of(attrs)
-        return cached[1], cached[2]
+            self._series[(id(static), failure)] = shape
+        return shape
 
     def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
+        _static, key, labels, peer, peer_busy, process_busy = self._shape(attrs, failure)
         record = self.tables.record
-        record(*self._send_series(attrs, failure),
-               rules.send(attrs, (end_ns - start_ns) / 1e9, nbytes, descriptors, bool(failure)), span_context)
-        peer = self._peers.of(attrs)
+        record(key, labels, rules.send(attrs, (end_ns - start_ns) / 1e9, nbytes, descriptors, bool(failure)),
+               span_context)
         if peer is not None:
             speed = rules.peer_speed(attrs, nbytes, bool(failure))
             if speed:
                 record(peer[0], peer[1], speed, span_context)
-            # busy time sums many sends: no one send is its exemplar
-            record(peer[0], peer[1], ((rules.I_PEER_BUSY_TIME, self._busy.add(peer[0], start_ns, end_ns)),))
-        key, labels = rules.process_series(attrs)
-        record(key, labels, ((rules.I_BUSY_TIME, self._busy.add(key, start_ns, end_ns)),))
+        add, add_held = self._busy.add, self.tables.add_held
+        if peer_busy is not None:
+            add_held(peer_busy, add(peer_busy[1], start_ns, end_ns))
+        add_held(process_busy, add(process_busy[1], start_ns, end_ns))
 
     def late(self, attrs, span_context) -> None:
         self.tables.record(*series_of(attrs), rules.late_send(), span_context)
@@ -297,6 +332,9 @@ class RecordMetrics:
         self.tables.record(*series_of(span.attributes),
                            rules.peer_wait((max(end_ns, span.start_time) - span.start_time) / 1e9), span.context)
 
+    def connect(self, attrs, start_ns, end_ns, span_context) -> None:
+        self.tables.record(*rules.connect_series(attrs), rules.connect((end_ns - start_ns) / 1e9), span_context)
+
 
 class _NoMetrics:
     """The SDK path: a span processor derives the metrics from the spans."""
@@ -304,7 +342,7 @@ class _NoMetrics:
     def send(self, *args) -> None:
         pass
 
-    request = peer = late = send
+    request = peer = late = connect = send
 
 
 NO_METRICS = _NoMetrics()

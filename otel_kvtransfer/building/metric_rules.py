@@ -54,10 +54,13 @@ INSTRUMENTS = (
      "Time in which at least one send of this process to the peer was in flight (rate(): the link's use)", None),
     (semconv.METRIC_BUSY_TIME, "s",
      "Time in which at least one send of this process was in flight, over all its peers", None),
+    (semconv.METRIC_CONNECT_DURATION, "s", "Duration of one set-up call towards a peer (NIXL add_remote_agent...)",
+     SECONDS_BUCKETS),
 )
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
  I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
- I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS, I_PEER_BUSY_TIME, I_BUSY_TIME) = range(len(INSTRUMENTS))
+ I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS, I_PEER_BUSY_TIME, I_BUSY_TIME,
+ I_CONNECT_DURATION) = range(len(INSTRUMENTS))
 PER_PEER = (I_PEER_THROUGHPUT, I_PEER_BUSY_TIME)  # instruments whose series are the peers (PeerSeries)
 
 
@@ -112,6 +115,11 @@ def peer_wait(duration_s: float) -> tuple:
     return ((I_RECEIVE_DURATION, duration_s),)
 
 
+def connect(duration_s: float) -> tuple:
+    """A set-up call towards a peer (a kv_transfer.connect span)."""
+    return ((I_CONNECT_DURATION, duration_s),)
+
+
 # --- the series that are not the spans' own labels -------------------------------------------------------------
 class PeerSeries:
     """The peer series (server.address, server.port) of a send, for at most `max_peers` distinct peers per
@@ -153,6 +161,14 @@ def process_series(attrs) -> Tuple[tuple, dict]:
     return ("busy_time", labels.get(semconv.BACKEND), labels.get(semconv.ROLE)), labels
 
 
+def connect_series(attrs) -> Tuple[tuple, dict]:
+    """(key, labels) of a set-up call's series: its backend, framework and outcome."""
+    labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.FRAMEWORK, semconv.CONNECT_OUTCOME)
+              if key in attrs}
+    return ("connect", labels.get(semconv.BACKEND), labels.get(semconv.FRAMEWORK),
+            labels.get(semconv.CONNECT_OUTCOME)), labels
+
+
 class BusyTime:
     """The link busy time: per series, the union of the send intervals seen so far, and what each new send adds
     to it (so a counter of the additions grows by the union's length, and its rate() is the share of time in use).
@@ -176,6 +192,12 @@ class BusyTime:
                 self._unions.clear()
             union = self._unions[key] = ([], [])
         starts, ends = union
+        if not ends or start_ns > ends[-1]:  # after everything so far: the common case, sends in end order
+            starts.append(start_ns)
+            ends.append(end_ns)
+            if len(starts) > self.KEPT:
+                del starts[0], ends[0]
+            return (end_ns - start_ns) / 1e9
         first = bisect_left(ends, start_ns)  # the first stretch that ends at or after the send's start
         last = bisect_right(starts, end_ns)  # past the last stretch that starts at or before its end
         before = 0  # what the stretches the send touches covered already

@@ -52,6 +52,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
             semconv.SPAN_REQUEST: self._on_request,
             semconv.SPAN_RECEIVE: self._on_peer,
             semconv.SPAN_SERVE: self._on_peer,
+            semconv.SPAN_CONNECT: self._on_connect,
         }
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -97,3 +98,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
 
     def _on_peer(self, span, attrs, labels, context) -> None:
         self._measure(rules.peer_wait((span.end_time - span.start_time) / 1e9), labels, context)
+
+    def _on_connect(self, span, attrs, labels, context) -> None:
+        self._measure(rules.connect((span.end_time - span.start_time) / 1e9), rules.connect_series(attrs)[1],
+                      context)

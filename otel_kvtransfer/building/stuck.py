@@ -23,7 +23,7 @@ from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
-KINDS = (semconv.INFLIGHT_SEND, semconv.INFLIGHT_REQUEST, semconv.INFLIGHT_PEER)
+KINDS = (semconv.INFLIGHT_SEND, semconv.INFLIGHT_REQUEST, semconv.INFLIGHT_PEER, semconv.INFLIGHT_CONNECT)
 _BY_PROVIDER = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 MAX_LINES = 5  # stuck items logged one by one per scan; the rest go into one summary line
@@ -125,22 +125,26 @@ class OpenWatch:
         self._young = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
         self._old = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
         self._sends = (0, None)
+        self._connects = None  # (open, oldest start) of set-up calls, once the engine process reported any
 
     def opened(self, kind: str, key, state, start_ns: int) -> None:
         self._young[kind].append((start_ns, key, state))
 
     def sends(self, rec, find_request) -> None:
-        """An INFLIGHT record from the engine process: its open sends, and those that just became stuck."""
-        _, at_ns, count, oldest, stuck = rec
+        """An INFLIGHT record from the engine process: its open sends and set-up calls, and those that just
+        became stuck."""
+        _, at_ns, count, oldest, stuck, connects = rec
         self._sends = (count, oldest)
+        if connects[0] or self._connects is not None:
+            self._connects = connects
         if stuck:
             self.reporter.report(self._stuck_sends(stuck, at_ns, find_request))
 
     @staticmethod
     def _stuck_sends(stuck, at_ns, find_request):
-        for start_ns, key, peer, nbytes, backend in stuck:
+        for start_ns, key, peer, nbytes, backend, kind in stuck:
             state = find_request(key) if key is not None else None
-            yield (semconv.INFLIGHT_SEND, key, peer, nbytes, (at_ns - start_ns) / 1e9, backend,
+            yield (kind, key, peer, nbytes, (at_ns - start_ns) / 1e9, backend,
                    state.labels.get(semconv.ROLE) if state is not None else None,
                    state.span if state is not None else None)
 
@@ -150,6 +154,8 @@ class OpenWatch:
         now = now_ns()  # the records' clock: ages are monotonic measures
         threshold = now - self._stuck_ns
         snapshot = {semconv.INFLIGHT_SEND: self._sends}
+        if self._connects is not None:
+            snapshot[semconv.INFLIGHT_CONNECT] = self._connects
         stuck = []
         for kind, table in tables.items():
             young, old = self._young[kind], self._old[kind]
@@ -175,3 +181,4 @@ class OpenWatch:
         for queue in list(self._young.values()) + list(self._old.values()):
             queue.clear()
         self._sends = (0, None)
+        self._connects = None

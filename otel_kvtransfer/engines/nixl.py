@@ -10,6 +10,8 @@ op is the handle's READ or WRITE; the peer is the remote agent's name; the notif
 attribute. These wrappers only time and count: the call tuple goes to the transfer scope current when the handle
 was posted, else to the one current when it was made (a handle posted from another thread), else it is a raw
 send, through `PendingTransfers`, which bounds the handles waiting for completion and counts what it has to drop.
+Set-up calls towards a peer (`add_remote_agent`, `make_connection`, a metadata fetch) are `kv_transfer.connect`
+records of their own (below).
 """
 
 import importlib.util
@@ -20,11 +22,20 @@ from typing import Optional
 import wrapt
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import inflight, records
 from otel_kvtransfer.recording import integration as kvt
-from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.clock import now_ns
-from otel_kvtransfer.recording.patching import Patcher, active, observe_call, own_error, safely
+from otel_kvtransfer.recording.patching import (
+    Patcher,
+    active,
+    count_drop,
+    current_context,
+    observe_call,
+    own_error,
+    safely,
+)
 from otel_kvtransfer.recording.pending import PendingTransfers
+from otel_kvtransfer.recording.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
 
@@ -271,6 +282,125 @@ def _protocol(agent) -> Optional[str]:
     return None
 
 
+# --- set-up calls ----------------------------------------------------------------------------------------------
+# Each explicit set-up call towards a peer is one kv_transfer.connect: add_remote_agent (loads the peer's metadata;
+# the peer is the name it returns) and make_connection, timed around the call; fetch_remote_metadata asks for the
+# metadata without waiting, so its connect lasts until the first check_remote_metadata that finds it. While one is
+# open it is in flight as kind `connect` (a sync call through its frame, a fetch through `_fetches`), and stuck
+# past OTEL_KVTRANSFER_STUCK_S like a send.
+
+def _scope_key():
+    """The request key of this thread's transfer scope, or None."""
+    info = getattr(kvt.THREAD.scope, "info", None)
+    return info[records.INFO_KEY] if info else None
+
+
+def _connected(operation, start, peer, error, key) -> None:
+    RECORDER.record(records.connect(start, now_ns(), BACKEND, operation, _text(peer), error, key,
+                                    None if key is not None else current_context()))
+
+
+def _connect_wrapper(operation: str):
+    def setup_call(wrapped, instance, args, kwargs):
+        if not active():
+            return wrapped(*args, **kwargs)
+        key = _scope_key()
+        start = now_ns()  # `start`, `key`, `operation`, `args` and `kwargs` are read by _setup_in_progress
+        try:
+            result = wrapped(*args, **kwargs)
+        except Exception as exc:
+            safely("record a NIXL set-up call", _connected, operation, start, _named_peer(operation, args, kwargs),
+                   type(exc).__qualname__, key)
+            raise
+        peer = result if operation == "add_remote_agent" else _named_peer(operation, args, kwargs)
+        safely("record a NIXL set-up call", _connected, operation, start, peer, None, key)
+        return result
+
+    return setup_call
+
+
+def _named_peer(operation, args, kwargs):
+    """The remote agent a set-up call names (add_remote_agent names it only in its answer)."""
+    if operation == "add_remote_agent":
+        return None
+    return args[0] if args else kwargs.get("remote_agent")
+
+
+_SETUP_CALLS = ("add_remote_agent", "make_connection")
+_SETUP_WRAPPERS = {operation: _connect_wrapper(operation) for operation in _SETUP_CALLS}
+
+
+def _setup_in_progress(frame_locals):
+    """A set-up call still inside NIXL, from its wrapper's frame (read by the in-flight scan)."""
+    start = frame_locals.get("start")
+    if not isinstance(start, int):
+        return None
+    peer = _named_peer(frame_locals.get("operation"), frame_locals.get("args") or (), frame_locals.get("kwargs") or {})
+    return (start, frame_locals.get("key"), _text(peer), None, BACKEND, semconv.INFLIGHT_CONNECT)
+
+
+inflight.register_wrapper(_SETUP_WRAPPERS[_SETUP_CALLS[0]].__code__, _setup_in_progress)  # one code for all
+
+
+class _Fetches:
+    """Metadata fetches asked for and not yet found: (id(agent), remote agent) -> (start_ns, key, context)."""
+
+    LIMIT = 4096
+
+    def __init__(self):
+        self.open = {}
+
+    def in_flight(self):
+        for (agent, peer), (start, key, _context) in list(self.open.items()):
+            yield (agent, peer), (start, key, peer, None, BACKEND, semconv.INFLIGHT_CONNECT)
+
+
+_fetches = _Fetches()
+inflight.register_pending(_fetches)
+
+
+def _fetch_wrapper(wrapped, instance, args, kwargs):
+    if not active():
+        return wrapped(*args, **kwargs)
+    start = now_ns()
+    try:
+        result = wrapped(*args, **kwargs)
+    except Exception as exc:  # the ask itself failed: a failed set-up call now
+        safely("record a NIXL set-up call", _connected, "fetch_remote_metadata", start,
+               args[0] if args else kwargs.get("remote_agent"), type(exc).__qualname__, _scope_key())
+        raise
+    safely("record a NIXL metadata fetch", _asked, instance, args, kwargs, start)
+    return result
+
+
+def _asked(agent, args, kwargs, start) -> None:
+    peer = _text(args[0] if args else kwargs.get("remote_agent"))
+    if peer is None:
+        return
+    key = (id(agent), peer)
+    if key not in _fetches.open and len(_fetches.open) >= _Fetches.LIMIT:
+        _fetches.open.pop(next(iter(_fetches.open)))  # the oldest ask, never answered: let go, counted
+        count_drop("setup_pending_full")
+    scope_key = _scope_key()
+    _fetches.open.setdefault(key, (start, scope_key, None if scope_key is not None else current_context()))
+
+
+def _check_metadata_wrapper(wrapped, instance, args, kwargs):
+    found = wrapped(*args, **kwargs)
+    if found is True and _fetches.open:
+        safely("record a NIXL metadata fetch", _arrived, instance, args, kwargs)
+    return found
+
+
+def _arrived(agent, args, kwargs) -> None:
+    peer = _text(args[0] if args else kwargs.get("agent"))
+    asked = _fetches.open.pop((id(agent), peer), None)
+    if asked is not None:
+        start, key, context = asked
+        RECORDER.record(records.connect(start, now_ns(), BACKEND, "fetch_remote_metadata", peer, None, key,
+                                        context))
+
+
 # --- the engine-module interface ------------------------------------------------------------------------------
 
 
@@ -314,6 +444,10 @@ def _patch(_module=None) -> None:
         patcher.wrap(api.nixl_xfer_handle, "release", _release_handle_wrapper)
         patcher.wrap(api.nixl_xfer_handle, "__del__", _del_handle_wrapper)
         patcher.wrap(api.nixl_prepped_dlist_handle, "release", _release_dlist_wrapper)
+        for operation in _SETUP_CALLS:
+            patcher.wrap(agent, operation, _SETUP_WRAPPERS[operation])
+        patcher.wrap(agent, "fetch_remote_metadata", _fetch_wrapper)
+        patcher.wrap(agent, "check_remote_metadata", _check_metadata_wrapper)
     except Exception:
         own_error("patch NIXL")
         _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
@@ -343,3 +477,4 @@ def uninstrument() -> None:
     _pending.abandon()
     _dlists.clear()
     _handles.clear()
+    _fetches.open.clear()

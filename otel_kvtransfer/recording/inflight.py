@@ -1,5 +1,6 @@
 """What the engine process is transferring right now, seen from the recorder's thread: sync engine calls still
-inside the engine, and async submissions whose completion nobody has observed yet.
+inside the engine, and async submissions whose completion nobody has observed yet; and, as kind `connect`, the
+set-up calls towards a peer still in progress.
 
 A hung sync call is visible only while it hangs, so it must be found without any work on the hot path: once a
 second the recorder's thread reads `sys._current_frames()` and finds the threads whose Python frame is an engine
@@ -19,10 +20,12 @@ from typing import Callable, Dict, Optional
 
 from otel_kvtransfer.recording import clock as records_clock  # `clock` is the watcher's own scan clock
 from otel_kvtransfer.recording import records as r
+from otel_kvtransfer.semconv import INFLIGHT_SEND
 
 SCAN_INTERVAL_S = 1.0
 
-# code object of a wrapper -> describe(frame locals) -> (start_ns, key, peer, nbytes, backend) or None
+# code object of a wrapper -> describe(frame locals) -> (start_ns, key, peer, nbytes, backend[, kind]) or None
+# (kind: semconv.INFLIGHT_SEND when left out, or INFLIGHT_CONNECT for a set-up call)
 _WRAPPERS: Dict[object, Callable] = {}
 _PENDING = weakref.WeakSet()  # every PendingTransfers
 
@@ -95,13 +98,20 @@ class Watcher:
         for pending in list(_PENDING):
             for handle, item in pending.in_flight():
                 items[("async", id(pending), handle, item[0])] = item
-        oldest, stuck = None, []
+        oldest, stuck, sends, connects, oldest_connect = None, [], 0, 0, None
         for ident, item in items.items():
             start = item[0]
-            if oldest is None or start < oldest:
-                oldest = start
+            kind = item[5] if len(item) > 5 else INFLIGHT_SEND
+            if kind == INFLIGHT_SEND:
+                sends += 1
+                if oldest is None or start < oldest:
+                    oldest = start
+            else:
+                connects += 1
+                if oldest_connect is None or start < oldest_connect:
+                    oldest_connect = start
             if now_ns - start >= self._stuck_ns and ident not in self._reported:
-                stuck.append(item)
+                stuck.append(item[:5] + (kind,))
                 self._reported.add(ident)
         # Forget what has ended: the ids kept are a subset of what is open now (bounded by the pending tables and
         # the threads), so each item is reported once for as long as it stays open, however many there are.
@@ -109,4 +119,4 @@ class Watcher:
         if not items and not self._last_count:
             return None
         self._last_count = len(items)
-        return r.inflight(now_ns, len(items), oldest, stuck)
+        return r.inflight(now_ns, sends, oldest, stuck, (connects, oldest_connect))

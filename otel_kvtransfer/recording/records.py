@@ -15,6 +15,7 @@ COMPUTE = 4  # a compute interval serving some requests
 BEGIN_PEER = 5  # the peer's waiting span (receive for a push, serve for a pull) opens
 END_PEER = 6
 INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
+CONNECT = 8  # one explicit set-up call towards a peer (NIXL's add_remote_agent, make_connection)
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -102,16 +103,18 @@ def end_peer(key, end_ns, error=None) -> tuple:
     return (END_PEER, key, end_ns, error)
 
 
-# INFLIGHT: (INFLIGHT, now_ns, open count, oldest start_ns or None, [(start_ns, key, peer, nbytes, backend), ...])
-# where the list holds the open sends that just became stuck (each reported once)
+# INFLIGHT: (INFLIGHT, now_ns, open sends, oldest send's start_ns or None, [(start_ns, key, peer, nbytes, backend,
+# kind), ...], (open set-up calls, oldest one's start_ns or None)) where the list holds the open sends and set-up
+# calls (kind semconv.INFLIGHT_SEND or INFLIGHT_CONNECT) that just became stuck (each reported once)
 INFLIGHT_AT = 1
 INFLIGHT_COUNT = 2
 INFLIGHT_OLDEST = 3
 INFLIGHT_STUCK = 4
+INFLIGHT_CONNECTS = 5
 
 
-def inflight(now_ns, count, oldest, stuck) -> tuple:
-    return (INFLIGHT, now_ns, count, oldest, stuck)
+def inflight(now_ns, count, oldest, stuck, connects=(0, None)) -> tuple:
+    return (INFLIGHT, now_ns, count, oldest, stuck, connects)
 
 
 # COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index)
@@ -123,3 +126,20 @@ COMPUTE_CHUNK = 4
 
 def compute(keys, start_ns, end_ns, chunk=None) -> tuple:
     return (COMPUTE, keys, start_ns, end_ns, chunk)
+
+
+# CONNECT: (CONNECT, start_ns, end_ns, backend, operation, peer, error, key, context): `key` the request key of the
+# transfer scope the call ran in (its span's parent), else None and `context` the current one (as a raw send's)
+CONNECT_START = 1
+CONNECT_END = 2
+CONNECT_BACKEND = 3
+CONNECT_OPERATION = 4
+CONNECT_PEER = 5  # the engine's own peer name, parsed by the engine's peer_attributes(), or None
+CONNECT_ERROR = 6
+CONNECT_KEY = 7
+CONNECT_CONTEXT = 8
+
+
+def connect(start, end, backend, operation, peer, error, key, context) -> tuple:
+    return (CONNECT, start, end, backend, operation, peer, error, key, context)
+
