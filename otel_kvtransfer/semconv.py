@@ -131,5 +131,5 @@ STUCK_AGE_S = "kv_transfer.stuck.age_s"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
 DROPPED_DESCRIPTION = "Records the instrumentation had to drop (queue full, evicted requests, own errors)"
 
-# Attributes a metric point may carry: low cardinality only (DESIGN).
+# Attributes a metric point may carry: low cardinality only (docs/telemetry.md).
 METRIC_ATTRIBUTES = (BACKEND, FRAMEWORK, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR, GEN_AI_REQUEST_MODEL)

@@ -77,7 +77,7 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 class RequestAggregate:
-    """Accumulates one request's sends and compute intervals; `figures()` gives its DESIGN aggregates.
+    """Accumulates one request's sends and compute intervals; `figures()` gives its aggregates (docs/telemetry.md).
 
     Keys of `figures()`: bytes, logical_bytes, transfer_count, chunk_count, replica_factor, busy_ns,
     throughput, and when compute is known, overlap_ns and overlap_ratio, and the tail: tail_ns (end of the last

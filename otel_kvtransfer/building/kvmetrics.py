@@ -1,13 +1,15 @@
-"""The DESIGN metrics kept in our own fixed-bucket tables, handed to the SDK's metric readers as finished points.
+"""The package's metrics (docs/telemetry.md) kept in our own fixed-bucket tables, handed to the SDK's metric
+readers as finished points.
 
 An SDK histogram `record()` hashes its attributes, finds a series, takes a lock and offers an exemplar, on every
 call: about 13 us on this machine, four or more times per transfer. Our series are few and known (the metric
-attributes of DESIGN, low-cardinality) and our values were computed once by the builder, so a record here is a
-bisect and a few additions into a table of the series. Each reader of the user's MeterProvider gets our points
-inside its own collection (its `_collect` callback is wrapped: the exporter, interval and temporality stay the
-user's), as the metric data the SDK would have produced for the same measurements: explicit-bucket histograms
-with min and max, exemplars pointing at the span (one per bucket, the latest, under the provider's exemplar
-filter), a monotonic sum for failures, cumulative or delta as the reader prefers.
+attributes of the telemetry contract, low-cardinality) and our values were computed once by the builder, so a record
+here is a bisect and a few additions into a table of the series. Each reader of the user's MeterProvider gets our
+points inside its own collection (its `_collect` callback is wrapped: the exporter, interval and temporality stay
+the user's), as the metric data the SDK would have produced for the same measurements: explicit-bucket histograms
+with min and max, exemplars pointing at the span (one per bucket, the latest, under the provider's exemplar filter),
+monotonic sums for the counters (busy time summed over the sends and recorded once per collection, with no
+exemplar), cumulative or delta as the reader prefers.
 
 Views configured on the MeterProvider do not apply to these points (they never pass through the SDK's
 instruments); `OTEL_KVTRANSFER_PIPELINE=sdk` gives SDK instruments back (docs/cost.md).

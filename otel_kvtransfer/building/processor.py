@@ -1,4 +1,4 @@
-"""`KVTransferMetricsProcessor`: the DESIGN metrics, derived from ended spans (the SDK pipeline,
+"""`KVTransferMetricsProcessor`: the package's metrics (docs/telemetry.md), derived from ended spans (the SDK pipeline,
 `OTEL_KVTRANSFER_PIPELINE=sdk`; the direct pipeline records the same measurements into `kvmetrics` tables).
 
 Metrics come from the spans and never from the engine hooks, so a metric and its span can never disagree.
@@ -26,7 +26,7 @@ _NO_SPAN = Context()  # a measurement no span stands for: no exemplar, whatever 
 
 
 class KVTransferMetricsProcessor(SpanProcessor):
-    """Turns this package's spans into the DESIGN histograms and counters, by the rules of `metric_rules`."""
+    """Turns this package's spans into its histograms and counters, by the rules of `metric_rules`."""
 
     def __init__(self, meter_provider=None, max_peers: int = 64):
         meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)

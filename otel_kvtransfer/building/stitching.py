@@ -1,6 +1,6 @@
 """The synthetic parent that puts both sides' spans of one request into one trace, with no propagation.
 
-Both sides derive the same remote parent from the request key alone (DESIGN "Trace stitching"): an int key (a
+Both sides derive the same remote parent from the request key alone (docs/telemetry.md, stitching): an int key (a
 bootstrap room) hashes its 8 big-endian bytes, a str key (a transfer id, a request id) its UTF-8 bytes. The
 parent carries a trace-state marker so `RecordUnsampledSampler` can keep it from deciding sampling: a trace under
 it is sampled as a root span with that trace id would be, identically on both sides.

@@ -1,7 +1,7 @@
 """`OTEL_KVTRANSFER_BUILDER=process`: spans and metrics are built in a helper process, not in the engine's.
 
-In-process, building a span and its histogram points costs the engine process ~140-220 us of CPU per transfer
-on a slow core, nearly all of it inside the OpenTelemetry SDK (bench/RESULTS.md), and holds the GIL the engine's
+In-process, building a span and its metric points costs the engine process's CPU (about 21 us per record on this
+machine's builder, docs/cost.md, where the SDK's own path costs several times that) and holds the GIL the engine's
 own threads need. With this mode the engine process keeps only the hot path and, on the recorder's thread, one
 pickled frame per drain written to a socket; the helper (`helper_process`) reads the frames and runs the same
 builder and metrics processor on an SDK it sets up from the same OTEL_* variables.

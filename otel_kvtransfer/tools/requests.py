@@ -222,7 +222,8 @@ class Request:
 
     # ---- figures
     def figures(self) -> dict:
-        """The DESIGN aggregates: the request span's own when it carries them, else from its children."""
+        """The request's aggregates (docs/telemetry.md): the request span's own when it carries them, else from
+        its children."""
         out = dict.fromkeys(FIGURE_ATTRIBUTES)
         if self._has_own_figures():
             out.update(self.figure_attrs)
