@@ -4,8 +4,9 @@ tests/test_link_model.py (never imported by pytest):
     unshare -rn python tests/_observability_links.py --outer-netns NETNS --out DIR
 
 The namespaces, veth links and receivers are those of tests/_observability_peers.py (its receiver mode, its
-helpers): a slow peer behind a `tc` token bucket and a fast one without. First each link's own rate is measured
-with plain, uninstrumented 4 MiB writes; then, instrumented, with the span file exporter writing DIR/spans.jsonl:
+helpers): a slow peer behind a `tc` token bucket and a fast one without. Each link's own rate is the median of
+plain, uninstrumented 4 MiB writes before and after the instrumented sends (as the machine was around them). The
+sends, instrumented, with the span file exporter writing DIR/spans.jsonl:
 - to the slow peer, requests of one send each of 128 KiB to 2 MiB (sizes vary, so fixed cost and bandwidth part);
 - to the fast peer, requests of one write each of 64 KiB to 4 MiB in one descriptor, and of 1 MiB in 16 or 256
   descriptors (descriptor counts vary apart from bytes), and requests of 256 descriptors of 64 B each (16 KiB:
@@ -18,6 +19,7 @@ Protocol on stdout: one line `RESULT {json}` (the facts), or `ERROR <one line>`.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -37,18 +39,17 @@ TINY_DESCRIPTORS, TINY_BYTES = 256, 64  # a request whose time is its descriptor
 SMALL_BYTES = 4 << 10  # a request whose time is the call's fixed cost
 
 
-def _plain_rate(engine, session: str, source, remote: int) -> float:
-    """Bytes/s of a plain 4 MiB write, the best of three after one that opens the segment."""
+def _plain_times(engine, session: str, source, remote: int) -> list:
+    """Seconds of three plain 4 MiB writes, after one that opens the segment (when it is not open yet)."""
     engine.transfer_sync_write(session, source.ctypes.data, remote, BUFFER)
-    best = None
+    times = []
     for _ in range(3):
         began = time.perf_counter()
         rc = engine.transfer_sync_write(session, source.ctypes.data, remote, BUFFER)
-        took = time.perf_counter() - began
+        times.append(time.perf_counter() - began)
         if rc != 0:
             raise RuntimeError(f"plain write returned {rc}")
-        best = took if best is None else min(best, took)
-    return BUFFER / best
+    return times
 
 
 def _request(engine, session: str, key: str, source, remote: int, blocks) -> int:
@@ -91,12 +92,13 @@ def run(args) -> dict:
         source = np.random.default_rng(2).integers(0, 255, BUFFER, dtype=np.uint8)
         if engine.register_memory(source.ctypes.data, source.nbytes) != 0:
             raise RuntimeError("sender register_memory failed")
-        measured = {peer["address"]: _plain_rate(engine, peer["session"], source, peer["buffer"])
-                    for peer in receivers}
+        plain = {peer["address"]: _plain_times(engine, peer["session"], source, peer["buffer"])
+                 for peer in receivers}
         provider = TracerProvider(resource=Resource.create({"service.name": "kvt-links"}))
         provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileSpanExporter(os.path.join(args.out,
                                                                                              "spans.jsonl"))))
-        KVTransferInstrumentor().instrument(tracer_provider=provider)
+        instrumentor = KVTransferInstrumentor()
+        instrumentor.instrument(tracer_provider=provider)
         failed, kinds = 0, {}
         for repeat in range(REPEATS):
             for size in SLOW_SIZES:
@@ -121,7 +123,11 @@ def run(args) -> dict:
             kinds[key] = "fixed"
             failed += _request(engine, fast["session"], key, source, fast["buffer"], [(0, SMALL_BYTES)]) != 0
         provider.force_flush(30_000)
-        facts = {"measured_rate": measured, "kinds": kinds, "failed": failed,
+        instrumentor.uninstrument()
+        for peer in receivers:  # the link's rate before and after the sends, as the machine was around them
+            plain[peer["address"]] += _plain_times(engine, peer["session"], source, peer["buffer"])
+        measured = {address: BUFFER / statistics.median(times) for address, times in plain.items()}
+        facts = {"measured_rate": measured, "plain_write_s": plain, "kinds": kinds, "failed": failed,
                  "peers": {peer["role"]: {"address": peer["address"], "port": peer["port"]} for peer in receivers}}
         with open(os.path.join(args.out, "facts.json"), "w", encoding="utf-8") as handle:
             json.dump(facts, handle)

@@ -295,6 +295,29 @@ def test_huge_strings_are_bounded_not_raised(telemetry):
     assert dropped(telemetry) == {}
 
 
+def test_a_framework_set_up_step_is_a_connect_span_bounded_and_never_raises(telemetry):
+    start = time_ns()
+    kvt.record_connect("handshake", start, backend=ENGINE, framework="fw", address="10.0.0.7", port=5600)
+    kvt.begin_request("r", backend=ENGINE, framework="fw")
+    with kvt.transfer_scope("r"):
+        kvt.record_connect(HUGE, start, backend=HUGE, framework=HUGE, address=HUGE, port=70000, error_type=HUGE)
+    kvt.end_request("r")
+    kvt.record_connect("handshake", "soon", backend=ENGINE)  # a start that is no time: counted, not raised
+    raw, scoped = sorted(telemetry.spans(semconv.SPAN_CONNECT), key=lambda s: s.status.status_code.value)
+    (request,) = telemetry.spans(semconv.SPAN_REQUEST)
+    assert raw.parent is None and dict(raw.attributes) == {
+        semconv.BACKEND: ENGINE, semconv.CONNECT_OPERATION: "handshake", semconv.CONNECT_OUTCOME: semconv.OUTCOME_OK,
+        semconv.FRAMEWORK: "fw", semconv.SERVER_ADDRESS: "10.0.0.7", semconv.SERVER_PORT: 5600}
+    assert raw.end_time >= raw.start_time
+    assert scoped.parent.span_id == request.context.span_id and scoped.status.status_code is StatusCode.ERROR
+    assert scoped.attributes[semconv.REQUEST_KEY] == "r"
+    assert semconv.SERVER_PORT not in scoped.attributes  # not a port
+    assert all(len(str(scoped.attributes[k])) <= 256 for k in (semconv.CONNECT_OPERATION, semconv.BACKEND,
+                                                               semconv.FRAMEWORK, semconv.SERVER_ADDRESS,
+                                                               semconv.ERROR_TYPE))
+    assert dropped(telemetry) == {"api_error": 1}
+
+
 def test_the_api_is_a_no_op_when_not_instrumented():
     from otel_kvtransfer.recording.recorder import RECORDER
 

@@ -30,7 +30,8 @@ LAYOUTS = {
                               "stuck": r.INFLIGHT_STUCK, "connects": r.INFLIGHT_CONNECTS}),
     r.connect: (r.CONNECT, {"start": r.CONNECT_START, "end": r.CONNECT_END, "backend": r.CONNECT_BACKEND,
                             "operation": r.CONNECT_OPERATION, "peer": r.CONNECT_PEER, "error": r.CONNECT_ERROR,
-                            "key": r.CONNECT_KEY, "context": r.CONNECT_CONTEXT}),
+                            "key": r.CONNECT_KEY, "context": r.CONNECT_CONTEXT,
+                            "attributes": r.CONNECT_ATTRIBUTES}),
 }
 
 

@@ -30,6 +30,7 @@ import pytest
 from conftest import require_part
 from support import netns
 from vllm_serving import harness
+from vllm_serving.pair import NIXL_SIDE_PORTS
 
 MODEL_NAME = "kvt-tiny-llama"
 
@@ -279,16 +280,25 @@ def test_a_sigterm_right_after_the_last_answer_loses_no_span_and_leaves_no_proce
 
 
 def test_the_decode_sets_its_prefill_up_once_before_its_first_read(pair):
-    """NIXL: the decode's handshake adds the prefill's agent (add_remote_agent) on the first request only: one
-    `kv_transfer.connect`, naming the agent every read goes to, ended before the first read began. Mooncake sets
-    its peer up inside its first transfer instead (`kv_transfer.first_to_peer`): no connect span on either side."""
+    """NIXL: on the first request only, the decode's handshake (vLLM's `_nixl_handshake`, towards the prefill's side
+    channel) loads the prefill's agent (NIXL's `add_remote_agent`, inside it): two `kv_transfer.connect` spans,
+    the agent the one every read goes to, both ended before the first read began. Mooncake sets its peer up inside
+    its first transfer instead (`kv_transfer.first_to_peer`): no connect span on either side."""
     connects = {role: [s for s in pair.spans[role] if s.name == "kv_transfer.connect"] for role in pair.spans}
     if pair.connector == "mooncake":
         assert connects == {"prefill": [], "decode": []}
         return
-    (connect,) = connects["decode"]
-    assert connect.attributes["kv_transfer.connect.operation"] == "add_remote_agent" and not connect.is_error
-    assert connect.attributes["kv_transfer.connect.outcome"] == "ok"
+    by_operation = {s.attributes["kv_transfer.connect.operation"]: s for s in connects["decode"]}
+    assert sorted(by_operation) == ["add_remote_agent", "nixl_handshake"] and len(connects["decode"]) == 2
+    added, handshake = by_operation["add_remote_agent"], by_operation["nixl_handshake"]
+    assert not added.is_error and not handshake.is_error
+    assert added.attributes["kv_transfer.connect.outcome"] == handshake.attributes["kv_transfer.connect.outcome"] \
+        == "ok"
+    assert handshake.attributes["kv_transfer.framework"] == "vllm"
+    assert (handshake.attributes["server.address"], handshake.attributes["server.port"]) == \
+        ("127.0.0.1", NIXL_SIDE_PORTS["prefill"])
+    assert handshake.start_time_unix_nano <= added.start_time_unix_nano <= added.end_time_unix_nano \
+        <= handshake.end_time_unix_nano
     sends = [s for s in pair.spans["decode"] if s.name == "kv_transfer.send"]
-    assert {s.attributes["nixl.remote_agent"] for s in sends} == {connect.attributes["nixl.remote_agent"]}
-    assert connect.end_time_unix_nano <= min(s.start_time_unix_nano for s in sends)
+    assert {s.attributes["nixl.remote_agent"] for s in sends} == {added.attributes["nixl.remote_agent"]}
+    assert handshake.end_time_unix_nano <= min(s.start_time_unix_nano for s in sends)

@@ -244,6 +244,8 @@ class SpanBuilder:
         peer, parser = rec[r.CONNECT_PEER], self._peer_parsers.get(backend)
         if peer is not None and parser is not None:
             attrs.update(parser(peer))
+        if rec[r.CONNECT_ATTRIBUTES]:
+            attrs.update(rec[r.CONNECT_ATTRIBUTES])
         key = rec[r.CONNECT_KEY]
         state = self._requests.get(key) if key is not None else None
         if state is not None:

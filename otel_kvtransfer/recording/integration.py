@@ -325,6 +325,26 @@ def begin_request(key, *, backend: str, framework: Optional[str] = None, role: s
 
 
 @_never_raises
+def record_connect(operation: str, start_ns: int, *, backend: str, framework: Optional[str] = None,
+                   address: Optional[str] = None, port: Optional[int] = None, error_type: Optional[str] = None,
+                   end_ns: Optional[int] = None) -> None:
+    """One set-up step towards a peer that the framework makes (a handshake, a bootstrap query), from `start_ns`
+    (now_ns() or time.time_ns()) to `end_ns` (now when None): a `kv_transfer.connect` span of its own, under the
+    request whose transfer scope this thread is in."""
+    if RECORDER.active:
+        attrs = {semconv.FRAMEWORK: str(framework)[:64]} if framework else {}
+        if address is not None:
+            attrs[semconv.SERVER_ADDRESS] = str(address)[:256]
+        if isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536:
+            attrs[semconv.SERVER_PORT] = port
+        info = getattr(THREAD.scope, "info", None)
+        key = info[records.INFO_KEY] if info else None
+        RECORDER.record(records.connect(_time(start_ns), _time(end_ns), str(backend)[:64], str(operation)[:128],
+                                        None, error_type and str(error_type)[:128], key,
+                                        None if key is not None else current_context(), attrs or None))
+
+
+@_never_raises
 def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:

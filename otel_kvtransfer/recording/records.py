@@ -128,8 +128,9 @@ def compute(keys, start_ns, end_ns, chunk=None) -> tuple:
     return (COMPUTE, keys, start_ns, end_ns, chunk)
 
 
-# CONNECT: (CONNECT, start_ns, end_ns, backend, operation, peer, error, key, context): `key` the request key of the
-# transfer scope the call ran in (its span's parent), else None and `context` the current one (as a raw send's)
+# CONNECT: (CONNECT, start_ns, end_ns, backend, operation, peer, error, key, context, attributes): `key` the request
+# key of the transfer scope the call ran in (its span's parent), else None and `context` the current one (as a raw
+# send's); `attributes` what a framework says of it (its name, the peer's address), or None
 CONNECT_START = 1
 CONNECT_END = 2
 CONNECT_BACKEND = 3
@@ -138,8 +139,9 @@ CONNECT_PEER = 5  # the engine's own peer name, parsed by the engine's peer_attr
 CONNECT_ERROR = 6
 CONNECT_KEY = 7
 CONNECT_CONTEXT = 8
+CONNECT_ATTRIBUTES = 9
 
 
-def connect(start, end, backend, operation, peer, error, key, context) -> tuple:
-    return (CONNECT, start, end, backend, operation, peer, error, key, context)
+def connect(start, end, backend, operation, peer, error, key, context, attributes=None) -> tuple:
+    return (CONNECT, start, end, backend, operation, peer, error, key, context, attributes)
 

@@ -85,7 +85,23 @@ def _count(value) -> int:
 def fit(points) -> dict:
     """Least squares of duration (s) on bytes, and on descriptors where they vary apart from bytes, over `points`
     [(bytes, descriptors, duration_s)]: {"bandwidth", "fixed_s", "per_descriptor_s" (or None), "note"}. A
-    coefficient that comes out negative is left out and the rest fitted again (no cost is negative)."""
+    coefficient that comes out negative is left out and the rest fitted again (no cost is negative). Then the calls
+    far above that fit (stalls: more than FAR_ABOVE times it and FAR_ABOVE_MIN_S over) are left out and the rest
+    fitted once more, so a few stalled calls do not bend the model of the link's normal calls (they are listed)."""
+    model = _fit(points)
+    if model["bandwidth"] is None and model["fixed_s"] is None:
+        return model
+    kept = [p for p in points if not _far_above(p[2], sum(_modelled(model, p[0], p[1])))]
+    if len(points) > len(kept) >= MIN_CALLS:
+        model = _fit(kept)
+    return model
+
+
+def _far_above(seconds: float, expected: float) -> bool:
+    return expected > 0 and seconds > FAR_ABOVE * expected and seconds - expected > FAR_ABOVE_MIN_S
+
+
+def _fit(points) -> dict:
     n = len(points)
     if n < MIN_CALLS:
         return {"bandwidth": None, "fixed_s": None, "per_descriptor_s": None,
@@ -230,7 +246,7 @@ def _peer_row(peer, observed, model) -> dict:
         if expected <= 0:
             continue
         residuals.append(abs(seconds - expected) / expected)
-        if seconds > FAR_ABOVE * expected and seconds - expected > FAR_ABOVE_MIN_S:
+        if _far_above(seconds, expected):
             far.append((seconds - expected, {"bytes": nbytes, "descriptors": descriptors, "duration_s": seconds,
                                              "modelled_s": expected, "request_keys": sorted(keys)[:4]}))
     residuals.sort()

@@ -9,6 +9,8 @@ Decode side (initiator), in `NixlPullConnectorWorker`:
   NIXL engine module's handle, completed when vLLM polls it, becomes a `kv_transfer.send` of the request.
 - `get_transfer_results()`: requests in `finished_recving` end (ERROR `transfer_failed` when also in
   `failed_recving`).
+- `_nixl_handshake(host, port, ...)` (on vLLM's handshake thread, before a request's first read from a new
+  prefill): one `kv_transfer.connect`, `nixl_handshake`, towards the prefill's side channel.
 Prefill side (peer), same class:
 - `start_load_kv(metadata)`: a request in `metadata.reqs_to_send` has its KV ready to be read: `kv_transfer.serve`
   opens; `get_transfer_results()` ends it when decode's completion notification arrived (`finished_sending`),
@@ -26,7 +28,9 @@ still become raw `kv_transfer.send` spans through the NIXL engine module.
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import common, events
+from otel_kvtransfer.recording import inflight
 from otel_kvtransfer.recording import integration as kvt
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import active, observe_call, safely
 
 BACKEND = "nixl"
@@ -139,6 +143,42 @@ def _on_transfer_results(instance, args, kwargs, token, results, error) -> None:
 _transfer_results_wrapper = observe_call("end vLLM NIXL requests", after=_on_transfer_results, when=None)
 
 
+def _handshake_wrapper(wrapped, instance, args, kwargs):
+    """`_nixl_handshake(host, port, ...)`: the decode asks a prefill's side channel for its agents' metadata and loads
+    it (NIXL's add_remote_agent, a connect of its own inside this one): one `kv_transfer.connect`
+    (`nixl_handshake`, framework vllm), its peer the side channel's address, ERROR when it raised (a peer that
+    never answered: zmq's timeout)."""
+    if not active():
+        return wrapped(*args, **kwargs)
+    start = now_ns()  # `start`, `args` and `kwargs` are read by _handshake_in_progress
+    try:
+        result = wrapped(*args, **kwargs)
+    except Exception as exc:
+        safely("record a vLLM NIXL handshake", _handshaken, args, kwargs, start, type(exc).__qualname__)
+        raise
+    safely("record a vLLM NIXL handshake", _handshaken, args, kwargs, start, None)
+    return result
+
+
+def _handshaken(args, kwargs, start, error_type) -> None:
+    params = common.bind(("host", "port"), args, kwargs)
+    kvt.record_connect("nixl_handshake", start, backend=BACKEND, framework=common.FRAMEWORK,
+                       address=params.get("host"), port=params.get("port"), error_type=error_type)
+
+
+def _handshake_in_progress(frame_locals):
+    """A handshake still waiting for its peer, from its wrapper's frame (read by the in-flight scan)."""
+    start = frame_locals.get("start")
+    if not isinstance(start, int):
+        return None
+    params = common.bind(("host", "port"), frame_locals.get("args") or (), frame_locals.get("kwargs") or {})
+    peer = f"{params.get('host')}:{params.get('port')}"[:256]
+    return (start, None, peer, None, BACKEND, semconv.INFLIGHT_CONNECT)
+
+
+inflight.register_wrapper(_handshake_wrapper.__code__, _handshake_in_progress)
+
+
 def patch(module) -> None:
     worker = module.NixlPullConnectorWorker
     base = getattr(module, "NixlBaseConnectorWorker", worker.__mro__[1])  # owns the completion bookkeeping
@@ -147,6 +187,7 @@ def patch(module) -> None:
     common.patcher.wrap(worker, "_read_blocks", _read_blocks_wrapper)
     common.patcher.wrap(base, "_reap_expired_send_leases", _reap_expired_wrapper)
     common.patcher.wrap(base, "get_transfer_results", _transfer_results_wrapper)
+    common.patcher.wrap(base, "_nixl_handshake", _handshake_wrapper)
     # vLLM >= 0.33 only (absent before: not wrapped, nothing else changes)
     common.patcher.wrap(worker, "_read_blocks_for_req", _read_blocks_for_req_wrapper)
     common.patcher.wrap(base, "unregister_kv_caches", events.registration_wrapper(events.UNREGISTER, BACKEND))

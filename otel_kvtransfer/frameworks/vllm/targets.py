@@ -57,6 +57,7 @@ NIXL_TARGETS = [
            ("tp_mappings",)),
     Target(NIXL_BASE, _BASE, "_reap_expired_send_leases", ("done_sending",)),
     Target(NIXL_BASE, _BASE, "get_transfer_results"),
+    Target(NIXL_BASE, _BASE, "_nixl_handshake", ("host", "port")),
     Target(NIXL_METADATA, "NixlConnectorMetadata", attrs=("reqs_to_recv", "reqs_to_send")),
     Target(NIXL_METADATA, "ReqMeta", attrs=("local_block_ids", "remote")),
     Target(NIXL_METADATA, "RemoteMeta", attrs=("request_id", "engine_id")),
