@@ -6,26 +6,17 @@ NIXL raised; a metadata fetch nobody answers is open (kind `connect`) and report
 The agents live in one child process (tests/support/nixl_agents.py says why): the module run as a script.
 """
 
-import logging
 import os
 import sys
 import time
 
 import pytest
 from support import nixl_agents
+from support.logs import warnings_logged
 from support.nixl_agents import Initiator, result_of, spans_named
 
 SIZE, BLOCK = 1 << 20, 1 << 16
 STUCK_S = 1.0
-
-
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def _closed_port() -> int:
@@ -39,10 +30,8 @@ def _closed_port() -> int:
 def _scenario(receiver, tel) -> dict:
     from otel_kvtransfer import integration as kvt
 
-    warnings = Warnings()
-    logging.getLogger("otel_kvtransfer").addHandler(warnings)
     out = {}
-    try:
+    with warnings_logged() as warnings:
         # The first request sets its peer up inside its own transfer scope, then writes; the second only writes.
         kvt.begin_request("first", backend="nixl", framework="test")
         with kvt.transfer_scope("first", is_last_chunk=True):
@@ -65,7 +54,7 @@ def _scenario(receiver, tel) -> dict:
         # A metadata fetch from a port nobody listens on: never found, open until the scan reports it stuck.
         init.agent.fetch_remote_metadata("kvt-nobody", "127.0.0.1", _closed_port())
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any("connect open for" in line for line in warnings.lines):
+        while time.monotonic() < deadline and not any("connect open for" in line for line in warnings):
             time.sleep(0.05)
         out["found_nobody"] = init.agent.check_remote_metadata("kvt-nobody")
         metrics = tel.metrics()
@@ -81,10 +70,8 @@ def _scenario(receiver, tel) -> dict:
                          "parent_name": ids.get(s.parent.span_id) if s.parent else None,
                          "same_trace_as_parent": bool(s.parent) and s.parent.trace_id == s.context.trace_id,
                          "duration_ns": s.end_time - s.start_time} for s in spans]
-        out["warnings"] = [line for line in warnings.lines if "connect" in line]
+        out["warnings"] = [line for line in warnings if "connect" in line]
         return out
-    finally:
-        logging.getLogger("otel_kvtransfer").removeHandler(warnings)
 
 
 def _child(out_path: str) -> None:

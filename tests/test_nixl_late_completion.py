@@ -10,12 +10,12 @@ when its request is ended (as an aborted request's transfer is), then let run to
 run as a script) that writes what it saw and leaves with os._exit (tests/support/nixl_agents.py says why).
 """
 
-import logging
 import os
 import sys
 
 import pytest
 from support import nixl_agents
+from support.logs import warnings_logged
 from support.nixl_agents import Initiator, result_of, spans_named
 
 BLOCK = 1 << 20
@@ -26,21 +26,10 @@ SIZE = BLOCK * BLOCKS  # more than loopback TCP's buffers hold: to a frozen peer
 # --- the child process -----------------------------------------------------------------------------------------
 
 
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _scenario(receiver, tel) -> dict:
     from otel_kvtransfer import integration as kvt
 
-    warnings = Warnings()
-    logging.getLogger("otel_kvtransfer").addHandler(warnings)
-    try:
+    with warnings_logged() as warnings:
         init = Initiator(receiver, SIZE, BLOCK, name=f"kvt-late-{os.environ['OTEL_KVTRANSFER_PIPELINE']}")
         assert init.write_all() == "DONE"  # connected before anything is measured
         out = {}
@@ -70,9 +59,7 @@ def _scenario(receiver, tel) -> dict:
         late = [{"attributes": dict(p.attributes), "value": p.value}
                 for p in tel.metrics().get("kv_transfer.late_completions", [])]
         return dict(out, spans=spans, late_metric=late,
-                    warnings=[line for line in warnings.lines if "late_completion" in line])
-    finally:
-        logging.getLogger("otel_kvtransfer").removeHandler(warnings)
+                    warnings=[line for line in warnings if "late_completion" in line])
 
 
 def _child(out_path: str) -> None:

@@ -25,7 +25,7 @@ from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools.reading import first_of_each_id
 from otel_kvtransfer.tools.source import SourceError, open_source
 from otel_kvtransfer.tools.spanfile import Skipped, SpanFileError, iter_spans, stderr_progress
-from otel_kvtransfer.tools.text import PROG, fmt_ms, fmt_rate, label
+from otel_kvtransfer.tools.text import PROG, fmt_ms, fmt_rate, json_finite, label
 
 MAX_CALLS = 500_000
 MIN_CALLS = 3  # a line through fewer points says nothing about its spread
@@ -260,18 +260,8 @@ def _peer_row(peer, observed, model) -> dict:
     }
 
 
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def write_json(model: dict, stream: TextIO) -> None:
-    stream.write(json.dumps(_finite(model), indent=2, allow_nan=False) + "\n")
+    stream.write(json.dumps(json_finite(model), indent=2, allow_nan=False) + "\n")
 
 
 def _ratio(value) -> str:

@@ -18,7 +18,7 @@ import math
 from typing import Optional, Sequence, TextIO
 
 from otel_kvtransfer.building import aggregate
-from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, label
+from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, json_finite, label
 
 QUANTILES = (("p10", 0.10), ("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 
@@ -117,22 +117,11 @@ def format_text(summary: dict, limit: Optional[int] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finite(value):
-    """JSON has no NaN or Infinity: such a figure is null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def write_json(summary: dict, stream: TextIO) -> None:
     """The summary as JSON, one request row at a time (a file of 10^6 spans never holds all rows at once)."""
-    head = json.dumps(_finite({k: v for k, v in summary.items() if k != "requests"}), indent=2, allow_nan=False)
+    head = json.dumps(json_finite({k: v for k, v in summary.items() if k != "requests"}), indent=2, allow_nan=False)
     stream.write(head[:-2] + ',\n  "requests": [')
     for number, request in enumerate(summary["requests"]):
-        row = json.dumps(_finite(request.to_dict()), allow_nan=False)
+        row = json.dumps(json_finite(request.to_dict()), allow_nan=False)
         stream.write(("," if number else "") + "\n    " + row)
     stream.write("\n  ]\n}\n")

@@ -71,3 +71,14 @@ def fmt_ms(seconds: Optional[float]) -> str:
 
 def fmt_ratio(value: Optional[float]) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value * 100:.0f}%"
+
+
+def json_finite(value):
+    """`value` for JSON, which has no NaN or Infinity: such a figure is null, in dicts and lists too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_finite(v) for v in value]
+    return value

@@ -3,6 +3,7 @@
 - netns: a process in a private network namespace with only loopback up (what binds all interfaces runs there);
 - instrumented_app: a test's own app under `opentelemetry-instrument`, inside such a namespace, and the spans it
   wrote;
+- logs: the package's own WARNING lines, captured while a block runs;
 - metrics: what the instrumentation counted, read back from an in-memory metric reader;
 - nixl_agents: NIXL agents kept out of the pytest process, and an initiator connected to a loopback receiver;
 - otlp: our span encoder installed in the OTLP exporters, and OTLP/HTTP and OTLP/gRPC receivers on 127.0.0.1;
