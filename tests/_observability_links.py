@@ -140,7 +140,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from _observability_peers import _netns
+    from _observability_peers import answer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--outer-netns", required=True)
@@ -149,17 +149,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("MC_FORCE_TCP", "1")
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    if _netns() == args.outer_netns:
-        print("ERROR refusing to run outside a network namespace of its own (run it under `unshare -rn`)",
-              flush=True)
-        return 2
-    try:
-        result = run(args)
-    except Exception as exc:
-        print(f"ERROR {type(exc).__name__}: {str(exc)[:500]}", flush=True)
-        return 1
-    print("RESULT " + json.dumps(result), flush=True)
-    return 0
+    return answer(run, args)
 
 
 if __name__ == "__main__":

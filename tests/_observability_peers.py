@@ -331,11 +331,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("OTEL_KVTRANSFER_FLUSH_INTERVAL_MS", "100")
     if args.mode == "receiver":
         return receiver(args)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="kvt-peers-")
+    return answer(run, args)
+
+
+def answer(run, args) -> int:
+    """The protocol on stdout: `run(args)`'s result as one RESULT line, or one ERROR line; refused (exit 2) in the
+    caller's own network namespace."""
     if not args.outer_netns or _netns() == args.outer_netns:
         print("ERROR refusing to run outside a network namespace of its own (run it under `unshare -rn`)",
               flush=True)
         return 2
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="kvt-peers-")
     try:
         result = run(args)
     except Exception as exc:
