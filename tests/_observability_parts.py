@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -60,6 +61,22 @@ def veth_namespaces_work() -> bool:
          "tc qdisc add dev kvtprobe root tbf rate 1mbit burst 32kb latency 400ms"],
         capture_output=True, timeout=20, check=False)
     return probe.returncode == 0
+
+
+def run_namespace_script(script: str, args: list, timeout_s: float) -> dict:
+    """`unshare -rn python script --outer-netns <ours> *args` in its own process group (a run past the bound ends
+    it and what it started), and the JSON of its RESULT line; its ERROR line, or none, fails the test."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    proc = start(["unshare", "-rn", sys.executable, script, "--outer-netns", os.readlink("/proc/self/ns/net"),
+                  *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        stdout, stderr = proc.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
+    assert lines and lines[-1].startswith("RESULT "), (proc.returncode, stdout[-2000:], stderr[-3000:])
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def mooncake_tcp_engine(address: str):

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 import pytest
-from _observability_parts import ROOT, mooncake_available, start, stop, veth_namespaces_work
+from _observability_parts import ROOT, mooncake_available, run_namespace_script, veth_namespaces_work
 from conftest import require_part
 
 from otel_kvtransfer.tools.links import fit
@@ -71,17 +71,7 @@ def run():
     require_part(veth_namespaces_work(), "unshare -rn with veth and tc (util-linux, iproute2; user namespaces on)")
     out = tempfile.mkdtemp(prefix="kvt-links-")
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-        proc = start(["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
-                      "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        try:
-            stdout, stderr = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            stdout, stderr = proc.communicate()
-        lines = [line for line in stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
-        assert lines and lines[-1].startswith("RESULT "), (proc.returncode, stdout[-2000:], stderr[-3000:])
-        facts = json.loads(lines[-1][len("RESULT "):])
+        facts = run_namespace_script(SCRIPT, ["--out", out], timeout_s=180)
         spans = os.path.join(out, "spans.jsonl")
         as_json = _cli(spans, "--links", "--json")
         assert as_json.returncode == 0, as_json.stderr

@@ -20,12 +20,17 @@ one window to 4 s (promtool's unit tests check the file's own window and `for`);
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import pytest
-from _observability_parts import ROOT, SETUP, mooncake_available, prometheus_binary, start, stop, veth_namespaces_work
+from _observability_parts import (
+    ROOT,
+    SETUP,
+    mooncake_available,
+    prometheus_binary,
+    run_namespace_script,
+    veth_namespaces_work,
+)
 from conftest import require_part
 
 SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
@@ -59,20 +64,8 @@ def result():
             text = source.read()
             assert UTILISATION_WINDOW in text
             copy.write(text.replace(UTILISATION_WINDOW, UTILISATION_WINDOW.replace("[5m]", "[4s]")))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-        # its own process group, with the receivers and Prometheus it starts: a run past the bound ends them all
-        proc = start(["unshare", "-rn", sys.executable, SCRIPT, "--outer-netns", os.readlink("/proc/self/ns/net"),
-                      "--prometheus", binary, "--rules", rules, "--workdir", workdir,
-                      "--panel-query", _panel_query()],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            stdout, stderr = proc.communicate()
-        lines = [line for line in stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
-        assert lines and lines[-1].startswith("RESULT "), (proc.returncode, stdout[-2000:], stderr[-3000:])
-        yield json.loads(lines[-1][len("RESULT "):])
+        yield run_namespace_script(SCRIPT, ["--prometheus", binary, "--rules", rules, "--workdir", workdir,
+                                            "--panel-query", _panel_query()], timeout_s=240)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
