@@ -75,10 +75,7 @@ def _scenario(receiver, tel) -> dict:
 
 
 def _child(out_path: str) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
-    os.environ.setdefault("UCX_TLS", "tcp,self")
     os.environ["OTEL_KVTRANSFER_STUCK_S"] = str(STUCK_S)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     nixl_agents.run_in_each_pipeline(out_path, SIZE, _scenario)
 
 

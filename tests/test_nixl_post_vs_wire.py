@@ -15,7 +15,6 @@ Real parts: two NIXL agents over UCX (TCP on the loopback device), the receiver 
 writes what it saw and leaves with os._exit (tests/support/nixl_agents.py says why).
 """
 
-import os
 import sys
 
 import pytest
@@ -56,9 +55,6 @@ def _writes(receiver, tel) -> dict:
 
 
 def _child(out_path: str) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX's TCP transport listens on every device it may use
-    os.environ.setdefault("UCX_TLS", "tcp,self")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     nixl_agents.run_in_each_pipeline(out_path, SIZE, _writes)
 
 

@@ -84,7 +84,11 @@ PIPELINES = ("direct", "sdk")  # OTEL_KVTRANSFER_PIPELINE: our own span and metr
 
 
 def run_in_each_pipeline(out_path: str, size: int, scenario) -> None:
-    """Run `scenario(receiver, telemetry)` once per pipeline, each instrumented afresh, against one Receiver."""
+    """Run `scenario(receiver, telemetry)` once per pipeline, each instrumented afresh, against one Receiver; UCX
+    over TCP on loopback unless the environment says otherwise (its TCP transport listens on every device it may
+    use; over shared memory a frozen peer would not hold a post back)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_TLS", "tcp,self")
     run_with_receiver(out_path, size, {pipeline: functools.partial(_in_pipeline, scenario, pipeline)
                                        for pipeline in PIPELINES})
 
