@@ -289,12 +289,6 @@ def _protocol(agent) -> Optional[str]:
 # open it is in flight as kind `connect` (a sync call through its frame, a fetch through `_fetches`), and stuck
 # past OTEL_KVTRANSFER_STUCK_S like a send.
 
-def _scope_key():
-    """The request key of this thread's transfer scope, or None."""
-    info = getattr(kvt.THREAD.scope, "info", None)
-    return info[records.INFO_KEY] if info else None
-
-
 def _connected(operation, start, peer, error, key) -> None:
     RECORDER.record(records.connect(start, now_ns(), BACKEND, operation, _text(peer), error, key,
                                     None if key is not None else current_context()))
@@ -304,7 +298,7 @@ def _connect_wrapper(operation: str):
     def setup_call(wrapped, instance, args, kwargs):
         if not active():
             return wrapped(*args, **kwargs)
-        key = _scope_key()
+        key = kvt.current_key()
         start = now_ns()  # `start`, `key`, `operation`, `args` and `kwargs` are read by _setup_in_progress
         try:
             result = wrapped(*args, **kwargs)
@@ -367,7 +361,7 @@ def _fetch_wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
     except Exception as exc:  # the ask itself failed: a failed set-up call now
         safely("record a NIXL set-up call", _connected, "fetch_remote_metadata", start,
-               args[0] if args else kwargs.get("remote_agent"), type(exc).__qualname__, _scope_key())
+               args[0] if args else kwargs.get("remote_agent"), type(exc).__qualname__, kvt.current_key())
         raise
     safely("record a NIXL metadata fetch", _asked, instance, args, kwargs, start)
     return result
@@ -381,7 +375,7 @@ def _asked(agent, args, kwargs, start) -> None:
     if key not in _fetches.open and len(_fetches.open) >= _Fetches.LIMIT:
         _fetches.open.pop(next(iter(_fetches.open)))  # the oldest ask, never answered: let go, counted
         count_drop("setup_pending_full")
-    scope_key = _scope_key()
+    scope_key = kvt.current_key()
     _fetches.open.setdefault(key, (start, scope_key, None if scope_key is not None else current_context()))
 
 

@@ -98,6 +98,12 @@ def current_scope():
     return THREAD.scope
 
 
+def current_key():
+    """The request key of this thread's transfer scope, or None (no scope, or one that names no request)."""
+    info = getattr(THREAD.scope, "info", None)
+    return info[records.INFO_KEY] if info else None
+
+
 # The context a raw engine call (made outside any scope) is parented to: whatever is current on its thread.
 capture_context = current_context
 
@@ -337,8 +343,7 @@ def record_connect(operation: str, start_ns: int, *, backend: str, framework: Op
             attrs[semconv.SERVER_ADDRESS] = str(address)[:256]
         if isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536:
             attrs[semconv.SERVER_PORT] = port
-        info = getattr(THREAD.scope, "info", None)
-        key = info[records.INFO_KEY] if info else None
+        key = current_key()
         RECORDER.record(records.connect(_time(start_ns), _time(end_ns), str(backend)[:64], str(operation)[:128],
                                         None, error_type and str(error_type)[:128], key,
                                         None if key is not None else current_context(), attrs or None))
