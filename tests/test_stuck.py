@@ -4,9 +4,10 @@ with both builders (a thread of the engine process, and the helper process).
 Real parts: the engine process runs under `opentelemetry-instrument` (spans to a span file, metrics to the console
 exporter every 300 ms, through the standard OTEL_* variables) with OTEL_KVTRANSFER_STUCK_S=1. It opens a request,
 freezes its receiver process with SIGSTOP, and starts a 48 MiB write inside the request's transfer scope (far more
-than the sockets buffer: the call hangs inside the engine). It holds the receiver frozen until the test has read
-the stuck reports in its output (bounded), then lets it go on (SIGCONT); the write completes. Everything runs
-inside `unshare --net` with loopback up.
+than the sockets buffer: the call hangs inside the engine), either one sync write or an async batch of four
+lengths waited on (open from its post until the wait answers; its report sums the lengths). It holds the receiver
+frozen until the test has read the stuck reports in its output (bounded), then lets it go on (SIGCONT); the write
+completes. Everything runs inside `unshare --net` with loopback up.
 """
 
 import json
@@ -23,6 +24,7 @@ from support.waiting import wait_until
 
 ROOM = 777001
 SIZE = 48 << 20
+BLOCKS = 4  # the async batch's lengths: the report sums them
 REPORTED_MAX_S = 120  # bounded: the reports come within the 1 s threshold, a scan and a 300 ms export
 
 
@@ -42,8 +44,16 @@ def engine_process(out_path: str) -> None:
 
         def write():
             with kvt.transfer_scope(ROOM, chunk_index=0, is_last_chunk=True):
-                result["rc"] = engine.transfer_sync_write(receiver.session, source.ctypes.data,
-                                                          receiver.base_address, SIZE)
+                if os.environ["KVT_TEST_CALL"] == "sync":
+                    result["rc"] = engine.transfer_sync_write(receiver.session, source.ctypes.data,
+                                                              receiver.base_address, SIZE)
+                    return
+                # posted as one batch of BLOCKS lengths, then waited on: open as a pending transfer meanwhile
+                block = SIZE // BLOCKS
+                batch = engine.batch_transfer_async_write(
+                    receiver.session, [source.ctypes.data + i * block for i in range(BLOCKS)],
+                    [receiver.base_address + i * block for i in range(BLOCKS)], [block] * BLOCKS)
+                result["rc"] = engine.get_batch_transfer_status([batch])
 
         kvt.begin_request(ROOM, backend="mooncake", framework="test")
         os.kill(receiver.process.pid, signal.SIGSTOP)
@@ -76,11 +86,11 @@ def _reported(app) -> bool:
     return {"send", "request"} <= kinds and bool(ages) and max(ages) >= 1.0
 
 
-def _run(tmp_path, builder: str):
+def _run(tmp_path, builder: str, call: str):
     app = instrumented_app.start(
         tmp_path, "test_stuck", "engine_process", builder, own_user=True,
         env={"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_KVTRANSFER_STUCK_S": "1",
-             "MC_TRANSFER_TIMEOUT": "60"})
+             "MC_TRANSFER_TIMEOUT": "60", "KVT_TEST_CALL": call})
     try:
         wait_until(lambda: app.proc.poll() is not None or _reported(app), REPORTED_MAX_S, interval_s=0.2,
                    what="the stuck reports while the receiver is frozen")
@@ -101,9 +111,10 @@ def _attributes(span) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
 
 
-@pytest.mark.parametrize("builder", ["thread", "process"])
-def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder):
-    proc, result, spans = _run(tmp_path, builder)
+# A sync write hangs inside the engine call; an async batch is open between its post and the wait's answer.
+@pytest.mark.parametrize("builder, call", [("thread", "sync"), ("process", "sync"), ("thread", "async_batch")])
+def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder, call):
+    proc, result, spans = _run(tmp_path, builder, call)
     assert result["told"] == "resume\n"  # held frozen until the test saw the reports (not past its own bound)
     assert result["hung"] is True and result["rc"] == 0  # it hung while reported, then completed
     before, _, _ = proc.stdout.partition("KVT-RESUME")
@@ -125,8 +136,9 @@ def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_pat
     assert len([line for line in lines if "a request open" in line]) == 1
     # The request span carries both reports as events; the send is whole.
     (request,) = [s for s in spans if s["name"] == "kv_transfer.request"]
-    kinds = sorted(_attributes(e)["kv_transfer.inflight.kind"] for e in request.get("events", [])
-                   if e["name"] == "kv_transfer.stuck")
-    assert kinds == ["request", "send"]
+    events = {_attributes(e)["kv_transfer.inflight.kind"]: _attributes(e) for e in request.get("events", [])
+              if e["name"] == "kv_transfer.stuck"}
+    assert sorted(events) == ["request", "send"]
+    assert int(events["send"]["kv_transfer.bytes"]) == SIZE
     sends = [s for s in spans if s["name"] == "kv_transfer.send" and _attributes(s).get("kv_transfer.request_key")]
     assert [int(_attributes(s)["kv_transfer.bytes"]) for s in sends] == [SIZE]

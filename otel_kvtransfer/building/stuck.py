@@ -143,6 +143,8 @@ class OpenWatch:
     @staticmethod
     def _stuck_sends(stuck, at_ns, find_request):
         for start_ns, key, peer, nbytes, backend, kind in stuck:
+            if nbytes is not None and type(nbytes) is not int:  # a batch's lengths, as the engine was given them
+                nbytes = int(sum(nbytes))
             state = find_request(key) if key is not None else None
             yield (kind, key, peer, nbytes, (at_ns - start_ns) / 1e9, backend,
                    state.labels.get(semconv.ROLE) if state is not None else None,
