@@ -127,4 +127,7 @@ DESIGN_METRICS = [
     ("kv_transfer.inflight", "{item}", GAUGE),
     ("kv_transfer.inflight.oldest_age", "s", GAUGE),
     ("kv_transfer.stuck", "{item}", COUNTER),
+    ("kv_transfer.connect.duration", "s", HISTOGRAM),
+    ("kv_transfer.post.duration", "s", HISTOGRAM),
+    ("kv_transfer.late_completions", "{transfer}", COUNTER),
 ]

@@ -15,13 +15,16 @@ The workload plays the serving framework through the integration API (framework 
 name on every request and receive), the way frameworks/ packages do; the engines are real Mooncake engines.
 Every room: decode begins to receive, prefill opens the request, pushes 3 chunks x 2 destinations (replica
 factor 2) of KV, each chunk one `batch_transfer_sync_write` of DESCRIPTORS blocks (so descriptors per transfer
-is more than one), plus one aux payload (a single `transfer_sync_write`), while a "forward pass" of the next chunk
+is more than one), plus one aux payload (a single `batch_transfer_async_write`, waited on with
+`get_batch_transfer_status`, so it has a post time), while a "forward pass" of the next chunk
 runs on another thread (real compute overlap), then ends the request; decode ends its receive. The KV chunks are
 4 MiB (>= 1 MiB: kv_transfer.peer.throughput counts them) and the compute is recorded, so the request tail and its
 queued part have data too. Every 4th room has
 one failing transfer (a destination outside the peer's registered memory: Mooncake answers -1 at once). One room is
 opened and never ended, so the TTL evicts it and the instrumentation's dropped counter moves. In metrics mode
-OTEL_KVTRANSFER_STUCK_S is 0.5 s, so that room (and slower receives) are reported stuck while open.
+OTEL_KVTRANSFER_STUCK_S is 0.5 s, so that room (and slower receives) are reported stuck while open; the
+workload's set-up step towards the decode for each room (announcing it) is a `kv_transfer.connect`, and room
+LATE_INDEX ends while its aux send is in flight, so that send completes late.
 """
 
 import argparse
@@ -49,6 +52,7 @@ REPLICAS = 2
 AUX_BYTES = 64 << 10
 DESCRIPTORS = 4  # blocks per KV chunk (one batch call)
 MIN_ROOMS = 4
+LATE_INDEX = 1  # metrics mode: this room ends before its aux send's completion is seen (a late completion)
 BACKEND = "mooncake"
 FRAMEWORK = "test_workload"
 MODEL = "tiny-test-model"
@@ -154,7 +158,7 @@ def run(args) -> dict:
     decode = ctx.Process(target=_decode_main, args=(child_conn, vars(args)), daemon=True)
     decode.start()
     summary = {"decode_pid": decode.pid, "rooms": [], "failed_rooms": [], "transfers": 0, "failed_transfers": 0,
-               "bytes": 0, "descriptors": 0}
+               "bytes": 0, "descriptors": 0, "late_transfers": 0, "set_ups": 0}
     try:
         if not parent_conn.poll(60):
             raise RuntimeError("decode engine did not start within 60 s")
@@ -184,9 +188,14 @@ def run(args) -> dict:
                 (args.mode == "traces" and index < args.rooms):
             room = args.room_base + index
             fail = index % 4 == 3
-            parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES))
             integration.begin_request(room, backend=BACKEND, framework=FRAMEWORK,
                                       attributes={"gen_ai.request.model": MODEL})
+            set_up_start = time_ns()
+            parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES))
+            if args.mode == "metrics":  # the framework's own step towards the decode: announcing the room
+                integration.record_connect("announce_room", set_up_start, backend=BACKEND, framework=FRAMEWORK,
+                                           address=LOOPBACK, port=port, key=room)
+                summary["set_ups"] += 1
             compute = pool.submit(_forward_pass)
             error = None
             for chunk in range(CHUNKS):
@@ -212,16 +221,25 @@ def run(args) -> dict:
                     if rc != 0:
                         summary["failed_transfers"] += 1
                         error = "transfer_failed"
+            late = args.mode == "metrics" and index == LATE_INDEX
             with integration.transfer_scope(room, chunk_index=CHUNKS - 1, payload="aux", is_last_chunk=True):
                 offset = REPLICAS * CHUNKS * CHUNK_BYTES
-                rc = engine.transfer_sync_write(session, source.ctypes.data + offset, remote + offset, AUX_BYTES)
+                # posted, then waited on: its span says how long the posting call took (kv_transfer.post_s)
+                batch = engine.batch_transfer_async_write(session, [source.ctypes.data + offset], [remote + offset],
+                                                          [AUX_BYTES])
+                if late:  # the request ends while its aux is still in flight, as an aborted one's does
+                    integration.end_request(room, error_type=error)
+                rc = engine.get_batch_transfer_status([batch]) if batch and batch > 0 else -1
             summary["transfers"] += 1
             summary["bytes"] += AUX_BYTES
             summary["descriptors"] += 1
             if rc != 0:
                 summary["failed_transfers"] += 1
                 error = error or "transfer_failed"
-            integration.end_request(room, error_type=error)
+            if late:
+                summary["late_transfers"] += 1
+            else:
+                integration.end_request(room, error_type=error)
             parent_conn.send(("end", room, error))
             summary["rooms"].append(room)
             if error:

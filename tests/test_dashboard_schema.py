@@ -148,6 +148,7 @@ FILTERS_OF = {
     "kv_transfer_inflight{": ("service", "instance"),  # only the kind
     "kv_transfer_inflight_oldest_age_seconds{": ("service", "instance"),
     "kv_transfer_stuck_total{": ("service", "instance", "backend", "role"),
+    "connect_duration": ("service", "instance", "backend", "framework"),  # only the set-up call's own
 }
 
 

@@ -263,6 +263,11 @@ def test_metrics_count_every_transfer(run):
     # every room concluded (plus the forgotten one the TTL evicted), and the eviction was counted as a drop
     assert value('sum(kv_transfer_request_duration_seconds_count{error_type!="evicted"})') == len(summary["rooms"])
     assert value('sum(kv_transfer_instrumentation_dropped_total{kv_transfer_drop_reason="request_evicted"})') == 1
+    assert value("sum(kv_transfer_instrumentation_dropped_total)") == 1  # nothing else lost
+    # one set-up step per room, one posted (async) aux send per room, one of which completed after its request
+    assert value("sum(kv_transfer_connect_duration_seconds_count)") == summary["set_ups"] == len(summary["rooms"])
+    assert value('sum(kv_transfer_post_duration_seconds_count{kv_transfer_payload="aux"})') == len(summary["rooms"])
+    assert value('sum(kv_transfer_late_completions_total{kv_transfer_payload="aux"})') == summary["late_transfers"] == 1
 
 
 def test_every_dashboard_query_returns_data(run, record_property):
