@@ -318,6 +318,24 @@ def test_a_framework_set_up_step_is_a_connect_span_bounded_and_never_raises(tele
     assert dropped(telemetry) == {"api_error": 1}
 
 
+def test_a_set_up_step_for_a_request_not_open_here_joins_its_stitched_trace(telemetry):
+    """A decode's set-up for a request it has not begun to receive yet (sglang's bootstrap): in the trace both
+    sides of that request share, with its key and the framework's own attributes."""
+    from otel_kvtransfer.building.stitching import key_parent_span_context
+
+    kvt.record_connect("register", time_ns(), backend=ENGINE, framework="fw", key=4242,
+                       attributes={semconv.TP_RANK: 1})
+    kvt.begin_receive(4242, backend=ENGINE, framework="fw")
+    kvt.end_receive(4242)
+    (connect,) = telemetry.spans(semconv.SPAN_CONNECT)
+    (receive,) = telemetry.spans(semconv.SPAN_RECEIVE)
+    synthetic = key_parent_span_context(4242)
+    assert connect.context.trace_id == receive.context.trace_id == synthetic.trace_id
+    assert connect.parent.span_id == synthetic.span_id
+    assert connect.attributes[semconv.REQUEST_KEY] == "4242" and connect.attributes[semconv.TP_RANK] == 1
+    assert dropped(telemetry) == {}
+
+
 def test_the_api_is_a_no_op_when_not_instrumented():
     from otel_kvtransfer.recording.recorder import RECORDER
 

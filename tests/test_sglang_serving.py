@@ -234,3 +234,40 @@ def test_the_tail_is_what_the_spans_own_intervals_say(main_run):
         early = any(s.attributes.get("kv_transfer.prefix_early_send") for s in sends)
         shapes.add("early" if early else "after")
     assert shapes == {"early", "after"}
+
+
+CONNECT = "kv_transfer.connect"
+
+
+def test_the_decodes_bootstrap_is_set_up_once_in_the_first_requests_trace(main_run):
+    """sglang's decode asks the prefill's bootstrap server for its parallel layout and its rank's address, and
+    registers its KV layout with that rank, once per prefill (cached after): three `kv_transfer.connect` spans
+    on the decode, all in the first request's trace before its receive opens, none for the later requests; the
+    prefill sets up nothing apart (Mooncake opens a segment inside its first send)."""
+    from sglang_serving import deployment as dep
+
+    connects = main_run.named(CONNECT, "decode")
+    operations = sorted(c.attributes["kv_transfer.connect.operation"] for c in connects)
+    assert operations == ["fetch_bootstrap_info", "fetch_parallel_info", "register_kv_args"]
+    assert main_run.named(CONNECT, "prefill") == []
+    first = main_run.request_of(main_run.requests[0]["rid"])
+    room = first.attributes["kv_transfer.bootstrap_room"]
+    receive = main_run.receive_of(room)
+    for span in connects:
+        attrs = span.attributes
+        assert span.kind == "CLIENT" and not span.is_error
+        assert (attrs["kv_transfer.backend"], attrs["kv_transfer.framework"],
+                attrs["kv_transfer.connect.outcome"]) == ("mooncake", "sglang", "ok")
+        assert (attrs["server.address"], attrs["server.port"]) == ("127.0.0.1", dep.BOOTSTRAP_PORT)
+        assert span.end_time_unix_nano <= receive.start_time_unix_nano
+        assert attrs["kv_transfer.request_key"] == str(room) and span.trace_id == first.trace_id
+        assert attrs["kv_transfer.tp_rank"] == 0
+    # Counted where Prometheus scrapes the decode: three set-up calls, all ok.
+    expr = 'sum by (kv_transfer_framework, kv_transfer_connect_outcome) (kv_transfer_connect_duration_seconds_count)'
+    deadline = time.monotonic() + 60
+    while True:
+        got = _prom_value(main_run, expr)
+        if got or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert got == {(("kv_transfer_connect_outcome", "ok"), ("kv_transfer_framework", "sglang")): 3.0}

@@ -43,6 +43,9 @@ PATCHED = [
     ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "send_metadata"),
     ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "poll"),
     ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "abort"),
+    ("sglang.srt.disaggregation.common.conn", "CommonKVManager", "try_ensure_parallel_info"),
+    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "_get_bootstrap_info_from_server"),
+    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "_register_kv_args"),
     ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache"),
     ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache_slice"),
     ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache_dcp"),
@@ -54,6 +57,7 @@ PATCHED = [
     ("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk"),
     ("sglang.srt.disaggregation.prefill", "PrefillBootstrapQueue", "create_sender"),
     ("sglang.srt.disaggregation.decode", "DecodePreallocQueue", "_create_receiver_and_enqueue"),
+    ("sglang.srt.disaggregation.decode", "DecodePreallocQueue", "_ensure_prefill_info"),
     ("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
 ]
 

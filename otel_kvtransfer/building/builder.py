@@ -236,7 +236,8 @@ class SpanBuilder:
 
     # --- set-up ----------------------------------------------------------------------------------------------
     def _connect(self, rec, now):
-        """A set-up call towards a peer: under its request when it ran in that request's transfer scope."""
+        """A set-up call towards a peer: under its request when that request is open here; with a key but no
+        request open (a decode's bootstrap, before its receive), in the key's stitched trace."""
         start, end, backend, error = rec[r.CONNECT_START], rec[r.CONNECT_END], rec[r.CONNECT_BACKEND], \
             rec[r.CONNECT_ERROR]
         attrs = {semconv.BACKEND: backend, semconv.CONNECT_OPERATION: rec[r.CONNECT_OPERATION],
@@ -248,17 +249,22 @@ class SpanBuilder:
             attrs.update(rec[r.CONNECT_ATTRIBUTES])
         key = rec[r.CONNECT_KEY]
         state = self._requests.get(key) if key is not None else None
+        synthetic = False
         if state is not None:
             attrs[semconv.REQUEST_KEY] = str(key)
             attrs.update(state.labels)
             parent = state.parent
+        elif key is not None:
+            attrs[semconv.REQUEST_KEY] = str(key)
+            parent, synthetic = key_parent_span_context(key), True
         else:
             parent = span_context_of(rec[r.CONNECT_CONTEXT])
         status = _OK
         if error:
             attrs[semconv.ERROR_TYPE] = error
             status = Status(StatusCode.ERROR, error)
-        span_context = self._spans.child(semconv.SPAN_CONNECT, parent, SpanKind.CLIENT, attrs, start, end, status)
+        span_context = self._spans.child(semconv.SPAN_CONNECT, parent, SpanKind.CLIENT, attrs, start, end, status,
+                                         synthetic)
         self._metrics.connect(attrs, start, end, span_context)
 
     # --- peers (receive / serve) -----------------------------------------------------------------------------

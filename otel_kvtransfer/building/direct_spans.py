@@ -256,10 +256,10 @@ class DirectSpans:
                        span.start_time, max(end_ns, span.start_time), span.events)
 
     def child(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int, end_ns: int,
-              status=_UNSET) -> SpanContext:
+              status=_UNSET, synthetic=False) -> SpanContext:
         """A span started and ended at once (a send, a compute interval) under `parent`; its context (for an
-        exemplar)."""
-        context = self._context(name, parent, kind, attributes)
+        exemplar). `synthetic`: the parent is the stitching one, which never decides sampling."""
+        context = self._context(name, parent, kind, attributes, synthetic)
         if context.trace_flags.sampled:
             self._emit(name, context, parent if parent is not None and parent.is_valid else None, kind,
                        attributes, status, start_ns, end_ns, ())

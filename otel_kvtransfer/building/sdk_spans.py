@@ -65,7 +65,8 @@ class SdkSpans:
         # A non-recording span (a no-op or disabled SDK) has no start_time: end it all the same.
         span.end(end_time=max(end_ns, getattr(span, "start_time", None) or end_ns))
 
-    def child(self, name, parent, kind, attributes, start_ns, end_ns, status):
+    def child(self, name, parent, kind, attributes, start_ns, end_ns, status, synthetic=False):
+        # `synthetic` needs nothing here: the provider's sampler sees the stitching parent's marker itself
         if type(attributes) is not SendAttributes:  # a send's were made valid where they were made
             attributes = repaired(attributes)
         span = self.tracer.start_span(name, context=_context(parent), kind=kind, attributes=attributes,

@@ -333,17 +333,20 @@ def begin_request(key, *, backend: str, framework: Optional[str] = None, role: s
 @_never_raises
 def record_connect(operation: str, start_ns: int, *, backend: str, framework: Optional[str] = None,
                    address: Optional[str] = None, port: Optional[int] = None, error_type: Optional[str] = None,
-                   end_ns: Optional[int] = None) -> None:
+                   end_ns: Optional[int] = None, key=None, attributes: Optional[dict] = None) -> None:
     """One set-up step towards a peer that the framework makes (a handshake, a bootstrap query), from `start_ns`
     (now_ns() or time.time_ns()) to `end_ns` (now when None): a `kv_transfer.connect` span of its own, under the
-    request whose transfer scope this thread is in."""
+    request `key` names (by default the one whose transfer scope this thread is in; a key with no request open
+    here puts it in that request's stitched trace); `attributes` as on the framework's other spans (its rank)."""
     if RECORDER.active:
-        attrs = {semconv.FRAMEWORK: str(framework)[:64]} if framework else {}
+        attrs = dict(attributes) if attributes else {}
+        if framework:
+            attrs[semconv.FRAMEWORK] = str(framework)[:64]
         if address is not None:
             attrs[semconv.SERVER_ADDRESS] = str(address)[:256]
         if isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536:
             attrs[semconv.SERVER_PORT] = port
-        key = current_key()
+        key = current_key() if key is None else _key(key)
         RECORDER.record(records.connect(_time(start_ns), _time(end_ns), str(backend)[:64], str(operation)[:128],
                                         None, error_type and str(error_type)[:128], key,
                                         None if key is not None else current_context(), attrs or None))

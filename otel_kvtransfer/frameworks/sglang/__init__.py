@@ -15,6 +15,8 @@ What is wrapped, and why there (sglang 0.5.23):
 - decode.py here: the Mooncake or NIXL receiver (`send_metadata` opens `kv_transfer.receive`, `poll` /
   `abort` end it; `DecodePreallocQueue._create_receiver_and_enqueue` tells which Req, hence which sglang span,
   it serves).
+- bootstrap.py here: the decode's set-up steps towards a prefill (its parallel-info and bootstrap-info queries,
+  its KV-layout registration), each a `kv_transfer.connect`.
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """
 
@@ -23,7 +25,7 @@ from otel_kvtransfer.wiring.activation import FrameworkHooks
 
 
 def _patches():
-    from otel_kvtransfer.frameworks.sglang import decode, prefill
+    from otel_kvtransfer.frameworks.sglang import bootstrap, decode, prefill
 
     return {
         "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
@@ -33,9 +35,11 @@ def _patches():
         "sglang.srt.disaggregation.prefill": prefill.patch_prefill,
         "sglang.srt.managers.scheduler": prefill.patch_scheduler,
         "sglang.srt.disaggregation.common.conn#decode": decode.patch_common_conn,
+        "sglang.srt.disaggregation.common.conn#bootstrap": bootstrap.patch_common_conn,
         "sglang.srt.disaggregation.mooncake.conn#decode": decode.patch_mooncake_conn,
         "sglang.srt.disaggregation.nixl.conn#decode": decode.patch_nixl_conn,
         "sglang.srt.disaggregation.decode": decode.patch_decode,
+        "sglang.srt.disaggregation.decode#bootstrap": bootstrap.patch_decode,
     }
 
 
