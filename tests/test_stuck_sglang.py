@@ -1,7 +1,12 @@
 """Stuck while it is stuck, on the real SGLang PD deployment: the decode server's scheduler is frozen (SIGSTOP)
 while a long prompt's KV is on its way, and the prefill server reports its request and its send stuck while the
 decode stays frozen; once the decode goes on (SIGCONT) the request completes and its request span carries the
-reports as `kv_transfer.stuck` events.
+reports as `kv_transfer.stuck` events. Then, on the same deployment, a request aborted while its KV is on its way:
+a second long prompt, the decode frozen again once its send hangs, the request aborted at the prefill through
+sglang's `/abort_request` (what a client that gives up triggers there), the decode let go on: the send still
+completes, after its request ended, and says so (the `kv_transfer.late_completion` event on it, the
+`kv_transfer.late_completions` counter, one WARNING line), while the first request, which waited on the same
+frozen decode without an abort, reports nothing late.
 
 Real parts: prefill + decode servers under `opentelemetry-instrument`, sglang-router, a real streaming /generate
 request, Mooncake over TCP, all in one private network namespace (tests/sglang_serving/deployment.py and its
@@ -14,7 +19,7 @@ for seconds (the window in which the test sees the request open and freezes the 
 
 A deployment of its own (no Phoenix, no Prometheus): freezing the session-wide one would stall the other
 serving tests' requests. Here it costs one server start (1-3 minutes) and under a minute for the request: 3.5-4.5
-minutes in all on a shared 2-core machine.
+minutes in all on a shared 2-core machine, and under a minute more for the aborted request.
 """
 
 import json
@@ -118,9 +123,9 @@ def _attributes(item) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in item.get("attributes", [])}
 
 
-def _request_span(path: str):
+def _request_span(path: str, rid: str = RID):
     found = [s for s in _prefill_spans(path) if s["name"] == "kv_transfer.request"
-             and _attributes(s).get("sglang.rid") == RID]
+             and _attributes(s).get("sglang.rid") == rid]
     return found[0] if len(found) == 1 else None
 
 
@@ -215,10 +220,97 @@ def frozen_run(tmp_path_factory):
                                "the request span in the prefill's span file")
         run["log"] = _read(log)
         run["total_s"] = time.monotonic() - run["started"]
+        run["deployment"] = deployment
         yield run
     finally:
         _signal_all(frozen, signal.SIGCONT)  # a frozen process would never see the SIGTERM that stops it
         deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def aborted_run(frozen_run):
+    """The same deployment, a second long prompt: the decode frozen while its KV is on its way, the request
+    aborted at the prefill (sglang's /abort_request, as a client that gives up triggers it) while its send hangs,
+    then the decode let go on, so the send completes after its request ended."""
+    from sglang_serving import deployment as dep
+
+    deployment = frozen_run["deployment"]
+    log = deployment.log_path("prefill")
+    tail = _Tail(log)
+    tail.read()  # the first request's part of the log
+    run = {"log_before": _read(log)[:tail.offset]}
+    # Another prompt than the first request's: a cached prefix would make its prefill too quick to freeze in.
+    (request,) = dep.prompts(1, TOKENS, 4, repeat_every=0, seed=8, rid_prefix="kvt-late")
+    answer, frozen = {}, []
+
+    def generate():
+        try:
+            answer["results"] = deployment.generate([request])
+        except Exception as exc:  # the abort answers the client with an error: expected
+            answer["error"] = repr(exc)[:2000]
+
+    client = threading.Thread(target=generate, daemon=True)
+    seen = {"text": ""}
+
+    def read():
+        seen["text"] = (seen["text"] + tail.read())[-400_000:]
+        return seen["text"]
+
+    def request_open():
+        return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
+                   for a, v in console_points(console_json_objects(read()), "kv_transfer.inflight"))
+
+    def send_stuck():
+        return re.search(r"otel_kvtransfer: a send open for \d+ s is stuck: request key (\S+),", read())
+
+    try:
+        client.start()
+        _wait(request_open, 300, "the second request's span to open")
+        frozen = _scheduler_pids(deployment)
+        _signal_all(frozen, signal.SIGSTOP)
+        seen["text"] = ""  # a send reported from here on hangs on the frozen decode
+        run["room"] = _wait(send_stuck, FROZEN_MAX_S, "the second request's send to hang").group(1)
+        prefill, decode = deployment.servers["prefill"], deployment.servers["decode"]
+        abort = json.dumps({"rid": request["rid"]})
+        run["abort_status"] = deployment.client("post", f"{prefill.url}/abort_request", abort)["status"]
+        run["request"] = _wait(lambda: _request_span(deployment.span_file("prefill"), request["rid"]), 60,
+                               "the aborted request's span in the prefill's span file")
+        run["send_open_at_abort"] = not _room_sends(deployment.span_file("prefill"), run["room"])
+        _signal_all(frozen, signal.SIGCONT)
+        frozen = []
+        run["sends"] = _wait(lambda: _room_sends(deployment.span_file("prefill"), run["room"], KV_PAYLOAD), 120,
+                             "the aborted request's KV send to complete")
+        # The decode learns of the abort from the prefill, or not: abort it there too, so the client's request
+        # ends whatever the decode made of it.
+        deployment.client("post", f"{decode.url}/abort_request", abort)
+        client.join(120)
+        run["client_ended"] = not client.is_alive()
+        run["log"] = ""
+
+        def reported():  # the late send's WARNING line and a metric export that counts it
+            run["log"] = _read(log)[len(run["log_before"]):]
+            return _late_lines(run["log"], run["room"]) and console_points(
+                console_json_objects(run["log"]), "kv_transfer.late_completions")
+
+        _wait(reported, 60, "the late send's WARNING line and its count")
+        run["kv_bytes"], run["span_file"] = frozen_run["kv_bytes"], deployment.span_file("prefill")
+        yield run
+    finally:
+        _signal_all(frozen, signal.SIGCONT)
+
+
+KV_PAYLOAD = "kv"
+
+
+def _room_sends(path: str, room: str, payload: str = None) -> list:
+    return [s for s in _prefill_spans(path) if s["name"] == "kv_transfer.send"
+            and str(_attributes(s).get("kv_transfer.request_key")) == room
+            and (payload is None or _attributes(s).get("kv_transfer.payload") == payload)]
+
+
+def _late_lines(text: str, room: str) -> str:
+    return "\n".join(line for line in text.splitlines()
+                     if f"send of request {room} completed" in line and "kv_transfer.late_completion" in line)
 
 
 def _stuck_lines(text: str, kind: str, room: str) -> list:
@@ -265,3 +357,43 @@ def test_once_the_decode_goes_on_the_request_completes_and_its_span_carries_the_
     room = str(_attributes(request)["kv_transfer.request_key"])
     assert len(_stuck_lines(frozen_run["log"], "send", room)) == len(_stuck_lines(frozen_run["log"], "request",
                                                                                   room)) == 1
+
+
+def _late_events(span) -> list:
+    return [_attributes(e) for e in span.get("events", []) if e["name"] == "kv_transfer.late_completion"]
+
+
+def test_a_send_that_completes_after_its_request_was_aborted_says_how_late_it_was(aborted_run):
+    assert aborted_run["abort_status"] == 200
+    request = aborted_run["request"]
+    assert request["status"].get("code") in (2, "STATUS_CODE_ERROR")
+    assert _attributes(request)["error.type"] == "aborted"
+    assert aborted_run["send_open_at_abort"]  # the request ended while its send still hung on the frozen decode
+    (send,) = aborted_run["sends"]
+    attributes = _attributes(send)
+    # Its bytes still landed: the whole prompt's KV, sent OK, under the ended request's span.
+    assert int(attributes["kv_transfer.bytes"]) == aborted_run["kv_bytes"]
+    assert send["status"].get("code") in (None, 0, 1, "STATUS_CODE_UNSET", "STATUS_CODE_OK")
+    assert send["traceId"] == request["traceId"] and send["parentSpanId"] == request["spanId"]
+    (event,) = _late_events(send)
+    late_s = (int(send["endTimeUnixNano"]) - int(request["endTimeUnixNano"])) / 1e9
+    assert late_s > 0 and abs(event["kv_transfer.after_request_end_s"] - late_s) < 1e-6
+
+
+def test_the_late_send_logs_one_warning_and_counts_once_and_only_after_the_abort(aborted_run, frozen_run):
+    room = aborted_run["room"]
+    print(_late_lines(aborted_run["log"], room))  # the line an operator reads, kept in the test's output
+    assert len(_late_lines(aborted_run["log"], room).splitlines()) == 1
+    assert "kv_transfer.late_completion" not in frozen_run["log"]
+    # The KV send counts once, with its labels (a later aux send of the room may be late too, counted apart).
+    late = [(a, v) for a, v in console_points(console_json_objects(aborted_run["log"]), "kv_transfer.late_completions")
+            if a.get("kv_transfer.payload") == "kv"]
+    assert late and max(v for _, v in late) == 1
+    labels = late[-1][0]
+    assert (labels["kv_transfer.backend"], labels["kv_transfer.framework"],
+            labels["kv_transfer.role"]) == ("mooncake", "sglang", "prefill")
+    # The first request waited on the same frozen decode but ended after its sends: nothing late, no point.
+    assert not console_points(console_json_objects(aborted_run["log_before"]), "kv_transfer.late_completions")
+    assert not any(_late_events(s) for s in _prefill_spans(aborted_run["span_file"])
+                   if str(_attributes(s).get("kv_transfer.request_key")) != room)
+    assert aborted_run["client_ended"]

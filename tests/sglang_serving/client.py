@@ -3,6 +3,7 @@
     client.py ok URL                 -> {"ok": bool}    (a 200 answer within 5 s)
     client.py get URL PARAMS_JSON    -> the JSON body
     client.py text URL               -> {"text": the body} (a Prometheus exposition, say; at most 4 MiB)
+    client.py post URL BODY_JSON     -> {"status": the HTTP status} (sglang's /abort_request, say)
     client.py generate URL < REQUESTS_JSON
         requests: [{"rid", "input_ids", "max_new_tokens", optional "traceparent"}]; sent one after another as
         streaming /generate calls;
@@ -36,6 +37,16 @@ def get(url: str, params: dict):
         url += "?" + urllib.parse.urlencode(params, doseq=True)
     with urllib.request.urlopen(_loopback(url), timeout=20) as response:
         return json.loads(response.read().decode())
+
+
+def post(url: str, body: str) -> dict:
+    http = urllib.request.Request(_loopback(url), data=json.dumps(json.loads(body)).encode(),
+                                  headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(http, timeout=20) as response:
+            return {"status": response.status}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code}
 
 
 def text(url: str) -> dict:
@@ -99,6 +110,8 @@ def main(argv) -> int:
         answer = get(url, json.loads(argv[2]) if len(argv) > 2 else {})
     elif command == "text":
         answer = text(url)
+    elif command == "post":
+        answer = post(url, argv[2] if len(argv) > 2 else "{}")
     elif command == "generate":
         answer = [generate_one(url, r) for r in json.load(sys.stdin)]
     else:
