@@ -6,7 +6,8 @@ import shutil
 import subprocess
 import sys
 
-from conftest import console_json_objects, mooncake_importable, require_part
+from support.console import console_json_objects
+from support.parts import mooncake_importable, require_part
 
 from otel_kvtransfer import semconv
 

@@ -26,7 +26,7 @@ import traceback
 
 import pytest
 import wrapt
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.recording import records

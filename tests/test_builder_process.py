@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mooncake_importable, require_part
+from support.parts import mooncake_importable, require_part
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer.recording import wire

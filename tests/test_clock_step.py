@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from conftest import Telemetry
+from support.telemetry import Telemetry
 from support.waiting import wait_until
 
 from otel_kvtransfer import config, semconv

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 from _observability_parts import ROOT, SETUP
-from conftest import require_part
+from support.parts import require_part
 
 COLLECTOR = os.path.join(ROOT, "collector")
 PROVISIONING = os.path.join(ROOT, "dashboards", "provisioning")

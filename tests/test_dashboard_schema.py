@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from _observability_parts import NODE_DIR, ROOT, SETUP, node_ready
 from _observability_promnames import DESIGN_METRICS, series_names
-from conftest import require_part
+from support.parts import require_part
 
 DASHBOARDS = sorted(glob.glob(os.path.join(ROOT, "dashboards", "*.json")))
 MAIN = os.path.join(ROOT, "dashboards", "kv_transfer.json")

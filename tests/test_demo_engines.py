@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import semconv
 

@@ -17,11 +17,11 @@ import sys
 import threading
 
 import pytest
-from conftest import metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from support.telemetry import dropped_by_reason, metric_points
 from support.waiting import exited
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
@@ -66,8 +66,7 @@ class _Slow:
         return metric_points(self.reader)
 
     def dropped(self) -> dict:
-        return {dict(p.attributes)[semconv.DROP_REASON]: p.value
-                for p in self.points().get(semconv.METRIC_DROPPED, [])}
+        return dropped_by_reason(self.reader)
 
     def export_the_rest(self) -> int:
         """Make the exporter fast, deliver what is still queued, export everything: the spans exported."""

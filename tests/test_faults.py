@@ -15,13 +15,13 @@ import threading
 import time
 
 import pytest
-from conftest import metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from support.telemetry import metric_points
 from support.waiting import exited, wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv

@@ -19,8 +19,8 @@ import sys
 import sysconfig
 import time
 
-from conftest import console_json_objects, console_points
 from support import instrumented_app, netns
+from support.console import console_json_objects, console_points
 
 from otel_kvtransfer import semconv
 

@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from _observability_parts import ROOT, mooncake_available, run_namespace_script, veth_namespaces_work
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer.tools.links import fit
 

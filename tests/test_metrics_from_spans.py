@@ -1,9 +1,9 @@
 """The DESIGN metrics come from the spans: values, exemplars, and counting every transfer under sampling."""
 
 import pytest
-from conftest import Telemetry
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from support.telemetry import Telemetry
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt

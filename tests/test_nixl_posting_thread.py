@@ -89,7 +89,7 @@ def _seen(tel) -> dict:
 
 
 def _telemetry():
-    from conftest import Telemetry
+    from support.telemetry import Telemetry
 
     return Telemetry().instrument()
 

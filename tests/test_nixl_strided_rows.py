@@ -10,7 +10,7 @@ import os
 import time
 
 import pytest
-from conftest import require_part
+from support.parts import require_part
 
 BLOCK = 4096
 

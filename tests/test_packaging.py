@@ -20,7 +20,7 @@ import zipfile
 
 import pytest
 from _observability_parts import CACHE, ROOT, mooncake_available
-from conftest import require_part
+from support.parts import require_part
 
 try:
     import tomllib

@@ -31,7 +31,7 @@ from _observability_parts import (
     run_namespace_script,
     veth_namespaces_work,
 )
-from conftest import require_part
+from support.parts import require_part
 
 SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
 ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")

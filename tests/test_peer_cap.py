@@ -9,7 +9,7 @@ engine module hands over the calls it timed (`integration.deliver` inside a tran
 import logging
 
 import pytest
-from conftest import Telemetry
+from support.telemetry import Telemetry
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt

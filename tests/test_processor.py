@@ -5,12 +5,12 @@ instrumentation scope); the points come out of a real MeterProvider through an I
 """
 
 import pytest
-from conftest import metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from support.telemetry import metric_points
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.processor import KVTransferMetricsProcessor

@@ -44,7 +44,7 @@ from _observability_promnames import (
     metric_name,
     series_names,
 )
-from conftest import require_part
+from support.parts import require_part
 
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
 WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc
 

@@ -12,13 +12,13 @@ import threading
 import time
 
 import pytest
-from conftest import Telemetry, metric_points
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
+from support.telemetry import Telemetry, dropped_by_reason, metric_points
 
 from otel_kvtransfer import KVTransferInstrumentor, RecordUnsampledSampler, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -35,8 +35,7 @@ def recorder_threads():
 
 def dropped(reader):
     RECORDER.drain()
-    return {dict(p.attributes)[semconv.DROP_REASON]: p.value
-            for p in metric_points(reader).get(semconv.METRIC_DROPPED, [])}
+    return dropped_by_reason(reader)
 
 
 class _Hanging(SpanExporter):

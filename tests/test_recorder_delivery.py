@@ -5,19 +5,14 @@ import os
 import time
 
 import pytest
-from conftest import Telemetry
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
+from support.telemetry import Telemetry
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.recording.recorder import RECORDER
-
-
-def _dropped(telemetry):
-    return {dict(p.attributes)[semconv.DROP_REASON]: p.value
-            for p in telemetry.metrics().get(semconv.METRIC_DROPPED, [])}
 
 
 def test_force_flush_delivers_every_recorded_transfer(monkeypatch, engine, receiver):
@@ -54,7 +49,7 @@ def test_full_queue_drops_are_counted(monkeypatch, engine, receiver):
         for _ in range(25):
             assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
         assert len(telemetry.spans(semconv.SPAN_SEND)) == 10
-        assert _dropped(telemetry) == {"queue_full": 15}
+        assert telemetry.dropped() == {"queue_full": 15}
     finally:
         telemetry.uninstrument()
 
@@ -75,7 +70,7 @@ def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):
             assert span.status.status_code is StatusCode.ERROR
             assert span.attributes[semconv.EVICTED] is True
             assert span.attributes[semconv.ERROR_TYPE] == "evicted"
-        assert _dropped(telemetry) == {"request_evicted": 1, "peer_evicted": 1}
+        assert telemetry.dropped() == {"request_evicted": 1, "peer_evicted": 1}
     finally:
         telemetry.uninstrument()
 
@@ -128,7 +123,7 @@ def test_a_failing_span_builder_never_reaches_the_engine(telemetry, engine, rece
     assert engine.engine.transfer_sync_write(receiver.session, engine.base, receiver.base_address, 8) == 0
     telemetry.tracer_provider.force_flush()
     assert RECORDER.pending() == 0
-    assert _dropped(telemetry) == {"builder_error": 2}
+    assert telemetry.dropped() == {"builder_error": 2}
 
 
 def test_forked_child_keeps_recording(telemetry, engine, receiver, tmp_path):

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import console_json_objects, require_part
+from support.console import console_json_objects
+from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc
 

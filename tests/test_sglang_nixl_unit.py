@@ -13,7 +13,7 @@ import importlib.util
 from types import SimpleNamespace
 
 import pytest
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import integration, semconv
 
@@ -23,8 +23,8 @@ NIXL_PATCHED = ["send_kvcache", "send_kvcache_slice", "send_kvcache_mixed", "sen
 
 def test_nixl_manager_methods_are_wrapped_and_restored():
     require_part(importlib.util.find_spec("sglang") is not None, "sglang 0.5.23 (bash scripts/setup.sh)")
-    from conftest import Telemetry
     from sglang.srt.disaggregation.nixl import conn
+    from support.telemetry import Telemetry
 
     from otel_kvtransfer.frameworks.sglang import common
     from otel_kvtransfer.recording.patching import is_ours

@@ -23,8 +23,8 @@ import tempfile
 import time
 
 import pytest
-from conftest import IN_CI, require_part
 from support import sglang_runs
+from support.parts import IN_CI, require_part
 from support.sglang_runs import COMPUTE, REQUEST, SEND, Run
 
 PROJECT = "kvt-sglang-serving"

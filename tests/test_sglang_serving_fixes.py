@@ -20,7 +20,8 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import require_part
+import version_canary
+from support.parts import require_part
 
 from otel_kvtransfer import integration
 
@@ -31,35 +32,9 @@ def _require_sglang():
     require_part(importlib.util.find_spec("sglang") is not None, "sglang 0.5.23 (bash scripts/setup.sh)")
 
 
-# (module, class, attribute) of every patch, written out so a silently skipped one fails.
-PATCHED = [
-    ("sglang.srt.disaggregation.common.utils", "FastQueue", "put"),
-    ("sglang.srt.disaggregation.common.utils", "FastQueue", "get"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVManager", "update_status"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVManager", "conclude_transfer"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVSender", "__init__"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVSender", "clear"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "__init__"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "send_metadata"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "poll"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "abort"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVManager", "try_ensure_parallel_info"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "_get_bootstrap_info_from_server"),
-    ("sglang.srt.disaggregation.common.conn", "CommonKVReceiver", "_register_kv_args"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache_slice"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_kvcache_dcp"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "_do_staging_transfer"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "maybe_send_extra"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_aux"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "send_aux_data_to_endpoint"),
-    ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager", "add_transfer_request"),
-    ("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk"),
-    ("sglang.srt.disaggregation.prefill", "PrefillBootstrapQueue", "create_sender"),
-    ("sglang.srt.disaggregation.decode", "DecodePreallocQueue", "_create_receiver_and_enqueue"),
-    ("sglang.srt.disaggregation.decode", "DecodePreallocQueue", "_ensure_prefill_info"),
-    ("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
-]
+# (module, class, attribute) of every patch: the canary's written-out list (version_canary.py), so a silently
+# skipped one fails here and a renamed one there.
+PATCHED = [(t.module, t.cls, t.method) for t in version_canary.SGLANG_TARGETS if t.method]
 
 # Run apart: importing sglang's scheduler needs the CPU engine switch and the import-only sgl_kernel stand-in.
 PATCH_CHECK = r"""

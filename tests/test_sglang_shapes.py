@@ -35,8 +35,8 @@ import shutil
 import tempfile
 
 import pytest
-from conftest import IN_CI
 from support import sglang_runs
+from support.parts import IN_CI
 from support.sglang_runs import COMPUTE, RECEIVE, REQUEST, SEND, Run
 from support.waiting import wait_until
 from vllm_serving.harness import prometheus_value  # sums a sample over its label sets, whoever exposes it

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import sglang_harness as harness
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc
 

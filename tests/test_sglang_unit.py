@@ -7,7 +7,7 @@ import importlib.util
 import logging
 
 import pytest
-from conftest import require_part
+from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.frameworks import sglang as kvt_sglang
@@ -57,14 +57,13 @@ def _targets():
 @pytest.fixture
 def spans():
     """Finished spans so far; with dropped=True the drop counts by reason instead."""
-    from conftest import Telemetry
+    from support.telemetry import Telemetry
 
     telemetry = Telemetry().instrument()
 
     def read(dropped=False):
         if dropped:
-            return {dict(p.attributes)[sc.DROP_REASON]: p.value
-                    for p in telemetry.metrics().get(sc.METRIC_DROPPED, [])}
+            return telemetry.dropped()
         return telemetry.spans()
 
     yield read

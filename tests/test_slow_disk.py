@@ -19,12 +19,12 @@ import subprocess
 import sys
 import threading
 
-from conftest import require_part
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
-from support.metrics import dropped_by_reason
+from support.parts import require_part
+from support.telemetry import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe

@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
-from support.metrics import dropped_by_reason
+from support.telemetry import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe

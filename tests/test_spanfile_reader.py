@@ -18,11 +18,11 @@ import sys
 import tempfile
 
 import pytest
-from conftest import require_part
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.tools.spanfile import Skipped, SpanFileError, iter_spans, read_spans

@@ -18,8 +18,8 @@ import sys
 import threading
 
 import pytest
-from conftest import console_json_objects, console_points
 from support import instrumented_app
+from support.console import console_json_objects, console_points
 from support.waiting import wait_until
 
 ROOM = 777001

@@ -13,7 +13,7 @@ them all stuck at once, as when a peer freezes under load; the scans run as they
 import logging
 import time
 
-from conftest import Telemetry
+from support.telemetry import Telemetry
 from support.waiting import wait_until
 
 from otel_kvtransfer import config, semconv

@@ -66,7 +66,7 @@ def _scenario(end: str) -> dict:
     """Post a 64 MiB write to a frozen peer, poll it until it is reported stuck, then `end` it: resume or kill the
     peer."""
     import numpy as np
-    from conftest import Telemetry
+    from support.telemetry import Telemetry
 
     from otel_kvtransfer import integration as kvt
     from otel_kvtransfer.demo.nixl_loopback import Receiver

@@ -30,8 +30,8 @@ import threading
 import time
 
 import pytest
-from conftest import console_json_objects, console_points
 from support import sglang_runs
+from support.console import console_json_objects, console_points
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 import pytest
-from conftest import require_part
+from support.parts import require_part
 from test_spanfile_reader import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
 
 from otel_kvtransfer import semconv as sc

@@ -18,8 +18,8 @@ import tempfile
 import pytest
 from _observability_parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
 from _observability_workload import AUX_BYTES, CHUNK_BYTES, CHUNKS, DESCRIPTORS, FRAMEWORK, MODEL, RECV_BYTES, REPLICAS
-from conftest import require_part
 from support import netns
+from support.parts import require_part
 
 from otel_kvtransfer import semconv
 

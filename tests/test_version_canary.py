@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import version_canary
-from conftest import mooncake_importable, require_part
+from support.parts import mooncake_importable, require_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CANARY = os.path.join(HERE, "version_canary.py")

@@ -14,8 +14,8 @@ import json
 import os
 
 import pytest
-from conftest import require_part
 from support import netns
+from support.parts import require_part
 from vllm_serving import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -6,7 +6,7 @@ one plain process of the vLLM virtualenv, which then imports the connector modul
 
 import subprocess
 
-from conftest import require_part
+from support.parts import require_part
 from vllm_serving import harness
 
 PROBE = """

@@ -27,8 +27,8 @@ names its python).
 import os
 
 import pytest
-from conftest import require_part
 from support import netns
+from support.parts import require_part
 from vllm_serving import harness
 from vllm_serving.pair import NIXL_SIDE_PORTS
 

@@ -8,7 +8,7 @@ coarse to tell them apart would read them.
 """
 
 import pytest
-from conftest import Telemetry
+from support.telemetry import Telemetry
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt

@@ -49,6 +49,9 @@ SGLANG_TARGETS = [
     Target(f"{_SG}.common.conn", "CommonKVReceiver", "send_metadata"),
     Target(f"{_SG}.common.conn", "CommonKVReceiver", "poll"),
     Target(f"{_SG}.common.conn", "CommonKVReceiver", "abort"),
+    Target(f"{_SG}.common.conn", "CommonKVManager", "try_ensure_parallel_info"),  # the decode's set-up steps
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "_get_bootstrap_info_from_server"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "_register_kv_args"),
     Target(f"{_SG}.common.utils", "FastQueue", "put"),
     Target(f"{_SG}.common.utils", "FastQueue", "get"),
     Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "__init__"),  # its rank: the start-up line
@@ -77,6 +80,7 @@ SGLANG_TARGETS = [
     Target(f"{_SG}.prefill", "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk"),
     Target(f"{_SG}.prefill", "PrefillBootstrapQueue", "create_sender"),
     Target(f"{_SG}.decode", "DecodePreallocQueue", "_create_receiver_and_enqueue"),
+    Target(f"{_SG}.decode", "DecodePreallocQueue", "_ensure_prefill_info"),
     Target("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
 ]
 

@@ -13,9 +13,8 @@ import subprocess
 import sys
 import time
 
-from conftest import mooncake_importable, require_part
-
 from support import netns
+from support.parts import mooncake_importable, require_part
 
 
 def require_parts() -> None:

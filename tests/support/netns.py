@@ -17,7 +17,7 @@ def tools_available() -> bool:
 
 
 def require_tools() -> None:
-    from conftest import require_part  # scripts import this module too
+    from support.parts import require_part  # scripts import this module too
 
     require_part(tools_available(), "unshare (util-linux) and ip (iproute2)")
 

@@ -18,9 +18,8 @@ import sys
 import time
 import traceback
 
-from conftest import require_part
-
 from support import netns
+from support.parts import require_part
 
 # These tests' agents pause 100 us between idle progress polls, as the test deployments' do (tests/nixl_pacing/
 # says why; a busy-polling progress thread per agent, three agents per test, take both cores from the calls the
@@ -94,7 +93,7 @@ def run_in_each_pipeline(out_path: str, size: int, scenario) -> None:
 
 
 def _in_pipeline(scenario, pipeline: str, receiver) -> dict:
-    from conftest import Telemetry
+    from support.telemetry import Telemetry
 
     os.environ["OTEL_KVTRANSFER_PIPELINE"] = pipeline
     telemetry = Telemetry().instrument()

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 
-from conftest import require_part
+from support.parts import require_part
 
 REQUEST, SEND, COMPUTE, RECEIVE = ("kv_transfer.request", "kv_transfer.send", "kv_transfer.compute",
                                    "kv_transfer.receive")

@@ -1,0 +1,58 @@
+"""The instrumentation under test with in-memory providers, and what it recorded, read back."""
+
+from otel_kvtransfer import semconv
+
+
+class Telemetry:
+    """An SDK TracerProvider with an in-memory exporter and an in-memory metric reader, instrumented."""
+
+    def __init__(self, sampler=None):
+        from opentelemetry.test.test_base import TestBase
+
+        from otel_kvtransfer import KVTransferInstrumentor
+
+        # opentelemetry-test-utils' providers: a SimpleSpanProcessor into an in-memory exporter, an in-memory
+        # metric reader. Handed to instrument() explicitly: the global providers stay untouched.
+        self.tracer_provider, self.exporter = TestBase.create_tracer_provider(**({"sampler": sampler} if sampler
+                                                                                 else {}))
+        self.meter_provider, self.reader = TestBase.create_meter_provider()
+        self.instrumentor = KVTransferInstrumentor()
+
+    def instrument(self):
+        self.instrumentor.instrument(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
+        return self
+
+    def uninstrument(self):
+        self.instrumentor.uninstrument()
+
+    def spans(self, name=None):
+        self.tracer_provider.force_flush()
+        spans = self.exporter.get_finished_spans()
+        return [s for s in spans if name is None or s.name == name]
+
+    def metrics(self):
+        """{metric name: [data points]} of everything recorded so far."""
+        self.tracer_provider.force_flush()
+        return metric_points(self.reader)
+
+    def dropped(self) -> dict:
+        """{drop reason: count} of what the instrumentation dropped so far."""
+        self.tracer_provider.force_flush()
+        return dropped_by_reason(self.reader)
+
+
+def metric_points(reader) -> dict:
+    """{metric name: [data points]} of one collection by an in-memory metric reader."""
+    found = {}
+    data = reader.get_metrics_data()
+    for resource_metrics in (data.resource_metrics if data else []):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+def dropped_by_reason(reader) -> dict:
+    """{drop reason: count} of kv_transfer.instrumentation.dropped in one collection by `reader`."""
+    return {point.attributes[semconv.DROP_REASON]: point.value
+            for point in metric_points(reader).get(semconv.METRIC_DROPPED, [])}
