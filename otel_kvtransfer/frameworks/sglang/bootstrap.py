@@ -74,12 +74,10 @@ def _after_parallel_info(instance, args, kwargs, token, result, error) -> None:
                 key=_first_waiting_room(address))
 
 
-# DecodePreallocQueue._ensure_prefill_info(addr_to_reqs): which requests wait for each prefill's layout.
-_ensure_prefill_info_wrapper = remember_argument(_tls, "waiting", 0, "addr_to_reqs")
-
-
 _parallel_info_wrapper = observe_call("time sglang's parallel-info query", _before_parallel_info,
                                       _after_parallel_info, on_raise=True)
+# DecodePreallocQueue._ensure_prefill_info(addr_to_reqs): which requests wait for each prefill's layout.
+_ensure_prefill_info_wrapper = remember_argument(_tls, "waiting", 0, "addr_to_reqs")
 
 
 def _before_receiver_step(instance, args, kwargs):
