@@ -134,7 +134,10 @@ def test_an_interrupted_helper_waits_for_its_engine(tmp_path):
 
 
 def test_uninstrument_ends_the_helper(tmp_path):
-    outcomes, totals, _ = _run(tmp_path, "send:3", "flush", "send:4", "open", "uninstrument", "send:2")
+    outcomes, totals, stderr = _run(tmp_path, "send:3", "flush", "send:4", "open", "uninstrument", "send:2")
+    # uninstrument returned once the helper had exported and closed its end, not after its wait ran out ...
+    assert "is still exporting" not in stderr, stderr[-2000:]
+    # ... and the helper's process ends (the kernel marks it ended a moment after it closed its files)
     assert outcomes[5]["helper_exited"] is True
     # uninstrument delivered the 5 still queued; the writes after it are not recorded
     assert len(_sends(tmp_path)) == 8
