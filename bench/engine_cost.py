@@ -146,6 +146,9 @@ class Bench:
             self.receiver.stop()
 
     # --- calls ------------------------------------------------------------------------------------------------
+    def call_0b(self):
+        return self.engine.transfer_sync_write(self.session, self.base, self.peer, 0)
+
     def call_8b(self):
         return self.engine.transfer_sync_write(self.session, self.base, self.peer, 8)
 
@@ -259,8 +262,9 @@ def _block(call, n):
     return (time.perf_counter_ns() - wall) / n, (time.thread_time_ns() - cpu_ns) / n
 
 
-def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
-    """Per call shape, per round: blocks in modes off, off (A/A) and on, in rotating order."""
+def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
+    """Per call shape (all, or those named in `shapes`), per round: blocks in modes off, off (A/A) and on, in
+    rotating order."""
     from concurrent.futures import ThreadPoolExecutor
 
     from otel_kvtransfer import integration as kvt
@@ -278,12 +282,17 @@ def thread_cost(b: Bench, rounds: int, calls: int) -> dict:
             return pool.submit(run).result()
 
     # A batch write takes ~100x an 8 B write: a tenth of the calls keeps its blocks short (CPU is per call).
-    shapes = {"8 B sync write": lambda n: _block(b.call_8b, n),
+    # A 0 B write is the engine's smallest work (~0.6 us): what is added there is the wrapper's own cost, and
+    # nothing of the engine's polling while it waits for a receiver.
+    known = {"0 B sync write": lambda n: _block(b.call_0b, n),
+             "8 B sync write": lambda n: _block(b.call_8b, n),
               "128-descriptor batch write": lambda n: _block(b.call_batch, max(n // 10, 10)),
               "8 B write in a transfer_scope": lambda n: _block(b.call_scoped, n),
               "8 B write via scope.bind() on an executor thread": bound_block}
     out = {}
-    for shape, run in shapes.items():
+    for shape, run in known.items():
+        if shapes is not None and shape not in shapes:
+            continue
         per = {"off": [], "off2": [], "on": []}
         run(calls)  # warm the connection and the code
         for order in _rotations(rounds):

@@ -306,3 +306,24 @@ def test_uninstrument_ends_what_is_still_open_as_evicted_and_counts_it():
     # The metrics processor saw them before it was detached.
     assert sum(p.count for p in metric_points(telemetry.reader)[semconv.METRIC_REQUEST_SIZE]) == 1
     assert sum(p.count for p in metric_points(telemetry.reader)[semconv.METRIC_RECEIVE_DURATION]) == 2
+
+
+def test_an_idle_recorder_sleeps_until_the_next_in_flight_scan():
+    # While records come in, the thread wakes every flush interval; with none since its last wake, it sleeps
+    # until the next scan for hung calls is due (each wake-up costs CPU), never less than the flush interval.
+    from otel_kvtransfer.recording.inflight import SCAN_INTERVAL_S, Watcher
+    from otel_kvtransfer.recording.recorder import Recorder
+
+    now = [100.0]
+    recorder = Recorder(config.Settings(flush_interval_s=0.2))
+    assert recorder.next_wait_s(recorded=False) == SCAN_INTERVAL_S  # no watcher yet
+    recorder.watcher = Watcher(stuck_s=10, clock=lambda: now[0])
+    assert recorder.watcher.due()  # scanned at 100.0: the next scan at 101.0
+    now[0] = 100.3
+    assert recorder.next_wait_s(recorded=True) == 0.2
+    assert recorder.next_wait_s(recorded=False) == pytest.approx(0.7)
+    now[0] = 100.95
+    assert recorder.next_wait_s(recorded=False) == 0.2  # the scan is nearly due: the flush interval
+    slow = Recorder(config.Settings(flush_interval_s=5.0))
+    slow.watcher = recorder.watcher
+    assert slow.next_wait_s(recorded=False) == 5.0

@@ -73,6 +73,10 @@ class Watcher:
         self._next = now + SCAN_INTERVAL_S
         return True
 
+    def until_due(self) -> float:
+        """Seconds until the next scan is due (0 when it is)."""
+        return max(self._next - self._clock(), 0.0)
+
     def scan(self, now_ns: Optional[int] = None) -> Optional[tuple]:
         """(INFLIGHT, now_ns, open count, oldest start_ns or None, [stuck item, ...]) where an item is
         (start_ns, key, peer, nbytes, backend), each reported once while it stays open; None when nothing is in
