@@ -27,7 +27,7 @@ def ticks_ns(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_NS
 
 
-def _threads_ns(pid: int) -> Dict[int, int]:
+def threads_ns(pid: int) -> Dict[int, int]:
     """tid -> nanoseconds on the CPU, for the threads alive now."""
     found = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -60,14 +60,15 @@ def descendants(root: int, exclude: Iterable[int] = ()) -> list:
 
 
 class Snapshot:
-    """CPU so far: this process (ns), and each descendant's threads and tick count."""
+    """CPU so far: this process (ns), and each descendant's (or each given process's) threads and tick count."""
 
-    def __init__(self, exclude: Iterable[int] = ()):
+    def __init__(self, exclude: Iterable[int] = (), pids: Optional[Iterable[int]] = None):
+        """`pids`: these processes instead of this one's descendants."""
         self.own_ns = time.process_time_ns()
         self.others = {}  # pid -> (threads {tid: ns}, ticks ns)
-        for pid in descendants(os.getpid(), exclude):
+        for pid in descendants(os.getpid(), exclude) if pids is None else pids:
             try:
-                self.others[pid] = (_threads_ns(pid), ticks_ns(pid))
+                self.others[pid] = (threads_ns(pid), ticks_ns(pid))
             except (OSError, ValueError, IndexError):
                 pass
 

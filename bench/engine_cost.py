@@ -98,6 +98,7 @@ class Bench:
         self.transfers_on = 0  # real transfers made while instrumented: the receiver must get every one
         self.helpers = set()  # pids of the builder processes seen
         self.where = None  # "process" or "thread": where the package chose to build
+        self.after_on = None  # called after each instrument(), once its helper is up (engine_threads places it)
 
     def not_ours(self):
         """The receivers' pids: their CPU is not the engine's."""
@@ -111,6 +112,8 @@ class Bench:
             self.settle()  # with a helper: it starts now (imports, SDK), before anything is measured
             if link is not None and link.pid():
                 self.helpers.add(link.pid())
+            if self.after_on is not None:
+                self.after_on()
 
     def off(self):
         if self.instrumentor.is_instrumented_by_opentelemetry:

@@ -2,6 +2,7 @@
 
     python bench/run_all.py            # the full run (~20 minutes on 2 cores)
     python bench/run_all.py --quick    # a smoke run with fewer rounds: its figures are not for quoting
+    python bench/run_all.py --only engine_threads_1s   # those again, into the results.json already there
 
 Nothing here passes or fails: the figures are written down with the machine they were measured on (and its load
 average), beside the goals, and each goal is marked met, NOT met, or within the noise of the same run. The cost
@@ -31,6 +32,8 @@ SCRIPTS = {
     "engine_cost_grpc": ("engine_cost", ["--protocol", "grpc", "--parts", "process,builder"]),
     "engine_cost_before": ("engine_cost", ["--protocol", "http/protobuf", "--pipeline", "sdk", "--builder", "thread",
                                            "--parts", "process,builder"]),
+    "engine_threads_1s": ("engine_threads", []),
+    "engine_threads_default": ("engine_threads", ["--metric-interval-ms", "0", "--placements", "shared"]),
     "pipeline": ("pipeline", []), "memory": ("memory", []), "truth": ("truth", []), "eviction": ("eviction", []),
 }
 BENCHES = list(SCRIPTS)
@@ -38,7 +41,15 @@ COST_RUNS = {"engine_cost_http": "OTLP/HTTP protobuf, default configuration",
              "engine_cost_grpc": "OTLP/gRPC, default configuration",
              "engine_cost_before": "before: OTEL_KVTRANSFER_PIPELINE=sdk, OTEL_KVTRANSFER_BUILDER=thread, OTLP/HTTP"}
 GOALS = {"total_cpu_us": 20.0, "engine_cpu_us": 5.0, "builder_per_s": 50_000, "thread_added_us": 2.0,
-         "neighbour_slowdown": 0.01, "capacity_per_s": 20_000, "truth_error": 0.02, "eviction_ratio": 2.0}
+         "neighbour_slowdown": 0.01, "capacity_per_s": 20_000, "truth_error": 0.02, "eviction_ratio": 2.0,
+         "ours_marginal_us": 2.0, "ours_idle_us_per_s": 1000.0, "calling_zero_length_us": 1.0}
+THREAD_RUNS = {"engine_threads_1s": "metrics every 1 s", "engine_threads_default": "the SDK's default metric interval"}
+OWNER_LABELS = {"calling": "the calling thread", "recorder": "our recorder thread", "sdk": "the SDK's export threads",
+                "mooncake": "Mooncake's own threads", "python_other": "the bench's main thread (its flushes)",
+                "ended": "threads that ended in the round", "engine_process": "**the engine process**",
+                "helper": "the helper process (beside the engine)"}
+PLACEMENT_LABELS = {"shared": "as scheduled", "apart": "engine on a core of its own",
+                    "receiver_alone": "receiver on a core of its own"}
 
 
 def _run_one(name: str, quick: bool) -> dict:
@@ -149,11 +160,31 @@ def _cost_summary(cost: dict) -> dict:
     return out
 
 
+def _threads_summary(run: dict) -> dict:
+    """Goals 2 and 3 of the attribution run, per placement: figure, A/A, verdict."""
+    out = {}
+    for kind in run["placements"]:
+        x = run[kind]
+        marginal, idle, zero = x["marginal_us_per_transfer"]["ours_in_engine"], x["idle"]["recorder"], \
+            x["zero_length_call"]
+        out[kind] = {
+            "ours_marginal_us": marginal["median"], "ours_marginal_aa": marginal["aa"],
+            "ours_marginal_verdict": _against_noise([(marginal["median"], marginal["aa"])], GOALS["ours_marginal_us"])
+            if marginal["median"] is not None else "not measured (the higher rate was not reached)",
+            "ours_idle_us_per_s": idle["added"], "ours_idle_aa": idle["aa"],
+            "ours_idle_verdict": _against_noise([(idle["added"], idle["aa"])], GOALS["ours_idle_us_per_s"]),
+            "calling_zero_length_us": zero["added_thread_cpu_us"], "calling_zero_length_aa": zero["aa_thread_cpu_us"],
+            "calling_zero_length_verdict": _against_noise([(zero["added_thread_cpu_us"], zero["aa_thread_cpu_us"])],
+                                                          GOALS["calling_zero_length_us"])}
+    return out
+
+
 def summary(results: dict) -> dict:
     pipe, mem, truth, evict = (results[k] for k in ("pipeline", "memory", "truth", "eviction"))
     growth = mem["rss_after_warmup_mib"]["growth"]
     return {
         "cost": {name: _cost_summary(results[name]) for name in COST_RUNS},
+        "threads": {name: _threads_summary(results[name]) for name in THREAD_RUNS},
         "capacity_per_s": pipe["sustained_capacity_per_s"],
         "capacity_goal_met": pipe["sustained_capacity_per_s"] >= GOALS["capacity_per_s"],
         "overload_accounted": pipe["overload"]["accounted"] and pipe["overload"]["wrong_return_values"] == 0,
@@ -245,6 +276,56 @@ def _cost_section(cost: dict, title: str) -> list:
     return lines
 
 
+def _threads_headline(results: dict) -> list:
+    lines = ["## Headline: where the engine process's CPU goes", "",
+             "bench/engine_threads.py: the engine process's CPU read thread by thread (schedstat), on vs off, A/A "
+             "beside; each placement of the run's processes. Marginal: the slope of the added CPU between 700 and "
+             "2,800 paced 64 KiB transfers/s.", "",
+             "| goal | run, placement | figure (A/A) | verdict |", "|---|---|---|---|"]
+    goals = (("ours_marginal", "our threads in the engine process <= 2 us per transfer, marginal", "us"),
+             ("ours_idle", "our threads in the engine process <= 1 ms of CPU per second, nothing transferred",
+              "us/s"),
+             ("calling_zero_length", "<= 1.0 us added on the calling thread per engine call (0 B real writes)", "us"))
+    for key, goal, unit in goals:
+        for name, label in THREAD_RUNS.items():
+            for kind, x in results["summary"]["threads"][name].items():
+                figure = x["ours_idle_us_per_s"] if key == "ours_idle" else x[key + "_us"]
+                shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f})"
+                lines.append(f"| {goal} | {label}, {PLACEMENT_LABELS[kind]} | {shown} | {x[key + '_verdict']} |")
+    return lines
+
+
+def _threads_section(run: dict, title: str) -> list:
+    lines = [title, "", "Environment: " + ", ".join(f"`{k}={v}`" for k, v in run["environment"].items()
+                                                      if k != "OTEL_EXPORTER_OTLP_ENDPOINT") + ".", ""]
+    for kind in run["placements"]:
+        x = run[kind]
+        rates = list(x["by_rate"])
+        built = "in a helper process" if x["where_built"] == "process" else "in the engine process"
+        lines += [f"### {PLACEMENT_LABELS[kind]} (spans built {built})", "",
+                  "| owner | " + " | ".join(f"{int(r):,}/s: off us per transfer | added (A/A)" for r in rates)
+                  + " | nothing transferred: added us per second (A/A) |",
+                  "|---|" + "---:|---:|" * len(rates) + "---:|"]
+        for owner, label in OWNER_LABELS.items():
+            cells = [f"{x['by_rate'][r][owner]['off']:.1f} | {x['by_rate'][r][owner]['added']:+.1f} "
+                     f"({x['by_rate'][r][owner]['aa']:+.1f})" for r in rates]
+            idle = x["idle"][owner]
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {idle['added']:+.0f} ({idle['aa']:+.0f}) |")
+        m = x["marginal_us_per_transfer"]
+        z = x["zero_length_call"]
+        marginal = {"ours_in_engine": "our threads in the engine process", "calling": "the calling thread",
+                    "engine_process": "the engine process", "helper": "the helper process"}
+        lines += ["", "- Marginal us per transfer (slope between the rates; rounds min .. max; A/A): "
+                  + "; ".join(f"{label} {m[o]['median']:+.2f} ({m[o]['min']:+.2f} .. {m[o]['max']:+.2f}; "
+                              f"A/A {m[o]['aa']:+.2f})" for o, label in marginal.items()
+                              if m[o]["median"] is not None) + ".",
+                  f"- 0 B real writes (the engine's smallest work, {z['off_us_per_call']:.2f} us each uninstrumented): "
+                  f"added on the calling thread **{z['added_thread_cpu_us']:+.2f} us** of CPU "
+                  f"(A/A {z['aa_thread_cpu_us']:+.2f}), {z['added_wall_us']:+.2f} us of wall "
+                  f"(A/A {z['aa_wall_us']:+.2f}).", ""]
+    return lines
+
+
 def render(results: dict) -> str:
     m = results["machine"]
     pipe, mem, truth = results["pipeline"], results["memory"], results["truth"]
@@ -252,6 +333,9 @@ def render(results: dict) -> str:
     lines = ["# Benchmark results", "",
              f"Written by `python bench/run_all.py{' --quick' if results['quick'] else ''}` on {results['date']} "
              f"({results['total_wall_s']:.0f} s). What each figure means: [README.md](README.md).", ""]
+    if results.get("rerun"):
+        lines += ["Run again since, each alone (`--only`): " + ", ".join(
+            f"{name} on {when}" for name, when in results["rerun"].items()) + ".", ""]
     if results["quick"]:
         lines += ["**Quick (smoke) run: fewer rounds; do not quote these figures.**", ""]
     lines += ["## Machine", "", "| | |", "|---|---|",
@@ -311,6 +395,7 @@ def render(results: dict) -> str:
               + " | ".join(f"{x['sends_received']:,} of {x['transfers_made']:,} spans; size count {x['size_count']:,}"
                            f" | {_verdict(x['spans_complete'] and x['metrics_agree'])}"
                            for x in (c[name] for name in runs)) + " |",
+              ""] + _threads_headline(results) + [
               "", "## Headline: capacity, memory, truth", "", "| goal | figure | verdict |", "|---|---|---|",
               f"| >= 20,000 transfers/s into spans + metrics, nothing dropped (counting exporter) | sustained: "
               f"{s['capacity_per_s']:,}/s | {_verdict(s['capacity_goal_met'])} |",
@@ -329,6 +414,9 @@ def render(results: dict) -> str:
               f"| {_verdict(s['eviction_goal_met'])} |", ""]
     for number, name in enumerate(runs, 1):
         lines += _cost_section(results[name], f"## 1.{number} Cost to the engine: {COST_RUNS[name]}")
+    for number, name in enumerate(THREAD_RUNS, len(runs) + 1):
+        lines += _threads_section(results[name], f"## 1.{number} Who owns the engine process's CPU: "
+                                                 f"{THREAD_RUNS[name]}")
 
     # 2. pipeline
     b = pipe["builder_only"]
@@ -411,21 +499,55 @@ def _bad_input(message: str) -> None:
     sys.exit(2)
 
 
-def rerender(out_dir: str) -> None:
-    """RESULTS.md again from results.json (after a change to the rendering; no benchmark runs)."""
+def _load(out_dir: str) -> dict:
     try:
         with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as handle:
             results = json.load(handle)
     except (OSError, ValueError) as exc:
         _bad_input(f"bench: cannot read {out_dir}/results.json ({type(exc).__name__}); run bench/run_all.py")
-    missing = [name for name in BENCHES if not isinstance(results, dict) or name not in results]
-    if missing:
-        _bad_input(f"bench: {out_dir}/results.json has no {', '.join(missing)} (written by an older "
-                   "run_all.py); run bench/run_all.py")
+    if not isinstance(results, dict):
+        _bad_input(f"bench: {out_dir}/results.json is not what run_all.py writes; run bench/run_all.py")
+    return results
+
+
+def _missing(results: dict) -> list:
+    return [name for name in BENCHES if name not in results]
+
+
+def rerender(out_dir: str) -> None:
+    """RESULTS.md again from results.json (after a change to the rendering; no benchmark runs)."""
+    results = _load(out_dir)
+    if _missing(results):
+        _bad_input(f"bench: {out_dir}/results.json has no {', '.join(_missing(results))} (written by an older "
+                   "run_all.py); run bench/run_all.py, or those with --only")
+    _write(out_dir, results)
+
+
+def _write(out_dir: str, results: dict) -> str:
     results["summary"] = summary(results)
+    results["goals"] = GOALS
+    os.makedirs(out_dir, exist_ok=True)
     write_json(os.path.join(out_dir, "results.json"), results)
+    text = render(results)
     with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as handle:
-        handle.write(render(results))
+        handle.write(text)
+    return text
+
+
+def run_only(out_dir: str, names: list, quick: bool) -> None:
+    """Run `names` again and put their results into the results.json already in `out_dir` (the rest kept)."""
+    results = _load(out_dir)
+    if bool(results.get("quick")) != quick:
+        _bad_input("bench: --only must match the run in results.json (both --quick, or neither)")
+    missing = [name for name in _missing(results) if name not in names]
+    if missing:
+        _bad_input(f"bench: {out_dir}/results.json has no {', '.join(missing)}; add them to --only")
+    for name in names:
+        results[name] = _run_one(name, quick)
+    results.setdefault("rerun", {}).update(dict.fromkeys(names, datetime.datetime.now(
+        datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")))
+    _write(out_dir, results)
+    print(f"bench: {', '.join(names)} written into {out_dir}/results.json and RESULTS.md", file=sys.stderr)
 
 
 def main() -> None:
@@ -434,24 +556,26 @@ def main() -> None:
     parser.add_argument("--out-dir", default=HERE, help="where results.json and RESULTS.md go (default: bench/)")
     parser.add_argument("--render-only", action="store_true",
                         help="rewrite RESULTS.md from the results.json in --out-dir, running nothing")
+    parser.add_argument("--only", help="comma-separated benchmarks to run again, into the results.json already "
+                                       f"in --out-dir (of {', '.join(BENCHES)})")
     args = parser.parse_args()
     if args.render_only:
         rerender(args.out_dir)
         return
+    only = [name.strip() for name in (args.only or "").split(",") if name.strip()]
+    if args.only is not None and (not only or any(name not in SCRIPTS for name in only)):
+        parser.error(f"--only: comma-separated, of {', '.join(BENCHES)}")
     in_private_network()
+    if only:
+        run_only(args.out_dir, only, args.quick)
+        return
     start = time.monotonic()
     results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "quick": args.quick, "machine": machine()}
     for name in BENCHES:
         results[name] = _run_one(name, args.quick)
     results["total_wall_s"] = round(time.monotonic() - start, 1)
-    results["summary"] = summary(results)
-    results["goals"] = GOALS
-    os.makedirs(args.out_dir, exist_ok=True)
-    write_json(os.path.join(args.out_dir, "results.json"), results)
-    text = render(results)
-    with open(os.path.join(args.out_dir, "RESULTS.md"), "w", encoding="utf-8") as handle:
-        handle.write(text)
+    text = _write(args.out_dir, results)
     # The headlines (the cost goals for each configuration, then capacity, memory, truth) on stdout as well.
     start = text.index("## Headline")
     print(text[start:text.index("## 1.1", start)])
