@@ -192,8 +192,9 @@ def attribute(b, placement, call, rate, rounds, seconds) -> dict:
             meter = Round(helpers)
             meter.start()
             made, tid, calling_ns = _paced(call, rate, seconds) if rate else _idle(seconds)
-            _until_drained()  # by the recorder's thread, as in a deployment (settle() would drain on this one)
-            b.settle()  # what the round recorded is built and exported within it
+            if rate:
+                _until_drained()  # by the recorder's thread, as in a deployment (settle() drains on this one)
+                b.settle()  # what the round recorded is built and exported within it (the helper's flush too)
             owners = meter.stop(tid, calling_ns)
             if mode == "on":
                 made_on += made

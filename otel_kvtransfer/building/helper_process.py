@@ -38,6 +38,7 @@ from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.building.helper_process")  # run as __main__
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+IDLE_TICK_S = 1.0  # the periodic work's interval while no frame comes
 EXIT_BOUND_S = 120  # after its engine's end-of-file: the SDK's shutdown (30 s per provider) and a margin
 
 
@@ -164,18 +165,25 @@ class Helper:
         return [wire.unknown_to_plain(rec) for rec in batch]
 
     def run(self, fd: int) -> None:
+        # The builder's periodic work (eviction, stuck reports) every flush interval while frames come in; once a
+        # second when none came since the last (a wake of an idle process costs CPU; stuck reports count seconds).
         interval = self.settings.flush_interval_s
+        idle_interval = max(interval, IDLE_TICK_S)
         next_tick = time.monotonic() + interval
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        framed = False
         while True:
-            if poller.poll(max(next_tick - time.monotonic(), 0) * 1000) and not self._read_frame(fd):
-                return
+            if poller.poll(max(next_tick - time.monotonic(), 0) * 1000):
+                if not self._read_frame(fd):
+                    return
+                framed = True
             if _signals.pop_flush():
                 self.flusher.request()
             if time.monotonic() >= next_tick:
                 self.builder.evict_stale()
-                next_tick = time.monotonic() + interval
+                next_tick = time.monotonic() + (interval if framed else idle_interval)
+                framed = False
 
     def _read_frame(self, fd: int) -> bool:
         """One frame read, handled and acknowledged (the engine counts what was never acknowledged as dropped);
