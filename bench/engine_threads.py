@@ -12,6 +12,8 @@ configurator, OTLP exporters to bench/otlp_receiver.py, real Mooncake 64 KiB wri
   python_other this script's other Python threads (the main thread waiting out the round)
   ended        what threads that ended within the round used (process CPU minus the threads above)
   helper       the builder processes this process started (another process: beside, not in, the engine's)
+And beside them the calling thread's wall time inside its engine calls: a sync call that waits by polling spends
+its wall time on the CPU, so CPU and wall inside the calls move together.
 
 Per owner: the median over rounds of (on - off) per transfer, beside the A/A noise (off2 - off). At two rates
 (700/s and 2,800/s by default) the marginal cost of our threads is the slope between them; with nothing
@@ -89,14 +91,18 @@ class Round:
 
 
 def _paced(call, rate: float, seconds: float) -> tuple:
-    """`call` at `rate` per second for `seconds` on a thread of its own: (calls made, its tid, its CPU ns)."""
+    """`call` at `rate` per second for `seconds` on a thread of its own: (calls made, its tid, its CPU ns, its
+    wall ns inside the calls)."""
     stop, out = threading.Event(), {}
 
     def run():
-        out["tid"], start, made = threading.get_native_id(), time.thread_time_ns(), 0
+        out["tid"], start, made, inside = threading.get_native_id(), time.thread_time_ns(), 0, 0
         step, nxt = 1.0 / rate, time.perf_counter()
+        clock = time.perf_counter_ns
         while not stop.is_set():
+            before = clock()
             call()
+            inside += clock() - before
             made += 1
             nxt += step
             delay = nxt - time.perf_counter()
@@ -104,14 +110,14 @@ def _paced(call, rate: float, seconds: float) -> tuple:
                 time.sleep(delay)
             else:
                 nxt = time.perf_counter()
-        out["made"], out["ns"] = made, time.thread_time_ns() - start
+        out["made"], out["ns"], out["inside"] = made, time.thread_time_ns() - start, inside
 
     worker = threading.Thread(target=run, name="transfers")
     worker.start()
     time.sleep(seconds)
     stop.set()
     worker.join()
-    return out["made"], out["tid"], out["ns"]
+    return out["made"], out["tid"], out["ns"], out["inside"]
 
 
 def _until_drained(timeout_s: float = 10.0) -> None:
@@ -123,9 +129,9 @@ def _until_drained(timeout_s: float = 10.0) -> None:
 
 
 def _idle(seconds: float) -> tuple:
-    """Nothing transferred: (0, no tid, 0) after `seconds`."""
+    """Nothing transferred: (0, no tid, 0, 0) after `seconds`."""
     time.sleep(seconds)
-    return 0, -1, 0
+    return 0, -1, 0, 0
 
 
 class Placement:
@@ -191,11 +197,12 @@ def attribute(b, placement, call, rate, rounds, seconds) -> dict:
             b.settle()
             meter = Round(helpers)
             meter.start()
-            made, tid, calling_ns = _paced(call, rate, seconds) if rate else _idle(seconds)
+            made, tid, calling_ns, inside_ns = _paced(call, rate, seconds) if rate else _idle(seconds)
             if rate:
                 _until_drained()  # by the recorder's thread, as in a deployment (settle() drains on this one)
                 b.settle()  # what the round recorded is built and exported within it (the helper's flush too)
             owners = meter.stop(tid, calling_ns)
+            owners["calling_wall_in_calls"] = inside_ns  # beside, not in, the CPU owners
             if mode == "on":
                 made_on += made
             scale = made if rate else seconds  # per transfer, or per second with nothing transferred
@@ -207,7 +214,7 @@ def attribute(b, placement, call, rate, rounds, seconds) -> dict:
            "us per second", "transfers_per_round": _spread([x["made"] for m in per.values() for x in m]),
            # the rates reached (a paced thread falls behind when the engine is slower than its pace)
            "achieved_per_s": {m: [x["made"] / seconds for x in per[m]] for m in per}}
-    for owner in OWNERS + ("engine_process", "ours_in_engine"):
+    for owner in OWNERS + ("engine_process", "ours_in_engine", "calling_wall_in_calls"):
         def value(x, owner=owner):
             if owner == "engine_process":
                 return sum(x[k] for k in OWNERS if k != "helper")

@@ -1,6 +1,6 @@
 """Run every benchmark, each in a fresh process, and write bench/results.json and bench/RESULTS.md.
 
-    python bench/run_all.py            # the full run (~20 minutes on 2 cores)
+    python bench/run_all.py            # the full run (~30 minutes on 2 cores)
     python bench/run_all.py --quick    # a smoke run with fewer rounds: its figures are not for quoting
     python bench/run_all.py --only engine_threads_1s   # those again, into the results.json already there
 
@@ -47,7 +47,8 @@ THREAD_RUNS = {"engine_threads_1s": "metrics every 1 s", "engine_threads_default
 OWNER_LABELS = {"calling": "the calling thread", "recorder": "our recorder thread", "sdk": "the SDK's export threads",
                 "mooncake": "Mooncake's own threads", "python_other": "the bench's main thread (its flushes)",
                 "ended": "threads that ended in the round", "engine_process": "**the engine process**",
-                "helper": "the helper process (beside the engine)"}
+                "helper": "the helper process (beside the engine)",
+                "calling_wall_in_calls": "wall time inside the engine calls (not CPU)"}
 PLACEMENT_LABELS = {"shared": "as scheduled", "apart": "engine on a core of its own",
                     "receiver_alone": "receiver on a core of its own"}
 
@@ -307,6 +308,8 @@ def _threads_section(run: dict, title: str) -> list:
                   + " | nothing transferred: added us per second (A/A) |",
                   "|---|" + "---:|---:|" * len(rates) + "---:|"]
         for owner, label in OWNER_LABELS.items():
+            if owner not in x["idle"]:  # written before this owner was read
+                continue
             cells = [f"{x['by_rate'][r][owner]['off']:.1f} | {x['by_rate'][r][owner]['added']:+.1f} "
                      f"({x['by_rate'][r][owner]['aa']:+.1f})" for r in rates]
             idle = x["idle"][owner]
