@@ -327,3 +327,18 @@ def test_an_idle_recorder_sleeps_until_the_next_in_flight_scan():
     slow = Recorder(config.Settings(flush_interval_s=5.0))
     slow.watcher = recorder.watcher
     assert slow.next_wait_s(recorded=False) == 5.0
+
+
+def test_the_first_record_after_a_quiet_spell_wakes_the_sleeping_recorder():
+    from otel_kvtransfer.recording.recorder import Recorder
+
+    recorder = Recorder(config.Settings(flush_interval_s=0.2))
+    recorder.record(("a",))
+    assert not recorder._wake.is_set()  # while records come in, the thread keeps its own pace
+    recorder._idle = True  # as the thread sets it before a sleep past the flush interval
+    recorder.record(("b",))
+    assert recorder._wake.is_set() and not recorder._idle
+    recorder._wake.clear()
+    recorder.record(("c",))
+    assert not recorder._wake.is_set()  # woken once: the records after it wait for the drain it starts
+    assert recorder.pending() == 3

@@ -178,6 +178,8 @@ class Helper:
                 if not self._read_frame(fd):
                     return
                 framed = True
+                # the first frame after a quiet spell: the periodic work (the in-flight gauges) within the interval
+                next_tick = min(next_tick, time.monotonic() + interval)
             if _signals.pop_flush():
                 self.flusher.request()
             if time.monotonic() >= next_tick:

@@ -5,16 +5,16 @@ Nothing on an engine thread touches the SDK. The queue is a `collections.deque` 
 under the GIL, so no lock on the hot path); when it is full the record is dropped and counted, and the first drop
 of each reason is logged.
 
-Delivery: the background thread drains every `flush_interval_s` (once a second while nothing is recorded);
-`drain()` does it at once and is called by `FlushFirstSpanProcessor` before the other processors flush or shut
-down, at interpreter exit, and when a multiprocessing child exits (which skips atexit), also a child that inherited
-the instrumentation by fork without running `instrument()` itself. A drain given a timeout carries one deadline
-through all of its work, including the direct pipeline's wait for room in the export queues (`deadline` is what
-that wait reads): a slow but live exporter cannot stretch it. What a flush could not deliver by its deadline stays
-queued, in order, for the next drain; what an exit drain could not (a slow or hung exporter), including records
-already taken from the queue, is counted as dropped (`flush_timeout`): nothing vanishes uncounted. After its last
-records, within the same bound, the exit drain has the builder end what is still open (`on_exit`: ended by the
-process's exit).
+Delivery: the background thread drains every `flush_interval_s` (once a second while nothing is recorded, woken by
+the next record); `drain()` does it at once and is called by `FlushFirstSpanProcessor` before the other processors
+flush or shut down, at interpreter exit, and when a multiprocessing child exits (which skips atexit), also a child
+that inherited the instrumentation by fork without running `instrument()` itself. A drain given a timeout carries
+one deadline through all of its work, including the direct pipeline's wait for room in the export queues
+(`deadline` is what that wait reads): a slow but live exporter cannot stretch it. What a flush could not deliver by
+its deadline stays queued, in order, for the next drain; what an exit drain could not (a slow or hung exporter),
+including records already taken from the queue, is counted as dropped (`flush_timeout`): nothing vanishes
+uncounted. After its last records, within the same bound, the exit drain has the builder end what is still open
+(`on_exit`: ended by the process's exit).
 """
 
 import atexit
@@ -95,6 +95,7 @@ class Recorder:
         self._pending_drops = {}  # reason -> count, reported by the background thread
         self._drops_logged = set()
         self._wake = threading.Event()
+        self._idle = False  # the thread sleeps past the flush interval: the next record wakes it
 
     # --- hot path -----------------------------------------------------------------------------------------
     def record(self, rec: tuple) -> None:
@@ -103,6 +104,9 @@ class Recorder:
             self.drop("queue_full")
             return
         queue.append(rec)
+        if self._idle:  # the first record after a quiet spell is delivered at once, not after the long sleep
+            self._idle = False
+            self._wake.set()
 
     def drop(self, reason: str, count: int = 1) -> None:
         with self._drop_lock:
@@ -155,10 +159,14 @@ class Recorder:
         self._thread.start()
 
     def _run(self) -> None:
-        wait_s = self.settings.flush_interval_s
+        interval = wait_s = self.settings.flush_interval_s
         while not self._stopping:
+            self._idle = wait_s > interval
+            if self._idle and self._queue:  # recorded after the drain, before the flag: do not sleep long
+                self._idle, wait_s = False, interval
             self._wake.wait(wait_s)
             self._wake.clear()
+            self._idle = False
             if not self._stopping:
                 recorded = bool(self._queue)
                 self._watch_inflight()
@@ -167,7 +175,8 @@ class Recorder:
 
     def next_wait_s(self, recorded: bool) -> float:
         """The flush interval while records come in; with none since the last wake, until the next in-flight
-        scan is due (each wake of an idle thread costs ~0.2 ms of CPU; a flush still drains at once)."""
+        scan is due (each wake of an idle thread costs ~0.2 ms of CPU): the next record, or a flush, ends that sleep
+        at once."""
         interval = self.settings.flush_interval_s
         if recorded:
             return interval
