@@ -9,16 +9,14 @@ once when `mooncake.engine` is already imported, else when it is.
 
 import logging
 import os
-import sys
 from time import monotonic_ns
-
-import wrapt
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import clock, inflight, integration
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
+    LazyPatch,
     Patcher,
     active,
     current_context,
@@ -65,7 +63,7 @@ _LENGTH_KW = {False: "length", True: "lengths"}
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _transports = {}  # id(engine) -> protocol given to initialize()
-_state = {"on": False, "hooked": False, "fallback_transport": None}
+_state = {"fallback_transport": None}  # read on the hot path: the transport of engines initialised before us
 
 
 def peer_attributes(session) -> dict:
@@ -257,8 +255,6 @@ def _forced_transport():
 
 
 def _patch(module) -> None:
-    if not _state["on"]:
-        return
     engine = module.TransferEngine
     for name, (op, batch) in SYNC_METHODS.items():
         patcher.replace(engine, name, lambda original, op=op, batch=batch: _sync(original, op, batch))
@@ -275,21 +271,18 @@ def modules() -> tuple:
     return (MODULE,)
 
 
+_lazy = LazyPatch(MODULE, _patch)
+
+
 def instrument() -> bool:
     """Patch the engine now if `mooncake.engine` is imported, else as soon as it is."""
-    _state["on"] = True
     _state["fallback_transport"] = _forced_transport()  # for engines initialised before instrument()
-    module = sys.modules.get(MODULE)
-    if module is not None:
-        _patch(module)
-    elif not _state["hooked"]:  # wrapt keeps import hooks forever: register once, gated by _state["on"]
-        _state["hooked"] = True
-        wrapt.register_post_import_hook(_patch, MODULE)
+    _lazy.instrument()
     return True
 
 
 def uninstrument() -> None:
-    _state["on"] = False
+    _lazy.uninstrument()
     patcher.unwrap_all()
     _pending.abandon()  # completions that will now never be observed: counted, not silently lost
     _transports.clear()

@@ -19,13 +19,12 @@ import logging
 import sys
 from typing import Optional
 
-import wrapt
-
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import inflight, records
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import (
+    LazyPatch,
     Patcher,
     active,
     count_drop,
@@ -49,7 +48,6 @@ _OPS = {"WRITE": semconv.OP_WRITE, "READ": semconv.OP_READ}
 _MAX_DLISTS = 4096  # prepared descriptor lists remembered (vLLM prepares a handful per peer engine)
 _MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
 
-_state = {"on": False, "hooked": False}
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
@@ -256,7 +254,7 @@ _release_handle_wrapper = observe_call("observe a released NIXL handle", _observ
 def _del_handle_wrapper(wrapped, instance, args, kwargs):
     """`nixl_xfer_handle.__del__`: the garbage collector frees the handle, NIXL's `release()` never runs."""
     try:
-        if _state["on"]:
+        if _lazy.on:
             _observe_release(instance)
     except Exception:  # also at interpreter exit, when our modules are half gone
         try:
@@ -425,8 +423,6 @@ def available() -> bool:
 
 def _patch(_module=None) -> None:
     """Wrap `nixl_agent` and its handles (run when `nixl` has been imported, by whoever imports it)."""
-    if not _state["on"]:
-        return
     try:
         api = sys.modules.get(API_MODULE) or _api_module()
         agent = api.nixl_agent
@@ -447,6 +443,9 @@ def _patch(_module=None) -> None:
         _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
 
 
+_lazy = LazyPatch("nixl", _patch)
+
+
 def instrument() -> bool:
     """Patch NIXL now if it is imported, else when it is; False when NIXL is not installed.
 
@@ -455,18 +454,12 @@ def instrument() -> bool:
     """
     if not available():
         return False
-    _state["on"] = True
-    if "nixl" in sys.modules:
-        _patch()
-    elif not _state["hooked"]:
-        # wrapt keeps hooks forever: registered once per process, they consult _state["on"].
-        wrapt.register_post_import_hook(_patch, "nixl")
-        _state["hooked"] = True
+    _lazy.instrument()
     return True
 
 
 def uninstrument() -> None:
-    _state["on"] = False
+    _lazy.uninstrument()
     patcher.unwrap_all()
     _pending.abandon()
     _dlists.clear()

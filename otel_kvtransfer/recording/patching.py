@@ -14,6 +14,7 @@ tests/test_backend_contract.py holds every backend in `registry` to all of it.
 
 import contextvars
 import logging
+import sys
 import threading
 from typing import Any, Callable, List, Optional, Protocol, Tuple, runtime_checkable
 
@@ -99,6 +100,33 @@ class Framework(Backend, Protocol):
     """A serving framework package: also its `FRAMEWORK` name (kv_transfer.framework)."""
 
     FRAMEWORK: str
+
+
+class LazyPatch:
+    """One module patched now if it is imported, else as soon as it is. wrapt keeps an import hook for the life of
+    the process, so it is registered once and does nothing while `on` is False (after uninstrument)."""
+
+    def __init__(self, module_name: str, patch: Callable[[Any], None]):
+        self.module_name = module_name
+        self._patch = patch  # patch(module)
+        self.on = False
+        self._hooked = False
+
+    def _on_import(self, module) -> None:
+        if self.on:
+            self._patch(module)
+
+    def instrument(self) -> None:
+        self.on = True
+        module = sys.modules.get(self.module_name)
+        if module is not None:
+            self._patch(module)
+        elif not self._hooked:
+            self._hooked = True
+            wrapt.register_post_import_hook(self._on_import, self.module_name)
+
+    def uninstrument(self) -> None:
+        self.on = False
 
 
 class Patcher:
