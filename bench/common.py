@@ -266,6 +266,15 @@ def write_json(path: str, data: dict) -> None:
         handle.write("\n")
 
 
+def emit_json(result: dict, out=None) -> None:
+    """A benchmark's result on stdout, and in `out` when given (--out)."""
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    print(text)
+
+
 def append_result(path: str, result: dict) -> None:
     """Append one run to the JSON list kept in `path`; a missing or unreadable file starts a new list."""
     runs = []

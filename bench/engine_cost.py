@@ -23,7 +23,6 @@ Runs inside a network namespace of its own (re-executes itself under `unshare -r
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import in_private_network, machine
+from common import emit_json, in_private_network, machine
 
 PARTS = ("process", "thread", "builder", "neighbour")
 SEND = "kv_transfer.send"
@@ -492,11 +491,7 @@ def main():
         if b is not None:
             b.stop()
         otlp.stop()
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    print(text)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":

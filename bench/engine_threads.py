@@ -30,7 +30,6 @@ network namespace of its own.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import cpu
-from common import in_private_network, machine
+from common import emit_json, in_private_network, machine
 from engine_cost import _rotations, _spread
 
 OWNERS = ("calling", "recorder", "sdk", "mooncake", "python_other", "ended", "helper")
@@ -316,11 +315,7 @@ def main():
         if b is not None:
             b.stop()
         otlp.stop()
-    text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    print(text)
+    emit_json(result, args.out)
 
 
 if __name__ == "__main__":
