@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from otel_kvtransfer.building import aggregate
-from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.reading import load
 
 T0 = 1_700_000_000_000_000_000

@@ -2,6 +2,6 @@
 
 import sys
 
-from otel_kvtransfer.tools.cli import main
+from otel_kvtransfer.cli import main
 
 sys.exit(main())

@@ -61,7 +61,7 @@ def test_too_few_calls_or_one_size_say_so():
 # --- the command on real sends --------------------------------------------------------------------------------
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "otel_kvtransfer.tools.cli", "summarize", *args],
+    return subprocess.run([sys.executable, "-m", "otel_kvtransfer.cli", "summarize", *args],
                           capture_output=True, text=True, timeout=120, check=False)
 
 

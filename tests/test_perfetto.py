@@ -11,7 +11,7 @@ from test_spanfile_reader import demo_span_file, synthetic_records, write_jsonl
 from test_timeline import overlapping_sends
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.lanes import pack
 from otel_kvtransfer.tools.perfetto import trace_events
 from otel_kvtransfer.tools.spanfile import read_spans

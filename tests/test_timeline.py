@@ -14,7 +14,7 @@ from support.parts import require_part
 from test_spanfile_reader import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
 
 from otel_kvtransfer import semconv as sc
-from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.spanfile import read_spans
 from otel_kvtransfer.tools.timeline.block import MAX_ROWS
 from otel_kvtransfer.tools.timeline.page import CONTENT_SECURITY_POLICY

@@ -15,7 +15,7 @@ from test_tools_sizes import T0, _span, _write_batches
 from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools import source as source_module
 from otel_kvtransfer.tools import spanfile
-from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.requests import RequestSet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from otel_kvtransfer.tools.cli import main as cli_main
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.reading import load
 from otel_kvtransfer.tools.requests import DRAWN_PER_REQUEST
 from otel_kvtransfer.tools.span_ids import SpanIds
