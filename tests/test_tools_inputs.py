@@ -13,9 +13,9 @@ from test_spanfile_reader import otlp_request, synthetic_records, write_otlp
 from test_tools_sizes import T0, _span, _write_batches
 
 from otel_kvtransfer.building import aggregate
+from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools import source as source_module
 from otel_kvtransfer.tools import spanfile
-from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools.requests import RequestSet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
