@@ -31,7 +31,7 @@ from support.parts import require_part
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours, observe_call
-from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -114,14 +114,15 @@ def _outcome(value):
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
-class Recording:
+class Recording(Sink):
     """The real recorder, started on its own: the backends' wrappers record (and count drops) only while it is."""
 
     def __init__(self):
         self.drops, self.records = {}, []
-        RECORDER.start(config.load(), handle=self.records.append, tick=lambda: None, on_drops=self._count)
+        self.take = self.records.append
+        RECORDER.start(config.load(), self)
 
-    def _count(self, reason, amount):
+    def count_drops(self, reason, amount):
         self.drops[reason] = self.drops.get(reason, 0) + amount
 
     def wrapper_errors(self) -> int:

@@ -42,7 +42,7 @@ from otel_kvtransfer.recording.helper_lifecycle import HELPER_ENV as HELPER_ENV 
 from otel_kvtransfer.recording.helper_lifecycle import SETUP_ENV as SETUP_ENV  # as HELPER_ENV
 from otel_kvtransfer.recording.helper_lifecycle import START_TRIES, HelperProcess
 from otel_kvtransfer.recording.helper_lifecycle import unavailable_reason as unavailable_reason  # as HELPER_ENV
-from otel_kvtransfer.recording.recorder import log_own_error
+from otel_kvtransfer.recording.recorder import Sink, log_own_error
 
 _logger = logging.getLogger(__name__)
 
@@ -73,13 +73,13 @@ def _own_drop_counter() -> Callable[[str, int], None]:
     return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
 
 
-class HelperLink:
-    """The engine side of the socket: numbered frames out, the helper's acknowledgements back.
+class HelperLink(Sink):
+    """The engine side of the socket: numbered frames out, the helper's acknowledgements back; the recorder's sink.
 
     `count_dropped(reason, n)` counts in this process what no helper can carry (default: a counter on the global
     MeterProvider, made when first needed). `fallback()`, when given, makes the in-process builder to build with
-    once no helper can start: an object with handle(record), tick(), end_all(on_drop), reset() (after a fork) and
-    detach() (uninstrument). All state is under one lock; nothing here waits longer than WRITE_WAIT_S on the
+    once no helper can start (`in_process.InProcessSink`: take, tick, after_fork_in_child, end_all(on_drop) and
+    detach()). All state is under one lock; nothing here waits longer than WRITE_WAIT_S on the
     recorder's thread, a flush's own timeout, or EXIT_WAIT_S at close.
     """
 
@@ -102,23 +102,25 @@ class HelperLink:
         self._closed = False
         self._logged = False  # one warning per episode (a loss, a stall, no helper), until a helper answers again
 
-    # --- recorder callbacks (the recorder's thread) --------------------------------------------------------
-    def send_batch(self, batch: list) -> None:
+    batched = True
+
+    # --- the recorder's sink (the recorder's thread) ---------------------------------------------------------
+    def take_batch(self, batch: list) -> None:
         if self._local is None:
             with self._lock:
                 if not self._builds_here():
                     drops, self._drops = self._drops, {}
                     self._send((wire.BATCH, batch, drops), len(batch), drops, WRITE_WAIT_S)
                     return
-        handle = self._local.handle
+        handle = self._local.take
         for rec in batch:
             try:
                 handle(rec)
             except Exception as exc:  # a bug of ours loses only this record, and is counted
-                self.add_drops("builder_error", 1)
+                self.count_drops("builder_error", 1)
                 log_own_error("building a span", exc)
 
-    def add_drops(self, reason: str, count: int) -> None:
+    def count_drops(self, reason: str, count: int) -> None:
         with self._lock:
             if self._local is not None:
                 self._count_here(0, {reason: count}, None)
@@ -129,7 +131,7 @@ class HelperLink:
         if self._local is not None:
             self._local.tick()
         elif self._drops:
-            self.send_batch([])
+            self.take_batch([])
         elif self._tail is not None or self._helper.reap_due():
             with self._lock:
                 self._pump()
@@ -193,7 +195,7 @@ class HelperLink:
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
         if self._local is not None:
-            self._local.end_all(self.add_drops)
+            self._local.end_all(self.count_drops)
             return
         with self._lock:
             if self._helper.proc is not None:
@@ -250,7 +252,7 @@ class HelperLink:
         # end-of-file when the parent closes), and let this process start its own helper on its first frame.
         self._lock = threading.Lock()
         if self._local is not None:  # no helper could start in the parent: none would here either
-            self._local.reset()
+            self._local.after_fork_in_child()
             return
         sock, self._sock = self._sock, None
         if sock is not None:

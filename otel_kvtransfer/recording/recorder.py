@@ -14,7 +14,7 @@ one deadline through all of its work, including the direct pipeline's wait for r
 its deadline stays queued, in order, for the next drain; what an exit drain could not (a slow or hung exporter),
 including records already taken from the queue, is counted as dropped (`flush_timeout`): nothing vanishes
 uncounted. After its last records, within the same bound, the exit drain has the builder end what is still open
-(`on_exit`: ended by the process's exit).
+(the sink's `end_at_exit`: ended by the process's exit).
 """
 
 import atexit
@@ -56,6 +56,34 @@ def log_own_error(what: str, exc: BaseException) -> None:
         _logger.debug("otel_kvtransfer: %s failed", what, exc_info=True)
 
 
+class Sink:
+    """Where the recorder's thread delivers records: the builder in this process (`building.in_process`) or the
+    link to the builder process (`offloading.link`). With `batched`, each drain's records come in one list to
+    `take_batch` (the link: its writes are bounded); otherwise one at a time to `take`, so that a drain's deadline
+    is read between records. All of it runs on the recorder's thread, but `after_fork_in_child` (the child's
+    only thread, at fork)."""
+
+    batched = False
+
+    def take(self, rec: tuple) -> None:
+        raise NotImplementedError
+
+    def take_batch(self, batch: list) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """After each drain: the builder's periodic work (eviction, stuck reports)."""
+
+    def count_drops(self, reason: str, count: int) -> None:
+        """The records the recorder dropped since the last drain, by reason."""
+
+    def after_fork_in_child(self) -> None:
+        """A forked child starts with nothing of its parent's."""
+
+    def end_at_exit(self) -> None:
+        """The exit drain's last step, within its bound: end what is still open (ended by the process's exit)."""
+
+
 class Recorder:
     """Bounded hand-off from engine threads to one background span-building thread."""
 
@@ -65,12 +93,7 @@ class Recorder:
         self.watcher = None  # inflight.Watcher while instrumented
         self._queue: deque = deque()
         self._capacity = settings.queue_size
-        self._handle: Optional[Callable[[tuple], None]] = None
-        self._handle_batch: Optional[Callable[[list], None]] = None
-        self._tick: Optional[Callable[[], None]] = None
-        self._on_drops: Optional[Callable[[str, int], None]] = None
-        self._on_fork: Optional[Callable[[], None]] = None
-        self._on_exit: Optional[Callable[[], None]] = None  # the builder ends what is still open (thread builder)
+        self._sink: Optional[Sink] = None
         self._fresh_locks()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -118,18 +141,11 @@ class Recorder:
                 "further drops are counted without logging", reason)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
-    def start(self, settings: config.Settings, handle: Optional[Callable[[tuple], None]], tick: Callable[[], None],
-              on_drops: Callable[[str, int], None], on_fork: Optional[Callable[[], None]] = None,
-              handle_batch: Optional[Callable[[list], None]] = None,
-              on_exit: Optional[Callable[[], None]] = None) -> None:
-        """`handle` takes one record at a time; or `handle_batch` takes each drain's records in one list.
-        `on_exit`: run by the exit drain after the last records, within its bound (the builder ends what is
-        still open)."""
+    def start(self, settings: config.Settings, sink: Sink) -> None:
+        """Record from now on, delivering to `sink`."""
         self.settings = settings
         self._capacity = settings.queue_size
-        self._handle, self._tick, self._on_drops, self._on_fork = handle, tick, on_drops, on_fork
-        self._on_exit = on_exit
-        self._handle_batch = handle_batch
+        self._sink = sink
         self._stopping = False
         self._abandoned = False
         # Drain at exit before the providers shut down: their atexit handlers were registered before this one
@@ -152,7 +168,7 @@ class Recorder:
                                 JOIN_TIMEOUT_S)
         atexit.unregister(self.final_drain)
         self._report_drops()
-        self._handle = self._handle_batch = self._tick = self._on_drops = self._on_fork = self._on_exit = None
+        self._sink = None
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-recorder", daemon=True)
@@ -209,14 +225,15 @@ class Recorder:
         """The deadline of the drain in progress (what the direct pipeline's wait for room reads)."""
         return self.deadline
 
-    def _drain(self, timeout_s: Optional[float], on_rest: Callable[[list], None],
-               at_end: Optional[Callable[[], None]] = None):
+    def _drain(self, timeout_s: Optional[float], on_rest: Callable[[list], None], at_end: bool = False):
         """True when everything was delivered; None when the drain lock was not had in time; False when the
         deadline came first, after `on_rest` got the records not delivered (under the lock: order is kept).
-        `at_end` runs last, under the lock and the same deadline, whether or not everything was delivered."""
-        handle, handle_batch = self._handle, self._handle_batch  # as they are now: stop() may clear them
-        if handle is None and handle_batch is None:
+        With `at_end`, the sink's `end_at_exit` runs last, under the lock and the same deadline, whether or not
+        everything was delivered."""
+        sink = self._sink  # as it is now: stop() may clear it
+        if sink is None:
             return True
+        at_end = sink.end_at_exit if at_end else None
         wait_s = -1 if timeout_s is None else max(timeout_s, 0)
         deadline = NO_DEADLINE if timeout_s is None else time.monotonic() + wait_s
         if not self._drain_lock.acquire(timeout=wait_s):
@@ -225,7 +242,7 @@ class Recorder:
             self._drains += 1
             batch = self._take()
             self.deadline = deadline
-            if not self._deliver(batch, handle, handle_batch, deadline):
+            if not self._deliver(batch, sink, deadline):
                 if self._given_up_on == self._drains:
                     return False  # an exit drain counted this batch's rest already
                 rest = batch[self._done:]
@@ -236,7 +253,7 @@ class Recorder:
                 return False
             self._batch = []
             self._run_at_end(at_end)
-            self._after_delivery()
+            self._after_delivery(sink)
         finally:
             self.deadline = NO_DEADLINE
             self._drain_lock.release()
@@ -265,21 +282,21 @@ class Recorder:
             pass
         return batch
 
-    def _deliver(self, batch: list, handle, handle_batch, deadline: float = NO_DEADLINE) -> bool:
+    def _deliver(self, batch: list, sink: Sink, deadline: float = NO_DEADLINE) -> bool:
         """Hand the batch to the builder: in one list (the builder process's link, whose writes are bounded), or
         record by record (the builder in this process), each failure counted. False when an exit drain gave up on
         it meanwhile, or when `deadline` came first (`self._done` records were handled)."""
-        if handle_batch is not None:
+        if sink.batched:
             if batch:
                 try:
-                    handle_batch(batch)
+                    sink.take_batch(batch)
                 except Exception as exc:
                     self.drop("builder_error", len(batch))
                     log_own_error("handing records to the builder", exc)
                 self._done = len(batch)
             return True
         bounded = deadline != NO_DEADLINE
-        clock, number = time.monotonic, self._drains
+        clock, number, handle = time.monotonic, self._drains, sink.take
         for rec in batch:
             if self._given_up_on == number:
                 return False  # an exit drain counted the rest of this batch; stop delivering it
@@ -294,19 +311,18 @@ class Recorder:
             self._done += 1
         return True
 
-    def _after_delivery(self) -> None:
+    def _after_delivery(self, sink: Sink) -> None:
         """The builder's periodic work (eviction, stuck reports), then the drops counted since the last drain."""
-        if self._tick is not None:
-            try:
-                self._tick()
-            except Exception:
-                _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
+        try:
+            sink.tick()
+        except Exception:
+            _logger.debug("otel_kvtransfer builder tick failed", exc_info=True)
         self._report_drops()
 
     def final_drain(self, timeout_s: float = EXIT_DRAIN_TIMEOUT_S, at_exit: bool = True) -> bool:
         """Drain for a process that is about to end (or, `at_exit` False, an uninstrument): never longer than
-        `timeout_s`, whatever the exporters do. At exit, the builder then ends what is still open (`on_exit`),
-        within the same bound.
+        `timeout_s`, whatever the exporters do. At exit, the builder then ends what is still open (the sink's
+        `end_at_exit`), within the same bound.
 
         What could not be delivered in time is counted as dropped (`flush_timeout`): the queue, and the part of
         the batch not handled by then, this drain's own or the stuck drain's it gave up on (it will not be
@@ -315,7 +331,7 @@ class Recorder:
         if self._abandoned:
             timeout_s = 0  # already gave up once on the way out: don't wait again
         lost = []
-        outcome = self._drain(timeout_s, lost.append, self._on_exit if at_exit else None)
+        outcome = self._drain(timeout_s, lost.append, at_end=at_exit)
         if outcome is True:
             return True
         if outcome is None:  # the drain in progress did not let go: its batch's rest is counted here, once
@@ -341,15 +357,15 @@ class Recorder:
     def _report_drops(self) -> None:
         with self._drop_lock:
             drops, self._pending_drops = self._pending_drops, {}
-        on_drops = self._on_drops
-        if on_drops is None:
+        sink = self._sink
+        if sink is None:
             with self._drop_lock:  # nobody to report to yet: keep them for later
                 for reason, count in drops.items():
                     self._pending_drops[reason] = self._pending_drops.get(reason, 0) + count
             return
         for reason, count in drops.items():
             try:
-                on_drops(reason, count)
+                sink.count_drops(reason, count)
             except Exception:
                 _logger.debug("otel_kvtransfer could not count drops", exc_info=True)
 
@@ -362,8 +378,8 @@ class Recorder:
         self._fresh_locks()
         self._batch, self._done = [], 0
         self._thread = None
-        if self._on_fork is not None:
-            self._on_fork()
+        if self._sink is not None:
+            self._sink.after_fork_in_child()
         if self.active:
             self._start_thread()
 

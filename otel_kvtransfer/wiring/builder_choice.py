@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer.building.attachment import Attachment, new_builder
+from otel_kvtransfer.building.in_process import InProcessSink
 from otel_kvtransfer.recording import offload
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
@@ -95,7 +96,7 @@ def sdk_from_environment(tracer_provider, meter_provider) -> bool:
 class InProcessFallback:
     """`offload.HelperLink`'s fallback: called once no helper could start, it assembles the in-process builder on
     this process's SDK as instrument() does for the thread builder (drain-first processor, metrics, the span
-    path) and returns what the link builds with. Until then it holds only what it was given."""
+    path) and returns the sink the link builds with from then on. Until then it holds only what it was given."""
 
     def __init__(self, settings: config.Settings, tracer_provider, meter_provider, engines):
         self._settings = settings
@@ -103,32 +104,11 @@ class InProcessFallback:
         self._meter_provider = meter_provider
         self._engines = engines
 
-    def __call__(self) -> "_InProcess":
+    def __call__(self) -> InProcessSink:
         provider = self._tracer_provider
         tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, provider)
         attachment = Attachment(self._meter_provider, self._settings.pipeline, self._settings.max_peers)
         attachment.attach(tracer, provider)
         builder = new_builder(attachment, self._settings, self._engines, on_drop=RECORDER.drop,
                               meter_provider=self._meter_provider)
-        return _InProcess(builder, attachment)
-
-
-class _InProcess:
-    """The thread builder as the link drives it (handle, tick, end_all, reset, detach)."""
-
-    def __init__(self, builder, attachment: Attachment):
-        self._builder = builder
-        self._attachment = attachment
-        self.handle = builder.handle
-        self.reset = builder.reset
-
-    def tick(self) -> None:
-        if self._attachment.tick():  # the metric tables came late: the builder takes them now
-            self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
-        self._builder.evict_stale()
-
-    def end_all(self, on_drop) -> None:
-        self._builder.end_all(on_drop)
-
-    def detach(self) -> None:
-        self._attachment.detach()
+        return InProcessSink(builder, attachment)

@@ -36,6 +36,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
+from otel_kvtransfer.building.in_process import InProcessSink
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.recording import inflight, offload
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -44,28 +45,6 @@ from otel_kvtransfer.wiring import builder_choice, startup
 from otel_kvtransfer.wiring.package import _instruments
 
 _logger = logging.getLogger(__name__)
-
-
-class _LateAttach:
-    """The recorder's tick while instrument() ran before any SDK TracerProvider was set globally: each tick looks
-    for the real provider and, once there, attaches exactly as instrument() does with a provider at hand."""
-
-    def __init__(self, builder, attachment, done=False):
-        self._builder = builder
-        self._attachment = attachment
-        self._done = done
-
-    def __call__(self):
-        if not self._done:
-            provider = trace.get_tracer_provider()
-            if not isinstance(provider, trace.ProxyTracerProvider):
-                tracer = provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
-                self._attachment.attach(tracer, provider)
-                self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
-                self._done = True
-        elif self._attachment.tick():
-            self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
-        self._builder.evict_stale()
 
 
 class KVTransferInstrumentor(BaseInstrumentor):
@@ -104,11 +83,10 @@ class KVTransferInstrumentor(BaseInstrumentor):
         count_dropped = drop_counter(meter_provider)
         builder = new_builder(self._attachment, settings, engines, on_drop=RECORDER.drop,
                               meter_provider=kwargs.get("meter_provider"))
-        tick = _LateAttach(builder, self._attachment, done=not waiting_for_sdk)
+        sink = InProcessSink(builder, self._attachment, count_dropped, waiting_for_sdk)
         RECORDER.watcher = inflight.Watcher(settings.stuck_s)
-        RECORDER.start(settings, handle=builder.handle, tick=tick, on_drops=count_dropped, on_fork=builder.reset,
-                       on_exit=builder.end_at_exit)
-        self._end_open = lambda: builder.end_all(count_dropped)
+        RECORDER.start(settings, sink)
+        self._end_open = lambda: sink.end_all(count_dropped)
 
         self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
 
@@ -119,8 +97,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         offload.register_exit(link)
         self._attachment.attach_flush_only(tracer_provider, offload.HelperFlushProcessor(RECORDER, link))
         RECORDER.watcher = inflight.Watcher(settings.stuck_s)
-        RECORDER.start(settings, handle=None, handle_batch=link.send_batch, tick=link.tick,
-                       on_drops=link.add_drops, on_fork=link.after_fork_in_child)
+        RECORDER.start(settings, link)
         self._end_open = link.end_open
         self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
 
