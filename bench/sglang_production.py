@@ -48,7 +48,7 @@ from sglang_serving import deployment as dep
 RESULTS = os.path.join(HERE, "results-sglang.json")
 LOAD = os.path.join(HERE, "sglang_load.py")
 RECEIVER = os.path.join(HERE, "otlp_receiver.py")
-HELPER_MARK = "otel_kvtransfer.building.helper_process"
+HELPER_MARK = "otel_kvtransfer.offloading.helper_process"
 
 MODEL = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,

@@ -81,7 +81,7 @@ def test_builder_process_builds_the_same_spans_and_metrics_outside_the_engine():
     builders = {s["resource"]["attributes"]["process.pid"]: s["resource"]["attributes"] for s in spans}
     assert len(builders) == 2
     # The process detector describes the process that built the spans: two helpers, neither of them this test
-    # nor its child (the app is). A helper is no engine's descendant (helper_lifecycle): an orphan, adopted.
+    # nor its child (the app is). A helper is no engine's descendant (offloading/lifecycle): an orphan, adopted.
     parents = {attributes["process.parent_pid"] for attributes in builders.values()}
     assert os.getpid() not in builders and os.getpid() not in parents, builders
     assert _size_sums(metrics) == (5, 3 * 1111 + 2 * 2222)

@@ -14,7 +14,7 @@ import pytest
 from support.parts import mooncake_importable, require_part
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
-from otel_kvtransfer.recording import wire
+from otel_kvtransfer.offloading import wire
 from otel_kvtransfer.tools.spanfile import read_spans
 
 APPS = os.path.join(os.path.dirname(__file__), "apps")

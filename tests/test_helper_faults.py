@@ -11,7 +11,7 @@ import sys
 from test_builder_process import _run, _sends
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import helper_lifecycle
+from otel_kvtransfer.offloading import lifecycle
 from otel_kvtransfer.tools.spanfile import read_spans
 
 
@@ -88,8 +88,8 @@ def test_the_helpers_import_path_leaves_out_the_working_directory_without_safe_p
     # Python 3.10 has no -P, and `-c` puts the working directory first: the bootstrap removes it. Run here
     # without -P, whatever this interpreter is.
     (tmp_path / "select.py").write_text("raise ImportError('a stray select.py')\n")
-    code = helper_lifecycle.SAFE_PATH + "import select\nprint(select.__file__)\n"
-    result = subprocess.run([sys.executable, "-c", code, helper_lifecycle.package_parent()],
+    code = lifecycle.SAFE_PATH + "import select\nprint(select.__file__)\n"
+    result = subprocess.run([sys.executable, "-c", code, lifecycle.package_parent()],
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert os.path.dirname(result.stdout.strip()) != str(tmp_path)
@@ -99,8 +99,8 @@ def test_the_helpers_import_path_ends_with_the_directory_that_holds_this_package
     # An engine run from a checkout (the package not installed) must find the package at the end of the helper's
     # path: without site-packages (-S) only that entry can supply it. find_spec looks without importing (the
     # package's own dependencies live in site-packages).
-    command = helper_lifecycle.helper_command()
-    code = (helper_lifecycle.SAFE_PATH
+    command = lifecycle.helper_command()
+    code = (lifecycle.SAFE_PATH
             + "import importlib.util\nprint(importlib.util.find_spec('otel_kvtransfer').origin)\n")
     result = subprocess.run([sys.executable, "-S", "-c", code, command[-1]], cwd=str(tmp_path),
                             capture_output=True, text=True, timeout=60, check=False)

@@ -4,9 +4,9 @@ no module imports itself back through others (read from the source: a deferred i
 importing the modules would never show).
 
 From the bottom: the shared leaves (names, settings, the backend registry, the version), recording/ (the engine's
-threads), building/ (the builder), wiring/ (start-up), engines/, frameworks/, tools/, demo/, and the entry points
-(the CLI, `python -m`, the package's own public face). The instrumentor loads engines and frameworks by their
-module names (registry.py), so nothing below them imports them.
+threads), building/ (the builder), offloading/ (the builder process and its link), wiring/ (start-up), engines/,
+frameworks/, tools/, demo/, and the entry points (the CLI, `python -m`, the package's own public face). The
+instrumentor loads engines and frameworks by their module names (registry.py), so nothing below them imports them.
 """
 
 import ast
@@ -20,6 +20,7 @@ LAYERS = (
     ("semconv", "config", "registry", "version"),
     ("recording",),
     ("building",),
+    ("offloading",),
     ("wiring",),
     ("engines",),
     ("frameworks",),

@@ -454,7 +454,7 @@ def test_with_a_builder_process_every_kv_span_is_built_outside_the_engine(traced
         found = set()
         for proc in psutil.process_iter(["cmdline"]):
             try:
-                if "otel_kvtransfer.building.helper_process" in " ".join(proc.info["cmdline"] or ()) \
+                if "otel_kvtransfer.offloading.helper_process" in " ".join(proc.info["cmdline"] or ()) \
                         and proc.environ().get("OTEL_SERVICE_NAME") == service:
                     found.add(proc.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied):

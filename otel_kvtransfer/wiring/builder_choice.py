@@ -1,7 +1,7 @@
 """Where spans are built when nobody said: in a helper process when it can set up the same SDK as this process,
 in this process otherwise.
 
-The helper (`offload`, `helper_process`) sets up its SDK from the same OTEL_* variables, so it can stand in for
+The helper (`offloading/`) sets up its SDK from the same OTEL_* variables, so it can stand in for
 this process only when this process's SDK came from them too: every span processor a BatchSpanProcessor around
 an exporter named by OTEL_TRACES_EXPORTER, every metric reader a periodic one around an exporter named by
 OTEL_METRICS_EXPORTER (what `opentelemetry-instrument` and the sglang / vLLM plugins set up). An application
@@ -21,7 +21,7 @@ from opentelemetry import trace
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer.building.attachment import Attachment, new_builder
 from otel_kvtransfer.building.in_process import InProcessSink
-from otel_kvtransfer.recording import offload
+from otel_kvtransfer.offloading import lifecycle
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
 
@@ -32,7 +32,7 @@ def choose(settings: config.Settings, tracer_provider, meter_provider, provider_
     """'process' or 'thread'."""
     if settings.builder == "thread":
         return "thread"
-    why_not = offload.unavailable_reason()
+    why_not = lifecycle.unavailable_reason()
     if settings.builder == "process":
         if why_not is None:
             return "process"
@@ -41,7 +41,7 @@ def choose(settings: config.Settings, tracer_provider, meter_provider, provider_
         return "thread"
     if why_not is not None or provider_given:
         return "thread"
-    if os.environ.get(offload.SETUP_ENV, "").strip():
+    if os.environ.get(lifecycle.SETUP_ENV, "").strip():
         return "process"
     return "process" if sdk_from_environment(tracer_provider, meter_provider) else "thread"
 
@@ -94,7 +94,7 @@ def sdk_from_environment(tracer_provider, meter_provider) -> bool:
 
 
 class InProcessFallback:
-    """`offload.HelperLink`'s fallback: called once no helper could start, it assembles the in-process builder on
+    """`link.HelperLink`'s fallback: called once no helper could start, it assembles the in-process builder on
     this process's SDK as instrument() does for the thread builder (drain-first processor, metrics, the span
     path) and returns the sink the link builds with from then on. Until then it holds only what it was given."""
 

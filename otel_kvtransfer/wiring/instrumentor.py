@@ -16,7 +16,7 @@ instrument() and uninstrument() mirror each other step for step:
 4. every registered engine module and framework package patches what is importable / undoes every patch.
 When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
 recorder's thread as soon as one is set. When a helper process builds (`builder_choice`: OTEL_KVTRANSFER_BUILDER,
-`auto` by default), steps 1-3's builder and metrics live there (`offload`, `helper_process`): this process's
+`auto` by default), steps 1-3's builder and metrics live there (`offloading/`): this process's
 recorder hands it the records, and its TracerProvider gets `HelperFlushProcessor` only; uninstrument() closes the
 helper.
 
@@ -38,7 +38,9 @@ from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
 from otel_kvtransfer.building.in_process import InProcessSink
 from otel_kvtransfer.building.sdk_spans import SdkSpans
-from otel_kvtransfer.recording import inflight, offload
+from otel_kvtransfer.offloading import lifecycle
+from otel_kvtransfer.offloading.link import HelperFlushProcessor, HelperLink, register_exit, unregister_exit
+from otel_kvtransfer.recording import inflight
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
 from otel_kvtransfer.wiring import builder_choice, startup
@@ -54,7 +56,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs):
         self._backends, self._finalizer, self._link = (), None, None
         self._attachment, self._end_open = Attachment(None), lambda: None
-        if os.environ.get(offload.HELPER_ENV):
+        if os.environ.get(lifecycle.HELPER_ENV):
             return  # this is the builder process itself: it builds, it has nothing to patch
         tracer_provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
         meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
@@ -64,8 +66,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
                                  provider_given=kwargs.get("tracer_provider") is not None) == "process":
             # The helper starts with the first records (none, no helper); drops no helper can carry are counted
             # in instrument()'s own MeterProvider.
-            self._link = offload.HelperLink(count_dropped=drop_counter(meter_provider), fallback=builder_choice.
-                                            InProcessFallback(settings, tracer_provider, meter_provider, engines))
+            self._link = HelperLink(count_dropped=drop_counter(meter_provider), fallback=builder_choice.
+                                    InProcessFallback(settings, tracer_provider, meter_provider, engines))
         if self._link is not None:
             self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
             return
@@ -94,8 +96,8 @@ class KVTransferInstrumentor(BaseInstrumentor):
         """OTEL_KVTRANSFER_BUILDER=process: records go to the helper; this process builds nothing."""
         link = self._link
         # Close the link after the recorder's exit drain: registered first, so atexit runs it after.
-        offload.register_exit(link)
-        self._attachment.attach_flush_only(tracer_provider, offload.HelperFlushProcessor(RECORDER, link))
+        register_exit(link)
+        self._attachment.attach_flush_only(tracer_provider, HelperFlushProcessor(RECORDER, link))
         RECORDER.watcher = inflight.Watcher(settings.stuck_s)
         RECORDER.start(settings, link)
         self._end_open = link.end_open
@@ -140,7 +142,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         except Exception:
             _logger.warning("otel_kvtransfer could not end the open spans", exc_info=True)
         if self._link is not None:
-            offload.unregister_exit(self._link)
+            unregister_exit(self._link)
             self._link.close()
             self._link = None
         # 1-2.

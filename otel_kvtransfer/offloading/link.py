@@ -7,7 +7,7 @@ pickled frame per drain written to a socket; the helper (`helper_process`) reads
 builder and metrics processor on an SDK it sets up from the same OTEL_* variables.
 
 The helper starts with the first frame, so a process that records nothing (sglang's tokenizer, say) never starts
-one; starting, replacing and reaping helpers is `helper_lifecycle`'s part, the frames this module's. A helper
+one; starting, replacing and reaping helpers is `lifecycle`'s part, the frames this module's. A helper
 ends on end-of-file from its engine. Every record is counted exactly once:
 - built by the helper, which acknowledges every frame it has handled;
 - or, when the helper is alive but not reading (busy, or its collector slow) and the socket is full, dropped
@@ -17,7 +17,7 @@ ends on end-of-file from its engine. Every record is counted exactly once:
 A live helper is never given up for being slow; a dead one is replaced (with a backoff while they keep ending
 without acknowledging anything). Drops travel in the next frame to a live helper; what no helper can take is
 counted in this process's own MeterProvider (`builder_process`), so drops always reach an exporter. When no
-helper ever works (its interpreter gone: `helper_lifecycle`'s bounded tries), the link builds in this process
+helper ever works (its interpreter gone: `lifecycle`'s bounded tries), the link builds in this process
 from then on, with the in-process builder it was given (`fallback`), and says so in one warning line.
 Flushing the engine's TracerProvider drains the queue and waits for the helper to flush its providers. At exit
 the helper gets end-of-file, exports what it holds and ends by itself; the engine waits at most EXIT_WAIT_S for
@@ -36,12 +36,9 @@ from typing import Callable, Optional
 
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import wire
-from otel_kvtransfer.recording.helper_lifecycle import HELPER_ENV as HELPER_ENV  # re-exported: wiring reads it here
-from otel_kvtransfer.recording.helper_lifecycle import SETUP_ENV as SETUP_ENV  # as HELPER_ENV
-from otel_kvtransfer.recording.helper_lifecycle import START_TRIES, HelperProcess
-from otel_kvtransfer.recording.helper_lifecycle import unavailable_reason as unavailable_reason  # as HELPER_ENV
+from otel_kvtransfer.building.attachment import drop_counter
+from otel_kvtransfer.offloading import wire
+from otel_kvtransfer.offloading.lifecycle import START_TRIES, HelperProcess
 from otel_kvtransfer.recording.recorder import Sink, log_own_error
 
 _logger = logging.getLogger(__name__)
@@ -60,17 +57,6 @@ def _ready(fd: int, events: int, timeout_s: float) -> int:
     poller.register(fd, events)
     ready = poller.poll(max(timeout_s, 0) * 1000)
     return ready[0][1] if ready else 0
-
-
-def _own_drop_counter() -> Callable[[str, int], None]:
-    """kv_transfer.instrumentation.dropped in this process's global MeterProvider."""
-    from opentelemetry import metrics
-
-    from otel_kvtransfer.version import __version__
-
-    counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__).create_counter(
-        semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
-    return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
 
 
 class HelperLink(Sink):
@@ -468,7 +454,7 @@ class HelperLink(Sink):
         if not drops:
             return
         if self._count_dropped is None:
-            self._count_dropped = _own_drop_counter()
+            self._count_dropped = drop_counter(None)  # the global MeterProvider
         for reason, count in drops.items():
             try:
                 self._count_dropped(reason, count)

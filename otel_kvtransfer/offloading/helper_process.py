@@ -1,6 +1,6 @@
 """The builder process of `OTEL_KVTRANSFER_BUILDER=process`.
 
-Started by `helper_lifecycle.HelperProcess` with the engine's environment, working directory, standard output and error,
+Started by `lifecycle.HelperProcess` with the engine's environment, working directory, standard output and error,
 in a session of its own (a terminal's Ctrl-C or a service manager's group signal to the engine's process group
 does not reach it), with the working directory kept off its import path (a stray `select.py` there is not
 imported). It sets up the SDK as the engine's would be (the opentelemetry_configurator entry point reading
@@ -11,7 +11,7 @@ Its standard input is one end of a socket pair: `wire` frames come in, acknowled
 acknowledged once handled; a flush runs on a thread of its own and is acknowledged again when done, so a
 collector outage never stops the frame loop (the engine would drop what it cannot write). End-of-file ends it:
 the SDK's own exit handlers export what it holds, within EXIT_BOUND_S; a frame cut short by its engine's end
-(a kill) is counted as dropped. It is not its engine's child (`helper_lifecycle`): its pid is the first thing it
+(a kill) is counted as dropped. It is not its engine's child (`lifecycle`): its pid is the first thing it
 writes back. SIGINT is ignored; SIGTERM flushes what it holds and the helper goes on until its engine's
 end-of-file (a second SIGTERM ends it at once, exporting on the way out).
 """
@@ -31,19 +31,19 @@ from opentelemetry import metrics, trace
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
-from otel_kvtransfer.recording import helper_lifecycle, wire
-from otel_kvtransfer.recording.offload import DROP_REASON
+from otel_kvtransfer.offloading import lifecycle, wire
+from otel_kvtransfer.offloading.link import DROP_REASON
 from otel_kvtransfer.recording.recorder import log_own_error
 from otel_kvtransfer.version import __version__
 
-_logger = logging.getLogger("otel_kvtransfer.building.helper_process")  # run as __main__
+_logger = logging.getLogger("otel_kvtransfer.offloading.helper_process")  # run as __main__
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 IDLE_TICK_S = 1.0  # the periodic work's interval while no frame comes
 EXIT_BOUND_S = 120  # after its engine's end-of-file: the SDK's shutdown (30 s per provider) and a margin
 
 
 def _set_up_sdk() -> None:
-    setup = os.environ.get(helper_lifecycle.SETUP_ENV, "").strip()
+    setup = os.environ.get(lifecycle.SETUP_ENV, "").strip()
     if setup:
         module, _, function = setup.partition(":")
         getattr(importlib.import_module(module), function or "setup")()
@@ -243,7 +243,7 @@ _signals = _Signals()
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the engine
     signal.signal(signal.SIGTERM, _signals.on_sigterm)
-    os.environ[helper_lifecycle.HELPER_ENV] = "1"
+    os.environ[lifecycle.HELPER_ENV] = "1"
     try:
         sock = socket.socket(fileno=os.dup(0))
         if sock.family != socket.AF_UNIX:

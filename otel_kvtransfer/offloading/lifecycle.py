@@ -10,8 +10,8 @@ holds and ends by itself, within a bound of its own. Its pid is the first thing 
 A dead helper is replaced: at once when it had acknowledged something, else after a backoff that doubles up to
 RESTART_BACKOFF_MAX_S. A helper that never works (its interpreter gone, say: it cannot be started, or it ends
 before acknowledging anything) is `given_up()` after START_TRIES such helpers in a row; the link then builds in
-this process instead, when it can (`offload`). What travels over the socket (frames, acknowledgements, flushes)
-is `offload.HelperLink`'s concern; this module only hands it the socket.
+this process instead, when it can (`link`). What travels over the socket (frames, acknowledgements, flushes)
+is `link.HelperLink`'s concern; this module only hands it the socket.
 """
 
 import logging
@@ -39,7 +39,7 @@ SAFE_PATH = ("import sys\n"
              "if sys.argv[1] not in sys.path:\n    sys.path.append(sys.argv[1])\n")
 # The starter forks the helper and ends: the helper is adopted by whoever reaps orphans, out of the engine's tree.
 _BOOTSTRAP = SAFE_PATH + ("import os\nif os.fork():\n    os._exit(0)\n"
-                          "from otel_kvtransfer.building.helper_process import main\nmain()\n")
+                          "from otel_kvtransfer.offloading.helper_process import main\nmain()\n")
 
 
 def unavailable_reason() -> Optional[str]:
