@@ -25,19 +25,19 @@ it and never kills it. A forked child starts its own helper.
 """
 
 import atexit
-import errno
 import logging
 import select
 import socket
 import threading
 import time
-from collections import deque
 from typing import Callable, Optional
 
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otel_kvtransfer.building.attachment import drop_counter
 from otel_kvtransfer.offloading import wire
+from otel_kvtransfer.offloading.channel import GONE, READ_SIZE, Channel, ready
+from otel_kvtransfer.offloading.ledger import Ledger
 from otel_kvtransfer.offloading.lifecycle import START_TRIES, HelperProcess
 from otel_kvtransfer.recording.recorder import Sink, log_own_error
 
@@ -46,21 +46,11 @@ _logger = logging.getLogger(__name__)
 WRITE_WAIT_S = 1.0  # how long the recorder's thread waits for room in the socket before it drops a batch
 EXIT_WAIT_S = 5.0
 DROP_REASON = "builder_process"
-_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
-_ACKS_READ = 1 << 16
-_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
-
-
-def _ready(fd: int, events: int, timeout_s: float) -> int:
-    """poll(), not select(): an engine process may hold more than select()'s 1,024 descriptors."""
-    poller = select.poll()
-    poller.register(fd, events)
-    ready = poller.poll(max(timeout_s, 0) * 1000)
-    return ready[0][1] if ready else 0
 
 
 class HelperLink(Sink):
-    """The engine side of the socket: numbered frames out, the helper's acknowledgements back; the recorder's sink.
+    """The engine side of the socket, and the recorder's sink: numbered frames out through the current helper's
+    `channel`, its acknowledgements back into the `ledger`; what neither can carry is counted here.
 
     `count_dropped(reason, n)` counts in this process what no helper can carry (default: a counter on the global
     MeterProvider, made when first needed). `fallback()`, when given, makes the in-process builder to build with
@@ -76,15 +66,10 @@ class HelperLink(Sink):
         self._quiet = 0  # records counted without a word while helpers are still being tried
         self._lock = threading.Lock()
         self._helper = HelperProcess()
-        self._sock: Optional[socket.socket] = None
+        self._channel: Optional[Channel] = None  # the current helper's socket
+        self._ledger = Ledger()  # the frames sent, and what the helper acknowledged
         self._generation = 0  # bumped whenever the helper changes: a flush waits on one helper only
-        self._tail = None  # the unwritten rest of a frame begun (frames never interleave)
-        self._ack_buffer = b""
-        self._unacked = deque()  # (sequence, records, drops) of the frames the helper has not acknowledged
-        self._flushed = 0  # the latest FLUSH sequence the helper has flushed for
-        self._acked = False  # the current helper has acknowledged a frame: it works
         self._drops = {}  # drop counts to carry in the next frame
-        self._sequence = 0
         self._closed = False
         self._logged = False  # one warning per episode (a loss, a stall, no helper), until a helper answers again
 
@@ -118,7 +103,7 @@ class HelperLink(Sink):
             self._local.tick()
         elif self._drops:
             self.take_batch([])
-        elif self._tail is not None or self._helper.reap_due():
+        elif self._writing() or self._helper.reap_due():
             with self._lock:
                 self._pump()
 
@@ -145,14 +130,14 @@ class HelperLink(Sink):
         while True:
             with self._lock:
                 self._pump()
-                if self._tail is None:
+                if not self._writing():
                     if self._drops:
                         drops, self._drops = self._drops, {}
                         self._send((wire.BATCH, [], drops), 0, drops, 0)
-                    if self._tail is None:
+                    if not self._writing():
                         sequence = self._send((wire.FLUSH,), 0, {}, 0)
                         return None if sequence is None else (sequence, self._generation)
-                fd = self._sock.fileno()
+                fd = self._channel.fileno()
             if not self._wait(fd, select.POLLOUT, deadline):
                 return None
 
@@ -164,10 +149,10 @@ class HelperLink(Sink):
                     self._pump()
                 if self._generation != generation:
                     return None
-                if self._flushed >= sequence:
+                if self._ledger.flushed >= sequence:
                     return True
-                fd = self._sock.fileno()
-            if not self._wait(fd, select.POLLIN | (select.POLLOUT if self._tail is not None else 0), deadline):
+                fd = self._channel.fileno()
+            if not self._wait(fd, select.POLLIN | (select.POLLOUT if self._writing() else 0), deadline):
                 return False
 
     @staticmethod
@@ -175,7 +160,7 @@ class HelperLink(Sink):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        _ready(fd, events, min(left, 0.05))  # a slice: the descriptor may change under another thread
+        ready(fd, events, min(left, 0.05))  # a slice: the descriptor may change under another thread
         return True
 
     def end_open(self) -> None:
@@ -202,31 +187,29 @@ class HelperLink(Sink):
             if self._helper.proc is None:
                 self._count_here(0, self._take_drops(), "the engine is ending")
                 return
-            sock = self._sock
-            if self._tail is not None:
+            channel = self._channel
+            if self._writing():
                 self._push_tail(deadline)
             try:
-                sock.shutdown(socket.SHUT_WR)  # end-of-file: the helper handles what it has, exports, and ends
+                channel.sock.shutdown(socket.SHUT_WR)  # end-of-file: the helper handles what it has, exports, ends
             except OSError:
                 pass
-            while self._sock is sock and _ready(sock.fileno(), select.POLLIN, deadline - time.monotonic()):
+            while self._channel is channel and ready(channel.fileno(), select.POLLIN, deadline - time.monotonic()):
                 self._read_acks(ending=True)
             # The helper holds its end until it exits: end-of-file there means it has exported and ended.
-            self._closed_helper(ended=self._sock is not sock)
+            self._closed_helper(ended=self._channel is not channel)
 
     def _closed_helper(self, ended: bool) -> None:
         self._helper.closed(ended)
         if not ended:
-            self._unacked.clear()  # still working on them: not lost
+            self._ledger.forget()  # still working on them: not lost
         self._forget_helper()
         # What a helper that ended did not acknowledge was lost with it: counted here, no helper is left.
-        lost = list(self._unacked)
-        self._unacked.clear()
+        records, carried = self._ledger.lost()
         drops = self._take_drops()
-        for _, _, carried in lost:
-            for reason, count in carried.items():
-                drops[reason] = drops.get(reason, 0) + count
-        self._count_here(sum(records for _, records, _ in lost), drops, "the builder process ended")
+        for reason, count in carried.items():
+            drops[reason] = drops.get(reason, 0) + count
+        self._count_here(records, drops, "the builder process ended")
 
     def close_at_exit(self) -> None:
         """close() at interpreter exit: an in-process builder stays on the SDK, whose own shutdown (after this)
@@ -240,15 +223,15 @@ class HelperLink(Sink):
         if self._local is not None:  # no helper could start in the parent: none would here either
             self._local.after_fork_in_child()
             return
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         self._helper.after_fork_in_child()
-        self._tail, self._ack_buffer = None, b""
         self._generation += 1
-        self._unacked.clear()  # the parent's frames: the parent counts them
+        self._ledger.forget()  # the parent's frames: the parent counts them
+        self._ledger.new_helper()
         self._drops = {}
-        self._acked, self._logged = False, False
+        self._logged = False
 
     def pid(self) -> Optional[int]:
         return self._helper.pid()
@@ -261,27 +244,27 @@ class HelperLink(Sink):
             return None
         self._pump()
         deadline = time.monotonic() + wait_s
-        if self._tail is not None and not self._push_tail(deadline) and self._helper.proc is not None:
+        if self._writing() and not self._push_tail(deadline) and self._helper.proc is not None:
             # Alive but not reading (busy, or its exporter slow): this frame does not go; a dead one is replaced.
             self._count_here(records, drops, f"the builder process (pid {self._helper.pid()}) is not reading")
             return None
-        self._sequence += 1
-        frame = wire.encode(payload, records, self._sequence)
+        sequence = self._ledger.next_sequence()
+        frame = wire.encode(payload, records, sequence)
         for _ in range(2):  # a helper found dead on the first write: the frame goes to a fresh one
             if not self._ensure_started():
                 break
             written = self._write(frame)
-            if written is None:
+            if written is GONE:
                 continue
-            self._unacked.append((self._sequence, records, drops))
-            if written < len(frame):
-                self._tail = memoryview(frame)[written:]
+            self._ledger.sent(sequence, records, drops)
+            self._channel.begin(frame, written)
+            if self._writing():
                 self._push_tail(deadline)
-            return self._sequence
+            return sequence
         for reason, count in self._take_drops().items():  # those a lost helper left: nobody else carries them
             drops = dict(drops)
             drops[reason] = drops.get(reason, 0) + count
-        if self._fallback is not None and not self._acked:  # helpers still tried: one line says how it ends
+        if self._fallback is not None and not self._ledger.answered:  # helpers still tried: one line says how it ends
             self._quiet += records + sum(drops.values())
             self._count_here(records, drops, None)
         else:
@@ -313,52 +296,40 @@ class HelperLink(Sink):
         self._quiet = 0
         return True
 
+    def _writing(self) -> bool:
+        """A frame begun is not all written yet: it goes before anything else."""
+        channel = self._channel
+        return channel is not None and channel.tail is not None
+
     def _push_tail(self, deadline: float) -> bool:
         """The rest of the frame begun, waiting for room until `deadline`; True once it is all written."""
-        while self._tail is not None:
-            written = self._write(self._tail)
-            if written is None:
-                return False
-            self._tail = self._tail[written:] if written < len(self._tail) else None
-            if self._tail is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                if _ready(self._sock.fileno(), select.POLLOUT | select.POLLIN, left) & select.POLLIN:
-                    self._read_acks()  # the helper may be waiting for us to read its acknowledgements
-                    if self._sock is None:
-                        return False
-        return True
+        return self._channel.push(deadline, self._write, self._read_acks_while_writing)
+
+    def _read_acks_while_writing(self) -> bool:
+        self._read_acks()  # the helper may be waiting for us to read its acknowledgements
+        return self._channel is not None
 
     def _write(self, data) -> Optional[int]:
-        """How much of `data` the socket took (0 while it is full); None when the helper is gone (`_lost`)."""
-        try:
-            return self._sock.send(data, _NOSIGNAL)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            if exc.errno not in _GONE:
-                raise
+        """How much of `data` the socket took (0 while it is full); GONE when the helper has ended (`_lost`)."""
+        written = self._channel.write(data)
+        if written is GONE:
             self._lost()
-            return None
+        return written
 
     def _pump(self) -> None:
         """Without waiting: the acknowledgements that came back (a helper that ended is noticed here), the rest
         of a frame begun, helpers given up that have ended (reaped)."""
-        if self._sock is not None:
+        if self._channel is not None:
             self._read_acks()
-        if self._tail is not None and self._sock is not None:
+        if self._writing():
             self._push_tail(0)
         self._helper.reap()
 
     def _read_acks(self, ending: bool = False) -> None:
-        while self._sock is not None:
-            try:
-                chunk = self._sock.recv(_ACKS_READ)
-            except BlockingIOError:
+        while self._channel is not None:
+            chunk = self._channel.read()
+            if chunk is None:
                 return
-            except OSError:
-                chunk = b""
             if not chunk:  # the helper ended (every acknowledgement it sent came before this)
                 if not ending:
                     self._lost()
@@ -366,50 +337,30 @@ class HelperLink(Sink):
                     self._forget_socket()
                 return
             self._take_acks(chunk)
-            if len(chunk) < _ACKS_READ:
+            if len(chunk) < READ_SIZE:
                 return
 
     def _take_acks(self, chunk: bytes) -> None:
-        buffer = self._ack_buffer + chunk
-        whole = len(buffer) - len(buffer) % wire.ACK.size
-        acknowledged = 0
-        for offset in range(0, whole, wire.ACK.size):
-            value = wire.ACK.unpack_from(buffer, offset)[0]
-            if value & wire.FLUSHED:
-                self._flushed = max(self._flushed, value & ~wire.FLUSHED)
-            elif value & wire.HELLO:
-                self._helper.said_pid(value & ~wire.HELLO)
-            else:
-                acknowledged = value
-        self._ack_buffer = buffer[whole:]
-        if acknowledged:
-            unacked = self._unacked
-            while unacked and unacked[0][0] <= acknowledged:
-                unacked.popleft()
-            if not self._acked:
-                self._acked, self._logged = True, False
-                self._helper.answered()
-                if self._quiet:  # helpers failed to start before this one: what it cost, in one line
-                    _logger.warning("otel_kvtransfer: the builder process started after failed tries (%s); %d records "
-                                    "recorded meanwhile are counted as dropped (%s)", self._helper.last_error,
-                                    self._quiet, DROP_REASON)
-                    self._quiet = 0
+        if self._ledger.read(chunk, self._helper.said_pid):  # this helper's first: it works
+            self._logged = False
+            self._helper.answered()
+            if self._quiet:  # helpers failed to start before this one: what it cost, in one line
+                _logger.warning("otel_kvtransfer: the builder process started after failed tries (%s); %d records "
+                                "recorded meanwhile are counted as dropped (%s)", self._helper.last_error,
+                                self._quiet, DROP_REASON)
+                self._quiet = 0
 
     def _lost(self) -> None:
         """The helper ended: read every acknowledgement it sent, then what it never acknowledged is lost (carried
         as drops by the next frame), and the next start is scheduled."""
         self._read_acks(ending=True)
         self._forget_socket()
-        lost = list(self._unacked)
-        self._unacked.clear()
-        records = 0
-        for _, count, carried in lost:
-            records += count
-            for reason, dropped in carried.items():
-                self._drops[reason] = self._drops.get(reason, 0) + dropped
+        records, carried = self._ledger.lost()
+        for reason, dropped in carried.items():
+            self._drops[reason] = self._drops.get(reason, 0) + dropped
         if records:
             self._drops[DROP_REASON] = self._drops.get(DROP_REASON, 0) + records
-        proc, delay = self._helper.lost(worked=self._acked)
+        proc, delay = self._helper.lost(worked=self._ledger.answered)
         self._forget_helper()
         if not self._logged:
             self._logged = True
@@ -420,14 +371,14 @@ class HelperLink(Sink):
                             "now" if delay == 0 else f"in {delay:g} s")
 
     def _forget_socket(self) -> None:
-        sock, self._sock = self._sock, None
-        self._tail, self._ack_buffer = None, b""
-        if sock is not None:
-            sock.close()
+        channel, self._channel = self._channel, None
+        self._ledger.discard_partial()
+        if channel is not None:
+            channel.close()
 
     def _forget_helper(self) -> None:
         self._forget_socket()
-        self._acked = False
+        self._ledger.new_helper()
         self._generation += 1
 
     def _ensure_started(self) -> bool:
@@ -436,7 +387,8 @@ class HelperLink(Sink):
         sock = self._helper.start()
         if sock is None:
             return False
-        self._sock, self._tail, self._ack_buffer, self._acked = sock, None, b"", False
+        self._channel = Channel(sock)
+        self._ledger.new_helper()
         self._generation += 1
         return True
 
