@@ -25,6 +25,10 @@ from opentelemetry.trace import SpanKind
 
 from otel_kvtransfer import semconv
 
+# The tests' readers of what the instrumentation recorded: one copy for both.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.telemetry import dropped_by_reason, metric_points, transfers_in_metrics  # noqa: E402
+
 PACKAGES = ["otel_kvtransfer", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-instrumentation", "wrapt",
             "mooncake-transfer-engine-non-cuda", "numpy"]
 
@@ -118,20 +122,13 @@ class Pipeline:
             self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
 
     def metric_points(self) -> dict:
-        found = {}
-        data = self.reader.get_metrics_data()
-        for resource_metrics in (data.resource_metrics if data else []):
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    found.setdefault(metric.name, []).extend(metric.data.data_points)
-        return found
+        return metric_points(self.reader)
 
     def transfers_in_metrics(self) -> int:
-        return sum(p.count for p in self.metric_points().get(semconv.METRIC_DURATION, []))
+        return transfers_in_metrics(self.reader)
 
     def dropped(self) -> dict:
-        return {dict(p.attributes)[semconv.DROP_REASON]: p.value
-                for p in self.metric_points().get(semconv.METRIC_DROPPED, [])}
+        return dropped_by_reason(self.reader)
 
     def shutdown(self):
         self.tracer_provider.shutdown()

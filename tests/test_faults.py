@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from support.telemetry import metric_points
+from support.telemetry import dropped_by_reason, metric_points, transfers_in_metrics
 from support.waiting import exited, wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
@@ -48,11 +48,10 @@ class _Setup:
         return metric_points(self.reader)
 
     def transfers_in_metrics(self) -> int:
-        return sum(p.count for p in self.metric_points().get(semconv.METRIC_DURATION, []))
+        return transfers_in_metrics(self.reader, self.metric_points())
 
     def dropped(self) -> dict:
-        return {dict(p.attributes)[semconv.DROP_REASON]: p.value
-                for p in self.metric_points().get(semconv.METRIC_DROPPED, [])}
+        return dropped_by_reason(self.reader, self.metric_points())
 
     def close(self):
         self.instrumentor.uninstrument()

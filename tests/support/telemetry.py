@@ -52,7 +52,14 @@ def metric_points(reader) -> dict:
     return found
 
 
-def dropped_by_reason(reader) -> dict:
-    """{drop reason: count} of kv_transfer.instrumentation.dropped in one collection by `reader`."""
-    return {point.attributes[semconv.DROP_REASON]: point.value
-            for point in metric_points(reader).get(semconv.METRIC_DROPPED, [])}
+def dropped_by_reason(reader, points=None) -> dict:
+    """{drop reason: count} of kv_transfer.instrumentation.dropped in one collection by `reader` (or in `points`,
+    one collection already read)."""
+    points = metric_points(reader) if points is None else points
+    return {point.attributes[semconv.DROP_REASON]: point.value for point in points.get(semconv.METRIC_DROPPED, [])}
+
+
+def transfers_in_metrics(reader, points=None) -> int:
+    """How many engine calls kv_transfer.duration counted (in one collection by `reader`, or in `points`)."""
+    points = metric_points(reader) if points is None else points
+    return sum(point.count for point in points.get(semconv.METRIC_DURATION, []))
