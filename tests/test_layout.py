@@ -17,7 +17,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "otel_kvtransfer"
 
 LAYERS = (
-    ("semconv", "config", "registry", "version"),
+    ("semconv", "config", "registry", "version", "sdk_internals"),
     ("recording",),
     ("building",),
     ("offloading",),

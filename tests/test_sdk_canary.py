@@ -1,10 +1,11 @@
-"""Canaries for the OpenTelemetry SDK internals the instrumentor relies on, checked on the installed SDK.
+"""Canaries for the OpenTelemetry internals the package relies on, checked on the installed releases.
 
-KVTransferInstrumentor puts its flush processor first by replacing
-`TracerProvider._active_span_processor._span_processors` under that object's `_lock`, and wraps each tracer's
-`sampler` attribute so unsampled spans still record. None of these is public API: an SDK release that renames or
-retypes one would silently turn the instrumentation off. Each test below names one attribute, its expected type,
-and the behaviour the instrumentor needs from it; pyproject.toml bounds the SDK below the next major version.
+Every private name of OpenTelemetry the package reads is read in one module, `otel_kvtransfer/sdk_internals.py`
+(the last test here holds every other module to that): these tests run each of its readers against the installed
+API, SDK and OTLP exporters, with the behaviour the package needs from it (the flush processor put first by
+replacing the provider's processor tuple under its lock, each tracer's replaceable `sampler`, the readers'
+collect callback, the batch queue the direct path waits on, ...). None of these is public API: a release that
+renames or retypes one would turn a feature off. pyproject.toml bounds the SDK below the next major version.
 """
 
 import os
@@ -19,6 +20,8 @@ from opentelemetry.sdk.trace import (
     TracerProvider,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
+
+from otel_kvtransfer import sdk_internals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
@@ -39,16 +42,20 @@ def test_tracer_provider_has_an_active_multi_span_processor():
     provider = TracerProvider()
     multi = provider._active_span_processor
     assert isinstance(multi, (SynchronousMultiSpanProcessor, ConcurrentMultiSpanProcessor))
+    assert provider.get_tracer("canary").span_processor is multi  # what processors_of() is handed
 
 
 def test_multi_span_processor_keeps_its_processors_in_a_tuple():
+    from opentelemetry import trace
+
     provider = TracerProvider()
     first, second = _Seen(), _Seen()
     provider.add_span_processor(first)
     provider.add_span_processor(second)
-    multi = provider._active_span_processor
-    assert isinstance(multi._span_processors, tuple)
-    assert multi._span_processors == (first, second)
+    assert sdk_internals.span_processors(provider) == (first, second)
+    assert isinstance(sdk_internals.span_processors(provider), tuple)
+    assert sdk_internals.processors_of(provider.get_tracer("canary").span_processor) == (first, second)
+    assert sdk_internals.span_processors(trace.NoOpTracerProvider()) is None
 
 
 def test_multi_span_processor_lock_is_a_lock():
@@ -74,10 +81,8 @@ def test_replacing_the_processor_tuple_reorders_delivery():
 
     late, ours = Named("late"), Named("ours")
     provider.add_span_processor(late)
-    multi = provider._active_span_processor
-    with multi._lock:
-        multi._span_processors = (ours,) + tuple(
-            p for p in multi._span_processors if p is not ours)
+    sdk_internals.replace_span_processors(provider, lambda current: (ours,) + tuple(
+        p for p in current if p is not ours))
     provider.get_tracer("canary").start_span("s").end()
     assert order == ["ours", "late"]
     # add_span_processor after the swap still appends behind ours
@@ -117,6 +122,7 @@ def test_the_suppress_keys_and_the_context_variable_the_hot_path_reads():
     from otel_kvtransfer.recording import patching
 
     assert hasattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY")
+    assert sdk_internals.context_getter() is not otel_context.get_current
     assert patching.current_context is not otel_context.get_current  # the fast path is in use, not the fallback
     assert patching.current_context() is otel_context.get_current()
     with suppress_instrumentation():
@@ -140,19 +146,26 @@ def test_the_tracer_attributes_direct_spans_read():
     ReadableSpans positionally: a reordered constructor would put values in the wrong fields."""
     import inspect
 
-    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+    from opentelemetry.trace import SpanContext, SpanKind, Status
 
     from otel_kvtransfer.building.attachment import is_sdk_tracer
 
-    tracer = TracerProvider().get_tracer("canary", "1")
+    tracer = TracerProvider(span_limits=SpanLimits(max_attributes=7)).get_tracer("canary", "1")
     assert is_sdk_tracer(tracer)
-    assert tracer._instrumentation_scope.name == "canary"
+    assert sdk_internals.instrumentation_scope(tracer).name == "canary"
+    assert sdk_internals.span_limits(tracer).max_attributes == 7
+    assert sdk_internals.enabled_flag(tracer) is not False  # the package reads it only where it is a switch
     assert list(inspect.signature(ReadableSpan.__init__).parameters)[1:14] == [
         "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
         "status", "start_time", "end_time", "instrumentation_scope"]
-    span = ReadableSpan("n", attributes={"a": 1}, start_time=1, end_time=2)
-    assert (span._name, span._attributes, span._start_time, span._end_time) == (
-        "n", {"a": 1}, 1, 2)
+    context, parent, resource = SpanContext(1, 2, False), SpanContext(1, 3, False), Resource({"r": 1})
+    status, scope = Status(), sdk_internals.instrumentation_scope(tracer)
+    span = ReadableSpan("n", context, parent, resource, {"a": 1}, (), (), SpanKind.CLIENT, None, status, 1, 2, scope)
+    assert sdk_internals.SPAN_FIELDS(span) == (context, parent, "n", SpanKind.CLIENT, 1, 2, {"a": 1}, status)
+    assert sdk_internals.SPAN_RESOURCE_AND_SCOPE(span) == (resource, scope)
+    assert tuple(map(tuple, sdk_internals.SPAN_EVENTS_AND_LINKS(span))) == ((), ())
 
 
 def test_span_context_is_the_tuple_the_encoder_indexes():
@@ -189,26 +202,41 @@ def test_the_otlp_exporters_encode_through_their_module_encode_spans():
 def test_meter_provider_readers_and_their_collect_callback():
     """KVMetrics wraps each reader's `_collect` (set by the MeterProvider) and reads the provider's readers,
     resource and exemplar filter; the reader's collect() must go through `_collect`."""
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.metrics import Counter, MeterProvider
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 
-    reader = InMemoryMetricReader()
+    reader = InMemoryMetricReader(preferred_temporality={Counter: AggregationTemporality.DELTA})
     provider = MeterProvider(metric_readers=[reader])
-    readers = getattr(provider, "_metric_readers", None)
-    if readers is None:
-        readers = provider._sdk_config.metric_readers
-    assert list(readers) == [reader]
-    assert provider._sdk_config.resource is not None
-    assert hasattr(provider._sdk_config, "exemplar_filter")
-    original, calls = reader._collect, []
+    assert list(sdk_internals.metric_readers(provider)) == [reader]
+    assert sdk_internals.meter_config(provider).resource is not None
+    assert hasattr(sdk_internals.meter_config(provider), "exemplar_filter")
+    assert not sdk_internals.meter_provider_disabled(provider)
+    assert sdk_internals.metric_readers(object()) is None
+    delta = [cls.__name__ for cls, value in sdk_internals.reader_temporality(reader).items()
+             if value is AggregationTemporality.DELTA]
+    assert delta and set(delta) <= set(sdk_internals.COUNTER_CLASS_NAMES)  # kvmetrics finds counters by name
+    original, calls = sdk_internals.reader_collect(reader), []
 
     def spy(metric_reader, timeout_millis=10_000, **kwargs):
         calls.append(metric_reader)
         return original(metric_reader, timeout_millis=timeout_millis, **kwargs)
 
-    reader._collect = spy
+    sdk_internals.set_reader_collect(reader, spy)
     reader.get_metrics_data()
     assert calls == [reader]
+    exemplar = sdk_internals.exemplar_class()({}, 1.5, 10, 2, 1)  # positionally, as kvmetrics makes them
+    assert (exemplar.value, exemplar.time_unix_nano, exemplar.span_id, exemplar.trace_id) == (1.5, 10, 2, 1)
+
+
+def test_a_periodic_readers_exporter():
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+    exporter = ConsoleMetricExporter()
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=60_000)
+    try:
+        assert sdk_internals.reader_exporter(reader) is exporter
+    finally:
+        reader.shutdown()
 
 
 def test_the_batch_span_processor_queue_the_direct_path_waits_on():
@@ -219,7 +247,53 @@ def test_the_batch_span_processor_queue_the_direct_path_waits_on():
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     processor = BatchSpanProcessor(SpanExporter(), max_queue_size=8, max_export_batch_size=4)
-    inner = processor._batch_processor
-    assert isinstance(inner._queue, collections.deque) and inner._max_queue_size == 8
-    assert hasattr(inner._worker_awaken, "set")
+    queue, size, inner = sdk_internals.batch_queue(processor)
+    assert isinstance(queue, collections.deque) and size == 8
+    assert hasattr(sdk_internals.worker_awaken(inner), "set")
+    assert sdk_internals.batch_queue(_Seen()) is None
     processor.shutdown()
+
+
+def test_the_set_up_and_the_otlp_encoders():
+    from opentelemetry.sdk.resources import Resource
+
+    assert callable(getattr(sdk_internals.sdk_configurator_class()(), "configure", None))
+    encode_resource, encode_scope = sdk_internals.otlp_resource_and_scope_encoders()
+    assert encode_resource(Resource({"k": "v"})).attributes[0].key == "k"
+    scope = sdk_internals.instrumentation_scope(TracerProvider().get_tracer("canary", "2"))
+    assert (encode_scope(scope).name, encode_scope(scope).version) == ("canary", "2")
+
+
+# Private names of OpenTelemetry that only sdk_internals may read (distinctive enough to search for).
+PRIVATE_NAMES = ("_active_span_processor", "_span_processors", "_instrumentation_scope", "_span_limits",
+                 "_is_enabled", "_batch_processor", "_worker_awaken", "_max_queue_size", "_sdk_config",
+                 "_metric_readers", "_instrument_class_temporality", "_RUNTIME_CONTEXT", "_current_context",
+                 "_SUPPRESS_INSTRUMENTATION_KEY", "_OTelSDKConfigurator", "_encode_resource",
+                 "_encode_instrumentation_scope", "._internal", "reader._collect", "\"_collect\"", "\"_exporter\"",
+                 "\"_disabled\"")
+
+
+def test_no_other_module_reads_opentelemetrys_private_names():
+    """One door: an OpenTelemetry release is checked by reading sdk_internals.py alone."""
+    import pathlib
+
+    package = pathlib.Path(ROOT) / "otel_kvtransfer"
+    door = package / "sdk_internals.py"
+    assert _private_reads(door.read_text()) == sorted(PRIVATE_NAMES)
+    found = [(str(path.relative_to(package)), name) for path in sorted(package.rglob("*.py")) if path != door
+             for name in _private_reads(path.read_text())]
+    assert not found
+
+
+def _private_reads(text: str) -> list:
+    """The names of PRIVATE_NAMES in `text`, each where it starts a name (not inside a longer one)."""
+    return sorted(name for name in PRIVATE_NAMES
+                  if re.search((r"(?<![A-Za-z0-9])" if name[0] == "_" else "") + re.escape(name), text))
+
+
+def test_the_private_names_check_sees_a_read():
+    """The check above is not vacuous: a module reading the provider's processors is caught, a name of ours that
+    holds one inside it is not."""
+    assert _private_reads("multi = getattr(provider, '_active_span_processor', None)\n") == [
+        "_active_span_processor"]
+    assert _private_reads("sdk_internals.replace_span_processors(provider, change)\n") == []

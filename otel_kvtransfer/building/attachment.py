@@ -8,7 +8,7 @@ from typing import Callable
 
 from opentelemetry import metrics
 
-from otel_kvtransfer import config, semconv
+from otel_kvtransfer import config, sdk_internals, semconv
 from otel_kvtransfer.building import span_encoding, stuck
 from otel_kvtransfer.building.builder import SpanBuilder
 from otel_kvtransfer.building.direct_spans import DirectSpans
@@ -112,9 +112,7 @@ class Attachment:
         self._processors, self._provider, self._original_sampler, self.tracer = (), None, None, None
 
     def _replace_processors(self, change) -> None:
-        multi = self._provider._active_span_processor
-        with multi._lock:
-            multi._span_processors = change(multi._span_processors)
+        sdk_internals.replace_span_processors(self._provider, change)
 
 
 
@@ -139,7 +137,6 @@ def new_builder(attachment: "Attachment", settings: config.Settings, engines,
 
 def is_sdk_tracer(tracer) -> bool:
     """An SDK tracer that is not switched off: what the direct path reads from it is there."""
-    return all(hasattr(tracer, name) for name in ("sampler", "id_generator", "span_processor", "resource",
-                                                   "_instrumentation_scope"))
+    return all(hasattr(tracer, name) for name in sdk_internals.SDK_TRACER_ATTRIBUTES)
 
 

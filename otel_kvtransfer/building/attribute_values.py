@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace import Event, SpanLimits
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Status
 
+from otel_kvtransfer import sdk_internals
+
 _SCALARS = (bool, int, float)
 
 
@@ -125,6 +127,6 @@ def bounded_events(events, limits: SpanLimits) -> BoundedList:
 
 def limits_of(tracer) -> SpanLimits:
     """The span limits an SDK tracer applies: its provider's, resolved from OTEL_* when the provider was made
-    (tests/test_sdk_canary.py checks the private attribute); a fresh SpanLimits() (the environment now) else."""
-    limits = getattr(tracer, "_span_limits", None)
+    (a private attribute: sdk_internals); a fresh SpanLimits() (the environment now) else."""
+    limits = sdk_internals.span_limits(tracer)
     return limits if isinstance(limits, SpanLimits) else SpanLimits()

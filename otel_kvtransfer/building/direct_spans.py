@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler, TraceIdRatioBased
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from otel_kvtransfer import sdk_internals
 from otel_kvtransfer.building.attribute_values import (
     bounded,
     bounded_events,
@@ -146,13 +147,12 @@ class _QueueRoom:
         """The batch processors' queues, again whenever the provider's processor tuple changed."""
         self._seen, self._queues = processors, []
         for processor in processors:
-            inner = getattr(processor, "_batch_processor", None)
-            queue, size = getattr(inner, "_queue", None), getattr(inner, "_max_queue_size", None)
-            if queue is not None and isinstance(size, int):
-                self._queues.append([queue, size, inner, False])  # False: not stalled
+            found = sdk_internals.batch_queue(processor)
+            if found is not None:
+                self._queues.append([*found, False])  # False: not stalled
 
     def wait(self) -> None:
-        processors = getattr(self._multi, "_span_processors", ())
+        processors = sdk_internals.processors_of(self._multi) or ()
         if processors is not self._seen:
             self._rescan(processors)
         for entry in self._queues:
@@ -164,7 +164,7 @@ class _QueueRoom:
                 self.on_drop("export_queue_full", 1)
                 continue
             deadline = time.monotonic() + self.WAIT_S
-            awaken = getattr(inner, "_worker_awaken", None)
+            awaken = sdk_internals.worker_awaken(inner)
             while len(queue) >= size and time.monotonic() < min(deadline, self.drain_deadline()):
                 if awaken is not None:
                     awaken.set()  # the worker exports at once instead of at its next scheduled time
@@ -191,8 +191,8 @@ class DirectSpans:
         self._ids = tracer.id_generator
         self._random_flag = _RANDOM if _RANDOM and self._ids.is_trace_id_random() else 0
         self._tracer = tracer
-        self._scope = tracer._instrumentation_scope
-        self._enabled = getattr(tracer, "_is_enabled", None)
+        self._scope = sdk_internals.instrumentation_scope(tracer)
+        self._enabled = sdk_internals.enabled_flag(tracer)
         # The provider's span limits, applied as the SDK's Span applies them (attribute_values).
         self._limits = limits_of(tracer)
         self._max_count = self._limits.max_span_attributes

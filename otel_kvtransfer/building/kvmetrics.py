@@ -35,7 +35,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from otel_kvtransfer import semconv
+from otel_kvtransfer import sdk_internals, semconv
 from otel_kvtransfer.building import metric_rules as rules
 from otel_kvtransfer.building.metric_rules import INSTRUMENTS, metric_labels
 from otel_kvtransfer.version import __version__
@@ -191,32 +191,30 @@ class KVMetrics:
     def attach(self, meter_provider) -> bool:
         """Wrap the collect callback of every reader of an SDK MeterProvider. False when it is not one (the
         API's no-op or proxy provider): nothing is recorded then, as the SDK instruments would record nothing."""
-        config = getattr(meter_provider, "_sdk_config", None)
-        readers = getattr(meter_provider, "_metric_readers", None)  # SDK >= 1.43; before, on its configuration
-        if readers is None:
-            readers = getattr(config, "metric_readers", None)
+        config = sdk_internals.meter_config(meter_provider)
+        readers = sdk_internals.metric_readers(meter_provider)
         if readers is None or config is None:
             return False
-        if getattr(meter_provider, "_disabled", False):  # OTEL_SDK_DISABLED: the SDK records nothing either
+        if sdk_internals.meter_provider_disabled(meter_provider):  # OTEL_SDK_DISABLED: the SDK records nothing
             self.attached = True
             return True
         self._resource = config.resource
         self._exemplars = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
         for reader in readers:
-            original = getattr(reader, "_collect", None)
+            original = sdk_internals.reader_collect(reader)
             if original is None:
                 continue
-            temporality = getattr(reader, "_instrument_class_temporality", {})
+            temporality = sdk_internals.reader_temporality(reader)
             delta_histograms = delta_counters = False
             for cls, value in temporality.items():
                 if value is AggregationTemporality.DELTA:
                     if cls.__name__.endswith("Histogram"):
                         delta_histograms = True
-                    elif cls.__name__ in ("_Counter", "Counter"):
+                    elif cls.__name__ in sdk_internals.COUNTER_CLASS_NAMES:
                         delta_counters = True
             with self._lock:
                 self._tables[id(reader)] = _Table(delta_histograms, delta_counters, self._limits)
-            reader._collect = self._collect_hook(reader, original)
+            sdk_internals.set_reader_collect(reader, self._collect_hook(reader, original))
         self.attached = True
         return True
 
@@ -351,9 +349,8 @@ NO_METRICS = _NoMetrics()
 
 
 def _exemplars(point: _Point, labels) -> list:
-    from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
-
-    return [Exemplar({}, value, at, span_id, trace_id)
+    exemplar = sdk_internals.exemplar_class()
+    return [exemplar({}, value, at, span_id, trace_id)
             for value, (at, span_id, trace_id) in (e for e in point.exemplars if e is not None)]
 
 

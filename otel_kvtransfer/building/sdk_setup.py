@@ -4,6 +4,8 @@ process not started under opentelemetry-instrument, and the builder process."""
 import logging
 import os
 
+from otel_kvtransfer import sdk_internals
+
 _logger = logging.getLogger(__name__)
 
 
@@ -26,5 +28,5 @@ def configure_sdk_if_absent(framework: str) -> None:
     try:
         from opentelemetry.distro import OpenTelemetryConfigurator as Configurator
     except ImportError:
-        from opentelemetry.sdk._configuration import _OTelSDKConfigurator as Configurator
+        Configurator = sdk_internals.sdk_configurator_class()
     Configurator().configure()

@@ -23,6 +23,7 @@ from itertools import islice
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
+from otel_kvtransfer import sdk_internals
 from otel_kvtransfer.building.direct_spans import _UNSET as _UNSET_STATUS
 from otel_kvtransfer.building.direct_spans import KVSpan, SendAttributes
 
@@ -156,12 +157,12 @@ class _Pieces:
         cached = self.wrappers.get(key)
         if cached is not None and cached[0] is resource and cached[1] is scope:
             return cached[2], cached[3]
-        from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
         from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 
-        resource_part = ResourceSpans(resource=_encode_resource(resource),
+        encode_resource, encode_scope = sdk_internals.otlp_resource_and_scope_encoders()
+        resource_part = ResourceSpans(resource=encode_resource(resource),
                                       schema_url=resource.schema_url).SerializeToString()
-        scope_part = ScopeSpans(scope=_encode_instrumentation_scope(scope),
+        scope_part = ScopeSpans(scope=encode_scope(scope),
                                 schema_url=scope.schema_url if scope else None).SerializeToString()
         if len(self.wrappers) > 64:
             self.wrappers.clear()
@@ -174,6 +175,9 @@ class _Unsupported(Exception):
 
 
 _PIECES = _Pieces()
+_SPAN_FIELDS = sdk_internals.SPAN_FIELDS
+_RESOURCE_AND_SCOPE = sdk_internals.SPAN_RESOURCE_AND_SCOPE
+_EVENTS_AND_LINKS = sdk_internals.SPAN_EVENTS_AND_LINKS
 
 
 def _tuple_context() -> bool:
@@ -191,12 +195,11 @@ _TUPLE_CONTEXT = _tuple_context()
 
 def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     """One Span message (without its field tag)."""
-    context = span._context
+    context, parent, name, kind, start_time, end_time, attributes, status = _SPAN_FIELDS(span)
     if _TUPLE_CONTEXT:  # a SpanContext is a tuple: indexing it skips three property calls
         trace_id, span_id, state = context[0], context[1], context[4]
     else:
         trace_id, span_id, state = context.trace_id, context.span_id, context.trace_state
-    parent = span._parent
     if parent is None:
         head = _NO_PARENT % (trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"))
     else:
@@ -204,10 +207,8 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
                                parent.span_id.to_bytes(8, "big"))
     if state:
         head += _field(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items()).encode("utf-8"))
-    parts = [head, pieces.name(span._name), _KIND[span._kind], _TIMES % (_pack_q(span._start_time),
-                                                                       _pack_q(span._end_time))]
+    parts = [head, pieces.name(name), _KIND[kind], _TIMES % (_pack_q(start_time), _pack_q(end_time))]
     strings, ints, doubles, append = pieces.strings, pieces.ints, pieces.double_prefix, parts.append
-    attributes = span._attributes
     items, static = attributes.items(), b""
     if type(attributes) is SendAttributes:
         shared = attributes.static
@@ -227,7 +228,6 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     append(static)
     if type(attributes) is BoundedAttributes and attributes.dropped:  # the span limits cut some
         append(_DROPPED + _varint(attributes.dropped))
-    status = span._status
     if status is _UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
         append(_STATUS_UNSET)
     else:
@@ -245,10 +245,11 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
     """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order."""
     groups = {}
     for span in spans:
-        key = (id(span._resource), id(span._instrumentation_scope))
+        resource, scope = _RESOURCE_AND_SCOPE(span)
+        key = (id(resource), id(scope))
         group = groups.get(key)
         if group is None:
-            group = groups[key] = (span._resource, span._instrumentation_scope, [])
+            group = groups[key] = (resource, scope, [])
         encoded = encode_span(span, pieces)
         group[2].append(b"\x12" + _varint(len(encoded)) + encoded)
     out = []
@@ -261,7 +262,10 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
 
 
 def _fast_enough(span) -> bool:
-    return type(span) is KVSpan and not span._events and not span._links
+    if type(span) is not KVSpan:
+        return False
+    events, links = _EVENTS_AND_LINKS(span)
+    return not events and not links
 
 
 class PreEncoded:

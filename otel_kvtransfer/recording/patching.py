@@ -12,38 +12,24 @@ per-transfer wrappers keep the same guard inline (`own_error`), one Python frame
 tests/test_backend_contract.py holds every backend in `registry` to all of it.
 """
 
-import contextvars
 import logging
 import sys
 import threading
 from typing import Any, Callable, List, Optional, Protocol, Tuple, runtime_checkable
 
 import wrapt
-from opentelemetry import context as otel_context
-from opentelemetry.instrumentation import utils as otel_utils
 
 from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.sdk_internals import SUPPRESS_KEY as SUPPRESS_KEY  # re-exported: the engines read it here
+from otel_kvtransfer.sdk_internals import SUPPRESS_KEY_PLAIN as SUPPRESS_KEY_PLAIN  # as SUPPRESS_KEY
+from otel_kvtransfer.sdk_internals import context_getter
 
 _logger = logging.getLogger(__name__)
 _MARK = "__otel_kvtransfer__"
 
-# The two keys `is_instrumentation_enabled()` reads: wrappers read them from the one context they fetch per call
-# (that function fetches it twice, through six Python frames).
-# (tests/test_sdk_canary.py checks both, and the runtime context's ContextVar, on every release we allow.)
-SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
-SUPPRESS_KEY_PLAIN = getattr(otel_utils, "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "suppress_instrumentation")
-
-
-def _context_getter() -> Callable[[], Any]:
-    """`get_current`, or with the default runtime context its ContextVar's own `get` (C, no Python frame)."""
-    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
-    var = getattr(runtime, "_current_context", None)
-    if type(runtime).__name__ == "ContextVarsRuntimeContext" and isinstance(var, contextvars.ContextVar):
-        return var.get
-    return otel_context.get_current
-
-
-current_context = _context_getter()
+# The current context in one C call where the runtime allows; wrappers read suppress_instrumentation()'s two
+# keys from it (`is_instrumentation_enabled()` fetches it twice, through six Python frames).
+current_context = context_getter()
 
 
 def active() -> bool:

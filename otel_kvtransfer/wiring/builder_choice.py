@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 
 from opentelemetry import trace
 
-from otel_kvtransfer import config, semconv
+from otel_kvtransfer import config, sdk_internals, semconv
 from otel_kvtransfer.building.attachment import Attachment, new_builder
 from otel_kvtransfer.building.in_process import InProcessSink
 from otel_kvtransfer.offloading import lifecycle
@@ -68,8 +68,7 @@ def _ours(processor) -> bool:
 
 def sdk_from_environment(tracer_provider, meter_provider) -> bool:
     """True when both providers are SDK providers holding exactly what OTEL_* asks for (nothing made in code)."""
-    multi = getattr(tracer_provider, "_active_span_processor", None)
-    processors = getattr(multi, "_span_processors", None)
+    processors = sdk_internals.span_processors(tracer_provider)
     if processors is None:
         return False
     span_exporters = _exporter_classes("opentelemetry_traces_exporter", "OTEL_TRACES_EXPORTER")
@@ -79,15 +78,13 @@ def sdk_from_environment(tracer_provider, meter_provider) -> bool:
         exporter = getattr(processor, "span_exporter", None)
         if type(processor).__name__ != "BatchSpanProcessor" or type(exporter) not in span_exporters:
             return False
-    readers = getattr(meter_provider, "_metric_readers", None)
-    if readers is None:
-        readers = getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", None)
+    readers = sdk_internals.metric_readers(meter_provider)
     if readers is None:
         return not os.environ.get("OTEL_METRICS_EXPORTER", "").strip() or \
             os.environ.get("OTEL_METRICS_EXPORTER", "").strip() == "none"
     metric_exporters = _exporter_classes("opentelemetry_metrics_exporter", "OTEL_METRICS_EXPORTER")
     for reader in readers:
-        exporter = getattr(reader, "_exporter", None)
+        exporter = sdk_internals.reader_exporter(reader)
         if type(reader).__name__ != "PeriodicExportingMetricReader" or type(exporter) not in metric_exporters:
             return False
     return True

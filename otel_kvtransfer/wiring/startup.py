@@ -22,6 +22,8 @@ from typing import Optional
 
 from opentelemetry import metrics, trace
 
+from otel_kvtransfer import sdk_internals
+
 LOGGER_NAME = "otel_kvtransfer"
 # How long a process with a framework waits for its role before printing without one: an engine process builds
 # its KV manager only after loading the model (minutes on a loaded CPU machine); the others never build one.
@@ -119,7 +121,7 @@ def spans_destination(provider=None) -> str:
     """OTEL_TRACES_EXPORTER and the exporters the provider's span processors hold (class names)."""
     if provider is None or isinstance(provider, trace.ProxyTracerProvider):  # an SDK may have come since
         provider = trace.get_tracer_provider()
-    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
+    processors = sdk_internals.span_processors(provider)
     if processors is None:
         held = "no SDK tracer provider yet"
     else:
@@ -133,15 +135,13 @@ def metrics_destination(provider=None) -> str:
     """OTEL_METRICS_EXPORTER and the provider's metric readers (their exporters' class names)."""
     readers = None
     for candidate in (provider, metrics.get_meter_provider()):  # the global one: an SDK may have come since
-        readers = getattr(candidate, "_metric_readers", None)
-        if readers is None:
-            readers = getattr(getattr(candidate, "_sdk_config", None), "metric_readers", None)
+        readers = sdk_internals.metric_readers(candidate)
         if readers is not None:
             break
     if readers is None:
         held = "no SDK meter provider yet"
     else:
-        names = [type(getattr(r, "_exporter", None) or r).__name__ for r in readers]
+        names = [type(sdk_internals.reader_exporter(r) or r).__name__ for r in readers]
         held = ", ".join(names) or "no metric reader"
     return f"{_variable('OTEL_METRICS_EXPORTER')} ({held})"
 

@@ -1,0 +1,153 @@
+"""Every private name of OpenTelemetry (API, SDK, OTLP exporters) that this package reads, behind one door.
+
+None of these is public API. Each is read defensively here: a name an OpenTelemetry release renamed turns off
+the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/test_sdk_canary.py runs
+every function and constant below against the installed releases, and tests/test_layout.py keeps these names out
+of every other module, so a new OpenTelemetry release is this one file to read.
+"""
+
+import contextvars
+from operator import attrgetter
+from typing import Any, Callable, Optional, Tuple
+
+from opentelemetry import context as otel_context
+from opentelemetry.instrumentation import utils as otel_utils
+
+# --- the API's context: what the hot path reads -------------------------------------------------------------------
+
+# The two keys `is_instrumentation_enabled()` reads: wrappers read them from the one context they fetch per call
+# (that function fetches it twice, through six Python frames).
+SUPPRESS_KEY = getattr(otel_context, "_SUPPRESS_INSTRUMENTATION_KEY", "suppress_instrumentation")
+SUPPRESS_KEY_PLAIN = getattr(otel_utils, "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "suppress_instrumentation")
+
+
+def context_getter() -> Callable[[], Any]:
+    """`get_current`, or with the default runtime context its ContextVar's own `get` (C, no Python frame)."""
+    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    var = getattr(runtime, "_current_context", None)
+    if type(runtime).__name__ == "ContextVarsRuntimeContext" and isinstance(var, contextvars.ContextVar):
+        return var.get
+    return otel_context.get_current
+
+
+# --- TracerProvider and Tracer ------------------------------------------------------------------------------------
+
+def span_processors(tracer_provider) -> Optional[tuple]:
+    """The SDK provider's span processors in delivery order; None for any other provider."""
+    return processors_of(getattr(tracer_provider, "_active_span_processor", None))
+
+
+def processors_of(multi) -> Optional[tuple]:
+    """The processors of the provider's multi span processor (`Tracer.span_processor`, public), or None."""
+    return getattr(multi, "_span_processors", None)
+
+
+def replace_span_processors(tracer_provider, change: Callable[[tuple], tuple]) -> None:
+    """The provider's processors become `change(them)`, under the lock its add_span_processor takes: the only
+    way to put a processor in front (flush and shutdown reach ours first)."""
+    multi = tracer_provider._active_span_processor
+    with multi._lock:
+        multi._span_processors = change(multi._span_processors)
+
+
+# What the direct path reads from an SDK tracer (a tracer the provider switched off lacks some).
+SDK_TRACER_ATTRIBUTES = ("sampler", "id_generator", "span_processor", "resource", "_instrumentation_scope")
+
+
+def instrumentation_scope(tracer):
+    return tracer._instrumentation_scope
+
+
+def span_limits(tracer):
+    """The span limits the tracer's provider resolved from OTEL_* when it was made, or None."""
+    return getattr(tracer, "_span_limits", None)
+
+
+def enabled_flag(tracer):
+    """The tracer's switch (OTEL_SDK_DISABLED, its configurator), or None on a release without one."""
+    return getattr(tracer, "_is_enabled", None)
+
+
+def batch_queue(processor) -> Optional[Tuple[Any, int, Any]]:
+    """(the export queue, its bound, the inner processor) of a BatchSpanProcessor, or None for another kind."""
+    inner = getattr(processor, "_batch_processor", None)
+    queue, size = getattr(inner, "_queue", None), getattr(inner, "_max_queue_size", None)
+    if queue is None or not isinstance(size, int):
+        return None
+    return queue, size, inner
+
+
+def worker_awaken(inner):
+    """The event that makes a batch processor's worker export now instead of at its next schedule, or None."""
+    return getattr(inner, "_worker_awaken", None)
+
+
+# A ReadableSpan's fields, read by the span encoder from spans this package built (one C call per span).
+SPAN_FIELDS = attrgetter("_context", "_parent", "_name", "_kind", "_start_time", "_end_time", "_attributes",
+                         "_status")
+SPAN_RESOURCE_AND_SCOPE = attrgetter("_resource", "_instrumentation_scope")
+SPAN_EVENTS_AND_LINKS = attrgetter("_events", "_links")
+
+
+def otlp_resource_and_scope_encoders() -> Tuple[Callable, Callable]:
+    """The OTLP exporters' own encoders of a resource and an instrumentation scope."""
+    from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
+
+    return _encode_resource, _encode_instrumentation_scope
+
+
+# --- MeterProvider and its readers --------------------------------------------------------------------------------
+
+def meter_config(meter_provider):
+    """An SDK MeterProvider's configuration (resource, exemplar filter), or None for any other provider."""
+    return getattr(meter_provider, "_sdk_config", None)
+
+
+def metric_readers(meter_provider) -> Optional[list]:
+    """An SDK MeterProvider's readers (on the provider since SDK 1.43, on its configuration before), or None."""
+    readers = getattr(meter_provider, "_metric_readers", None)
+    if readers is None:
+        readers = getattr(meter_config(meter_provider), "metric_readers", None)
+    return readers
+
+
+def meter_provider_disabled(meter_provider) -> bool:
+    """OTEL_SDK_DISABLED: the provider records nothing."""
+    return bool(getattr(meter_provider, "_disabled", False))
+
+
+def reader_exporter(reader):
+    """A periodic reader's exporter, or None."""
+    return getattr(reader, "_exporter", None)
+
+
+def reader_collect(reader):
+    """The callback a reader's collect() calls to gather every point (None on a release without it)."""
+    return getattr(reader, "_collect", None)
+
+
+def set_reader_collect(reader, collect) -> None:
+    reader._collect = collect
+
+
+def reader_temporality(reader) -> dict:
+    """{instrument class: AggregationTemporality} the reader was made with."""
+    return getattr(reader, "_instrument_class_temporality", {})
+
+
+COUNTER_CLASS_NAMES = ("_Counter", "Counter")  # the SDK's counter classes, as a reader's temporality table keys them
+
+
+def exemplar_class():
+    from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
+
+    return Exemplar
+
+
+# --- set-up -------------------------------------------------------------------------------------------------------
+
+def sdk_configurator_class():
+    """The SDK's own configurator (what opentelemetry-distro's wraps), reading OTEL_*."""
+    from opentelemetry.sdk._configuration import _OTelSDKConfigurator
+
+    return _OTelSDKConfigurator
