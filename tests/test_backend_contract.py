@@ -312,3 +312,30 @@ def test_observe_call_shows_the_call_and_never_changes_it(recording):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_declares_its_distributions_and_supported_range(name):
+    """Its range is a PEP 440 specifier with a lower bound, and that bound is what the package's `instruments-any`
+    list (wiring/package.py, the same as pyproject.toml's extra) asks of each of its distributions: the oldest
+    release it works on is said in one way everywhere."""
+    from packaging.specifiers import SpecifierSet
+
+    from otel_kvtransfer.wiring.package import _instruments_any
+
+    backend = importlib.import_module(name)
+    lower = [spec.version for spec in SpecifierSet(backend.SUPPORTED) if spec.operator == ">="]
+    assert len(lower) == 1, backend.SUPPORTED
+    assert backend.DISTRIBUTIONS and all(isinstance(d, str) and d for d in backend.DISTRIBUTIONS)
+    for distribution in backend.DISTRIBUTIONS:
+        assert f"{distribution} >= {lower[0]}" in _instruments_any, (distribution, _instruments_any)
+    hooks = getattr(backend, "HOOKS", None)
+    if hooks is not None:  # a framework: its gate enforces exactly the range it declares
+        assert backend.SUPPORTED == hooks.supported and backend.DISTRIBUTIONS == hooks.distributions
+
+
+def test_every_instruments_any_entry_belongs_to_a_backend():
+    from otel_kvtransfer.wiring.package import _instruments_any
+
+    declared = {distribution for name in BACKENDS for distribution in importlib.import_module(name).DISTRIBUTIONS}
+    assert {entry.split(" ")[0] for entry in _instruments_any} == declared

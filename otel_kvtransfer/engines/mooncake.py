@@ -40,6 +40,7 @@ BACKEND = "mooncake"
 SETUP_IN_FIRST_CALL = True  # the first transfer to a segment opens it (its send says kv_transfer.first_to_peer)
 MODULE = "mooncake.engine"
 DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+SUPPORTED = ">=0.3"  # the releases whose TransferEngine has the calls wrapped here (0.3.13 tested)
 WRITE, READ = semconv.OP_WRITE, semconv.OP_READ
 
 # method -> (op, or None when the opcode argument decides; batch call?)

@@ -39,6 +39,8 @@ from otel_kvtransfer.recording.recorder import RECORDER
 _logger = logging.getLogger(__name__)
 
 BACKEND = "nixl"
+DISTRIBUTIONS = ("nixl",)
+SUPPORTED = ">=1.5"  # the releases whose nixl_agent and handle classes have what is wrapped here (1.5.1 tested)
 SETUP_IN_FIRST_CALL = False  # set-up is add_remote_agent and friends, before any transfer
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
 

@@ -57,10 +57,15 @@ class Backend(Protocol):
     `instrument()` is the gate and the patch: False when the backend's library is absent or the version gate says
     no, True when it patched now or will patch as its modules are imported. `uninstrument()` undoes every patch
     (a no-op when there is none). `modules()` names the modules it patches (each when it is imported), and
-    `patcher` holds the patches, so anyone can see what the backend touched.
+    `patcher` holds the patches, so anyone can see what the backend touched. `DISTRIBUTIONS` are the packages
+    that install the library (any one of them), `SUPPORTED` the releases it was tested on, a PEP 440 range: its
+    lower bound is the oldest that works; past an upper bound a framework still runs where every target its
+    wrappers need is there (wiring/activation), and an engine's wrappers need only what its calls are.
     """
 
     patcher: "Patcher"
+    DISTRIBUTIONS: tuple
+    SUPPORTED: str
 
     def modules(self) -> tuple: ...
 

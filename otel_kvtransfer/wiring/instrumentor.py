@@ -160,7 +160,7 @@ def _announce(backends, patched, builder, tracer_provider, meter_provider) -> No
                 version = hooks.installed_version() if hooks is not None else None
                 frameworks.append((backend.FRAMEWORK, version, patched.get(name, False)))
             else:
-                version = startup.distribution_version(getattr(backend, "DISTRIBUTIONS", (backend.BACKEND,)))
+                version = startup.distribution_version(backend.DISTRIBUTIONS)
                 engines.append((backend.BACKEND, version, patched.get(name, False) and version is not None))
         announcement = startup.Announcement(__version__, frameworks, engines, builder, tracer_provider,
                                             meter_provider)

@@ -53,9 +53,11 @@ def _forget():
 HOOKS = FrameworkHooks(FRAMEWORK, ("sglang",), minimum=(0, 5, 23), below=(0, 6), patches=_patches, patcher=patcher,
                        forget=_forget)
 SUPPORTED = HOOKS.supported
+DISTRIBUTIONS = HOOKS.distributions
 is_supported = HOOKS.is_supported
 instrument = HOOKS.instrument  # patch sglang now or when its modules are imported; False on an unsupported one
 uninstrument = HOOKS.uninstrument
 modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "modules", "patcher"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported", "modules",
+           "patcher"]

@@ -54,4 +54,5 @@ instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; F
 uninstrument = HOOKS.uninstrument
 modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "HOOKS", "instrument", "uninstrument", "is_supported", "modules", "patcher"]
+__all__ = ["FRAMEWORK", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported", "modules",
+           "patcher"]
