@@ -263,6 +263,21 @@ def write_json(path: str, data: dict) -> None:
         handle.write("\n")
 
 
+def stop_all(*parts) -> None:
+    """Stop each part that was started (None: it never was), in order, every one even when one before it fails;
+    the first failure is raised once all were tried."""
+    failure = None
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part.stop()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+
+
 def emit_json(result: dict, out=None) -> None:
     """A benchmark's result on stdout, and in `out` when given (--out)."""
     text = json.dumps(result, indent=2)

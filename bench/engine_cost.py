@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import emit_json, in_private_network, machine
+from common import emit_json, in_private_network, machine, stop_all
 
 PARTS = ("process", "thread", "builder", "neighbour")
 SEND = "kv_transfer.send"
@@ -488,9 +488,7 @@ def main():
         result["agreement"] = agreement(b)
         result["load_average_after"] = os.getloadavg()[0]
     finally:
-        if b is not None:
-            b.stop()
-        otlp.stop()
+        stop_all(b, otlp)
     emit_json(result, args.out)
 
 

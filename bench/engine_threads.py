@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import cpu
-from common import emit_json, in_private_network, machine
+from common import emit_json, in_private_network, machine, stop_all
 from engine_cost import _rotations, _spread
 
 OWNERS = ("calling", "recorder", "sdk", "mooncake", "python_other", "ended", "helper")
@@ -312,9 +312,7 @@ def main():
         placement.place("shared")
         result["load_average_after"] = os.getloadavg()[0]
     finally:
-        if b is not None:
-            b.stop()
-        otlp.stop()
+        stop_all(b, otlp)
     emit_json(result, args.out)
 
 
