@@ -5,8 +5,9 @@ MLA over NIXL to a TP2 decode, is in test_sglang_shapes.py).
   the very original after uninstrument();
 - the state path: `NixlKVManager.maybe_send_extra` is a generator that posts each state handle as its caller
   iterates. State payloads come only with hybrid (mamba / SWA) models, which cannot run on this CPU machine, so
-  the manager below is a stand-in with that method's shape; the wrapper, the transfer scope, NIXL's pending-handle
-  table and the recorder are the package's own.
+  that one method of the real, instrumented NixlKVManager is a stand-in with its shape; the package's wrapper
+  around it (as installed), sglang's FastQueue handing the worker its chunk, the transfer scope, NIXL's
+  pending-handle table and the recorder are real.
 """
 
 import importlib.util
@@ -42,55 +43,83 @@ def test_nixl_manager_methods_are_wrapped_and_restored():
     assert all(conn.NixlKVManager.__dict__[name] is before[name] for name in NIXL_PATCHED)
 
 
-def _state_wrapper():
-    """The wrapper the package puts on NixlKVManager.maybe_send_extra (peer name first, no executor)."""
-    from otel_kvtransfer.frameworks.sglang import common, prefill
+class _StatePath:
+    """sglang's NixlKVManager, instrumented as a deployment is, around a stand-in of its `maybe_send_extra` (see
+    the module docstring): each manager made by `manager()` runs its own `steps` generator there. The worker's
+    current chunk comes from sglang's own FastQueue, through the package's wrapper of its `get`, as on a
+    transfer worker thread."""
 
-    method = prefill.NIXL_TRANSFER_METHODS["maybe_send_extra"]
-    return prefill._transfer_wrapper(common.NIXL, *method)
+    def __init__(self, monkeypatch):
+        from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+        from sglang.srt.disaggregation.nixl import conn
+        from support.telemetry import Telemetry
+
+        def maybe_send_extra(self, peer_name, *args):
+            yield from self.steps(peer_name, *args)
+
+        self.conn, self.queue, self.chunk_class = conn, FastQueue(), TransferKVChunk
+        monkeypatch.setattr(conn.NixlKVManager, "maybe_send_extra", maybe_send_extra)
+        self.telemetry = Telemetry().instrument()  # wraps the stand-in, as it would wrap sglang's own
+
+    def manager(self, room, peer, steps):
+        manager = self.conn.NixlKVManager.__new__(self.conn.NixlKVManager)
+        manager.transfer_infos = {room: {peer: SimpleNamespace(is_dummy=False)}}
+        manager._kv_replica_factor = 1
+        manager.steps = steps
+        return manager
+
+    def take_chunk(self, room):
+        """The worker dequeues the last chunk of `room`: its current chunk from now on."""
+        self.queue.put(self.chunk_class(room=room, prefill_kv_indices=None, index_slice=slice(0, 1),
+                                        is_last_chunk=True, prefill_aux_index=0, state_indices=[0]))
+        self.queue.get()
+
+    def idle(self):
+        """The worker's queue hands it nothing (sglang's shutdown sentinel): no current chunk."""
+        self.queue.put(None)
+        self.queue.get()
 
 
-class _Manager:
-    """Stand-in for NixlKVManager's state path (see the module docstring)."""
-
-    def __init__(self, room, peer, pending):
-        self.transfer_infos = {room: {peer: SimpleNamespace(is_dummy=False)}}
-        self._kv_replica_factor = 1
-        self._pending = pending
-        self.between_steps = []  # the transfer scope current on this thread while the caller holds the generator
-
-    def maybe_send_extra(self, peer_name, handles):
-        for number in range(handles):
-            # what the NIXL engine wrapper does when a posted handle answers PROC
-            self._pending.submit(("handle", number), 0, 4096 * (number + 1), 2, semconv.OP_WRITE, peer_name, "ucx")
-            yield number
+@pytest.fixture
+def state_path(monkeypatch):
+    require_part(importlib.util.find_spec("sglang") is not None, "sglang 0.5.23 (bash scripts/setup.sh)")
+    path = _StatePath(monkeypatch)
+    yield path
+    path.telemetry.uninstrument()
 
 
-def test_nixl_state_generator_gives_one_send_per_handle_of_its_request(telemetry):
+def test_nixl_state_generator_gives_one_send_per_handle_of_its_request(state_path):
     from otel_kvtransfer.engines.nixl import BACKEND
-    from otel_kvtransfer.frameworks.sglang import common, prefill
+    from otel_kvtransfer.frameworks.sglang import common
     from otel_kvtransfer.recording.pending import PendingTransfers
 
     room, peer = 4711, "decode-agent-0"
     pending = PendingTransfers(BACKEND)
-    manager = _Manager(room, peer, pending)
-    wrapper = _state_wrapper()
+    between_steps = []  # the transfer scope current on this thread while the caller holds the generator
+
+    def steps(peer_name, handles):
+        for number in range(handles):
+            # what the NIXL engine wrapper does when a posted handle answers PROC
+            pending.submit(("handle", number), 0, 4096 * (number + 1), 2, semconv.OP_WRITE, peer_name, "ucx")
+            yield number
+
+    manager = state_path.manager(room, peer, steps)
     integration.begin_request(room, backend=BACKEND, framework=common.FRAMEWORK)
-    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)
+    state_path.take_chunk(room)
     try:
-        steps = wrapper(manager.maybe_send_extra, manager, (peer, 2), {})
         posted = []
-        for number in steps:
+        for number in manager.maybe_send_extra(peer, 2):
             posted.append(number)
-            manager.between_steps.append(integration.current_scope())
+            between_steps.append(integration.current_scope())
     finally:
-        prefill._tls.chunk = None
+        state_path.idle()
     for number in posted:  # the worker polls the handles after the loop
         assert pending.complete(("handle", number), "DONE", None)
     integration.end_request(room)
 
     assert posted == [0, 1]
-    assert manager.between_steps == [None, None]  # the scope is never left entered on the worker thread
+    assert between_steps == [None, None]  # the scope is never left entered on the worker thread
+    telemetry = state_path.telemetry
     (request,) = telemetry.spans(semconv.SPAN_REQUEST)
     sends = sorted(telemetry.spans(semconv.SPAN_SEND), key=lambda s: s.attributes[semconv.BYTES])
     assert [s.attributes[semconv.BYTES] for s in sends] == [4096, 8192]
@@ -106,26 +135,25 @@ class Rejected(RuntimeError):
     """sglang's NIXL state path raises when the decode side rejected the state layout."""
 
 
-def test_a_state_step_that_raises_is_a_failed_send_and_the_error_passes_through(telemetry):
-    from otel_kvtransfer.frameworks.sglang import common, prefill
+def test_a_state_step_that_raises_is_a_failed_send_and_the_error_passes_through(state_path):
+    from otel_kvtransfer.frameworks.sglang import common
 
     room = 4712
 
-    def maybe_send_extra(peer_name):
+    def steps(peer_name):
         raise Rejected(f"NIXL state layout rejected for {peer_name}")
         yield
 
-    manager = SimpleNamespace(transfer_infos={room: {"peer": SimpleNamespace(is_dummy=False)}})
-    wrapper = _state_wrapper()
+    manager = state_path.manager(room, "peer", steps)
     integration.begin_request(room, backend=common.NIXL, framework=common.FRAMEWORK)
-    prefill._tls.chunk = SimpleNamespace(room=room, is_last_chunk=True)
+    state_path.take_chunk(room)
     try:
         with pytest.raises(Rejected):
-            list(wrapper(maybe_send_extra, manager, ("peer",), {}))
+            list(manager.maybe_send_extra("peer"))
     finally:
-        prefill._tls.chunk = None
+        state_path.idle()
     integration.end_request(room, error_type="state_layout_rejected")
-    (send,) = telemetry.spans(semconv.SPAN_SEND)
+    (send,) = state_path.telemetry.spans(semconv.SPAN_SEND)
     assert send.attributes["error.type"] == "Rejected"
     assert send.attributes[semconv.PAYLOAD] == semconv.PAYLOAD_STATE
     assert integration.current_scope() is None

@@ -70,6 +70,30 @@ def spans():
     telemetry.uninstrument()
 
 
+@pytest.fixture
+def patched_around(monkeypatch):
+    """`patched_around(owner, attr, stand_in)`: the real sglang class, instrumented as a deployment is, around a
+    stand-in of its own method (the real one needs a running engine): a call through the class runs the wrapper
+    exactly as installed, then the stand-in. Returns the Telemetry reading what was recorded."""
+    from support.telemetry import Telemetry
+
+    _require_sglang()
+    started = []
+
+    def patch(*owner_attr_stand_in):
+        for owner, attr, stand_in in zip(*[iter(owner_attr_stand_in)] * 3):
+            monkeypatch.setattr(owner, attr, stand_in)  # before instrument(): the wrapper wraps the stand-in
+        telemetry = Telemetry().instrument()
+        started.append(telemetry)
+        for owner, attr, _ in zip(*[iter(owner_attr_stand_in)] * 3):
+            assert _wrapped(owner, attr)
+        return telemetry
+
+    yield patch
+    for telemetry in started:
+        telemetry.uninstrument()  # puts the stand-ins back; monkeypatch then the originals
+
+
 def test_version_range():
     assert kvt_sglang.is_supported("0.5.23")
     assert kvt_sglang.is_supported("0.5.23.post1")
@@ -142,34 +166,50 @@ def test_prefill_batch_compute_becomes_compute_spans_and_overlap(spans):
     assert [s.attributes[sc.REQUEST_KEY] for s in got if s.name == sc.SPAN_REQUEST] == ["11"]
 
 
-def test_run_batch_wrapper_only_times_prefill_schedulers(spans):
+def test_run_batch_only_times_prefill_schedulers(patched_around):
     from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from otel_kvtransfer import integration
 
     calls = []
 
-    def run_batch(batch):
-        calls.append(batch)
+    def run_batch(self, batch):
+        calls.append((self, batch))
         return "result"
 
+    def scheduler(mode):
+        made = Scheduler.__new__(Scheduler)  # a real Scheduler, without the model it would load
+        made.disaggregation_mode = SimpleNamespace(name=mode)
+        return made
+
+    telemetry = patched_around(Scheduler, "run_batch", run_batch)
     batch = SimpleNamespace(reqs=[SimpleNamespace(bootstrap_room=21)])
-    decode_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="DECODE"))
-    prefill_sched = SimpleNamespace(disaggregation_mode=SimpleNamespace(name="PREFILL"))
-    from otel_kvtransfer import integration
-
+    decode_sched, prefill_sched = scheduler("DECODE"), scheduler("PREFILL")
     integration.begin_request(21, backend="mooncake")
-    assert prefill._run_batch_wrapper(run_batch, decode_sched, (batch,), {}) == "result"
-    assert prefill._run_batch_wrapper(run_batch, prefill_sched, (batch,), {}) == "result"
+    assert decode_sched.run_batch(batch) == "result"
+    assert prefill_sched.run_batch(batch) == "result"
     integration.end_request(21)
-    got = spans()
+    got = telemetry.spans()
     assert [s.attributes[sc.REQUEST_KEY] for s in got if s.name == sc.SPAN_COMPUTE] == ["21"]
-    assert len(calls) == 2
+    assert calls == [(decode_sched, batch), (prefill_sched, batch)]
 
 
-def test_wrapper_errors_are_swallowed_and_counted(spans):
-    _require_sglang()
+def test_wrapper_errors_are_swallowed_and_counted(patched_around):
     from types import SimpleNamespace
 
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    raises = []
+
+    def update_status(self, bootstrap_room, status):
+        if raises:
+            raise ValueError("sglang's own error")
+        return "original"
+
+    telemetry = patched_around(CommonKVManager, "update_status", update_status)
 
     class Broken(MooncakeKVManager):
         disaggregation_mode = SimpleNamespace(name="PREFILL")
@@ -180,37 +220,42 @@ def test_wrapper_errors_are_swallowed_and_counted(spans):
 
     manager = Broken.__new__(Broken)  # a manager whose state our wrapper cannot read
     before = RECORDER.pending()
-    assert prefill._update_status_wrapper(lambda *a, **k: "original", manager, (5, 4), {}) == "original"
+    assert manager.update_status(5, 4) == "original"
     assert RECORDER.pending() == before  # nothing recorded for it ...
-    assert spans(dropped=True) == {"wrapper_error": 1}  # ... and the failure is counted
-
-    def raising(*a, **k):
-        raise ValueError("sglang's own error")
-
+    assert telemetry.dropped() == {"wrapper_error": 1}  # ... and the failure is counted
+    raises.append(True)
     with pytest.raises(ValueError, match="sglang's own error"):
-        prefill._update_status_wrapper(raising, manager, (5, 4), {})
+        manager.update_status(5, 4)
 
 
-def test_decode_receiver_takes_sglangs_request_span_as_parent(spans):
+def test_decode_receiver_takes_sglangs_request_span_as_parent(patched_around):
     from types import SimpleNamespace
 
     from opentelemetry import trace
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
     from otel_kvtransfer.frameworks.sglang import decode
 
+    def receiver_init(self):
+        pass
+
+    def create_receiver_and_enqueue(self, req):
+        """What sglang's does, in the part that matters here: it makes the receiver of `req`."""
+        self.receiver = CommonKVReceiver.__new__(CommonKVReceiver)
+        CommonKVReceiver.__init__(self.receiver)
+        return "decode_req"
+
+    patched_around(CommonKVReceiver, "__init__", receiver_init,
+                   DecodePreallocQueue, "_create_receiver_and_enqueue", create_receiver_and_enqueue)
     sglang_ctx = trace.set_span_in_context(NonRecordingSpan(SpanContext(
         trace_id=0xABC, span_id=0xDEF, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))))
     req = SimpleNamespace(time_stats=SimpleNamespace(
         trace_ctx=SimpleNamespace(tracing_enable=True, root_span_context=sglang_ctx)))
-    receiver = SimpleNamespace()
-
-    def create(req_):
-        decode._receiver_init_wrapper(lambda: None, receiver, (), {})
-        return "decode_req"
-
-    assert decode._create_receiver_wrapper(create, None, (req,), {}) == "decode_req"
-    assert getattr(receiver, decode._PARENT) is sglang_ctx
-    untraced = SimpleNamespace()
-    decode._receiver_init_wrapper(lambda: None, untraced, (), {})
+    queue = DecodePreallocQueue.__new__(DecodePreallocQueue)
+    assert queue._create_receiver_and_enqueue(req) == "decode_req"
+    assert getattr(queue.receiver, decode._PARENT) is sglang_ctx
+    untraced = CommonKVReceiver.__new__(CommonKVReceiver)
+    CommonKVReceiver.__init__(untraced)  # a receiver made outside a request's creation
     assert not hasattr(untraced, decode._PARENT)
