@@ -37,9 +37,14 @@ def span_processors(tracer_provider) -> Optional[tuple]:
     return processors_of(getattr(tracer_provider, "_active_span_processor", None))
 
 
+# Where the provider's multi span processor (`Tracer.span_processor`, public) keeps its processors: read as
+# getattr(multi, PROCESSORS_ATTRIBUTE, ()) on the builder's path for every span (one C call, no Python frame).
+PROCESSORS_ATTRIBUTE = "_span_processors"
+
+
 def processors_of(multi) -> Optional[tuple]:
-    """The processors of the provider's multi span processor (`Tracer.span_processor`, public), or None."""
-    return getattr(multi, "_span_processors", None)
+    """The processors of the provider's multi span processor, or None."""
+    return getattr(multi, PROCESSORS_ATTRIBUTE, None)
 
 
 def replace_span_processors(tracer_provider, change: Callable[[tuple], tuple]) -> None:

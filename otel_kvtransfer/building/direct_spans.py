@@ -39,6 +39,7 @@ _EMPTY_STATE = TraceState()
 _UNSET = Status(StatusCode.UNSET)
 _ROOT = Context()
 _SEND_OWN_MAX = 16  # more entries than a send sets itself (send_attributes.PER_SEND)
+_PROCESSORS = sdk_internals.PROCESSORS_ATTRIBUTE  # read for every span: a constant, not a call
 
 
 class SendAttributes(dict):
@@ -152,7 +153,7 @@ class _QueueRoom:
                 self._queues.append([*found, False])  # False: not stalled
 
     def wait(self) -> None:
-        processors = sdk_internals.processors_of(self._multi) or ()
+        processors = getattr(self._multi, _PROCESSORS, ())
         if processors is not self._seen:
             self._rescan(processors)
         for entry in self._queues:
