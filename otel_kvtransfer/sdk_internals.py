@@ -87,11 +87,13 @@ def worker_awaken(inner):
     return getattr(inner, "_worker_awaken", None)
 
 
-# A ReadableSpan's fields, read by the span encoder from spans this package built (one C call per span).
-SPAN_FIELDS = attrgetter("_context", "_parent", "_name", "_kind", "_start_time", "_end_time", "_attributes",
-                         "_status")
-SPAN_RESOURCE_AND_SCOPE = attrgetter("_resource", "_instrumentation_scope")
-SPAN_EVENTS_AND_LINKS = attrgetter("_events", "_links")
+# The ReadableSpan fields the span encoder (building/span_encoding.py) reads from spans this package built, in
+# this order: `span._context` and the rest directly, there, because a slot read is the cheapest access Python has
+# (this getter, one call per span, cost ~0.15 us more per span). The canary checks each name on the installed SDK,
+# and that the encoder reads no other.
+SPAN_FIELD_NAMES = ("_context", "_parent", "_name", "_kind", "_start_time", "_end_time", "_attributes", "_status",
+                    "_resource", "_instrumentation_scope", "_events", "_links")
+SPAN_FIELDS = attrgetter(*SPAN_FIELD_NAMES)
 
 
 def otlp_resource_and_scope_encoders() -> Tuple[Callable, Callable]:

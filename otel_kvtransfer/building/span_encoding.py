@@ -175,9 +175,6 @@ class _Unsupported(Exception):
 
 
 _PIECES = _Pieces()
-_SPAN_FIELDS = sdk_internals.SPAN_FIELDS
-_RESOURCE_AND_SCOPE = sdk_internals.SPAN_RESOURCE_AND_SCOPE
-_EVENTS_AND_LINKS = sdk_internals.SPAN_EVENTS_AND_LINKS
 
 
 def _tuple_context() -> bool:
@@ -194,12 +191,14 @@ _TUPLE_CONTEXT = _tuple_context()
 
 
 def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
-    """One Span message (without its field tag)."""
-    context, parent, name, kind, start_time, end_time, attributes, status = _SPAN_FIELDS(span)
+    """One Span message (without its field tag). The span's fields are read by their private names, listed in
+    sdk_internals.SPAN_FIELD_NAMES (the cheapest read there is, per span)."""
+    context = span._context
     if _TUPLE_CONTEXT:  # a SpanContext is a tuple: indexing it skips three property calls
         trace_id, span_id, state = context[0], context[1], context[4]
     else:
         trace_id, span_id, state = context.trace_id, context.span_id, context.trace_state
+    parent = span._parent
     if parent is None:
         head = _NO_PARENT % (trace_id.to_bytes(16, "big"), span_id.to_bytes(8, "big"))
     else:
@@ -207,8 +206,10 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
                                parent.span_id.to_bytes(8, "big"))
     if state:
         head += _field(b"\x1a", ",".join(f"{k}={v}" for k, v in state.items()).encode("utf-8"))
-    parts = [head, pieces.name(name), _KIND[kind], _TIMES % (_pack_q(start_time), _pack_q(end_time))]
+    parts = [head, pieces.name(span._name), _KIND[span._kind], _TIMES % (_pack_q(span._start_time),
+                                                                       _pack_q(span._end_time))]
     strings, ints, doubles, append = pieces.strings, pieces.ints, pieces.double_prefix, parts.append
+    attributes = span._attributes
     items, static = attributes.items(), b""
     if type(attributes) is SendAttributes:
         shared = attributes.static
@@ -228,6 +229,7 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     append(static)
     if type(attributes) is BoundedAttributes and attributes.dropped:  # the span limits cut some
         append(_DROPPED + _varint(attributes.dropped))
+    status = span._status
     if status is _UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
         append(_STATUS_UNSET)
     else:
@@ -245,11 +247,10 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
     """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order."""
     groups = {}
     for span in spans:
-        resource, scope = _RESOURCE_AND_SCOPE(span)
-        key = (id(resource), id(scope))
+        key = (id(span._resource), id(span._instrumentation_scope))
         group = groups.get(key)
         if group is None:
-            group = groups[key] = (resource, scope, [])
+            group = groups[key] = (span._resource, span._instrumentation_scope, [])
         encoded = encode_span(span, pieces)
         group[2].append(b"\x12" + _varint(len(encoded)) + encoded)
     out = []
@@ -262,10 +263,7 @@ def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
 
 
 def _fast_enough(span) -> bool:
-    if type(span) is not KVSpan:
-        return False
-    events, links = _EVENTS_AND_LINKS(span)
-    return not events and not links
+    return type(span) is KVSpan and not span._events and not span._links
 
 
 class PreEncoded:
