@@ -59,6 +59,8 @@ class HelperLink(Sink):
     recorder's thread, a flush's own timeout, or EXIT_WAIT_S at close.
     """
 
+    batched = True  # each drain's records in one frame
+
     def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None, fallback: Optional[Callable] = None):
         self._count_dropped = count_dropped
         self._fallback = fallback
@@ -72,8 +74,6 @@ class HelperLink(Sink):
         self._drops = {}  # drop counts to carry in the next frame
         self._closed = False
         self._logged = False  # one warning per episode (a loss, a stall, no helper), until a helper answers again
-
-    batched = True
 
     # --- the recorder's sink (the recorder's thread) ---------------------------------------------------------
     def take_batch(self, batch: list) -> None:
