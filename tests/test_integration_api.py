@@ -16,6 +16,7 @@ from opentelemetry.trace import StatusCode
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import records as r
+from otel_kvtransfer.recording.clock import now_ns
 
 ENGINE = "test-engine"
 
@@ -186,10 +187,10 @@ def test_scope_error_without_engine_call_is_stamped_with_the_scope_time(telemetr
     """It was once stamped with the builder's clock at drain time, after the scope (and maybe its request)
     had ended."""
     kvt.begin_request(20, backend=ENGINE)
-    before = time_ns()
+    before = now_ns()  # the records' clock: the wall clock may drift from it by microseconds (NTP slews it)
     with kvt.transfer_scope(20, chunk_index=0, payload="kv") as scope:
         scope.set_error("session_unreachable")
-    after = time_ns()
+    after = now_ns()
     kvt.end_request(20, error_type="session_unreachable")
     (sent,) = telemetry.spans(semconv.SPAN_SEND)  # drained only now
     (request,) = telemetry.spans(semconv.SPAN_REQUEST)

@@ -11,6 +11,7 @@ from support.waiting import wait_until
 from otel_kvtransfer import semconv
 from otel_kvtransfer.demo.loopback import Receiver, digest
 from otel_kvtransfer.engines import mooncake
+from otel_kvtransfer.recording.clock import now_ns
 
 
 def _only(spans):
@@ -99,18 +100,19 @@ def test_opcode_argument_decides_op(telemetry, engine, receiver):
 
 
 def test_async_submission_span_ends_when_completion_is_observed(telemetry, engine, receiver):
-    submitted = time.time_ns()
+    # Bounds on the records' clock, which the spans carry: the wall clock may drift from it by microseconds.
+    submitted = now_ns()
     batch_id = engine.engine.transfer_submit_write(receiver.session, engine.base, receiver.base_address, 8 << 20)
-    returned = time.time_ns()
+    returned = now_ns()
     assert batch_id > 0
     deadline = time.monotonic() + 30
     status, polls = 0, []
     while status == 0 and time.monotonic() < deadline:
         time.sleep(0.01)  # the span must include this wait: it ends when completion is seen
-        polled = time.time_ns()
+        polled = now_ns()
         status = engine.engine.transfer_check_status(batch_id)
-        polls.append((polled, time.time_ns(), status))
-    observed = time.time_ns()
+        polls.append((polled, now_ns(), status))
+    observed = now_ns()
     assert status == 1
     span = _only(telemetry.spans(semconv.SPAN_SEND))
     assert span.attributes[semconv.BYTES] == 8 << 20
