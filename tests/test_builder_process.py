@@ -223,15 +223,22 @@ def test_a_process_that_never_transfers_starts_no_helper(tmp_path):
     never transfer (sglang's tokenizer, detokenizer, resource tracker) start no builder process."""
     import subprocess
 
-    script = ("import time, os; from otel_kvtransfer import KVTransferInstrumentor; "
-              "from otel_kvtransfer.recording.recorder import RECORDER; "
-              "KVTransferInstrumentor().instrument(); time.sleep(3.5); "
-              "kids = [p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/stat') "
-              "and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]; "
-              "print('children', len(kids), RECORDER.pending())")
+    script = (
+        "import os, time\n"
+        "from otel_kvtransfer import KVTransferInstrumentor\n"
+        "from otel_kvtransfer.recording.recorder import RECORDER\n"
+        "KVTransferInstrumentor().instrument()\n"
+        "deadline = time.monotonic() + 30\n"
+        "while RECORDER.watcher.scans < 3 and time.monotonic() < deadline:  # three scans of nothing in flight\n"
+        "    time.sleep(0.05)\n"
+        "kids = [p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/stat')\n"
+        "        and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]\n"
+        "print('scans', RECORDER.watcher.scans, 'children', len(kids), RECORDER.pending())\n")
     env = dict(os.environ, OTEL_KVTRANSFER_BUILDER="process", OTEL_KVTRANSFER_FLUSH_INTERVAL_MS="100",
                OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
                          check=True)
-    assert "children 0 0" in out.stdout, out.stdout + out.stderr[-2000:]
+    words = out.stdout.split()
+    assert words[0] == "scans" and int(words[1]) >= 3, out.stdout + out.stderr[-2000:]
+    assert words[2:] == ["children", "0", "0"], out.stdout + out.stderr[-2000:]

@@ -65,6 +65,7 @@ class Watcher:
         self._next = 0.0
         self._reported = set()
         self._last_count = 0
+        self.scans = 0  # scans made: what "a few scans have passed" waits on
 
     def due(self) -> bool:
         now = self._clock()
@@ -82,6 +83,7 @@ class Watcher:
         (start_ns, key, peer, nbytes, backend), each reported once while it stays open; None when nothing is in
         flight and nothing was at the last scan (a process that never transfers sends no record at all, and so
         never starts a builder process)."""
+        self.scans += 1
         records_clock.refresh()  # once a second, off the hot path: the wall clock's step since start (clock.py)
         now_ns = records_clock.now_ns() if now_ns is None else now_ns
         items = {}
