@@ -107,6 +107,18 @@ class Bench:
         """The receivers' pids: their CPU is not the engine's."""
         return [self.otlp.pid, self.receiver.pid]
 
+    def snapshot(self):
+        """CPU so far of this process, of what it started (the receivers aside), and of its builder process,
+        which is not its descendant (a starter that exits at once forks it), so the link names it."""
+        import cpu
+
+        pids = cpu.descendants(os.getpid(), self.not_ours())
+        link = getattr(self.instrumentor, "_link", None)
+        helper = link.pid() if link is not None else None
+        if helper and helper not in pids:
+            pids.append(helper)
+        return cpu.Snapshot(pids=pids)
+
     def on(self):
         if not self.instrumentor.is_instrumented_by_opentelemetry:
             self.instrumentor.instrument()  # no providers passed: the global ones, as opentelemetry-instrument
@@ -216,10 +228,10 @@ def process_cost(b: Bench, rounds: int, seconds: float, rate: int = 700) -> dict
     def measure(mode):
         b.mode("on" if mode == "on" else "off")
         b.settle()
-        before = cpu.Snapshot(b.not_ours())
+        before = b.snapshot()
         made = _paced(b.call_64k, rate, seconds)
         b.settle()  # the round's spans and metric points built and received belong to the round
-        after = cpu.Snapshot(b.not_ours())
+        after = b.snapshot()
         if mode == "on":
             b.transfers_on += made
         use = cpu.used(before, after)
@@ -419,13 +431,13 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
         b.transfers_on += n
         queued = RECORDER.pending()
         received = b.otlp.counts()["spans"].get(SEND, 0)
-        before, threads_before = cpu.Snapshot(b.not_ours()), _python_threads_ns()
+        before, threads_before = b.snapshot(), _python_threads_ns()
         wall, drain_cpu = time.perf_counter(), time.thread_time_ns()
         RECORDER.drain()
         drain_cpu = time.thread_time_ns() - drain_cpu
         b.settle()
         wall = time.perf_counter() - wall
-        after, threads_after = cpu.Snapshot(b.not_ours()), _python_threads_ns()
+        after, threads_after = b.snapshot(), _python_threads_ns()
         use = cpu.used(before, after)
         received = b.otlp.counts()["spans"].get(SEND, 0) - received
         b.off()
