@@ -156,7 +156,7 @@ def test_the_tracer_attributes_direct_spans_read():
     assert is_sdk_tracer(tracer)
     assert sdk_internals.instrumentation_scope(tracer).name == "canary"
     assert sdk_internals.span_limits(tracer).max_attributes == 7
-    assert sdk_internals.enabled_flag(tracer) is not False  # the package reads it only where it is a switch
+    assert sdk_internals.enabled_flag(tracer)() is True  # a callable: the direct path asks it before each span
     assert list(inspect.signature(ReadableSpan.__init__).parameters)[1:14] == [
         "name", "context", "parent", "resource", "attributes", "events", "links", "kind", "instrumentation_info",
         "status", "start_time", "end_time", "instrumentation_scope"]
