@@ -233,7 +233,7 @@ class Recorder:
         sink = self._sink  # as it is now: stop() may clear it
         if sink is None:
             return True
-        at_end = sink.end_at_exit if at_end else None
+        last_step = sink.end_at_exit if at_end else None
         wait_s = -1 if timeout_s is None else max(timeout_s, 0)
         deadline = NO_DEADLINE if timeout_s is None else time.monotonic() + wait_s
         if not self._drain_lock.acquire(timeout=wait_s):
@@ -248,11 +248,11 @@ class Recorder:
                 rest = batch[self._done:]
                 self._batch, self._done = [], 0
                 on_rest(rest)
-                self._run_at_end(at_end)
+                self._run_at_end(last_step)
                 self._report_drops()  # what the wait for room counted: the flush's caller reads the metrics next
                 return False
             self._batch = []
-            self._run_at_end(at_end)
+            self._run_at_end(last_step)
             self._after_delivery(sink)
         finally:
             self.deadline = NO_DEADLINE
