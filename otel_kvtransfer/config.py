@@ -23,6 +23,7 @@ BUILDERS = ("auto", "process", "thread")
 MAX_PEERS = "OTEL_KVTRANSFER_MAX_PEERS"
 STUCK_S = "OTEL_KVTRANSFER_STUCK_S"
 PIPELINE = "OTEL_KVTRANSFER_PIPELINE"
+LATE_WATCH_S = "OTEL_KVTRANSFER_LATE_WATCH_S"
 PIPELINES = ("direct", "sdk")  # how: spans and metric points built directly, or through the SDK tracer/instruments
 
 
@@ -37,6 +38,7 @@ class Settings:
     pipeline: str = "direct"  # one of PIPELINES
     max_peers: int = 64  # distinct peers on kv_transfer.peer.throughput per process; the rest are `other`
     stuck_s: float = 30.0  # an open transfer, request or peer wait older than this is reported as stuck
+    late_watch_s: float = 30.0  # a peer wait that ended with an error waits this long for late KV before export
 
 
 def _read(name, parse, default, low, high):
@@ -78,4 +80,5 @@ def load() -> Settings:
         pipeline=_read_choice(PIPELINE, PIPELINES, Settings.pipeline),
         max_peers=_read(MAX_PEERS, int, Settings.max_peers, 1, 1 << 16),
         stuck_s=_read(STUCK_S, float, Settings.stuck_s, 0.01, 86_400 * 7),
+        late_watch_s=_read(LATE_WATCH_S, float, Settings.late_watch_s, 0, 3600),
     )

@@ -68,7 +68,7 @@ def pipeline(request):
 
 
 class Harness:
-    def __init__(self, ttl_s=600.0, max_open=65536, processor=None):
+    def __init__(self, ttl_s=600.0, max_open=65536, processor=None, late_watch_s=0.0):
         self.exporter = InMemorySpanExporter()
         self.provider = TracerProvider()
         self.provider.add_span_processor(processor or SimpleSpanProcessor(self.exporter))
@@ -83,7 +83,8 @@ class Harness:
         self.builder = SpanBuilder(
             spans, ttl_s, max_open,
             peer_parsers={ENGINE: peer_attributes},
-            on_drop=lambda reason, n: self.drops.update({reason: n}), clock=self.clock)
+            on_drop=lambda reason, n: self.drops.update({reason: n}), clock=self.clock,
+            late_watch_s=late_watch_s)  # 0: a peer wait ended with an error is exported at once, as it ends
 
     def feed(self, *recs):
         for rec in recs:
@@ -524,3 +525,86 @@ def test_ended_requests_are_remembered_within_a_bound():
     sends = {s.attributes[semconv.REQUEST_KEY]: s for s in h.spans(semconv.SPAN_SEND)}
     assert sorted(sends) == ["0", "1"]
     assert (len(_late_events(sends["0"])), len(_late_events(sends["1"]))) == (0, 1)
+
+
+# --- KV a peer still sees after its wait ended --------------------------------------------------------------------
+
+def late_arrival(key, at):
+    return tuple({r.KIND: r.LATE_ARRIVAL, r.KEY: key, r.TIME: at, r.LATE_BACKEND: ENGINE}[i] for i in range(4))
+
+
+def _serve(key, start, end, error):
+    return (begin_peer(key, start, name=semconv.SPAN_SERVE, role=semconv.ROLE_PREFILL),
+            end_peer(key, end, error=error))
+
+
+def test_a_wait_ended_with_an_error_is_held_and_late_kv_puts_the_event_on_it(caplog):
+    from otel_kvtransfer.recording.clock import now_ns
+
+    h = Harness(late_watch_s=30.0)
+    end = now_ns()
+    h.feed(*_serve("p1", end - 10**9, end, "expired"))
+    h.builder.evict_stale()
+    assert h.spans() == []  # held: its watch runs for 30 s from its end
+    with caplog.at_level("WARNING", logger="otel_kvtransfer.building.late"):
+        h.feed(late_arrival("p1", end + 2_000_000), late_arrival("p1", end + 3_000_000))
+    (serve,) = h.spans()
+    assert (serve.name, serve.start_time, serve.end_time) == (semconv.SPAN_SERVE, end - 10**9, end)
+    assert serve.status.status_code is StatusCode.ERROR and serve.attributes[semconv.ERROR_TYPE] == "expired"
+    assert [(e.attributes[semconv.AFTER_REQUEST_END_S], e.timestamp) for e in _late_events(serve)] == [
+        (0.002, end + 2_000_000)]
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]  # one per wait
+    assert "request p1" in line and "0.002 s" in line and "kv_transfer.late_completion" in line
+    assert h.drops == {}
+
+
+def test_a_wait_ended_in_time_is_exported_at_once_and_kv_after_it_is_not_called_late(caplog):
+    h = Harness(late_watch_s=30.0)
+    h.feed(*_serve("p2", 100, 900, None))
+    (serve,) = h.spans()
+    with caplog.at_level("WARNING", logger="otel_kvtransfer.building.late"):
+        h.feed(late_arrival("p2", 2_000), late_arrival("never-seen", 2_000))
+    assert len(h.spans()) == 1 and _late_events(serve) == []
+    assert [rec for rec in caplog.records if rec.levelname == "WARNING"] == []
+
+
+def test_a_held_wait_leaves_when_its_watch_is_over_its_key_waits_again_a_flush_comes_or_at_exit(caplog):
+    from otel_kvtransfer.recording.clock import now_ns
+
+    h = Harness(late_watch_s=30.0)
+    now = now_ns()
+    h.feed(*_serve("old", now - 40 * 10**9, now - 31 * 10**9, "expired"), *_serve("again", now - 10, now, "expired"),
+           *_serve("exit", now - 10, now, "expired"))
+    h.builder.evict_stale()
+    assert [s.attributes[semconv.REQUEST_KEY] for s in h.spans()] == ["old"]
+    with caplog.at_level("WARNING", logger="otel_kvtransfer.building.late"):
+        h.feed(late_arrival("old", now))  # its watch was over: no event, the log says why
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert "request old" in line and "31.000 s" in line and "exported already" in line
+    h.feed(begin_peer("again", now + 10, name=semconv.SPAN_SERVE, role=semconv.ROLE_PREFILL))
+    assert [s.attributes[semconv.REQUEST_KEY] for s in h.spans()] == ["old", "again"]
+    h.feed(*_serve("flushed", now - 10, now, "expired"))
+    h.builder.release_held()  # a flush: out now, as it ended
+    assert [s.attributes[semconv.REQUEST_KEY] for s in h.spans()][-1] == "flushed"
+    h.builder.end_at_exit()  # the held one as it ended; the open one as ended by the exit
+    by_key = collections.defaultdict(list)
+    for span in h.spans():
+        by_key[span.attributes[semconv.REQUEST_KEY]].append(span)
+    assert [(s.end_time, s.attributes[semconv.ERROR_TYPE]) for s in by_key["exit"]] == [(now, "expired")]
+    assert semconv.ENDED_BY not in by_key["exit"][0].attributes
+    assert sorted(s.attributes[semconv.ERROR_TYPE] for s in by_key["again"]) == ["expired", "process_exit"]
+    assert not any(_late_events(s) for s in h.spans())
+
+
+def test_held_waits_are_bounded_the_oldest_leaving_first():
+    from otel_kvtransfer.building.late import HeldPeers
+
+    released = []
+    held = HeldPeers(30.0, lambda span, end_ns: released.append((span, end_ns)), limit=2)
+    for key in "abc":
+        held.hold(key, f"span-{key}", 10)
+    assert released == [("span-a", 10)] and len(held) == 2
+    assert held.take("a") is None and held.released_end("a") == 10
+    assert held.take("b").span == "span-b" and len(held) == 1
+    HeldPeers(0, lambda span, end_ns: released.append((span, end_ns))).hold("d", "span-d", 20)
+    assert released[-1] == ("span-d", 20)  # no watch: exported as it ends

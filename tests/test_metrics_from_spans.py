@@ -170,3 +170,31 @@ def test_peer_throughput_per_peer_up_to_the_cap_then_other(monkeypatch, caplog, 
     assert by_peer == {("10.0.0.1", 7001): 2, ("10.0.0.2", 7002): 1, (semconv.PEER_OTHER, None): 1}
     assert all(set(dict(p.attributes)) <= {semconv.SERVER_ADDRESS, semconv.SERVER_PORT} for p in points)
     assert sum("OTEL_KVTRANSFER_MAX_PEERS" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("pipeline", ["direct", "sdk"])
+def test_kv_read_after_its_serve_expired_is_late_on_the_serve_span_and_counted(monkeypatch, pipeline):
+    """The peer side of a late completion through the API a framework calls: a serve ended `expired` is held for
+    late KV; a late arrival puts the event on it and counts it (role prefill); a flush exports a held one that got
+    none; a serve ended in time gets no event from KV that comes later."""
+    from otel_kvtransfer.recording.clock import now_ns
+
+    monkeypatch.setenv(config.PIPELINE, pipeline)
+    telemetry = Telemetry().instrument()
+    try:
+        end = now_ns()
+        for key, error in (("late", "expired"), ("quiet", "expired"), ("in-time", None)):
+            kvt.begin_serve(key, backend=BACKEND, framework="fw", start_ns=None)
+            kvt.end_serve(key, error_type=error)
+        kvt.late_arrival("late", backend=BACKEND)
+        kvt.late_arrival("in-time", backend=BACKEND)
+        serves = {s.attributes[semconv.REQUEST_KEY]: s for s in telemetry.spans(semconv.SPAN_SERVE)}
+        assert sorted(serves) == ["in-time", "late", "quiet"]
+        late = [[e for e in s.events if e.name == semconv.EVENT_LATE_COMPLETION] for s in
+                (serves["late"], serves["quiet"], serves["in-time"])]
+        assert [len(events) for events in late] == [1, 0, 0]
+        assert late[0][0].timestamp >= serves["late"].end_time >= end
+        point = _point(telemetry.metrics()[semconv.METRIC_LATE_COMPLETIONS])
+        assert point.value == 1 and dict(point.attributes)[semconv.ROLE] == semconv.ROLE_PREFILL
+    finally:
+        telemetry.uninstrument()

@@ -24,6 +24,7 @@ With CI=true a missing vLLM virtualenv fails these tests (`bash scripts/setup-vl
 names its python).
 """
 
+import json
 import os
 
 import pytest
@@ -207,13 +208,59 @@ def test_expired_and_failed_transfers_end_as_errors(pair):
         # (vLLM's own "KV Transfer metrics" line would count these, but it is only logged when a later engine
         # step carries the stats out of the worker; an engine that goes idle never reports them.)
     else:
-        # The orphan prefill: no decode ever read it, its lease expired: serve ERROR expired, no request opened.
+        # The orphan prefill: no decode read it in time, its lease expired: serve ERROR expired.
         key = failures["orphan_kv_transfer_params"]["remote_request_id"]
         (serve,) = pair.named("prefill", "kv_transfer.serve", key)
         assert serve.is_error and serve.attributes["error.type"] == "expired"
-        assert not pair.named("decode", "kv_transfer.request", key)
         prefill_metrics = pair.results["metrics"]["prefill"]
         assert harness.prometheus_value(prefill_metrics, "vllm:nixl_num_kv_expired_reqs_total") == 1
+
+
+def test_kv_read_after_its_lease_expired_is_late_on_the_prefills_serve_span(pair):
+    """NIXL: after the orphan's lease ran out, a decode read its freed KV anyway (pair.py's run_late_read). The
+    decode's request looks whole (it cannot tell); the prefill's serve span of it, held since it expired, carries
+    `kv_transfer.late_completion` at the moment the prefill saw the decode's notice, after both the span's end
+    and the decode's read; vLLM's own log names the same request, and ours says it once. No other request of the
+    run, all read in time, has the event."""
+    if pair.connector != "nixl":
+        pytest.skip("a decode that reads KV after its lease is NIXL's pull (Mooncake's prefill pushes)")
+    key = pair.results["late_read"]["key"]
+    assert key == pair.results["failures"]["orphan_kv_transfer_params"]["remote_request_id"]
+    (serve,) = pair.named("prefill", "kv_transfer.serve", key)
+    late = _late_events_by_key(os.path.join(pair.out_dir, "spans-prefill.jsonl"))
+    assert list(late) == [key] and len(late[key]) == 1
+    at_ns, late_s = late[key][0]
+    (read,) = pair.named("decode", "kv_transfer.send", key)
+    assert not read.is_error and read.attributes["kv_transfer.bytes"] == harness.blocks_of(64, pair.block_size) * \
+        harness.block_bytes(pair.block_size)
+    assert serve.end_time_unix_nano < read.end_time_unix_nano <= at_ns
+    assert abs(late_s - (at_ns - serve.end_time_unix_nano) / 1e9) < 1e-6
+    log = harness.read_log(os.path.join(pair.out_dir, "prefill.log"))
+    assert f"unrecognized request {key} were retrieved" in log  # vLLM's own line for it
+    ours = [line for line in log.splitlines() if "after its peer wait had ended" in line]
+    assert len(ours) == 1 and f"request {key} " in ours[0] and "kv_transfer.late_completion" in ours[0]
+    assert _late_events_by_key(os.path.join(pair.out_dir, "spans-decode.jsonl")) == {}
+
+
+def _late_events_by_key(path: str) -> dict:
+    """Request key -> [(time, after_request_end_s)] of the late-completion events in a span file (OTLP JSON lines;
+    the span reader keeps no events)."""
+    found = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            for resource_spans in json.loads(line)["resourceSpans"]:
+                for scope_spans in resource_spans["scopeSpans"]:
+                    for span in scope_spans["spans"]:
+                        events = [e for e in span.get("events", []) if e["name"] == "kv_transfer.late_completion"]
+                        if events:
+                            key = _otlp_attributes(span)["kv_transfer.request_key"]
+                            found[key] = [(int(e["timeUnixNano"]),
+                                           _otlp_attributes(e)["kv_transfer.after_request_end_s"]) for e in events]
+    return found
+
+
+def _otlp_attributes(item) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in item.get("attributes", [])}
 
 
 def test_our_send_time_and_vllms_xfer_time_differ_by_at_most_the_end_uncertainty(pair):

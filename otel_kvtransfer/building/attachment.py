@@ -132,7 +132,8 @@ def new_builder(attachment: "Attachment", settings: config.Settings, engines,
                        setup_in_first_call={engine.BACKEND for engine in engines
                                             if getattr(engine, "SETUP_IN_FIRST_CALL", False)},
                        on_drop=on_drop, metrics=attachment.metrics,
-                       watch=stuck.OpenWatch(stuck.reporter_for(meter_provider), settings.stuck_s))
+                       watch=stuck.OpenWatch(stuck.reporter_for(meter_provider), settings.stuck_s),
+                       late_watch_s=settings.late_watch_s)
 
 
 def is_sdk_tracer(tracer) -> bool:

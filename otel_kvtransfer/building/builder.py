@@ -44,7 +44,7 @@ class SpanBuilder:
     def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
                  on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None,
-                 watch=None, setup_in_first_call=()):
+                 watch=None, setup_in_first_call=(), late_watch_s: float = 30.0):
         self._spans = spans if hasattr(spans, "child") else SdkSpans(spans)
         self._on_drop = on_drop or (lambda reason, n: None)
         self._count_queue_drops()
@@ -56,6 +56,7 @@ class SpanBuilder:
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._open = OpenSpans(max_open, self._end_evicted_request, self._end_evicted_peer, self._on_drop)
         self._ended = late.EndedRequests()  # requests that concluded: a send of theirs arriving later is late
+        self._held = late.HeldPeers(late_watch_s, self._close_peer)  # peer waits that ended with an error
         # Backends whose first transfer to a peer sets the connection up, and the peers each has sent to.
         self._first_calls = FirstToPeer(setup_in_first_call)
         # Read per record: bound here, no extra lookup on the builder thread.
@@ -70,6 +71,7 @@ class SpanBuilder:
             r.END_PEER: self._end_peer,
             r.INFLIGHT: self._inflight,
             r.CONNECT: self._connect,
+            r.LATE_ARRIVAL: self._late_arrival,
         }
 
     def handle(self, rec: tuple) -> None:
@@ -94,6 +96,7 @@ class SpanBuilder:
         """Forget open spans without ending them (a forked child must not end its parent's spans)."""
         self._open.clear()
         self._ended.clear()
+        self._held.clear()
         if self._watch is not None:
             self._watch.reset()
 
@@ -272,6 +275,9 @@ class SpanBuilder:
         key = rec[r.KEY]
         if key in self._peers:
             return
+        held = self._held.take(key)  # a new wait of the same key: the old one's watch is over
+        if held is not None:
+            self._close_peer(held.span, held.end_ns)
         self._open.make_room(False)
         span = self._start_top(rec[r.PEER_SPAN_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
                                rec[r.PEER_FRAMEWORK], rec[r.PEER_ATTRIBUTES], rec[r.PEER_PARENT], rec[r.TIME])
@@ -284,10 +290,31 @@ class SpanBuilder:
         state = self._peers.pop(rec[r.KEY], None)
         if state is None:
             return
-        if rec[r.END_ERROR]:
+        if rec[r.END_ERROR]:  # its KV was let go unread: what still arrives of it is late
             _error(state.span, rec[r.END_ERROR])
-        self._spans.close(state.span, rec[r.TIME])
-        self._metrics.peer(state.span, rec[r.TIME])
+            self._held.hold(rec[r.KEY], state.span, rec[r.TIME])
+        else:
+            self._close_peer(state.span, rec[r.TIME])
+
+    def _close_peer(self, span, end_ns: int) -> None:
+        self._spans.close(span, end_ns)
+        self._metrics.peer(span, end_ns)
+
+    def _late_arrival(self, rec, now):
+        key, at_ns = rec[r.KEY], rec[r.TIME]
+        held = self._held.take(key)
+        if held is None:  # not held (ended in time, or never seen here), or held and exported already
+            end_ns = self._held.released_end(key)
+            if end_ns is not None:
+                late.warn_peer(key, rec[r.LATE_BACKEND], max(at_ns - end_ns, 0) / 1e9, True)
+            return
+        late_s = max(at_ns - held.end_ns, 0) / 1e9
+        span = held.span
+        span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, max(at_ns, held.end_ns))
+        self._close_peer(span, held.end_ns)
+        self._held.reported(key)
+        self._metrics.late(span.attributes, self._spans.context_of(span))
+        late.warn_peer(key, rec[r.LATE_BACKEND], late_s, False)
 
     def _end_evicted_peer(self, state: OpenPeer) -> None:
         state.span.set_attribute(semconv.EVICTED, True)
@@ -320,18 +347,26 @@ class SpanBuilder:
 
     def evict_stale(self) -> None:
         """End, as evicted, what has had no activity for longer than the TTL (oldest first, stops at the first
-        fresh one); then report what just became stuck."""
+        fresh one); then report what just became stuck. Export the peer waits whose late watch is over."""
+        self._held.release_due(now_ns())
         if self._watch is not None:
             self._watch.tick({semconv.INFLIGHT_REQUEST: self._requests, semconv.INFLIGHT_PEER: self._peers},
                              self._describe_open)
         self._open.evict_before(self._clock() - self._ttl)
 
     def end_all(self, on_drop: Optional[Callable[[str, int], None]] = None) -> None:
-        """Uninstrument: end every open span as evicted (nothing would ever end it) and count them."""
+        """Uninstrument: end every open span as evicted (nothing would ever end it) and count them; export the
+        held peer waits as they ended."""
+        self._held.release_all()
         self._open.end_all(on_drop)
+
+    def release_held(self) -> None:
+        """A flush: the peer waits held for late KV are exported now, as they ended."""
+        self._held.release_all()
 
     def end_at_exit(self) -> None:
         """The process is ending (or its engine, seen from the builder process): every request and peer wait
         still open ends now, as ended by the exit (ERROR, error.type and kv_transfer.ended_by = process_exit),
         with its aggregates so far, so its sends' parent arrives. Delivered, so not counted as dropped."""
+        self._held.release_all()
         self._open.end_every(self._end_request_at_exit, self._end_peer_at_exit)

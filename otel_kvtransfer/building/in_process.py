@@ -30,6 +30,7 @@ class InProcessSink(Sink):
             self.count_drops = count_drops
         self.after_fork_in_child = builder.reset  # the parent's open spans are the parent's to end
         self.end_at_exit = builder.end_at_exit
+        self.release_held = builder.release_held
 
     def tick(self) -> None:
         if self._waiting:

@@ -98,6 +98,8 @@ class KVTransferMetricsProcessor(SpanProcessor):
 
     def _on_peer(self, span, attrs, labels, context) -> None:
         self._measure(rules.peer_wait((span.end_time - span.start_time) / 1e9), labels, context)
+        if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
+            self._measure(rules.late_send(), labels, context)
 
     def _on_connect(self, span, attrs, labels, context) -> None:
         self._measure(rules.connect((span.end_time - span.start_time) / 1e9), rules.connect_series(attrs)[1],

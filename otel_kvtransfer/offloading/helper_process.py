@@ -181,6 +181,7 @@ class Helper:
                 # the first frame after a quiet spell: the periodic work (the in-flight gauges) within the interval
                 next_tick = min(next_tick, time.monotonic() + interval)
             if _signals.pop_flush():
+                self.builder.release_held()
                 self.flusher.request()
             if time.monotonic() >= next_tick:
                 self.builder.evict_stale()
@@ -204,6 +205,7 @@ class Helper:
         try:
             frame, unknown = wire.decode(body)
             if frame[0] == wire.FLUSH:
+                self.builder.release_held()  # a flush exports what has ended, held back or not
                 self.flusher.request(sequence)
             else:
                 self.handle(frame, unknown)

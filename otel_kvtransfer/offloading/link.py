@@ -163,6 +163,11 @@ class HelperLink(Sink):
         ready(fd, events, min(left, 0.05))  # a slice: the descriptor may change under another thread
         return True
 
+    def release_held(self) -> None:
+        """A flush's last step: the in-process builder's (the helper's own is the FLUSH frame's first step)."""
+        if self._local is not None:
+            self._local.release_held()
+
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
         if self._local is not None:
@@ -428,7 +433,7 @@ class HelperFlushProcessor(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
-        if not self._recorder.drain(timeout_millis / 1000):
+        if not self._recorder.drain(timeout_millis / 1000, flushing=True):
             return False
         return self._link.flush(max(deadline - time.monotonic(), 0.001))
 

@@ -407,3 +407,11 @@ def begin_serve(key, *, backend: str, framework: Optional[str] = None, expected_
 @_never_raises
 def end_serve(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     _end_peer(key, error_type, end_ns)
+
+
+@_never_raises
+def late_arrival(key, *, backend: str, at_ns: Optional[int] = None) -> None:
+    """The peer saw KV of this key arrive, or be read, after its receive or serve had ended (its memory freed):
+    the peer span, when still held (OTEL_KVTRANSFER_LATE_WATCH_S), gets `kv_transfer.late_completion`."""
+    if RECORDER.active:
+        RECORDER.record(records.late_arrival(_key(key), _time(at_ns), str(backend)))

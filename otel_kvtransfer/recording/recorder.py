@@ -83,6 +83,9 @@ class Sink:
     def end_at_exit(self) -> None:
         """The exit drain's last step, within its bound: end what is still open (ended by the process's exit)."""
 
+    def release_held(self) -> None:
+        """A flush's last step: what has ended but is held back (peer waits watched for late KV) goes out now."""
+
 
 class Recorder:
     """Bounded hand-off from engine threads to one background span-building thread."""
@@ -212,28 +215,30 @@ class Recorder:
                 _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)
 
     # --- delivery -----------------------------------------------------------------------------------------
-    def drain(self, timeout_s: Optional[float] = None) -> bool:
-        """Hand everything queued so far to the builder, on the calling thread, within `timeout_s` (None: no bound).
+    def drain(self, timeout_s: Optional[float] = None, flushing: bool = False) -> bool:
+        """Hand everything queued so far to the builder, on the calling thread, within `timeout_s` (None: no bound);
+        `flushing` (a provider's force_flush): then export what the builder holds back though it has ended.
 
         False when it could not within `timeout_s`: another drain (a hung synchronous exporter holding the builder)
         did not let go, or the exporters took longer than that; nothing is lost then, what was not delivered stays
         queued, in order, ahead of what is recorded meanwhile.
         """
-        return self._drain(timeout_s, self._requeue) is True
+        return self._drain(timeout_s, self._requeue, flushing=flushing) is True
 
     def current_deadline(self) -> float:
         """The deadline of the drain in progress (what the direct pipeline's wait for room reads)."""
         return self.deadline
 
-    def _drain(self, timeout_s: Optional[float], on_rest: Callable[[list], None], at_end: bool = False):
+    def _drain(self, timeout_s: Optional[float], on_rest: Callable[[list], None], at_end: bool = False,
+               flushing: bool = False):
         """True when everything was delivered; None when the drain lock was not had in time; False when the
         deadline came first, after `on_rest` got the records not delivered (under the lock: order is kept).
         With `at_end`, the sink's `end_at_exit` runs last, under the lock and the same deadline, whether or not
-        everything was delivered."""
+        everything was delivered; with `flushing`, its `release_held`."""
         sink = self._sink  # as it is now: stop() may clear it
         if sink is None:
             return True
-        last_step = sink.end_at_exit if at_end else None
+        last_step = sink.end_at_exit if at_end else sink.release_held if flushing else None
         wait_s = -1 if timeout_s is None else max(timeout_s, 0)
         deadline = NO_DEADLINE if timeout_s is None else time.monotonic() + wait_s
         if not self._drain_lock.acquire(timeout=wait_s):
@@ -416,7 +421,7 @@ class FlushFirstSpanProcessor(SpanProcessor):
         self._recorder = recorder
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._recorder.drain(timeout_millis / 1000)
+        return self._recorder.drain(timeout_millis / 1000, flushing=True)
 
     def shutdown(self) -> None:
         self._recorder.final_drain()

@@ -16,6 +16,7 @@ BEGIN_PEER = 5  # the peer's waiting span (receive for a push, serve for a pull)
 END_PEER = 6
 INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
 CONNECT = 8  # one explicit set-up call towards a peer (NIXL's add_remote_agent, make_connection)
+LATE_ARRIVAL = 9  # the peer saw KV of a wait of its that had already ended (a read of KV it had freed)
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -101,6 +102,14 @@ def end_request(key, end_ns, error=None) -> tuple:
 
 def end_peer(key, end_ns, error=None) -> tuple:
     return (END_PEER, key, end_ns, error)
+
+
+# LATE_ARRIVAL: (LATE_ARRIVAL, key, at_ns, backend)
+LATE_BACKEND = 3
+
+
+def late_arrival(key, at_ns, backend) -> tuple:
+    return (LATE_ARRIVAL, key, at_ns, backend)
 
 
 # INFLIGHT: (INFLIGHT, now_ns, open sends, oldest send's start_ns or None, [(start_ns, key, peer, nbytes, backend,

@@ -50,6 +50,7 @@ START_TIMEOUT_S = 420
 # A normal read takes seconds here, once NIXL's progress threads no longer busy-poll both cores (../nixl_pacing/:
 # while they did, the first request took 23-34 s to reach the decode and a 30 s lease ran out in CI).
 KV_TIMEOUT_S = 30
+LATE_WATCH_S = 600
 LAST_ANSWER_TO_STOP_S = 1.0  # a user stops the servers right after the traffic (the recorder drains every 0.2 s)
 HELPERS_END_S = 180  # the builder processes export what they hold and end (each within its own 120 s bound)
 PR_SET_CHILD_SUBREAPER = 36
@@ -89,6 +90,10 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
     else:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_PORTS[role])
+        # The orphan's expired serve waits for the late read (run_late_read) however slow this machine is: the
+        # prefill only sees it at its next engine step, tens of seconds after the lease ran out. Held spans are
+        # exported when the servers stop.
+        env["OTEL_KVTRANSFER_LATE_WATCH_S"] = str(LATE_WATCH_S)
     return env
 
 
@@ -244,6 +249,19 @@ def run_failures(connector: str) -> dict:
     return failures
 
 
+def run_late_read(failures: dict) -> dict:
+    """NIXL: a decode that reads the orphan's KV after the prefill freed it, as one does when its read outlived the
+    lease or the router did not forward the KV's expiry (vLLM then reads as usual). The decode cannot tell; the
+    prefill can: the decode's completion notice names a request it no longer has, which vLLM logs and counts
+    (`record_notification_after_expiry`) at the prefill's next engine step (the last request's)."""
+    params = {name: value for name, value in failures["orphan_kv_transfer_params"].items()
+              if name != "remote_blocks_expiry_time"}
+    started = time.time()
+    decode = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['decode']}/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt(64, 99), "max_tokens": 1, "kv_transfer_params": params}))
+    return {"started": started, "decode_response_id": decode.get("id"), "key": params.get("remote_request_id")}
+
+
 def link_capacity(connector: str) -> float:
     """Bytes/s of plain engine writes between two processes on 127.0.0.1, before any server loads the CPUs."""
     import numpy as np
@@ -361,6 +379,7 @@ def main() -> int:
         results["metrics"] = {role: _http("GET", f"http://127.0.0.1:{PORTS[role]}/metrics", timeout_s=30)
                               for role in processes}
         if args.connector == "nixl":  # one more request, whose spans are the newest when the servers stop (vLLM's
+            results["late_read"] = run_late_read(results["failures"])  # (its prefill step sees the late read)
             last = run_request(args.connector, len(results["requests"]), LAST_TOKENS)  # figures above omit it)
             last["after_failures"] = True
             results["requests"].append(last)

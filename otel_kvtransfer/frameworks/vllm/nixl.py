@@ -14,7 +14,10 @@ Decode side (initiator), in `NixlPullConnectorWorker`:
 Prefill side (peer), same class:
 - `start_load_kv(metadata)`: a request in `metadata.reqs_to_send` has its KV ready to be read: `kv_transfer.serve`
   opens; `get_transfer_results()` ends it when decode's completion notification arrived (`finished_sending`),
-  ERROR `expired` when `_reap_expired_send_leases` freed it unread.
+  ERROR `expired` when `_reap_expired_send_leases` freed it unread. A decode that still reads that KV afterwards
+  (its read outlived the lease, or no expiry reached it) notifies a request vLLM no longer knows:
+  `NixlKVConnectorStats.record_notification_after_expiry`, called by `_get_new_notifs` with the request id in its
+  local `req_id`, becomes a late arrival (`kv_transfer.late_completion` on the serve span while it is held).
 vLLM 0.33: a remote whose `registration_generation` grew (it slept and registered its KV cache again) is dropped
 and handshaken anew before the read (`_read_blocks_for_req`): the request span carries `kv_transfer.rehandshake`
 = true and the re-handshake is counted (`rehandshake`); sleep mode's `unregister_kv_caches` / `restore_kv_caches`
@@ -26,6 +29,8 @@ Push mode (`NixlPushConnectorWorker`, prefill writes) is not instrumented at the
 still become raw `kv_transfer.send` spans through the NIXL engine module.
 """
 
+import sys
+
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import common, events
 from otel_kvtransfer.recording import inflight
@@ -35,6 +40,9 @@ from otel_kvtransfer.recording.patching import active, observe_call, safely
 
 BACKEND = "nixl"
 PULL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"
+STATS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats"
+NOTIFICATIONS_READER = "_get_new_notifs"  # the worker method that finds a notification with no lease
+FRAMES_UP = 8  # the reader's frame lies this close above the wrapper's observer (wrapt, observe_call, safely)
 
 _key_of_decode = common.BoundedMap()  # decode request id -> prefill request id (request span open)
 _serving = common.BoundedMap()  # prefill request id -> True (serve span open)
@@ -143,6 +151,28 @@ def _on_transfer_results(instance, args, kwargs, token, results, error) -> None:
 _transfer_results_wrapper = observe_call("end vLLM NIXL requests", after=_on_transfer_results, when=None)
 
 
+def _unleased_request_id():
+    """The request id `_get_new_notifs` is looking at: its local `req_id`, a few frames up; None elsewhere."""
+    frame = sys._getframe(1)
+    for _ in range(FRAMES_UP):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == NOTIFICATIONS_READER:
+            req_id = frame.f_locals.get("req_id")
+            return req_id if isinstance(req_id, str) else None
+        frame = frame.f_back
+    return None
+
+
+def _on_notification_after_expiry(instance, args, kwargs) -> None:
+    req_id = _unleased_request_id()
+    if req_id is not None:
+        kvt.late_arrival(req_id, backend=BACKEND)
+
+
+_after_expiry_wrapper = observe_call("read a vLLM NIXL notification after expiry", _on_notification_after_expiry)
+
+
 def _handshake_wrapper(wrapped, instance, args, kwargs):
     """`_nixl_handshake(host, port, ...)`: the decode asks a prefill's side channel for its agents' metadata and loads
     it (NIXL's add_remote_agent, a connect of its own inside this one): one `kv_transfer.connect`
@@ -192,6 +222,11 @@ def patch(module) -> None:
     common.patcher.wrap(worker, "_read_blocks_for_req", _read_blocks_for_req_wrapper)
     common.patcher.wrap(base, "unregister_kv_caches", events.registration_wrapper(events.UNREGISTER, BACKEND))
     common.patcher.wrap(base, "restore_kv_caches", events.registration_wrapper(events.REREGISTER, BACKEND))
+
+
+def patch_stats(module) -> None:
+    if hasattr(module, "NixlKVConnectorStats"):  # optional: a release without it keeps the other wrappers
+        common.patcher.wrap(module.NixlKVConnectorStats, "record_notification_after_expiry", _after_expiry_wrapper)
 
 
 def forget() -> None:

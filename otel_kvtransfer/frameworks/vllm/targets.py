@@ -14,6 +14,7 @@ NIXL_PULL = f"{_V1}.nixl.pull_worker"
 NIXL_BASE = f"{_V1}.nixl.base_worker"
 NIXL_METADATA = f"{_V1}.nixl.metadata"
 NIXL_TP = f"{_V1}.nixl.tp_mapping"
+NIXL_STATS = f"{_V1}.nixl.stats"
 CONNECTOR_BASE = f"{_V1}.base"
 UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
 
@@ -75,6 +76,12 @@ NIXL_TARGETS = [
     Target(NIXL_BASE, _BASE, attrs=("tp_rank",)),
 ]
 
+# A notification for a request whose lease expired: late KV seen by the prefill (nixl.py reads the caller's
+# `req_id`). Optional: without it, nothing else changes.
+NIXL_STATS_TARGETS = [
+    Target(NIXL_STATS, "NixlKVConnectorStats", "record_notification_after_expiry", optional=True),
+]
+
 
 # Traffic that is not KV (payloads.py; 0.32 and 0.33 have all three): each entry method opens a payload scope. All
 # optional: a release without one keeps its KV wrappers, and those bytes show as raw sends.
@@ -92,10 +99,11 @@ PAYLOAD_TARGETS = [
 
 def by_module() -> dict:
     """Patched module -> the targets checked when it is imported (the gate's `targets`)."""
-    found = {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS}
+    found = {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS, NIXL_STATS: NIXL_STATS_TARGETS}
     for target in PAYLOAD_TARGETS:
         found.setdefault(target.module, []).append(target)
     return found
 
 
-ALL = MOONCAKE_TARGETS + NIXL_TARGETS  # the KV connectors' (tests/test_vllm_connector_paths.py patches them all)
+# the KV connectors' (tests/test_vllm_connector_paths.py patches them all)
+ALL = MOONCAKE_TARGETS + NIXL_TARGETS + NIXL_STATS_TARGETS
