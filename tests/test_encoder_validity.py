@@ -79,6 +79,7 @@ def _build(pipeline, processor, recs, limits=None):
                           on_drop=lambda reason, n: drops.append(reason))
     for rec in recs:
         builder.handle(rec)
+    builder.release_held()  # what the recorder's drain does on a flush: the peer wait ended in error goes out too
     flushed = provider.force_flush()
     attachment.detach()
     provider.shutdown()

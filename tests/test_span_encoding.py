@@ -86,6 +86,7 @@ def _run(pipeline, sampler=None):
                           on_drop=lambda reason, n: None)
     for rec in _records():
         builder.handle(rec)
+    builder.release_held()  # as a flush does: the peer wait that ended in error is exported too
     spans = exporter.get_finished_spans()
     metrics = reader.get_metrics_data()
     attachment.detach()
