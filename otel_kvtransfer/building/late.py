@@ -91,7 +91,9 @@ class HeldPeers:
     def hold(self, key, span, end_ns: int) -> None:
         if self._watch_ns <= 0:
             return self._release(span, end_ns)
-        self.take(key)  # a wait of the same key held before: it leaves first
+        earlier = self.take(key)
+        if earlier is not None:  # a wait of the same key held before: exported first, not lost
+            self._let_go(key, earlier)
         if len(self._held) >= self._limit:
             self._let_go(*self._held.popitem(last=False))
         self._held[key] = HeldPeer(span, end_ns, end_ns + self._watch_ns)
