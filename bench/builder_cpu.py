@@ -37,7 +37,7 @@ def main() -> int:
     per_record = []
     for _ in range(args.drains):
         sink = Pipeline(max_queue_size=1 << 21, max_export_batch_size=512, schedule_delay_millis=50)
-        instrumentor = _instrument({config.QUEUE_SIZE: str(1 << 21), config.FLUSH_INTERVAL_MS: "60000"}, sink)
+        instrumentor = _instrument({config.QUEUE_SIZE: str(1 << 18), config.FLUSH_INTERVAL_MS: "60000"}, sink)
         engine = WrappedStandIn()
         register_transport(engine)
         try:

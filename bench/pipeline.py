@@ -58,7 +58,7 @@ def _sdk_span_floor(n: int) -> float:
 
 def _builder_only(n: int, metrics: str = "on") -> dict:
     pipeline = Pipeline(max_queue_size=1 << 21, max_export_batch_size=512, schedule_delay_millis=50, metrics=metrics)
-    instrumentor = _instrument({config.QUEUE_SIZE: str(1 << 21), config.FLUSH_INTERVAL_MS: "60000"}, pipeline)
+    instrumentor = _instrument({config.QUEUE_SIZE: str(1 << 18), config.FLUSH_INTERVAL_MS: "60000"}, pipeline)
     engine = WrappedStandIn()
     register_transport(engine)
     call = engine.transfer_sync_write

@@ -169,14 +169,18 @@ def test_the_tracer_attributes_direct_spans_read():
     assert tuple(map(tuple, fields[10:])) == ((), ())
 
 
-def test_span_context_is_the_tuple_the_encoder_indexes():
-    from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+def test_span_context_is_the_tuple_the_encoder_indexes_and_the_builder_unpacks():
+    from opentelemetry.trace import INVALID_SPAN_CONTEXT, SpanContext, TraceFlags, TraceState
 
-    from otel_kvtransfer.building import span_encoding
+    from otel_kvtransfer.building import direct_spans, span_encoding
 
     context = SpanContext(7, 9, True, TraceFlags(1), TraceState([("a", "b")]))
     assert (context[0], context[1], context[2], context[4]) == (7, 9, True, context.trace_state)
-    assert span_encoding._TUPLE_CONTEXT
+    trace_id, span_id, remote, flags, state, valid = context
+    assert (trace_id, span_id, remote, flags, state, valid) == (7, 9, True, context.trace_flags, context.trace_state,
+                                                                 True)
+    assert tuple(INVALID_SPAN_CONTEXT)[5] is False
+    assert span_encoding._TUPLE_CONTEXT and direct_spans.TUPLE_CONTEXT
 
 
 def test_the_otlp_exporters_encode_through_their_module_encode_spans():

@@ -72,7 +72,7 @@ class _Point:
         self.min = float("inf")
         self.max = float("-inf")
         self.buckets = [0] * buckets
-        self.exemplars: list = [None] * buckets  # per bucket: (value, (time_ns, span_id, trace_id)) or None
+        self.exemplars: list = [None] * buckets  # per bucket: (value, (time_ns, span context)) or None
 
 
 class _Table:
@@ -141,10 +141,14 @@ class KVMetrics:
         with self._lock:
             return self._held.setdefault((index, key), [index, key, labels, 0, False])
 
-    def add_held(self, held: list, value) -> None:
+    def add_held(self, held: list, value, other: Optional[list] = None, other_value=0) -> None:
+        """Add `value` to a running sum from `held` (and `other_value` to `other`, under the same lock)."""
         with self._lock:
             held[3] += value
             held[4] = True
+            if other is not None:
+                other[3] += other_value
+                other[4] = True
 
     def _record_held(self) -> None:
         with self._lock:
@@ -165,9 +169,13 @@ class KVMetrics:
         `series_of`); `span_context`: that span (the exemplar, under the exemplar filter)."""
         now = time.time_ns()
         exemplar = None
-        if span_context is not None and self._exemplars != "always_off":
-            if self._exemplars == "always_on" or span_context.trace_flags.sampled:
-                exemplar = (now, span_context.span_id, span_context.trace_id)
+        if span_context is not None:
+            # (time, span context): its ids are read when collected, not per measurement
+            if self._exemplars == "trace_based":
+                if span_context.trace_flags & 1:  # sampled
+                    exemplar = (now, span_context)
+            elif self._exemplars == "always_on":
+                exemplar = (now, span_context)
         with self._lock:  # the per-measurement work inline: this runs for every transfer
             for table in self._tables.values():
                 series = table.series
@@ -315,10 +323,12 @@ class RecordMetrics:
             speed = rules.peer_speed(attrs, nbytes, bool(failure))
             if speed:
                 record(peer[0], peer[1], speed, span_context)
-        add, add_held = self._busy.add, self.tables.add_held
+        add = self._busy.add
         if peer_busy is not None:
-            add_held(peer_busy, add(peer_busy[1], start_ns, end_ns))
-        add_held(process_busy, add(process_busy[1], start_ns, end_ns))
+            self.tables.add_held(process_busy, add(process_busy[1], start_ns, end_ns),
+                                 peer_busy, add(peer_busy[1], start_ns, end_ns))
+        else:
+            self.tables.add_held(process_busy, add(process_busy[1], start_ns, end_ns))
 
     def late(self, attrs, span_context) -> None:
         self.tables.record(*series_of(attrs), rules.late_send(), span_context)
@@ -350,8 +360,8 @@ NO_METRICS = _NoMetrics()
 
 def _exemplars(point: _Point, labels) -> list:
     exemplar = sdk_internals.exemplar_class()
-    return [exemplar({}, value, at, span_id, trace_id)
-            for value, (at, span_id, trace_id) in (e for e in point.exemplars if e is not None)]
+    return [exemplar({}, value, at, context.span_id, context.trace_id)
+            for value, (at, context) in (e for e in point.exemplars if e is not None)]
 
 
 def _histogram_point(labels, point: _Point, now: int, bounds) -> HistogramDataPoint:

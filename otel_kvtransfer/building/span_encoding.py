@@ -21,10 +21,11 @@ import sys
 from itertools import islice
 
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import sdk_internals
 from otel_kvtransfer.building.direct_spans import _UNSET as _UNSET_STATUS
+from otel_kvtransfer.building.direct_spans import TUPLE_CONTEXT as _TUPLE_CONTEXT
 from otel_kvtransfer.building.direct_spans import KVSpan, SendAttributes
 
 _logger = logging.getLogger(__name__)
@@ -175,19 +176,6 @@ class _Unsupported(Exception):
 
 
 _PIECES = _Pieces()
-
-
-def _tuple_context() -> bool:
-    """True when SpanContext keeps (trace_id, span_id, is_remote, flags, state, ...) as its tuple items (the SDK
-    canary test checks it on every release we allow)."""
-    probe = SpanContext(3, 5, True, TraceFlags(1), TraceState([("k", "v")]))
-    try:
-        return (probe[0], probe[1], probe[2], probe[4]) == (3, 5, True, probe.trace_state)
-    except (TypeError, IndexError):
-        return False
-
-
-_TUPLE_CONTEXT = _tuple_context()
 
 
 def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
