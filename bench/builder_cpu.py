@@ -17,17 +17,16 @@ import statistics
 import sys
 import time
 
+from trees import add_tree_option, use_tree
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        help="the checkout whose package is measured (default: this one)")
+    add_tree_option(parser)
     parser.add_argument("--records", type=int, default=40_000)
     parser.add_argument("--drains", type=int, default=3)
     args = parser.parse_args()
-    tree = os.path.abspath(args.tree)
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [tree, here]  # the package from `tree`; this folder's stand-in and pipeline helpers
+    use_tree(args.tree)  # the package from `tree`; this folder's stand-in and pipeline helpers
     import pipeline
     from pipeline import RECORDER, SESSION, Pipeline, WrappedStandIn, _instrument, config, register_transport
 

@@ -17,18 +17,18 @@ import statistics
 import sys
 import time
 
+from trees import add_tree_option, use_tree
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        help="the checkout whose package is measured (default: this one)")
+    add_tree_option(parser)
     parser.add_argument("--copies", type=int, default=2000, help="how many times the test's spans are repeated")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if args.copies < 1 or args.rounds < 1:
         parser.error("--copies and --rounds must be at least 1")
-    tree = os.path.abspath(args.tree)
-    sys.path[:0] = [tree, os.path.join(tree, "tests")]
+    tree = use_tree(args.tree, "tests")
     import test_span_encoding
 
     from otel_kvtransfer.building import span_encoding

@@ -17,18 +17,18 @@ import statistics
 import sys
 import time
 
+from trees import add_tree_option, use_tree
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        help="the checkout whose package is measured (default: this one)")
+    add_tree_option(parser)
     parser.add_argument("--calls", type=int, default=20_000, help="calls per block")
     parser.add_argument("--blocks", type=int, default=15)
     args = parser.parse_args()
     if not (1_000 <= args.calls <= 200_000 and 3 <= args.blocks <= 100):
         parser.error("--calls: 1000..200000, --blocks: 3..100")
-    tree = os.path.abspath(args.tree)
-    sys.path[:0] = [tree, os.path.dirname(os.path.abspath(__file__))]
+    tree = use_tree(args.tree)
     os.environ.update({"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000", "OTEL_KVTRANSFER_QUEUE_SIZE": str(1 << 18),
                        "OTEL_KVTRANSFER_BUILDER": "thread"})
     from common import WrappedStandIn, register_transport, wrap_stand_ins
