@@ -169,19 +169,28 @@ def _keep_cpu_seconds(deployment):
 
 
 def _wait_for_every_span(run, shapes):
-    """Until every request of every shape has its request spans and a receive on each decode rank."""
+    """Until every request of every shape has a request span from each rank of the prefill that served it and a
+    receive on each decode rank, under sglang's spans. Each rank's spans come from a builder process of its own,
+    exporting on its own schedule: one rank's request span says nothing of its neighbour's."""
+    servers = shapes.deployment.servers
+    wanted = {(r["rid"], rank) for r in run.requests for rank in range(servers["prefill"].tp)}
+    wanted |= {(r["rid"], rank) for r in shapes.requests("tp2_to_two_decodes")
+               for rank in range(servers["prefill-tp2"].tp)}
+    for shape, prefill in (("tp1_to_tp2", "prefill"), ("mla_to_tp2", "mla-prefill")):
+        wanted |= {(r["rid"], rank) for r in shapes.requests(shape) for rank in range(servers[prefill].tp)}
     wanted_rooms = {r["room"] for shape in ("tp1_to_tp2", "mla_to_tp2") for r in shapes.requests(shape)}
-    wanted_rids = {r["rid"] for r in shapes.requests("tp2_to_two_decodes")} | {r["rid"] for r in run.requests}
 
     def complete():
         run.spans = run.read_spans()
-        rids = {s.attributes.get("sglang.rid") for s in run.named(REQUEST)}
+        have = {(s.attributes.get("sglang.rid"), s.attributes.get("kv_transfer.tp_rank", 0))
+                for s in run.named(REQUEST)}
         rooms = [s.attributes.get("kv_transfer.bootstrap_room") for s in run.named(RECEIVE)]
         ids = {s.span_id for _, s in run.spans}
         parents = all(s.parent_span_id in ids for s in run.named(REQUEST) + run.named(RECEIVE))
-        return wanted_rids <= rids and all(rooms.count(room) == 2 for room in wanted_rooms) and parents
+        return wanted <= have and all(rooms.count(room) == 2 for room in wanted_rooms) and parents
 
-    wait_until(complete, 120, "every shape's request and receive spans, under sglang's spans", interval_s=1.0)
+    wait_until(complete, 120, "every shape's request spans (each prefill rank's) and receive spans, under "
+               "sglang's spans", interval_s=1.0)
 
 
 @pytest.fixture(scope="module")
