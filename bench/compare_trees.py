@@ -69,7 +69,17 @@ def _figures(result: dict) -> dict:
     if process:
         figures["engine process CPU per transfer (us)"] = (process["added_engine_cpu_us"],
                                                            process["aa_engine_cpu_us"])
+    # the builder alone: a cost of its own, not a difference, so no A/A beside it
+    for case, label in (("default_queue", "as deployed"), ("queue_holds_backlog", "export queue holding the backlog")):
+        entry = (result.get("builder_alone") or {}).get(case)
+        if entry:
+            figures[f"builder CPU per record, {label} (us; {entry['where_built']})"] = (entry["cpu_us_per_record"],
+                                                                                       None)
     return figures
+
+
+def _cell(value: float, aa) -> str:
+    return f"{value:.2f}" if aa is None else f"{value:+.2f} ({aa:+.2f})"
 
 
 def summarize(out_dir: str) -> int:
@@ -88,14 +98,15 @@ def summarize(out_dir: str) -> int:
         return 1
     names = [name for name in by_label["before"][0] if all(name in run for runs in by_label.values()
                                                            for run in runs)]
-    print("| figure | before: added (A/A) per run | after: added (A/A) per run | median before -> after |")
+    print("| figure | before: added (A/A), or cost, per run | after: the same | median before -> after |")
     print("|---|---|---|---|")
     for name in names:
         cells = []
         for label in LABELS:
-            cells.append(", ".join(f"{run[name][0]:+.2f} ({run[name][1]:+.2f})" for run in by_label[label]))
+            cells.append(", ".join(_cell(*run[name]) for run in by_label[label]))
         medians = [statistics.median(run[name][0] for run in by_label[label]) for label in LABELS]
-        print(f"| {name} | {cells[0]} | {cells[1]} | {medians[0]:+.2f} -> {medians[1]:+.2f} |")
+        sign = "+" if by_label["before"][0][name][1] is not None else ""
+        print(f"| {name} | {cells[0]} | {cells[1]} | {medians[0]:{sign}.2f} -> {medians[1]:{sign}.2f} |")
     return 0
 
 

@@ -58,7 +58,8 @@ class SpanBuilder:
         self._ended = late.EndedRequests()  # requests that concluded: a send of theirs arriving later is late
         self._held = late.HeldPeers(late_watch_s, self._close_peer)  # peer waits that ended with an error
         # Backends whose first transfer to a peer sets the connection up, and the peers each has sent to.
-        self._first_calls = FirstToPeer(setup_in_first_call)
+        first_calls = FirstToPeer(setup_in_first_call)
+        self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
         # Read per record: bound here, no extra lookup on the builder thread.
         self._requests, self._peers = self._open.requests, self._open.peers
         self._touch_request = self._open.touch_request
@@ -166,8 +167,8 @@ class SpanBuilder:
     # --- transfers -------------------------------------------------------------------------------------------
     def _send(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, first = send_attributes.measure(rec)
-        if first is not None and first[r.CALL_BACKEND] in self._first_calls.backends:
-            first = self._first_calls.mark(first)
+        if first is not None and first[r.CALL_BACKEND] in self._first_backends:
+            first = self._mark_first(first)
         if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
             self._on_drop("invalid_length", 1)
             nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)

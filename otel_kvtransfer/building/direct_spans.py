@@ -147,11 +147,16 @@ class _QueueRoom:
     """
 
     WAIT_S = 5.0
+    # A look at the queues lets the spans after it through without another, up to half the room it found (at
+    # most SPANS_PER_LOOK): a look per span costs a visible share of building one, and the queue would fill only
+    # if other spans poured into it faster than this builder does in the meantime.
+    SPANS_PER_LOOK = 256
 
     def __init__(self, provider_processor):
         self._multi = provider_processor
         self._seen = None
         self._queues = []
+        self._unlooked = 0  # spans that may go before the next look at the queues
         self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
         # time.monotonic() by which the drain in progress must end: no wait for room outlasts it (the recorder's,
         # set by the attachment in the engine process; the builder process's frame loop has none).
@@ -167,13 +172,19 @@ class _QueueRoom:
 
     def wait(self) -> None:
         processors = getattr(self._multi, _PROCESSORS, ())
+        if self._unlooked and processors is self._seen:
+            self._unlooked -= 1
+            return
         if processors is not self._seen:
             self._rescan(processors)
+        room = self.SPANS_PER_LOOK * 2
         for entry in self._queues:
             queue, size, inner, stalled = entry
             if len(queue) < size:
                 entry[3] = False
+                room = min(room, size - len(queue))
                 continue
+            room = 0
             if stalled:  # its exporter did not make room last time: count, do not wait again
                 self.on_drop("export_queue_full", 1)
                 continue
@@ -189,6 +200,7 @@ class _QueueRoom:
                     continue
                 entry[3] = True
                 self.on_drop("export_queue_full", 1)
+        self._unlooked = max(room // 2 - 1, 0)
 
 
 class DirectSpans:

@@ -15,17 +15,20 @@ class FirstToPeer:
 
     def __init__(self, backends):
         self.backends = frozenset(backends)
-        self._seen = set()
+        self._seen = {backend: set() for backend in self.backends}  # per backend, the peers it has sent to
+        self._count = 0
 
     def mark(self, call: tuple) -> tuple:
         """`call`, with first_to_peer among its extra attributes when it is the first to its peer. A first call
         that failed set nothing up: it is marked, and the next call to that peer is a first one again."""
-        peer = (call[r.CALL_BACKEND], call[r.CALL_PEER])
+        seen = self._seen[call[r.CALL_BACKEND]]
+        peer = call[r.CALL_PEER]
         try:
-            if peer in self._seen or len(self._seen) >= self.MAX_PEERS_SEEN:
+            if peer in seen or self._count >= self.MAX_PEERS_SEEN:
                 return call
             if call[r.CALL_ERROR] is None:
-                self._seen.add(peer)
+                seen.add(peer)
+                self._count += 1
         except TypeError:  # a peer that cannot be hashed: not marked
             return call
         extra = call[r.CALL_EXTRA]

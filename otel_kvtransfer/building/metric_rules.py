@@ -70,16 +70,24 @@ def metric_labels(attributes) -> dict:
 
 
 # --- the rules -------------------------------------------------------------------------------------------------
+_THROUGHPUT, _POST_S = semconv.THROUGHPUT, semconv.POST_S  # read for every send
+
+
 def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
     """A send's measurements in its own series. A failed or empty send has no speed, nor has one of no
     measurable duration (it carries no throughput)."""
-    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
+    post_s = attrs.get(_POST_S)  # only a send whose engine has a posting call
     if failed:
-        measured += ((I_FAILURES, 1),)
-    elif nbytes > 0 and semconv.THROUGHPUT in attrs:
-        measured += ((I_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
-    if semconv.POST_S in attrs:  # only a send whose engine has a posting call
-        measured += ((I_POST_DURATION, attrs[semconv.POST_S]),)
+        measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors), (I_FAILURES, 1))
+    else:
+        speed = attrs.get(_THROUGHPUT) if nbytes > 0 else None
+        if speed is None:
+            measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
+        else:
+            measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors),
+                        (I_THROUGHPUT, speed))
+    if post_s is not None:
+        measured += ((I_POST_DURATION, post_s),)
     return measured
 
 
@@ -180,22 +188,40 @@ class BusyTime:
     KEPT = 64
 
     def __init__(self):
-        self._unions = {}  # series key -> ([stretch starts], [stretch ends]), sorted and disjoint
+        self._unions = {}  # series key -> its BusyUnion
 
-    def add(self, key, start_ns: int, end_ns: int) -> float:
-        """Seconds the send [start_ns, end_ns] adds to the busy time of series `key`."""
-        if end_ns <= start_ns:
-            return 0.0
+    def union(self, key) -> "BusyUnion":
+        """The union of series `key` (new and empty the first time): its `add` is `add(key, ...)` with the
+        series already found, for a caller that keeps it per series."""
         union = self._unions.get(key)
         if union is None:
             if len(self._unions) >= 65536:  # series are capped upstream (peers); this bounds a misuse
                 self._unions.clear()
-            union = self._unions[key] = ([], [])
-        starts, ends = union
+            union = self._unions[key] = BusyUnion(self.KEPT)
+        return union
+
+    def add(self, key, start_ns: int, end_ns: int) -> float:
+        """Seconds the send [start_ns, end_ns] adds to the busy time of series `key`."""
+        return self.union(key).add(start_ns, end_ns)
+
+
+class BusyUnion:
+    """One series' kept busy stretches, sorted and disjoint (`BusyTime`)."""
+
+    __slots__ = ("starts", "ends", "kept")
+
+    def __init__(self, kept: int):
+        self.starts, self.ends, self.kept = [], [], kept
+
+    def add(self, start_ns: int, end_ns: int) -> float:
+        """Seconds the send [start_ns, end_ns] adds to this union."""
+        if end_ns <= start_ns:
+            return 0.0
+        starts, ends = self.starts, self.ends
         if not ends or start_ns > ends[-1]:  # after everything so far: the common case, sends in end order
             starts.append(start_ns)
             ends.append(end_ns)
-            if len(starts) > self.KEPT:
+            if len(starts) > self.kept:
                 del starts[0], ends[0]
             return (end_ns - start_ns) / 1e9
         first = bisect_left(ends, start_ns)  # the first stretch that ends at or after the send's start
@@ -207,6 +233,6 @@ class BusyTime:
             start_ns, end_ns = min(start_ns, starts[first]), max(end_ns, ends[last - 1])
         starts[first:last] = [start_ns]
         ends[first:last] = [end_ns]
-        if len(starts) > self.KEPT:
+        if len(starts) > self.kept:
             del starts[0], ends[0]
         return (end_ns - start_ns - before) / 1e9
