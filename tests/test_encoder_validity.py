@@ -253,10 +253,22 @@ def test_integers_beyond_int64_are_dropped_as_the_sdk_encoder_drops_them():
         assert ints == {"fw.max": 2**63 - 1, "fw.min": -(2**63)}, span.name
 
 
+def test_equal_values_of_other_types_under_one_key_keep_their_own_type():
+    """True == 1 and hash alike: the cache of encoded pairs must not hand one's bytes to the other."""
+    recs = []
+    for n, value in enumerate((True, 1, False, 0, True, 1)):
+        recs += [begin_request(n, 1_000, attributes={"fw.flag": value}), end_request(n, 2_000)]
+    direct, sdk = _in_memory("direct", recs), _in_memory("sdk", recs)
+    ours, theirs = _spans([_wire(direct, True)]), _spans([_wire(sdk, False)])
+    assert ours == theirs
+    kinds = [kv.value.WhichOneof("value") for span in ours for kv in span.attributes if kv.key == "fw.flag"]
+    assert kinds == ["bool_value", "int_value"] * 3
+
+
 # --- the encoder's cache -----------------------------------------------------------------------------------------
 
 def _cached_bytes(pieces) -> int:
-    pairs = sum(len(pair) for table in (pieces.strings, pieces.ints) for by_value in table.values()
+    pairs = sum(len(pair) for table in (pieces.strings, pieces.ints, pieces.bools) for by_value in table.values()
                 for pair in by_value.values())
     return pairs + sum(len(entry[1]) for entry in pieces.statics.values())
 
