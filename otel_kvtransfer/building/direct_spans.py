@@ -137,8 +137,9 @@ class _QueueRoom:
     """Back-pressure from the batch span processors' queues.
 
     The SDK's BatchSpanProcessor drops a span when its queue (2,048 by default) is full, with only a log line. The
-    direct path can build faster than an exporter sends, so before each span it looks at every batch processor's
-    queue: when one is full it waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
+    direct path can build faster than an exporter sends, so before a span it looks at every batch processor's
+    queue (and lets the next spans through unlooked while the room it found leaves a margin): when one is full it
+    waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
     what cannot wait is counted where it queues (the recorder's queue, or the helper's socket). After WAIT_S (a
     hung exporter) the span goes on and is counted as dropped (`export_queue_full`), and so is every span that
     finds that queue still full, without waiting again, until it has room. No wait outlasts the deadline of the

@@ -43,7 +43,7 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags
 _FLAGS_LOCAL = b"\x85\x01" + _pack_i(_HAS_IS_REMOTE)
 _FLAGS_REMOTE = b"\x85\x01" + _pack_i(_HAS_IS_REMOTE | _IS_REMOTE)
 _STATUS_UNSET = b"\x7a\x00"  # the SDK encoder always sets a Status message, empty when unset
-# The ids and times in one struct pack each (a third of the cost of formatting their bytes in): trace_id
+# The ids and times in one struct pack each (~0.15 us a span less than formatting their bytes in): trace_id
 # (field 1, 16 bytes: its two halves), span_id (2, 8 bytes), parent_span_id (4); start and end (7, 8: fixed64).
 _LOW64 = (1 << 64) - 1
 _IDS = struct.Struct(">HQQHQ").pack  # 0x0a10 trace_id, 0x1208 span_id
