@@ -173,11 +173,10 @@ def _wait_for_every_span(run, shapes):
     receive on each decode rank, under sglang's spans. Each rank's spans come from a builder process of its own,
     exporting on its own schedule: one rank's request span says nothing of its neighbour's."""
     servers = shapes.deployment.servers
-    wanted = {(r["rid"], rank) for r in run.requests for rank in range(servers["prefill"].tp)}
-    wanted |= {(r["rid"], rank) for r in shapes.requests("tp2_to_two_decodes")
-               for rank in range(servers["prefill-tp2"].tp)}
-    for shape, prefill in (("tp1_to_tp2", "prefill"), ("mla_to_tp2", "mla-prefill")):
-        wanted |= {(r["rid"], rank) for r in shapes.requests(shape) for rank in range(servers[prefill].tp)}
+    served = [(run.requests, "prefill"), (shapes.requests("tp2_to_two_decodes"), "prefill-tp2"),
+              (shapes.requests("tp1_to_tp2"), "prefill"), (shapes.requests("mla_to_tp2"), "mla-prefill")]
+    wanted = {(r["rid"], rank) for requests, prefill in served for r in requests
+              for rank in range(servers[prefill].tp)}
     wanted_rooms = {r["room"] for shape in ("tp1_to_tp2", "mla_to_tp2") for r in shapes.requests(shape)}
 
     def complete():

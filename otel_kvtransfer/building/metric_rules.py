@@ -76,16 +76,14 @@ _THROUGHPUT, _POST_S = semconv.THROUGHPUT, semconv.POST_S  # read for every send
 def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
     """A send's measurements in its own series. A failed or empty send has no speed, nor has one of no
     measurable duration (it carries no throughput)."""
-    post_s = attrs.get(_POST_S)  # only a send whose engine has a posting call
+    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
     if failed:
-        measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors), (I_FAILURES, 1))
-    else:
-        speed = attrs.get(_THROUGHPUT) if nbytes > 0 else None
-        if speed is None:
-            measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
-        else:
-            measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors),
-                        (I_THROUGHPUT, speed))
+        measured += ((I_FAILURES, 1),)
+    elif nbytes > 0:
+        speed = attrs.get(_THROUGHPUT)
+        if speed is not None:
+            measured += ((I_THROUGHPUT, speed),)
+    post_s = attrs.get(_POST_S)  # only a send whose engine has a posting call
     if post_s is not None:
         measured += ((I_POST_DURATION, post_s),)
     return measured
