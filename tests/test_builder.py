@@ -116,6 +116,11 @@ def send(send_info, calls, context=None, error=None, scope_span=None):
     return tuple(fields[i] for i in range(len(fields)))
 
 
+def raw(engine_call, context=None):
+    """An engine call outside any transfer scope, as the engine wrappers record it: one flat tuple."""
+    return (r.RAW_CALL,) + engine_call + (context,)
+
+
 def begin_request(key, start, role=semconv.ROLE_PREFILL, framework="fw", attributes=None, parent=None):
     fields = {r.KIND: r.BEGIN_REQUEST, r.KEY: key, r.TIME: start, r.REQ_ROLE: role, r.REQ_BACKEND: ENGINE,
               r.REQ_FRAMEWORK: framework, r.REQ_ATTRIBUTES: attributes, r.REQ_PARENT: parent}
@@ -280,8 +285,7 @@ def test_compute_without_an_open_request_makes_no_span():
 
 def test_negative_lengths_become_zero_bytes_and_a_counted_drop():
     h = Harness()
-    h.feed(send(None, [call(0, 100, -1, descriptors=-1)], context=trace.set_span_in_context(
-        trace.INVALID_SPAN)))
+    h.feed(raw(call(0, 100, -1, descriptors=-1), context=trace.set_span_in_context(trace.INVALID_SPAN)))
     (sent,) = h.spans(semconv.SPAN_SEND)
     assert (sent.attributes[semconv.BYTES], sent.attributes[semconv.DESCRIPTOR_COUNT]) == (0, 0)
     assert sent.attributes[semconv.THROUGHPUT] == 0.0
@@ -292,7 +296,7 @@ def test_negative_lengths_become_zero_bytes_and_a_counted_drop():
     ("tcp", "tcp"), ("udp", "udp"), ("rdma", None), ("efa", None), ("nvlink", None), ("ucx", None), (None, None)])
 def test_network_transport_only_for_well_known_values(protocol, transport):
     h = Harness()
-    h.feed(send(None, [call(0, 10, 1, protocol=protocol)]))
+    h.feed(raw(call(0, 10, 1, protocol=protocol)))
     (sent,) = h.spans()
     assert sent.attributes.get(semconv.NETWORK_TRANSPORT) == transport
     assert sent.attributes.get(semconv.PROTOCOL) == protocol
@@ -302,7 +306,7 @@ def test_network_transport_only_for_well_known_values(protocol, transport):
                                            (semconv.OP_READ, semconv.DIRECTION_RECEIVE)])
 def test_io_direction_follows_the_op(op, direction):
     h = Harness()
-    h.feed(send(None, [call(0, 10, 1, op=op)]))
+    h.feed(raw(call(0, 10, 1, op=op)))
     (sent,) = h.spans()
     assert (sent.attributes[semconv.OP], sent.attributes[semconv.NETWORK_IO_DIRECTION]) == (op, direction)
 
@@ -311,12 +315,32 @@ def test_raw_call_goes_under_the_context_it_was_made_in():
     h = Harness()
     with h.provider.get_tracer("app").start_as_current_span("app work") as app:
         context = trace.set_span_in_context(app)
-    h.feed(send(None, [call(0, 10, 3, extra={semconv.NOTIFICATION: "n1"})], context=context))
+    h.feed(raw(call(0, 10, 3, extra={semconv.NOTIFICATION: "n1"}), context=context))
     (sent,) = h.spans(semconv.SPAN_SEND)
     assert sent.parent.span_id == app.get_span_context().span_id
     assert sent.attributes[semconv.NOTIFICATION] == "n1"
     assert semconv.REQUEST_KEY not in sent.attributes
     assert h.builder.open_count() == 0  # a raw call opens no request
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_a_raw_call_and_a_send_record_of_that_one_call_build_the_same_spans(failing):
+    """The flat record the engine wrappers make for a call outside any scope is the send record send(None, [call],
+    context) in one tuple: the builder makes of it the very span the longer form gives."""
+    built = []
+    for form in (lambda c, ctx: raw(c, ctx), lambda c, ctx: send(None, [c], context=ctx)):
+        h = Harness()
+        with h.provider.get_tracer("app").start_as_current_span("app work") as app:
+            context = trace.set_span_in_context(app)
+        engine_call = call(5, 25, [4096, 4096], descriptors=2, rc=-1 if failing else 0,
+                           error="transfer_failed" if failing else None)
+        h.feed(form(engine_call, context), form(call(30, 40, 64, peer="10.0.0.9:1"), None))
+        sends = sorted(h.spans(semconv.SPAN_SEND), key=lambda s: s.start_time)
+        assert sends[0].parent.span_id == app.get_span_context().span_id and sends[1].parent is None
+        built.append([(s.start_time, s.end_time, dict(s.attributes), s.status.status_code) for s in sends])
+    assert built[0] == built[1]
+    assert built[0][0][2][semconv.BYTES] == 8192
+    assert built[0][0][3] == (StatusCode.ERROR if failing else StatusCode.UNSET)
 
 
 def test_a_non_recording_tracer_builds_without_errors():

@@ -194,17 +194,16 @@ def test_contexts_travel_as_span_contexts_and_values_keep_their_types():
     parent = SpanContext(0xABC, 0xDEF, True, TraceFlags(1), TraceState([("k", "v")]))
     context = trace.set_span_in_context(NonRecordingSpan(parent))
     numpy = pytest.importorskip("numpy")
-    records = [(r.SEND, None, [(1, 2, [numpy.int64(7), 9], 2, "write", "p", None, 0, None, "mooncake", None)],
-                context, None, None),
+    records = [r.raw_call((1, 2, [numpy.int64(7), 9], 2, "write", "p", None, 0, None, "mooncake", None), context),
                (r.BEGIN_REQUEST, 5, 10, "prefill", "mooncake", None, {"n": numpy.float32(1.5)}, None)]
     frame = wire.encode((wire.BATCH, records, {}), len(records), 7)
     assert wire.HEADER.unpack(frame[:wire.HEADER.size]) == (len(frame) - wire.HEADER.size, 2, 7)
     (kind, back, drops), unknown = wire.decode(frame[wire.HEADER.size:])
     assert (kind, drops, unknown) == (wire.BATCH, {}, ())
-    carried = trace.get_current_span(back[0][r.SEND_CONTEXT]).get_span_context()
+    carried = trace.get_current_span(back[0][r.RAW_CONTEXT]).get_span_context()
     assert (carried.trace_id, carried.span_id, carried.is_remote, int(carried.trace_flags)) == (0xABC, 0xDEF, True, 1)
     assert carried.trace_state.get("k") == "v"
-    lengths = back[0][r.SEND_CALLS][0][r.CALL_BYTES]
+    lengths = back[0][r.RAW_CALL_FIELDS][r.CALL_BYTES]
     assert lengths == [7, 9] and type(lengths[0]) is numpy.int64  # as the in-process builder would see it
     assert back[1][r.REQ_ATTRIBUTES] == {"n": 1.5}
     # What pickle cannot carry travels as a plain value instead of failing the whole frame; contexts still travel

@@ -2,6 +2,7 @@
 positions are written side by side, twice: this keeps them the same)."""
 
 import pytest
+from opentelemetry.context import Context
 
 from otel_kvtransfer.recording import records as r
 
@@ -50,8 +51,17 @@ def test_each_argument_lands_on_its_named_position(constructor):
     assert list(built) == expected  # every position filled, none twice, nothing beyond them
 
 
+def test_a_raw_call_is_its_calls_fields_between_its_kind_and_its_context():
+    call = r.call(*(f"<{i}>" for i in range(r.CALL_EXTRA + 1)))
+    built = r.raw_call(call, "<context>")
+    assert built == (r.RAW_CALL,) + call + ("<context>",)
+    assert built[r.RAW_CALL_FIELDS] == call and built[r.RAW_CONTEXT] == "<context>"
+    assert r.raw_call(call, Context())[r.RAW_CONTEXT] is None  # no span current: nothing for the GC to follow
+
+
 def test_the_kinds_are_distinct():
-    kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT]
+    kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT,
+             r.LATE_ARRIVAL, r.RAW_CALL]
     assert len(set(kinds)) == len(kinds)
 
 

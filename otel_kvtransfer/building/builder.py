@@ -65,6 +65,7 @@ class SpanBuilder:
         self._touch_request = self._open.touch_request
         self._handlers = {
             r.SEND: self._send,
+            r.RAW_CALL: self._raw_call,
             r.BEGIN_REQUEST: self._begin_request,
             r.END_REQUEST: self._end_request,
             r.COMPUTE: self._compute,
@@ -165,6 +166,16 @@ class SpanBuilder:
         self._finish_request(state, now_ns(), semconv.EVICTED_ERROR, evicted=True)  # the records' clock
 
     # --- transfers -------------------------------------------------------------------------------------------
+    def _raw_call(self, rec, now):
+        start, end, nbytes, descriptors, failure, return_code, call = send_attributes.measure_call(
+            rec[r.RAW_CALL_FIELDS], None)
+        if call[r.CALL_BACKEND] in self._first_backends:
+            call = self._mark_first(call)
+        if nbytes < 0 or descriptors < 0:  # see _send
+            self._on_drop("invalid_length", 1)
+            nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
+        self._raw_send(start, end, nbytes, descriptors, 1, failure, return_code, call, rec[r.RAW_CONTEXT])
+
     def _send(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, first = send_attributes.measure(rec)
         if first is not None and first[r.CALL_BACKEND] in self._first_backends:
@@ -173,28 +184,33 @@ class SpanBuilder:
             self._on_drop("invalid_length", 1)
             nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
         info = rec[r.SEND_INFO]
-        if info is not None:
-            key = info[r.INFO_KEY]
-            state = self._touch_request(key, now)
-            if state is None:
-                ended = self._ended.get(key)
-                if ended is not None:
-                    return self._ended_request_send(rec, key, ended, start, end, nbytes, descriptors, failure,
-                                                    return_code, first)
-                state = self._open_request(key, start, now,
-                                           backend=first[r.CALL_BACKEND] if first is not None else None)
-            state.aggregate.add_send(start, end, nbytes, info[r.INFO_REPLICA], info[r.INFO_CHUNK])
-            if failure and state.failure is None:
-                state.failure = failure
-            parent = state.parent
-            attrs = send_attributes.attributes(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure,
-                                               return_code, first, info, state.labels, state.statics,
-                                               self._peer_parsers)
-        else:
-            parent = span_context_of(rec[r.SEND_CONTEXT])
-            attrs = send_attributes.attributes(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure,
-                                               return_code, first, None, None, self._raw_statics,
-                                               self._peer_parsers)
+        if info is None:
+            return self._raw_send(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure, return_code,
+                                  first, rec[r.SEND_CONTEXT])
+        key = info[r.INFO_KEY]
+        state = self._touch_request(key, now)
+        if state is None:
+            ended = self._ended.get(key)
+            if ended is not None:
+                return self._ended_request_send(rec, key, ended, start, end, nbytes, descriptors, failure,
+                                                return_code, first)
+            state = self._open_request(key, start, now,
+                                       backend=first[r.CALL_BACKEND] if first is not None else None)
+        state.aggregate.add_send(start, end, nbytes, info[r.INFO_REPLICA], info[r.INFO_CHUNK])
+        if failure and state.failure is None:
+            state.failure = failure
+        attrs = send_attributes.attributes(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure,
+                                           return_code, first, info, state.labels, state.statics,
+                                           self._peer_parsers)
+        self._send_span(state.parent, attrs, start, end, nbytes, descriptors, failure)
+
+    def _raw_send(self, start, end, nbytes, descriptors, calls, failure, return_code, first, context):
+        """A send outside any transfer scope: under the context current at its engine call."""
+        attrs = send_attributes.attributes(start, end, nbytes, descriptors, calls, failure, return_code, first, None,
+                                           None, self._raw_statics, self._peer_parsers)
+        self._send_span(span_context_of(context), attrs, start, end, nbytes, descriptors, failure)
+
+    def _send_span(self, parent, attrs, start, end, nbytes, descriptors, failure):
         status = Status(StatusCode.ERROR, failure) if failure else _OK
         span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
         self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)

@@ -1,4 +1,4 @@
-"""A send's figures and span attributes, computed from its SEND record: pure functions, no open state.
+"""A send's figures and span attributes, computed from its SEND (or RAW_CALL) record: pure functions, no open state.
 
 `measure` merges a send's engine calls into one interval, its bytes and its outcome; `attributes` makes the
 span's attribute dict: what varies per send first, then the part the send shares with the other sends of its
@@ -31,14 +31,7 @@ def measure(rec: tuple) -> tuple:
     batch's lengths may be an array's integers), the error type a valid string (attribute_values)."""
     calls, failure, return_code = rec[r.SEND_CALLS], rec[r.SEND_ERROR], None
     if len(calls) == 1:  # the common case, without the loops
-        first = calls[0]
-        moved = first[r.CALL_BYTES]
-        nbytes = moved if type(moved) is int else int(sum(moved))
-        if first[r.CALL_ERROR] is not None:
-            failure, return_code = failure or first[r.CALL_ERROR], first[r.CALL_RETURN_CODE]
-        if failure is not None:
-            failure, return_code = _valid_failure(failure, return_code)
-        return first[r.CALL_START], first[r.CALL_END], nbytes, first[r.CALL_DESCRIPTORS], failure, return_code, first
+        return measure_call(calls[0], failure)
     if not calls:  # a scope that failed before any engine call: its own time, taken on the engine thread
         start, end = rec[r.SEND_SCOPE_TIMES]
         return start, end, 0, 0, failure and _valid_failure(failure, None)[0], None, None
@@ -55,6 +48,18 @@ def measure(rec: tuple) -> tuple:
         failure, return_code = _valid_failure(failure, return_code)
     return (min(c[r.CALL_START] for c in calls), max(c[r.CALL_END] for c in calls), nbytes, descriptors, failure,
             return_code, calls[0])
+
+
+def measure_call(call: tuple, failure: Optional[str]) -> tuple:
+    """`measure` of a send made of the one engine call `call` (a raw call's, or a scope's only one); `failure` the
+    scope's own error type, or None."""
+    moved, return_code = call[r.CALL_BYTES], None
+    nbytes = moved if type(moved) is int else int(sum(moved))
+    if call[r.CALL_ERROR] is not None:
+        failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
+    if failure is not None:
+        failure, return_code = _valid_failure(failure, return_code)
+    return call[r.CALL_START], call[r.CALL_END], nbytes, call[r.CALL_DESCRIPTORS], failure, return_code, call
 
 
 def _valid_failure(failure, return_code) -> tuple:

@@ -31,7 +31,8 @@ from otel_kvtransfer.recording.records import (
     CALL_OP,
     CALL_PEER,
     CALL_PROTOCOL,
-    SEND,
+    RAW_CALL,
+    raw_call,
 )
 
 _logger = logging.getLogger(__name__)
@@ -135,6 +136,10 @@ def _sync(original, op, batch):
             error = None if rc == 0 else "transfer_failed"
             if kwargs or op is None or len(args) < 4:
                 call = _call(self, args, kwargs, op, batch, start, end, rc, error)
+                if scope is not None:
+                    scope.calls.append(call)
+                elif recorder.active:
+                    recorder.record(raw_call(call, ctx))
             else:  # (target_hostname, buffer(s), peer address(es), length(s)): how sglang and vLLM call it
                 lengths = args[3]
                 if batch:
@@ -143,13 +148,20 @@ def _sync(original, op, batch):
                         lengths = sum(lengths)
                 else:
                     lengths, descriptors = int(lengths), 1
-                # records.call(...), inline: a call to it would be one more Python frame per transfer.
-                call = (start, end, lengths, descriptors, op, args[0],
-                        transports.get(id(self), state["fallback_transport"]), rc, error, BACKEND, None)
-            if scope is not None:
-                scope.calls.append(call)
-            elif recorder.active:  # as integration.deliver, with the context already fetched
-                recorder.record((SEND, None, [call], ctx, None, None))  # records.send(None, [call], ctx), inline
+                transport = transports.get(id(self), state["fallback_transport"])
+                # records.call(...) and records.raw_call(...), inline: a call to either would be one more Python
+                # frame per transfer, and a raw call is one tuple, not a call tuple inside a send record.
+                if scope is not None:
+                    scope.calls.append((start, end, lengths, descriptors, op, args[0], transport, rc, error, BACKEND,
+                                        None))
+                elif recorder.active:  # as integration.deliver, with the context already fetched
+                    rec = (RAW_CALL, start, end, lengths, descriptors, op, args[0], transport, rc, error, BACKEND,
+                           None, ctx or None)
+                    queue = recorder._queue
+                    if len(queue) < recorder._capacity and not recorder._idle:
+                        queue.append(rec)  # Recorder.record's common case, inline (see there)
+                    else:
+                        recorder.record(rec)
         except Exception:
             own_error("record a Mooncake call")
         return rc

@@ -115,7 +115,7 @@ def deliver(call: tuple, context: Optional[Context] = None) -> None:
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
     elif RECORDER.active:  # a call that ends after uninstrument must not sit in a queue nobody drains
-        RECORDER.record(records.send(None, [call], current_context() if context is None else context))
+        RECORDER.record(records.raw_call(call, current_context() if context is None else context))
 
 
 # --- transfer scopes -------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ class PayloadScope(TransferScope):
     def _emit(self, calls, error, times) -> None:
         # Only engine calls are sends here: a scope that failed before making one moved nothing of a request.
         for call in calls:
-            RECORDER.record(records.send(None, [self._labelled(call)], self.context))
+            RECORDER.record(records.raw_call(self._labelled(call), self.context))
 
 
 def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = None) -> TransferScope:

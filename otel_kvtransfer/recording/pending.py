@@ -71,7 +71,7 @@ class PendingTransfers:
         extra = {**extra, **own} if extra else own
         call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
                             self.backend, extra)
-        RECORDER.record(records.send(info, [call], context))
+        RECORDER.record(records.send(info, [call], context) if info is not None else records.raw_call(call, context))
         return True
 
     def forget(self, handle: Hashable) -> None:

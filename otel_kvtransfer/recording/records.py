@@ -17,6 +17,7 @@ END_PEER = 6
 INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
 CONNECT = 8  # one explicit set-up call towards a peer (NIXL's add_remote_agent, make_connection)
 LATE_ARRIVAL = 9  # the peer saw KV of a wait of its that had already ended (a read of KV it had freed)
+RAW_CALL = 10  # one engine call outside any transfer scope: a send of its own, in one flat tuple
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -65,6 +66,19 @@ CALL_EXTRA = 10  # dict of extra send attributes from the engine (e.g. a notific
 
 def call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra=None) -> tuple:
     return (start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra)
+
+
+# RAW_CALL: (RAW_CALL, <the call's fields, CALL_START to CALL_EXTRA>, context). The same send as
+# send(None, [call], context), built as one tuple instead of three: engine threads make one per transfer, and
+# each container allocated there is one more object for the cyclic GC to count and, while queued, to traverse.
+# An empty context (no span current, the common case) is stored as None: a tuple of plain values is one the GC
+# stops tracking at its first collection, so a queue of them costs the later, larger collections nothing.
+RAW_CONTEXT = CALL_EXTRA + 2  # the context the call is parented to, or None
+RAW_CALL_FIELDS = slice(1, RAW_CONTEXT)  # rec[RAW_CALL_FIELDS] is the call tuple
+
+
+def raw_call(call, context) -> tuple:
+    return (RAW_CALL, *call, context or None)
 
 
 # BEGIN_REQUEST: (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)
