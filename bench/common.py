@@ -174,6 +174,18 @@ def wrap_stand_ins(naive):
         wrapt.wrap_function_wrapper(NaiveStandIn, "transfer_sync_write", naive)
 
 
+def instrument_stand_ins():
+    """The package instrumented as the calling-thread benches measure it (hot_path.py, wrapper_floor.py): the
+    recorder on with no exporter behind it, the stand-ins wrapped. The caller sets the OTEL_KVTRANSFER_* variables
+    first, and uninstruments the returned instrumentor at the end."""
+    from otel_kvtransfer import KVTransferInstrumentor
+
+    instrumentor = KVTransferInstrumentor()
+    instrumentor.instrument(tracer_provider=TracerProvider(shutdown_on_exit=False))
+    wrap_stand_ins(lambda wrapped, instance, a, kw: wrapped(*a, **kw))
+    return instrumentor
+
+
 def register_transport(engine, transport="tcp"):
     """What the package's initialize() wrapper notes for a real engine, for a stand-in that has no initialize."""
     from otel_kvtransfer.engines import mooncake

@@ -39,15 +39,11 @@ def main() -> int:
     tree = use_tree(args.tree)
     os.environ.update({"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000", "OTEL_KVTRANSFER_QUEUE_SIZE": str(1 << 18),
                        "OTEL_KVTRANSFER_BUILDER": "thread"})
-    from common import WrappedStandIn, register_transport, wrap_stand_ins
-    from opentelemetry.sdk.trace import TracerProvider
+    from common import WrappedStandIn, instrument_stand_ins, register_transport
 
-    from otel_kvtransfer import KVTransferInstrumentor
     from otel_kvtransfer.recording.recorder import RECORDER
 
-    instrumentor = KVTransferInstrumentor()
-    instrumentor.instrument(tracer_provider=TracerProvider(shutdown_on_exit=False))
-    wrap_stand_ins(lambda wrapped, instance, a, kw: wrapped(*a, **kw))
+    instrumentor = instrument_stand_ins()
     engine = WrappedStandIn()
     register_transport(engine)
     call = engine.transfer_sync_write

@@ -230,31 +230,44 @@ def test_backend_contract(name, recording):
 
 
 def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeypatch):
-    """The Mooncake sync wrapper builds its call and send records inline (calling `records.call` and
-    `records.send` would be two more Python frames per transfer): they must be what the constructors build from
-    the same values, and what the general path (keyword arguments, through `_call`) builds."""
+    """The Mooncake sync wrapper builds its records inline (calling `records.call` and `records.raw_call` would be
+    more Python frames per transfer): they must be what the constructors build from the same values, and what the
+    general path (keyword arguments, through `_call`) builds; the engine gets each call as it was made."""
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")  # the transport of engines initialised before instrument()
     backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
     engine_class = module.TransferEngine
     originals = {name: vars(engine_class)[name] for name in ("transfer_sync_write", "batch_transfer_sync_read")}
     engine = object()  # the stand-in originals never touch the engine (a real one needs a peer)
+    received = []  # what each original was called with: the wrapper passes the call on as it came
+
+    def original(self, *args, **kwargs):  # a completed transfer (rc 0)
+        received.append((self, args, kwargs))
+        return 0
+
     try:
-        for name in originals:  # stand-in originals: a completed transfer (rc 0)
-            setattr(engine_class, name, lambda self, *args, **kwargs: 0)
+        for name in originals:
+            setattr(engine_class, name, original)
         assert backend.instrument() is True
         assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, 65536) == 0
         assert engine_class.transfer_sync_write(engine, target_hostname="10.0.0.1:15001", buffer=4096,
                                                 peer_buffer_address=8192, length=65536) == 0
         lengths = [1024, 2048, 4096]
         assert engine_class.batch_transfer_sync_read(engine, "10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths) == 0
+        assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, length=65536) == 0
         recording.wrapper_errors()
     finally:
         backend.uninstrument()
         for name, entry in originals.items():
             setattr(engine_class, name, entry)
-    assert len(recording.records) == 3
-    hot, general, batch = recording.records
+    assert received == [
+        (engine, ("10.0.0.1:15001", 4096, 8192, 65536), {}),
+        (engine, (), {"target_hostname": "10.0.0.1:15001", "buffer": 4096, "peer_buffer_address": 8192,
+                      "length": 65536}),
+        (engine, ("10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths), {}),
+        (engine, ("10.0.0.1:15001", 4096, 8192), {"length": 65536})]
+    assert len(recording.records) == 4
+    hot, general, batch, mixed = recording.records
 
     def expected(record, nbytes, descriptors, op, peer):
         assert record[records.KIND] == records.RAW_CALL and len(record) == records.RAW_CONTEXT + 1
@@ -265,6 +278,7 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
     assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
+    assert mixed == expected(mixed, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert batch[records.RAW_CALL_FIELDS][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
     # No span was current: the record holds no context, only plain values, so the GC stops tracking it at its first
     # collection and a queue of such records costs the later collections nothing (a batch's list keeps its own).

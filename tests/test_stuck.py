@@ -48,6 +48,11 @@ def engine_process(out_path: str) -> None:
                     result["rc"] = engine.transfer_sync_write(receiver.session, source.ctypes.data,
                                                               receiver.base_address, SIZE)
                     return
+                if os.environ["KVT_TEST_CALL"] == "sync_keywords":  # the wrapper's general path, not its fast one
+                    result["rc"] = engine.transfer_sync_write(
+                        target_hostname=receiver.session, buffer=source.ctypes.data,
+                        peer_buffer_address=receiver.base_address, length=SIZE)
+                    return
                 # posted as one batch of BLOCKS lengths, then waited on: open as a pending transfer meanwhile
                 block = SIZE // BLOCKS
                 batch = engine.batch_transfer_async_write(
@@ -111,8 +116,10 @@ def _attributes(span) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
 
 
-# A sync write hangs inside the engine call; an async batch is open between its post and the wait's answer.
-@pytest.mark.parametrize("builder, call", [("thread", "sync"), ("process", "sync"), ("thread", "async_batch")])
+# A sync write hangs inside the engine call (its arguments positional, or by keyword); an async batch is open
+# between its post and the wait's answer.
+@pytest.mark.parametrize("builder, call", [("thread", "sync"), ("process", "sync"), ("thread", "sync_keywords"),
+                                           ("thread", "async_batch")])
 def test_a_write_into_a_frozen_receiver_is_reported_stuck_while_it_hangs(tmp_path, builder, call):
     proc, result, spans = _run(tmp_path, builder, call)
     assert result["told"] == "resume\n"  # held frozen until the test saw the reports (not past its own bound)

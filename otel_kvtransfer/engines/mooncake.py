@@ -109,21 +109,76 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
     return (start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, None)
 
 
+_UNSET = object()  # an argument the caller did not pass
+
+
 def _sync(original, op, batch):
-    # Everything the hot path uses is a local of this closure; the common call (positional arguments, op known
-    # from the method) is parsed and handed over inline, with no further Python frame but the recorder's.
+    # Everything the hot path uses is a local of this closure. The common call (four positional arguments, the op
+    # known from the method: how sglang and vLLM call it) takes them as positional-only parameters and passes them
+    # on as they came, parsed and handed over inline, with no further Python frame: packing and unpacking *args
+    # and **kwargs made a tuple and a dict per call, both ways, a quarter of the wrapper's cost (wrapper_floor.py
+    # in bench/). Any other call (keywords, more or fewer arguments, an opcode to read) goes to `general` with the
+    # very arguments it was given.
     recorder, context = RECORDER, current_context
     thread = integration.THREAD  # its .scope: this thread's transfer scope
     transports, state, suppress, suppress_plain = _transports, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
     base = clock.BASE  # times are monotonic_ns() + base: clock.now_ns(), inline
+    unset = _UNSET
 
-    def transfer(self, *args, **kwargs):
+    def transfer(self, target_hostname=unset, buffer=unset, peer_buffer_address=unset, length=unset, /, *rest,
+                 **kwargs):
+        if rest or kwargs or length is unset or op is None:
+            given = tuple(arg for arg in (target_hostname, buffer, peer_buffer_address, length) if arg is not unset)
+            return general(self, given + rest, kwargs)
+        if not recorder.active:
+            return original(self, target_hostname, buffer, peer_buffer_address, length)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
+            return original(self, target_hostname, buffer, peer_buffer_address, length)
+        scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
+        start = monotonic_ns() + base
+        try:
+            rc = original(self, target_hostname, buffer, peer_buffer_address, length)
+        except BaseException as exc:
+            safely("record a failed Mooncake call", _deliver, self,
+                   (target_hostname, buffer, peer_buffer_address, length), {}, op, batch, start, None,
+                   type(exc).__qualname__, ctx)
+            raise
+        end = monotonic_ns() + base
+        try:
+            error = None if rc == 0 else "transfer_failed"
+            lengths = length
+            if batch:
+                descriptors = len(lengths)
+                if type(lengths) is not list:  # see _call
+                    lengths = sum(lengths)
+            else:
+                lengths, descriptors = int(lengths), 1
+            transport = transports.get(id(self), state["fallback_transport"])
+            # records.call(...) and records.raw_call(...), inline: a call to either would be one more Python frame
+            # per transfer, and a raw call is one tuple, not a call tuple inside a send record.
+            if scope is not None:
+                scope.calls.append((start, end, lengths, descriptors, op, target_hostname, transport, rc, error,
+                                    BACKEND, None))
+            elif recorder.active:  # as integration.deliver, with the context already fetched
+                rec = (RAW_CALL, start, end, lengths, descriptors, op, target_hostname, transport, rc, error, BACKEND,
+                       None, ctx or None)
+                queue = recorder._queue
+                if len(queue) < recorder._capacity and not recorder._idle:
+                    queue.append(rec)  # Recorder.record's common case, inline (see there)
+                else:
+                    recorder.record(rec)
+        except Exception:
+            own_error("record a Mooncake call")
+        return rc
+
+    def general(self, args, kwargs):
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
-        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):
             return original(self, *args, **kwargs)
-        scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
+        scope = thread.scope
         start = monotonic_ns() + base
         try:
             rc = original(self, *args, **kwargs)
@@ -133,40 +188,17 @@ def _sync(original, op, batch):
             raise
         end = monotonic_ns() + base
         try:
-            error = None if rc == 0 else "transfer_failed"
-            if kwargs or op is None or len(args) < 4:
-                call = _call(self, args, kwargs, op, batch, start, end, rc, error)
-                if scope is not None:
-                    scope.calls.append(call)
-                elif recorder.active:
-                    recorder.record(raw_call(call, ctx))
-            else:  # (target_hostname, buffer(s), peer address(es), length(s)): how sglang and vLLM call it
-                lengths = args[3]
-                if batch:
-                    descriptors = len(lengths)
-                    if type(lengths) is not list:  # see _call
-                        lengths = sum(lengths)
-                else:
-                    lengths, descriptors = int(lengths), 1
-                transport = transports.get(id(self), state["fallback_transport"])
-                # records.call(...) and records.raw_call(...), inline: a call to either would be one more Python
-                # frame per transfer, and a raw call is one tuple, not a call tuple inside a send record.
-                if scope is not None:
-                    scope.calls.append((start, end, lengths, descriptors, op, args[0], transport, rc, error, BACKEND,
-                                        None))
-                elif recorder.active:  # as integration.deliver, with the context already fetched
-                    rec = (RAW_CALL, start, end, lengths, descriptors, op, args[0], transport, rc, error, BACKEND,
-                           None, ctx or None)
-                    queue = recorder._queue
-                    if len(queue) < recorder._capacity and not recorder._idle:
-                        queue.append(rec)  # Recorder.record's common case, inline (see there)
-                    else:
-                        recorder.record(rec)
+            call = _call(self, args, kwargs, op, batch, start, end, rc, None if rc == 0 else "transfer_failed")
+            if scope is not None:
+                scope.calls.append(call)
+            elif recorder.active:
+                recorder.record(raw_call(call, ctx))
         except Exception:
             own_error("record a Mooncake call")
         return rc
 
     inflight.register_wrapper(transfer.__code__, _in_progress)
+    inflight.register_wrapper(general.__code__, _in_progress)
     return transfer
 
 
@@ -175,7 +207,17 @@ def _in_progress(frame_locals):
     start = frame_locals.get("start")
     if start is None or "end" in frame_locals:  # not started yet, or already returned
         return None
-    return inflight.describe_call(start, frame_locals.get("scope"), frame_locals.get("args") or (), BACKEND)
+    args = frame_locals.get("args")
+    if args is None:  # the common call's frame: its four arguments by name
+        args = tuple(frame_locals.get(name) for name in _POSITIONS)
+    elif len(args) < 4 and frame_locals.get("kwargs"):  # the peer or the length(s) given by keyword
+        kwargs = frame_locals["kwargs"]
+        args = (args[0] if args else kwargs.get("target_hostname"), None, None,
+                kwargs.get("length", kwargs.get("lengths")))
+    return inflight.describe_call(start, frame_locals.get("scope"), args or (), BACKEND)
+
+
+_POSITIONS = ("target_hostname", "buffer", "peer_buffer_address", "length")  # the common call's parameters
 
 
 def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
