@@ -69,8 +69,9 @@ def call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error
 
 
 # RAW_CALL: (RAW_CALL, <the call's fields, CALL_START to CALL_EXTRA>, context). The same send as
-# send(None, [call], context), built as one tuple instead of three: engine threads make one per transfer, and
-# each container allocated there is one more object for the cyclic GC to count and, while queued, to traverse.
+# send(None, [call], context), built as one tuple instead of two and a list: engine threads make one per
+# transfer, and each container allocated there is one more object for the cyclic GC to count and, while queued,
+# to traverse.
 # An empty context (no span current, the common case) is stored as None: a tuple of plain values is one the GC
 # stops tracking at its first collection, so a queue of them costs the later, larger collections nothing.
 RAW_CONTEXT = CALL_EXTRA + 2  # the context the call is parented to, or None
