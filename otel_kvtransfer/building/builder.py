@@ -169,20 +169,12 @@ class SpanBuilder:
     def _raw_call(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, call = send_attributes.measure_call(
             rec[r.RAW_CALL_FIELDS], None)
-        if call[r.CALL_BACKEND] in self._first_backends:
-            call = self._mark_first(call)
-        if nbytes < 0 or descriptors < 0:  # see _send
-            self._on_drop("invalid_length", 1)
-            nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
+        call, nbytes, descriptors = self._checked(call, nbytes, descriptors)
         self._raw_send(start, end, nbytes, descriptors, 1, failure, return_code, call, rec[r.RAW_CONTEXT])
 
     def _send(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, first = send_attributes.measure(rec)
-        if first is not None and first[r.CALL_BACKEND] in self._first_backends:
-            first = self._mark_first(first)
-        if nbytes < 0 or descriptors < 0:  # an engine asked to move a negative length: no such bytes moved
-            self._on_drop("invalid_length", 1)
-            nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
+        first, nbytes, descriptors = self._checked(first, nbytes, descriptors)
         info = rec[r.SEND_INFO]
         if info is None:
             return self._raw_send(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure, return_code,
@@ -204,6 +196,16 @@ class SpanBuilder:
                                            self._peer_parsers)
         self._send_span(state.parent, attrs, start, end, nbytes, descriptors, failure)
 
+    def _checked(self, first, nbytes, descriptors):
+        """The first call of a backend marked as such, and negative lengths counted and clamped: an engine asked
+        to move a negative length moved no such bytes."""
+        if first is not None and first[r.CALL_BACKEND] in self._first_backends:
+            first = self._mark_first(first)
+        if nbytes < 0 or descriptors < 0:
+            self._on_drop("invalid_length", 1)
+            nbytes, descriptors = max(nbytes, 0), max(descriptors, 0)
+        return first, nbytes, descriptors
+
     def _raw_send(self, start, end, nbytes, descriptors, calls, failure, return_code, first, context):
         """A send outside any transfer scope: under the context current at its engine call."""
         attrs = send_attributes.attributes(start, end, nbytes, descriptors, calls, failure, return_code, first, None,
@@ -222,18 +224,15 @@ class SpanBuilder:
                                            self._peer_parsers)
         late_s = late.late_by_s(ended, end)
         if late_s is None:  # it ended in time, its record only came after the request's end
-            status = Status(StatusCode.ERROR, failure) if failure else _OK
-            span_context = self._spans.child(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start, end,
-                                             status)
-        else:
-            span = self._spans.open(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start)
-            span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, end)
-            if failure:
-                _error(span, failure)
-            span_context = self._spans.context_of(span)
-            self._spans.close(span, end)
-            self._metrics.late(attrs, span_context)
-            late.warn_once(ended, key, attrs, late_s)
+            return self._send_span(ended.parent, attrs, start, end, nbytes, descriptors, failure)
+        span = self._spans.open(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start)
+        span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, end)
+        if failure:
+            _error(span, failure)
+        span_context = self._spans.context_of(span)
+        self._spans.close(span, end)
+        self._metrics.late(attrs, span_context)
+        late.warn_once(ended, key, attrs, late_s)
         self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
 
     # --- compute ---------------------------------------------------------------------------------------------
