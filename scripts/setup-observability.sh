@@ -16,6 +16,8 @@ PHOENIX_VENV="$CACHE/phoenix-venv"
 PHOENIX_REQ="arize-phoenix==20.26.1"
 PYTHON="${PYTHON:-python3}"
 
+# shellcheck source=venv-checks.sh
+source "$ROOT/scripts/venv-checks.sh"
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # --- Debian packages -------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ fi
 # --- arize-phoenix in its own venv -----------------------------------------------------------------
 stamp="$PHOENIX_VENV/.otel-kvtransfer-req"
 if [ ! -x "$PHOENIX_VENV/bin/phoenix" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$PHOENIX_REQ" ] \
-   || ! "$PHOENIX_VENV/bin/python" -c "import phoenix" >/dev/null 2>&1; then
+   || ! has_modules "$PHOENIX_VENV" phoenix; then
   rm -rf "$PHOENIX_VENV"
   "$PYTHON" -m venv "$PHOENIX_VENV"
   "$PHOENIX_VENV/bin/python" -m pip install --quiet --upgrade pip

@@ -10,6 +10,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVT_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+# shellcheck source=venv-checks.sh
+source "$ROOT/scripts/venv-checks.sh"
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 missing=()
@@ -29,7 +31,7 @@ stamp_of_inputs() {
 }
 want="$(stamp_of_inputs)-$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 have="$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)"
-if [ "$want" != "$have" ] || ! "$VENV/bin/python" -c "import sglang, mooncake.engine" >/dev/null 2>&1; then
+if [ "$want" != "$have" ] || ! has_modules "$VENV" sglang mooncake.engine; then
   echo "setup: building the virtualenv at $VENV (sglang on CPU, Mooncake, OpenTelemetry; a few minutes) ..." >&2
   rm -rf "$VENV"
   "$PYTHON" -m venv "$VENV"
@@ -49,7 +51,7 @@ server_want="$(cat "$ROOT/scripts/requirements-sglang-server.txt" "$ROOT/scripts
   | sha256sum | cut -c1-16)-router-0.3.2"
 server_have="$(cat "$VENV/.kvt-server-stamp" 2>/dev/null || true)"
 if [ "$server_want" != "$server_have" ] \
-  || ! "$VENV/bin/python" -c "import fastapi, uvicorn, xgrammar, sglang_router" >/dev/null 2>&1; then
+  || ! has_modules "$VENV" fastapi uvicorn xgrammar sglang_router; then
   echo "setup: adding sglang's server dependencies and sglang-router to $VENV ..." >&2
   "$VENV/bin/python" -m pip install -q -r "$ROOT/scripts/requirements-sglang-server.txt" \
     -c "$ROOT/scripts/requirements-sglang.txt" "sglang-router==0.3.2" 2>&1 \
@@ -62,14 +64,13 @@ fi
 # need nothing else on CPU); skipped while the stamp matches.
 nixl_want="$(sha256sum < "$ROOT/scripts/requirements-nixl.txt" | cut -c1-16)"
 if [ "$nixl_want" != "$(cat "$VENV/.kvt-nixl-stamp" 2>/dev/null || true)" ] \
-  || ! "$VENV/bin/python" -c "import nixl" >/dev/null 2>&1; then
+  || ! has_modules "$VENV" nixl; then
   echo "setup: adding NIXL to $VENV ..." >&2
   "$VENV/bin/python" -m pip install -q --no-deps -r "$ROOT/scripts/requirements-nixl.txt" 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
   "$VENV/bin/python" -c "import nixl" || { echo "setup: NIXL did not install" >&2; exit 1; }
   echo "$nixl_want" > "$VENV/.kvt-nixl-stamp"
 fi
-# This checkout itself, editable, every time: the venv may be shared between checkouts (CI caches it).
-"$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
-"$VENV/bin/python" -c "import otel_kvtransfer" || { echo "setup: otel_kvtransfer did not install" >&2; exit 1; }
+# This checkout itself, editable, unless the venv (maybe shared between checkouts: CI caches it) has it already.
+install_checkout "$VENV" setup
 echo "$VENV/bin/python"

@@ -16,6 +16,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${OTEL_KVT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer}"
 VENV="$CACHE/min-venv"
 PYTHON="${PYTHON:-python3}"
+# shellcheck source=venv-checks.sh
+source "$ROOT/scripts/venv-checks.sh"
 
 # The package's dependencies at exactly the minimums pyproject.toml declares (checked below), then what the
 # chosen tests need. opentelemetry-instrument reaches spawn children from opentelemetry-instrumentation 0.63b0,
@@ -67,10 +69,10 @@ if [ "$(cat "$VENV/.otel-kvtransfer-stamp" 2>/dev/null)" != "$stamp" ] \
   quiet_pip "${PINS[@]}"
   echo "$stamp" > "$VENV/.otel-kvtransfer-stamp"
 fi
-# This checkout itself, editable, every time: the venv is cached between checkouts, and one that points at a
-# checkout since deleted still imports in this process (the current directory is on its path) but not in the
-# child processes the tests start.
-quiet_pip --no-deps -e "$ROOT"
+# This checkout itself, editable, unless the cached venv has it already (venv-checks.sh: one that points at a
+# checkout since deleted would still import in this process, from the current directory, but not in the child
+# processes the tests start).
+install_checkout "$VENV" test-minimums
 
 # The job means something only if the versions in force are the pins AND the pins are pyproject's minimums.
 "$VENV/bin/python" - "$ROOT/pyproject.toml" "${PINS[@]}" <<'EOF'

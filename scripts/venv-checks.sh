@@ -1,0 +1,34 @@
+# Sourced by the set-up scripts (ROOT set): quick checks of a cached virtualenv, and this checkout installed into
+# one. A venv cached outside the clone is shared between checkouts, and each CI job runs several set-up scripts:
+# importing sglang or Phoenix only to see that they are there costs 5-15 s a time, reinstalling the checkout ~5 s.
+
+# True when every module named is found in VENV (found, not imported: the stamps say whether it is current).
+has_modules() {  # VENV MODULE...
+  local venv="$1"
+  shift
+  "$venv/bin/python" -c 'import importlib.util, sys
+sys.exit(not all(importlib.util.find_spec(name) for name in sys.argv[1:]))' "$@" >/dev/null 2>&1
+}
+
+checkout_stamp() { echo "$ROOT $(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"; }
+
+# True when VENV imports otel_kvtransfer from this checkout, installed from the pyproject.toml it has now (entry
+# points and version come from there). Asked from another directory, with no PYTHON* variables: a venv pointing at
+# a checkout since deleted would still import from the current directory.
+checkout_installed() {  # VENV
+  local venv="$1"
+  [ "$(cat "$venv/.kvt-checkout" 2>/dev/null || true)" = "$(checkout_stamp)" ] || return 1
+  (cd / && "$venv/bin/python" -I -c 'import importlib.util, os, sys
+spec = importlib.util.find_spec("otel_kvtransfer")
+here = spec is not None and spec.origin is not None and os.path.dirname(os.path.dirname(spec.origin))
+sys.exit(not (here and os.path.samefile(here, sys.argv[1])))' "$ROOT") >/dev/null 2>&1
+}
+
+# This checkout into VENV, editable, unless it is there already.
+install_checkout() {  # VENV WHO (the script's name, for its error line)
+  local venv="$1" who="$2"
+  checkout_installed "$venv" && return 0
+  "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
+  "$venv/bin/python" -c "import otel_kvtransfer" || { echo "$who: otel_kvtransfer did not install" >&2; exit 1; }
+  checkout_stamp > "$venv/.kvt-checkout"
+}
