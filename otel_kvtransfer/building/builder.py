@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late, send_attributes
 from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, span_figures
-from otel_kvtransfer.building.direct_spans import span_context_of
+from otel_kvtransfer.building.direct_spans import UNSET_STATUS, span_context_of
 from otel_kvtransfer.building.first_calls import FirstToPeer
 from otel_kvtransfer.building.kvmetrics import NO_METRICS
 from otel_kvtransfer.building.open_spans import OpenPeer, OpenRequest, OpenSpans
@@ -28,7 +28,7 @@ from otel_kvtransfer.recording.clock import now_ns
 PeerParser = Callable[[object], dict]
 
 
-_OK = Status(StatusCode.UNSET)
+_OK = UNSET_STATUS  # the direct path's own object: a span with it needs no repair
 
 
 def _error(span, error_type: str) -> None:

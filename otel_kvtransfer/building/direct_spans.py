@@ -36,7 +36,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, on SDKs that set it
 _EMPTY_STATE = TraceState()
-_UNSET = Status(StatusCode.UNSET)
+UNSET_STATUS = Status(StatusCode.UNSET)  # a status left unset: nothing in it to repair
 _ROOT = Context()
 _SEND_OWN_MAX = 16  # more entries than a send sets itself (send_attributes.PER_SEND)
 _PROCESSORS = sdk_internals.PROCESSORS_ATTRIBUTE  # read for every span: a constant, not a call
@@ -69,7 +69,7 @@ class OpenSpan:
         self.kind = kind
         self.start_time = start_time
         self.attributes = attributes
-        self.status = _UNSET
+        self.status = UNSET_STATUS
         self.events = ()
 
     def get_span_context(self):
@@ -291,7 +291,7 @@ class DirectSpans:
                        span.start_time, max(end_ns, span.start_time), span.events)
 
     def child(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int, end_ns: int,
-              status=_UNSET, synthetic=False) -> SpanContext:
+              status=UNSET_STATUS, synthetic=False) -> SpanContext:
         """A span started and ended at once (a send, a compute interval) under `parent`; its context (for an
         exemplar). `synthetic`: the parent is the stitching one, which never decides sampling."""
         context = self._context(name, parent, kind, attributes, synthetic)
@@ -307,7 +307,7 @@ class DirectSpans:
         attributes = self._bounded(attributes)
         if events:
             events = bounded_events(events, self._limits)
-        if status is not _UNSET:
+        if status is not UNSET_STATUS:
             status = repaired_status(status)
         self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
                                       status, start_ns, end_ns, self._scope))
@@ -347,4 +347,4 @@ def span_context_of(context) -> Optional[SpanContext]:
     return span_context if span_context.is_valid else None
 
 
-__all__ = ["DirectSpans", "KVSpan", "OpenSpan", "SpanKind", "span_context_of"]
+__all__ = ["DirectSpans", "KVSpan", "OpenSpan", "SpanKind", "UNSET_STATUS", "span_context_of"]

@@ -24,9 +24,8 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_kvtransfer import sdk_internals
-from otel_kvtransfer.building.direct_spans import _UNSET as _UNSET_STATUS
 from otel_kvtransfer.building.direct_spans import TUPLE_CONTEXT as _TUPLE_CONTEXT
-from otel_kvtransfer.building.direct_spans import KVSpan, SendAttributes
+from otel_kvtransfer.building.direct_spans import UNSET_STATUS, KVSpan, SendAttributes
 
 _logger = logging.getLogger(__name__)
 
@@ -226,7 +225,7 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     if type(attributes) is BoundedAttributes and attributes.dropped:  # the span limits cut some
         append(_DROPPED + _varint(attributes.dropped))
     status = span._status
-    if status is _UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
+    if status is UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
         append(_STATUS_UNSET)
     else:
         body = b""
