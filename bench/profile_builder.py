@@ -30,7 +30,7 @@ from otel_kvtransfer.recording.recorder import RECORDER
 PARTS = {
     "direct": {"spans: DirectSpans.child (sampling decision, ids, KVSpan, processors' on_end)":
                ("direct_spans.py", "child"),
-               "metrics: RecordMetrics.send (fixed-bucket tables, exemplars)": ("kvmetrics.py", "send")},
+               "metrics: RecordMetrics.send (fixed-bucket tables, exemplars)": ("record_metrics.py", "send")},
     "sdk": {"metrics: KVTransferMetricsProcessor.on_end (histogram records, exemplars)": ("processor.py", "on_end"),
             "SDK span start (sampler, attribute validation, processors' on_start)":
             ("sdk/trace/__init__.py", "start_span")},

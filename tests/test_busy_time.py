@@ -11,9 +11,10 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.building.kvmetrics import KVMetrics, RecordMetrics
+from otel_kvtransfer.building.kvmetrics import KVMetrics
 from otel_kvtransfer.building.metric_rules import BusyTime
 from otel_kvtransfer.building.processor import KVTransferMetricsProcessor
+from otel_kvtransfer.building.record_metrics import RecordMetrics
 
 
 def _union_length(intervals) -> int:

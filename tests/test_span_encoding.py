@@ -7,6 +7,7 @@ fixed-shape encoder inside it, as `span_encoding.accelerate()` installs it) and 
 Then the same spans travel through the real OTLP/HTTP and OTLP/gRPC exporters to receivers on 127.0.0.1.
 """
 
+import random
 import time
 from http.server import BaseHTTPRequestHandler
 
@@ -19,7 +20,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
 from support import otlp
@@ -74,9 +75,9 @@ def _records():
     return recs
 
 
-def _run(pipeline, sampler=None):
+def _run(pipeline, sampler=None, ids=None):
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=Sequential(), **({"sampler": sampler} if sampler else {}))
+    provider = TracerProvider(id_generator=ids or Sequential(), **({"sampler": sampler} if sampler else {}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     reader = InMemoryMetricReader()
     meters = MeterProvider(metric_readers=[reader])
@@ -124,6 +125,35 @@ def test_direct_spans_encode_to_exactly_what_the_sdk_pipeline_sends(sampler):
         assert mine == theirs, (mine.name, mine, theirs)  # every field: ids, times, attributes in order, status
     # and the fast encoder really wrote ours: the original encoder of the same KVSpans gives the same bytes
     assert _sorted_spans(encode_spans(direct)) == ours
+
+
+def test_with_the_sdk_random_ids_both_pipelines_draw_the_same_ids():
+    """The direct pipeline draws the SDK RandomIdGenerator's ids itself: the same draws from the same source, in
+    the same order, so seeded alike both pipelines give every span the same ids."""
+    random.seed(1234)
+    direct, _ = _run("direct", ids=RandomIdGenerator())
+    random.seed(1234)
+    sdk, _ = _run("sdk", ids=RandomIdGenerator())
+    ids = lambda spans: sorted((s.context.trace_id, s.context.span_id, s.name) for s in spans)  # noqa: E731
+    assert len(direct) == 17 and ids(direct) == ids(sdk)
+    assert all(s.context.is_valid and type(s.context) is SpanContext for s in direct)
+
+
+def test_a_drawn_zero_id_is_drawn_again_as_the_generator_does(monkeypatch):
+    real, drawn, zeros = random.getrandbits, [], []
+
+    def draws(bits):  # every third draw is the invalid 0
+        drawn.append(bits)
+        if len(drawn) % 3 == 1:
+            zeros.append(bits)
+            return 0
+        return real(bits)
+
+    monkeypatch.setattr(random, "getrandbits", draws)
+    direct, _ = _run("direct", ids=RandomIdGenerator())
+    assert len(direct) == 17 and 64 in zeros and 128 in zeros  # both kinds of id drew a 0
+    assert all(s.context.span_id and s.context.trace_id and s.context.is_valid for s in direct)
+    assert len({s.context.span_id for s in direct}) == 17
 
 
 def test_the_http_flavour_is_preencoded_bytes_and_the_grpc_flavour_a_message():

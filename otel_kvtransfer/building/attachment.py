@@ -12,8 +12,9 @@ from otel_kvtransfer import config, sdk_internals, semconv
 from otel_kvtransfer.building import span_encoding, stuck
 from otel_kvtransfer.building.builder import SpanBuilder
 from otel_kvtransfer.building.direct_spans import DirectSpans
-from otel_kvtransfer.building.kvmetrics import RecordMetrics, tables_for
+from otel_kvtransfer.building.kvmetrics import tables_for
 from otel_kvtransfer.building.processor import KVTransferMetricsProcessor
+from otel_kvtransfer.building.record_metrics import RecordMetrics
 from otel_kvtransfer.building.sampler import RecordUnsampledSampler
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.recording.recorder import RECORDER, FlushFirstSpanProcessor

@@ -17,8 +17,8 @@ from otel_kvtransfer.building import late, send_attributes
 from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, span_figures
 from otel_kvtransfer.building.direct_spans import UNSET_STATUS, span_context_of
 from otel_kvtransfer.building.first_calls import FirstToPeer
-from otel_kvtransfer.building.kvmetrics import NO_METRICS
 from otel_kvtransfer.building.open_spans import OpenPeer, OpenRequest, OpenSpans
+from otel_kvtransfer.building.record_metrics import NO_METRICS
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.building.stitching import key_parent_span_context
 from otel_kvtransfer.recording import records as r
@@ -38,7 +38,7 @@ def _error(span, error_type: str) -> None:
 
 class SpanBuilder:
     """`spans`: `direct_spans.DirectSpans`, or `sdk_spans.SdkSpans` (an SDK tracer given here is wrapped in one).
-    `metrics`: where the builder's figures go as measurements (`kvmetrics.RecordMetrics`), or nothing when a
+    `metrics`: where the builder's figures go as measurements (`record_metrics.RecordMetrics`), or nothing when a
     span processor derives them from the spans (the SDK pipeline). `watch`: `stuck.OpenWatch`."""
 
     def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,

@@ -4,12 +4,13 @@ readers as finished points.
 An SDK histogram `record()` hashes its attributes, finds a series, takes a lock and offers an exemplar, on every
 call: about 13 us on this machine, four or more times per transfer. Our series are few and known (the metric
 attributes of the telemetry contract, low-cardinality) and our values were computed once by the builder, so a record
-here is a bisect and a few additions into a table of the series. Each reader of the user's MeterProvider gets our
-points inside its own collection (its `_collect` callback is wrapped: the exporter, interval and temporality stay
-the user's), as the metric data the SDK would have produced for the same measurements: explicit-bucket histograms
-with min and max, exemplars pointing at the span (one per bucket, the latest, under the provider's exemplar filter),
-monotonic sums for the counters (busy time summed over the sends and recorded once per collection, with no
-exemplar), cumulative or delta as the reader prefers.
+here is a bisect and a few additions into a table of the series; a successful send's values wait as one row of its
+shape's `SendRows` and go in a column at a time (before every collection, and whenever the builder holds enough).
+Each reader of the user's MeterProvider gets our points inside its own collection (its `_collect` callback is
+wrapped: the exporter, interval and temporality stay the user's), as the metric data the SDK would have produced
+for the same measurements: explicit-bucket histograms with min and max, exemplars pointing at the span (one per
+bucket, the latest, under the provider's exemplar filter), monotonic sums for the counters (busy time summed over
+the sends and recorded once per collection, with no exemplar), cumulative or delta as the reader prefers.
 
 Views configured on the MeterProvider do not apply to these points (they never pass through the SDK's
 instruments); `OTEL_KVTRANSFER_PIPELINE=sdk` gives SDK instruments back (docs/cost.md).
@@ -20,6 +21,10 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
+from collections import deque
+from functools import reduce
+from itertools import compress, repeat
+from operator import add
 from typing import Dict, List, Optional, Tuple
 
 from opentelemetry.sdk.metrics.export import (
@@ -37,7 +42,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_kvtransfer import sdk_internals, semconv
 from otel_kvtransfer.building import metric_rules as rules
-from otel_kvtransfer.building.metric_rules import INSTRUMENTS, metric_labels
+from otel_kvtransfer.building.metric_rules import INSTRUMENTS, ROW_PEER_SPEED, SEND_ROW, metric_labels
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -45,16 +50,21 @@ _logger = logging.getLogger(__name__)
 _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for a counter
 
 
-def _searched(bounds):
-    """The boundaries a value's bucket is searched in: as ints when every one is a whole number (bytes, counts),
-    which finds the same bucket for any value and, for the int values those instruments get, at half the cost of
-    comparing an int with floats."""
-    if bounds and all(float(b).is_integer() and abs(b) < 2 ** 53 for b in bounds):
+def _searched(unit: str, bounds):
+    """The boundaries a value's bucket is searched in: as ints for the instruments whose values are ints (bytes,
+    counts), which finds the same bucket at half the cost of comparing an int with floats; as they are for the
+    others (a float compared with ints costs as much again)."""
+    if unit in _INT_UNITS and bounds and all(float(b).is_integer() and abs(b) < 2 ** 53 for b in bounds):
         return tuple(int(b) for b in bounds)
     return bounds
 
 
-_SEARCHED = tuple(_searched(bounds) for bounds in _BOUNDS)
+_INT_UNITS = ("By", "{descriptor}")
+_SEARCHED = tuple(_searched(row[1], row[3]) for row in INSTRUMENTS)
+
+# A send row (`SendRows`): metric_rules.send_row's figures, then the busy time the send added to its process's
+# and its peer's series, and its exemplar: (time, span context), or None under the exemplar filter.
+ROW_BUSY, ROW_PEER_BUSY, ROW_EXEMPLAR = ROW_PEER_SPEED + 1, ROW_PEER_SPEED + 2, ROW_PEER_SPEED + 3
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
 # kv_transfer.peer.throughput and kv_transfer.peer.busy_time have one series per peer up to
@@ -111,6 +121,21 @@ class _Table:
         return point
 
 
+class SendRows:
+    """The successful sends of one send shape (one series, one peer) not yet in the tables, as rows. The builder
+    appends; whoever applies next (the builder once enough are held, every reader just before it collects) takes
+    them all under the tables' lock. A deque, never replaced: an append and a take cannot lose a row between
+    them, whichever threads they run on."""
+
+    __slots__ = ("key", "labels", "peer", "process_sum", "peer_sum", "rows", "append")
+
+    def __init__(self, key: tuple, labels: dict, peer, process_sum: list, peer_sum):
+        self.key, self.labels, self.peer = key, labels, peer  # peer: (key, labels) or None
+        self.process_sum, self.peer_sum = process_sum, peer_sum  # running sums from `KVMetrics.held`
+        self.rows = deque()
+        self.append = self.rows.append
+
+
 _BY_PROVIDER = weakref.WeakKeyDictionary()  # MeterProvider -> its KVMetrics
 _BY_PROVIDER_LOCK = threading.Lock()
 
@@ -140,11 +165,12 @@ class KVMetrics:
         self._acquire, self._release = self._lock.acquire, self._lock.release
         self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
         self._resource = None
-        self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
+        self.exemplar_filter = exemplar_filter  # "trace_based" | "always_on" | "always_off"
         self._limits = [MAX_SERIES] * len(INSTRUMENTS)
         # Counters summed before they are recorded (busy time: many sends, no exemplar): (index, key) ->
         # [index, key, labels, sum since the last collection, measured since then]; recorded at each collection.
         self._held = {}
+        self._pending: List[SendRows] = []  # every shape's rows not yet in the tables
         self.attached = False
 
     def held(self, index: int, key: tuple, labels: dict) -> list:
@@ -167,6 +193,73 @@ class KVMetrics:
             self._limits[index] = max(self._limits[index], int(count))
 
     # --- the builder's side -------------------------------------------------------------------------------
+    def send_rows(self, key: tuple, labels: dict, peer, process_sum: list, peer_sum) -> SendRows:
+        """Where the successful sends of one shape wait for `apply_pending` (the builder's shape cache holds it)."""
+        rows = SendRows(key, labels, peer, process_sum, peer_sum)
+        with self._lock:
+            self._pending.append(rows)
+        return rows
+
+    def retire(self, retired: List[SendRows]) -> None:
+        """Take these rows into the tables and forget them (the builder's shape cache let go of them)."""
+        gone = {id(rows) for rows in retired}
+        with self._lock:
+            self._apply(retired)
+            self._pending = [rows for rows in self._pending if id(rows) not in gone]
+
+    def apply_pending(self) -> None:
+        """Every row waiting, into every reader's table."""
+        with self._lock:
+            self._apply(self._pending)
+
+    def _apply(self, pending: List[SendRows]) -> None:
+        """Rows into the tables, a column (one instrument) at a time: the lock is held."""
+        now = time.time_ns()
+        for rows in pending:
+            queue = rows.rows
+            if not queue:
+                continue
+            pop = queue.popleft
+            columns = list(zip(*[pop() for _ in range(len(queue))]))
+            exemplars = columns[ROW_EXEMPLAR]
+            for position, index in enumerate(SEND_ROW):
+                self._add_column(index, rows.key, rows.labels, columns[position], exemplars, now)
+            if rows.peer is not None:
+                self._add_column(rules.I_PEER_THROUGHPUT, rows.peer[0], rows.peer[1], columns[ROW_PEER_SPEED],
+                                 exemplars, now)
+            for held, position in ((rows.process_sum, ROW_BUSY), (rows.peer_sum, ROW_PEER_BUSY)):
+                if held is not None:
+                    held[3] = reduce(add, columns[position], held[3])  # in order: the sum a send at a time gives
+                    held[4] = True
+
+    def _add_column(self, index: int, key: tuple, labels: dict, values: tuple, exemplars: tuple, now: int) -> None:
+        """Histogram `index` gets `values` (None: the send has no such measurement), each with its exemplar
+        ((time, span context) or None), in order: the same points as one `record` per value."""
+        if None in values:
+            if values.count(None) == len(values):  # an engine with no post time, sends too small for a peer speed
+                return
+            values, exemplars = zip(*[(value, exemplar) for value, exemplar in zip(values, exemplars)
+                                      if value is not None])
+        bounds = _SEARCHED[index]
+        slots = list(map(bisect_left, repeat(bounds, len(values)), values)) if bounds else [0] * len(values)
+        counts = [(slot, slots.count(slot)) for slot in set(slots)]  # values fall in few buckets
+        low, high = min(values), max(values)
+        latest = dict(compress(zip(slots, range(len(values))), exemplars)).items()  # per bucket, its last one
+        for table in self._tables.values():
+            point = table.series[index].get(key)
+            if point is None:
+                point = table.new_point(index, key, labels, now)
+            point.sum = reduce(add, values, point.sum)  # in order, as the additions one at a time
+            if low < point.min:
+                point.min = low
+            if high > point.max:
+                point.max = high
+            buckets, kept_exemplars = point.buckets, point.exemplars
+            for slot, count in counts:
+                buckets[slot] += count
+            for slot, at in latest:
+                kept_exemplars[slot] = (values[at], exemplars[at])
+
     def record(self, key: tuple, labels: dict, measurements, span_context=None, sums=()) -> None:
         """`measurements`: (instrument index, value) pairs of one span; `key` and `labels`: its series (from
         `series_of`); `span_context`: that span (the exemplar, under the exemplar filter). `sums`: (running sum
@@ -175,10 +268,10 @@ class KVMetrics:
         exemplar = None
         if span_context is not None:
             # (time, span context): its ids are read when collected, not per measurement
-            if self._exemplars == "trace_based":
+            if self.exemplar_filter == "trace_based":
                 if span_context.trace_flags & 1:  # sampled
                     exemplar = (now, span_context)
-            elif self._exemplars == "always_on":
+            elif self.exemplar_filter == "always_on":
                 exemplar = (now, span_context)
         self._acquire()  # not `with`: half the cost, and this runs for every transfer
         try:
@@ -217,7 +310,7 @@ class KVMetrics:
             self.attached = True
             return True
         self._resource = config.resource
-        self._exemplars = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
+        self.exemplar_filter = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
         for reader in readers:
             original = sdk_internals.reader_collect(reader)
             if original is None:
@@ -250,6 +343,7 @@ class KVMetrics:
         return collect
 
     def _points(self, reader) -> List[Metric]:
+        self.apply_pending()  # before the busy sums: the rows add to them
         self._record_held()
         now = time.time_ns()
         taken = []
@@ -287,83 +381,6 @@ def _taken(point: _Point) -> _Point:
     copy.buckets, copy.exemplars = list(point.buckets), point.exemplars
     point.exemplars = [None] * len(point.buckets)
     return copy
-
-
-class RecordMetrics:
-    """The builder's figures as measurements into `KVMetrics`, by the rules of `metric_rules` (which the SDK
-    pipeline's `processor.KVTransferMetricsProcessor` applies to the spans)."""
-
-    def __init__(self, tables: KVMetrics, max_peers: int = 64):
-        self.tables = tables
-        # (id(static attributes), error type) -> the send shape's series (`_shape`)
-        self._series = {}
-        self._peers = rules.PeerSeries(max_peers)
-        self._busy = rules.BusyTime()
-        for index in rules.PER_PEER:
-            tables.allow_series(index, max_peers + 1)  # every peer, and `other`
-
-    def _shape(self, attrs, failure) -> tuple:
-        """(static, key, labels, peer series or None, the process's busy time (its union's `add`, its running
-        sum), the peer's (or None)) of a send, computed once per shape of the builder's attributes (the part
-        sends share, which holds the engine, the peer and the request's labels)."""
-        static = getattr(attrs, "static", None)
-        if static is not None:
-            cached = self._series.get((id(static), failure))
-            if cached is not None and cached[0] is static:
-                return cached
-        key, labels = series_of(attrs)
-        peer = self._peers.of(attrs)
-        # busy time sums many sends: the tables add it up and record it once per collection, with no exemplar
-        process = rules.process_series(attrs)
-        shape = (static, key, labels, peer,
-                 (self._busy.union(process[0]).add, self.tables.held(rules.I_BUSY_TIME, *process)),
-                 (self._busy.union(peer[0]).add, self.tables.held(rules.I_PEER_BUSY_TIME, *peer))
-                 if peer is not None else None)
-        if static is not None:
-            if len(self._series) >= 4096:
-                self._series.clear()
-            self._series[(id(static), failure)] = shape
-        return shape
-
-    def send(self, attrs, start_ns, end_ns, nbytes, descriptors, failure, span_context) -> None:
-        _static, key, labels, peer, (process_add, process_sum), peer_busy = self._shape(attrs, failure)
-        if peer_busy is None:
-            sums = ((process_sum, process_add(start_ns, end_ns)),)
-        else:
-            sums = ((process_sum, process_add(start_ns, end_ns)), (peer_busy[1], peer_busy[0](start_ns, end_ns)))
-        measured = rules.send(attrs, (end_ns - start_ns) / 1e9, nbytes, descriptors, bool(failure))
-        self.tables.record(key, labels, measured, span_context, sums)
-        if peer is not None:
-            speed = rules.peer_speed(attrs, nbytes, bool(failure))
-            if speed:
-                self.tables.record(peer[0], peer[1], speed, span_context)
-
-    def late(self, attrs, span_context) -> None:
-        self.tables.record(*series_of(attrs), rules.late_send(), span_context)
-
-    def request(self, figures, span, state, end_ns, failure) -> None:
-        duration_s = (max(end_ns, span.start_time) - span.start_time) / 1e9
-        self.tables.record(*series_of(span.attributes), rules.request(figures, duration_s, bool(failure)),
-                           span.context)
-
-    def peer(self, span, end_ns) -> None:
-        self.tables.record(*series_of(span.attributes),
-                           rules.peer_wait((max(end_ns, span.start_time) - span.start_time) / 1e9), span.context)
-
-    def connect(self, attrs, start_ns, end_ns, span_context) -> None:
-        self.tables.record(*rules.connect_series(attrs), rules.connect((end_ns - start_ns) / 1e9), span_context)
-
-
-class _NoMetrics:
-    """The SDK path: a span processor derives the metrics from the spans."""
-
-    def send(self, *args) -> None:
-        pass
-
-    request = peer = late = connect = send
-
-
-NO_METRICS = _NoMetrics()
 
 
 def _exemplars(point: _Point, labels) -> list:
@@ -413,4 +430,4 @@ def _merged(data: Optional[MetricsData], ours: List[Metric], resource) -> Metric
                                                          schema_url=first.schema_url)] + rest)
 
 
-__all__ = ["KVMetrics", "INSTRUMENTS", "RecordMetrics", "NO_METRICS", "metric_labels", "series_of", "tables_for"]
+__all__ = ["KVMetrics", "INSTRUMENTS", "SendRows", "metric_labels", "series_of", "tables_for"]

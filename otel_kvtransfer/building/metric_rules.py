@@ -1,6 +1,6 @@
 """The metric table and its rules: which instruments exist, and what one ended span measures into them.
 
-Both pipelines apply these rules: `kvmetrics.RecordMetrics` (our own tables, the default) to the figures the
+Both pipelines apply these rules: `record_metrics.RecordMetrics` (our own tables, the default) to the figures the
 builder has in hand, `processor.KVTransferMetricsProcessor` (SDK instruments, `OTEL_KVTRANSFER_PIPELINE=sdk`) to
 ended spans. A rule returns (instrument index, value) pairs; each pipeline only says where they go.
 """
@@ -71,36 +71,44 @@ def metric_labels(attributes) -> dict:
 
 # --- the rules -------------------------------------------------------------------------------------------------
 _THROUGHPUT, _POST_S = semconv.THROUGHPUT, semconv.POST_S  # read for every send
+_PAYLOAD, _KV, _PEER_MIN = semconv.PAYLOAD, semconv.PAYLOAD_KV, semconv.PEER_THROUGHPUT_MIN_BYTES
+
+# A successful send's measurements as one row (`send_row`), position by position: the send's own series, then its
+# peer's speed; then what the caller carries along (send_row's `extra`).
+SEND_ROW = (I_DURATION, I_SIZE, I_DESCRIPTORS, I_THROUGHPUT, I_POST_DURATION)
+ROW_PEER_SPEED = len(SEND_ROW)
+
+
+def send_row(attrs, duration_s: float, nbytes: int, descriptors: int, *extra) -> tuple:
+    """A successful send's measurements, None where it has none: an empty send, or one of no measurable duration
+    (it carries no throughput), has no speed; only a send whose engine has a posting call has a post duration;
+    only a kv send of >= 1 MiB has a peer speed (smaller ones say more about latency than about the link)."""
+    speed = attrs.get(_THROUGHPUT) if nbytes > 0 else None
+    peer = speed if nbytes >= _PEER_MIN and attrs.get(_PAYLOAD) == _KV else None
+    return (duration_s, nbytes, descriptors, speed, attrs.get(_POST_S), peer) + extra
 
 
 def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
-    """A send's measurements in its own series. A failed or empty send has no speed, nor has one of no
-    measurable duration (it carries no throughput)."""
-    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
-    if failed:
-        measured += ((I_FAILURES, 1),)
-    elif nbytes > 0:
-        speed = attrs.get(_THROUGHPUT)
-        if speed is not None:
-            measured += ((I_THROUGHPUT, speed),)
-    post_s = attrs.get(_POST_S)  # only a send whose engine has a posting call
+    """A send's measurements in its own series: `send_row`'s, or a failed send's (no speed, one failure)."""
+    if not failed:
+        row = send_row(attrs, duration_s, nbytes, descriptors)
+        return tuple([(index, value) for index, value in zip(SEND_ROW, row) if value is not None])
+    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors), (I_FAILURES, 1))
+    post_s = attrs.get(_POST_S)
     if post_s is not None:
         measured += ((I_POST_DURATION, post_s),)
     return measured
 
 
+def peer_speed(attrs, nbytes: int, failed: bool) -> tuple:
+    """A send's measurement in its peer's series (`send_row`'s peer speed): none for a failed send."""
+    speed = None if failed else send_row(attrs, 0.0, nbytes, 0)[ROW_PEER_SPEED]
+    return () if speed is None else ((I_PEER_THROUGHPUT, speed),)
+
+
 def late_send() -> tuple:
     """A send that completed after its request had concluded (its send measurements come apart)."""
     return ((I_LATE_COMPLETIONS, 1),)
-
-
-def peer_speed(attrs, nbytes: int, failed: bool) -> tuple:
-    """A send's measurement in its peer's series: successful kv sends of >= 1 MiB with a speed only (smaller ones
-    say more about latency than about the link)."""
-    if failed or nbytes < semconv.PEER_THROUGHPUT_MIN_BYTES or semconv.THROUGHPUT not in attrs \
-            or attrs.get(semconv.PAYLOAD) != semconv.PAYLOAD_KV:
-        return ()
-    return ((I_PEER_THROUGHPUT, attrs[semconv.THROUGHPUT]),)
 
 
 def request(attrs, duration_s: float, failed: bool) -> tuple:
