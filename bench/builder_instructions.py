@@ -6,7 +6,7 @@ package's own Mooncake wrapper around the zero-cost stand-in method (common.py),
 through the builder (span, metric rows, hand-off to the BatchSpanProcessor). The difference of the two main
 threads' instruction counts, over N, is the builder's per record; the export thread is counted apart and left
 out. Instructions are not time (a cache miss costs many), so the figure ranks changes, it does not replace
-`builder_cpu.py`'s microseconds. Needs valgrind (`apt-get install valgrind`); a run takes about 30 s.
+`builder_cpu.py`'s microseconds. Needs valgrind (`apt-get install valgrind`); a run takes about a minute.
 
     python bench/builder_instructions.py [--records N] [--runs R] [--tree T] [--without metric-rows|send-metrics]
 """
