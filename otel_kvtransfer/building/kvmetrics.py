@@ -165,7 +165,7 @@ class KVMetrics:
         self._acquire, self._release = self._lock.acquire, self._lock.release
         self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
         self._resource = None
-        self.exemplar_filter = exemplar_filter  # "trace_based" | "always_on" | "always_off"
+        self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
         self._limits = [MAX_SERIES] * len(INSTRUMENTS)
         # Counters summed before they are recorded (busy time: many sends, no exemplar): (index, key) ->
         # [index, key, labels, sum since the last collection, measured since then]; recorded at each collection.
@@ -260,19 +260,21 @@ class KVMetrics:
             for slot, at in latest:
                 kept_exemplars[slot] = (values[at], exemplars[at])
 
+    def exemplar(self, span_context, now: int):
+        """(time, span context) of a measurement's exemplar under the provider's exemplar filter, or None. Its ids
+        are read when collected, not per measurement."""
+        if span_context is None:
+            return None
+        if self._exemplars == "trace_based":
+            return (now, span_context) if span_context.trace_flags & 1 else None  # sampled
+        return (now, span_context) if self._exemplars == "always_on" else None
+
     def record(self, key: tuple, labels: dict, measurements, span_context=None, sums=()) -> None:
         """`measurements`: (instrument index, value) pairs of one span; `key` and `labels`: its series (from
         `series_of`); `span_context`: that span (the exemplar, under the exemplar filter). `sums`: (running sum
         from `held`, value) pairs added under the same lock (a send's busy time: one lock per send, not two)."""
         now = time.time_ns()
-        exemplar = None
-        if span_context is not None:
-            # (time, span context): its ids are read when collected, not per measurement
-            if self.exemplar_filter == "trace_based":
-                if span_context.trace_flags & 1:  # sampled
-                    exemplar = (now, span_context)
-            elif self.exemplar_filter == "always_on":
-                exemplar = (now, span_context)
+        exemplar = self.exemplar(span_context, now)
         self._acquire()  # not `with`: half the cost, and this runs for every transfer
         try:
             for held, value in sums:
@@ -310,7 +312,7 @@ class KVMetrics:
             self.attached = True
             return True
         self._resource = config.resource
-        self.exemplar_filter = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
+        self._exemplars = _exemplar_filter_name(getattr(config, "exemplar_filter", None))
         for reader in readers:
             original = sdk_internals.reader_collect(reader)
             if original is None:

@@ -66,12 +66,8 @@ class RecordMetrics:
         peer_busy_s = peer_busy[0](start_ns, end_ns) if peer_busy is not None else 0.0
         duration_s = (end_ns - start_ns) / 1e9
         if rows is not None:
-            exemplar = None  # (time, span context) under the provider's exemplar filter
-            if span_context is not None:
-                exemplars = self.tables.exemplar_filter
-                if exemplars == "always_on" or (exemplars == "trace_based" and span_context.trace_flags & 1):
-                    exemplar = (time_ns(), span_context)
-            rows.append(rules.send_row(attrs, duration_s, nbytes, descriptors, busy_s, peer_busy_s, exemplar))
+            rows.append(rules.send_row(attrs, duration_s, nbytes, descriptors, busy_s, peer_busy_s,
+                                       self.tables.exemplar(span_context, time_ns())))
             self._held_rows += 1
             if self._held_rows >= PENDING_ROWS:
                 self._held_rows = 0
