@@ -42,7 +42,7 @@ def test_the_largest_queue_is_bounded():
     assert DEFAULTS.queue_size <= 1 << 18 and DEFAULTS.max_open_requests <= 1 << 20
 
 
-def test_the_rejected_queue_size_of_issue_13(monkeypatch):
+def test_a_queue_of_67_million_records_is_refused(monkeypatch):
     monkeypatch.setenv(config.QUEUE_SIZE, "67108864")
     assert config.load().queue_size == DEFAULTS.queue_size == 65536
 

@@ -154,7 +154,9 @@ class _QueueRoom:
     hung exporter) the span goes on and is counted as dropped (`export_queue_full`), and so is every span that
     finds that queue still full, without waiting again, until it has room. No wait outlasts the deadline of the
     drain in progress (a flush's or the exit's own bound): a span whose wait that deadline ends is counted as
-    `flush_timeout` instead, and the exporter is not taken as hung.
+    `flush_timeout` instead and not handed on, as the records that drain leaves undelivered (handed on, it could
+    still find room made since the last look, and be exported as well as counted), and the exporter is not taken
+    as hung.
     """
 
     WAIT_S = 5.0
@@ -181,14 +183,15 @@ class _QueueRoom:
             if found is not None:
                 self._queues.append([*found, False])  # False: not stalled
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
+        """False when the span is not to be handed on: the drain's deadline ended its wait (counted)."""
         processors = getattr(self._multi, _PROCESSORS, ())
         if self._unlooked and processors is self._seen:
             self._unlooked -= 1
-            return
+            return True
         if processors is not self._seen:
             self._rescan(processors)
-        room = self.SPANS_PER_LOOK * 2
+        room, deliver = self.SPANS_PER_LOOK * 2, True
         for entry in self._queues:
             queue, size, inner, stalled = entry
             if len(queue) < size:
@@ -208,10 +211,12 @@ class _QueueRoom:
             if len(queue) >= size:
                 if self.drain_deadline() < deadline:  # the flush's or exit's bound, not a hung exporter
                     self.on_drop("flush_timeout", 1)
-                    continue
+                    deliver = False
+                    break
                 entry[3] = True
                 self.on_drop("export_queue_full", 1)
         self._unlooked = max(room // 2 - 1, 0)
+        return deliver
 
 
 class DirectSpans:
@@ -320,7 +325,8 @@ class DirectSpans:
     def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
         if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
             return
-        self.room.wait()
+        if not self.room.wait():
+            return
         attributes = self._bounded(attributes)
         if events:
             events = bounded_events(events, self._limits)
