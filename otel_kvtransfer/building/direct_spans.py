@@ -191,7 +191,7 @@ class _QueueRoom:
             return True
         if processors is not self._seen:
             self._rescan(processors)
-        room, deliver = self.SPANS_PER_LOOK * 2, True
+        room = self.SPANS_PER_LOOK * 2
         for entry in self._queues:
             queue, size, inner, stalled = entry
             if len(queue) < size:
@@ -211,12 +211,12 @@ class _QueueRoom:
             if len(queue) >= size:
                 if self.drain_deadline() < deadline:  # the flush's or exit's bound, not a hung exporter
                     self.on_drop("flush_timeout", 1)
-                    deliver = False
-                    break
+                    self._unlooked = 0  # the queue is full: the next span looks again
+                    return False
                 entry[3] = True
                 self.on_drop("export_queue_full", 1)
         self._unlooked = max(room // 2 - 1, 0)
-        return deliver
+        return True
 
 
 class DirectSpans:
