@@ -27,6 +27,7 @@ Runs inside a network namespace of its own (re-executes itself under `unshare -r
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -276,12 +277,22 @@ def process_cost(b: Bench, rounds: int, seconds: float, rate: int = 700) -> dict
     }
 
 
+def _waits():
+    """This thread's voluntary context switches so far (Linux's per-thread rusage; 0 where there is none). A thread
+    running Python switches voluntarily when it waits: here, for the GIL another thread holds."""
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        return 0
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 def _block(call, n):
-    """(wall ns, this thread's CPU ns) per call over n calls."""
+    """(wall ns, this thread's CPU ns) per call over n calls, and how often the thread waited in the block."""
+    waits = _waits()
     wall, cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
     for _ in range(n):
         call()
-    return (time.perf_counter_ns() - wall) / n, (time.thread_time_ns() - cpu_ns) / n
+    wall, cpu_ns = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu_ns
+    return wall / n, cpu_ns / n, _waits() - waits
 
 
 def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
@@ -336,6 +347,10 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             "added_thread_cpu_us": statistics.median(added_cpu) / 1e3,
             "aa_thread_cpu_us": statistics.median(aa_cpu) / 1e3,
             "added_thread_cpu_us_rounds": [x / 1e3 for x in added_cpu],
+            # How often the calling thread waited in a block (for the GIL, held by our threads or the SDK's
+            # meanwhile: each wait costs it a futex round trip and a colder cache, not only the wait itself).
+            "waits_per_block": {mode: statistics.median(x[2] for x in per[mode]) for mode in per},
+            "calls_per_block": max(calls // 10, 10) if shape.startswith("128") else calls,
         }
     pool.shutdown()
     return out

@@ -42,15 +42,17 @@ BENCHES = list(SCRIPTS)
 COST_RUNS = {"engine_cost_http": "OTLP/HTTP protobuf, default configuration",
              "engine_cost_grpc": "OTLP/gRPC, default configuration",
              "engine_cost_before": "before: OTEL_KVTRANSFER_PIPELINE=sdk, OTEL_KVTRANSFER_BUILDER=thread, OTLP/HTTP"}
-GOALS = {"total_cpu_us": 20.0, "engine_cpu_us": 5.0, "builder_per_s": 50_000, "thread_added_us": 2.0,
+GOALS = {"total_cpu_us": 20.0, "engine_cpu_us": 5.0, "builder_per_s": 100_000, "thread_added_us": 2.0,
          "neighbour_slowdown": 0.01, "capacity_per_s": 20_000, "truth_error": 0.02, "eviction_ratio": 2.0,
-         "ours_marginal_us": 2.0, "ours_idle_us_per_s": 1000.0, "calling_zero_length_us": 1.0}
+         "ours_marginal_us": 2.0, "ours_idle_us_per_s": 1000.0, "calling_zero_length_us": 1.0,
+         "helper_marginal_us": 15.0}
 THREAD_RUNS = {"engine_threads_1s": "metrics every 1 s", "engine_threads_default": "the SDK's default metric interval"}
 OWNER_LABELS = {"calling": "the calling thread", "recorder": "our recorder thread", "sdk": "the SDK's export threads",
                 "mooncake": "Mooncake's own threads", "python_other": "the bench's main thread (its flushes)",
                 "ended": "threads that ended in the round", "engine_process": "**the engine process**",
                 "helper": "the helper process (beside the engine)",
                 "calling_wall_in_calls": "wall time inside the engine calls (not CPU)"}
+OWNERS_IN_ENGINE = ("calling", "recorder", "sdk", "mooncake", "python_other", "ended")
 PLACEMENT_LABELS = {"shared": "as scheduled", "apart": "engine on a core of its own",
                     "receiver_alone": "receiver on a core of its own"}
 
@@ -176,12 +178,13 @@ def _cost_summary(cost: dict) -> dict:
 
 
 def _threads_summary(run: dict) -> dict:
-    """Goals 2 and 3 of the attribution run, per placement: figure, A/A, verdict."""
+    """Goals 2, 3 and 4 (the helper's part) of the attribution run, per placement: figure, A/A, verdict."""
     out = {}
     for kind in run["placements"]:
         x = run[kind]
         marginal, idle, zero = x["marginal_us_per_transfer"]["ours_in_engine"], x["idle"]["recorder"], \
             x["zero_length_call"]
+        helper = x["marginal_us_per_transfer"]["helper"]
         out[kind] = {
             "ours_marginal_us": marginal["median"], "ours_marginal_aa": marginal["aa"],
             "ours_marginal_verdict": _against_noise([(marginal["median"], marginal["aa"])], GOALS["ours_marginal_us"])
@@ -190,7 +193,12 @@ def _threads_summary(run: dict) -> dict:
             "ours_idle_verdict": _against_noise([(idle["added"], idle["aa"])], GOALS["ours_idle_us_per_s"]),
             "calling_zero_length_us": zero["added_thread_cpu_us"], "calling_zero_length_aa": zero["aa_thread_cpu_us"],
             "calling_zero_length_verdict": _against_noise([(zero["added_thread_cpu_us"], zero["aa_thread_cpu_us"])],
-                                                          GOALS["calling_zero_length_us"])}
+                                                          GOALS["calling_zero_length_us"]),
+            "calling_waits_per_block": zero.get("waits_per_block"), "calling_block": zero.get("calls_per_block"),
+            "helper_marginal_us": helper["median"], "helper_marginal_aa": helper["aa"],
+            "helper_marginal_rounds": [helper["min"], helper["max"]],
+            "helper_marginal_verdict": _against_noise([(helper["median"], helper["aa"])], GOALS["helper_marginal_us"])
+            if helper["median"] is not None else "not measured (the higher rate was not reached)"}
     return out
 
 
@@ -292,21 +300,64 @@ def _cost_section(cost: dict, title: str) -> list:
 
 
 def _threads_headline(results: dict) -> list:
-    lines = ["## Headline: where the engine process's CPU goes", "",
+    """The engine process's cost owner by owner: goals 1-5 of the attribution, each run and placement a row."""
+    lines = ["## Headline: the engine process's CPU, owner by owner", "",
              "bench/engine_threads.py: the engine process's CPU read thread by thread (schedstat), on vs off, A/A "
-             "beside; each placement of the run's processes. Marginal: the slope of the added CPU between 700 and "
-             "2,800 paced 64 KiB transfers/s.", "",
-             "| goal | run, placement | figure (A/A) | verdict |", "|---|---|---|---|"]
-    goals = (("ours_marginal", "our threads in the engine process <= 2 us per transfer, marginal", "us"),
-             ("ours_idle", "our threads in the engine process <= 1 ms of CPU per second, nothing transferred",
-              "us/s"),
-             ("calling_zero_length", "<= 1.0 us added on the calling thread per engine call (0 B real writes)", "us"))
-    for key, goal, unit in goals:
+             "beside, under each placement of the run's processes; marginal: the slope of the added CPU between "
+             "700 and 2,800 paced 64 KiB transfers/s. The builder's rate is bench/engine_cost.py's builder part "
+             "(1.1, 1.2), vLLM's own telemetry its anchor part. 'measured' marks a figure with no bound to meet.",
+             "", "| goal | run, placement | figure (A/A) | verdict |", "|---|---|---|---|"]
+    threads = results["summary"]["threads"]
+
+    def each_placement():
         for name, label in THREAD_RUNS.items():
-            for kind, x in results["summary"]["threads"][name].items():
-                figure = x["ours_idle_us_per_s"] if key == "ours_idle" else x[key + "_us"]
-                shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f})"
-                lines.append(f"| {goal} | {label}, {PLACEMENT_LABELS[kind]} | {shown} | {x[key + '_verdict']} |")
+            for kind, x in threads[name].items():
+                yield f"{label}, {PLACEMENT_LABELS[kind]}", x, results[name][kind]
+
+    for where, _, run in each_placement():
+        rate = min(run["by_rate"], key=int)
+        at = run["by_rate"][rate]
+        parts = ", ".join(f"{OWNER_LABELS[o]} {at[o]['added']:+.1f}" for o in OWNERS_IN_ENGINE)
+        lines.append(f"| 1. the engine process's added CPU per transfer, each microsecond with its owner | {where} "
+                     f"| at {int(rate):,}/s: {at['engine_process']['added']:+.1f} us "
+                     f"({at['engine_process']['aa']:+.1f}) = {parts} | measured |")
+    goals = (("ours_marginal", f"2. our threads in the engine process <= {GOALS['ours_marginal_us']:g} us per "
+              "transfer, marginal", "us"),
+             ("ours_idle", f"2. our threads in the engine process <= {GOALS['ours_idle_us_per_s'] / 1000:g} ms of "
+              "CPU per second, nothing transferred", "us/s"),
+             ("calling_zero_length", f"3. <= {GOALS['calling_zero_length_us']:g} us added on the calling thread per "
+              "engine call (0 B real writes)", "us"),
+             ("helper_marginal", f"4. the helper process <= {GOALS['helper_marginal_us']:g} us per transfer, "
+              "marginal", "us"))
+    for key, goal, unit in goals:
+        for where, x, _ in each_placement():
+            figure = x["ours_idle_us_per_s"] if key == "ours_idle" else x.get(key + "_us")
+            shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f})"
+            if key == "helper_marginal" and figure is not None:  # no helper runs uninstrumented: its A/A is 0
+                shown += f"; rounds {x['helper_marginal_rounds'][0]:+.2f} .. {x['helper_marginal_rounds'][1]:+.2f}"
+            if key == "calling_zero_length" and x.get("calling_waits_per_block"):
+                waits = x["calling_waits_per_block"]
+                shown += (f"; the calling thread waited {waits['on']:g} times per block of {x['calling_block']} "
+                          f"calls on, {waits['off']:g} off")
+            lines.append(f"| {goal} | {where} | {shown} | {x.get(key + '_verdict', 'not measured')} |")
+    for name in ("engine_cost_http", "engine_cost_grpc"):
+        x = results["summary"]["cost"][name]
+        if x.get("builder_per_s") is None:
+            continue
+        shown = f"{x['builder_per_s']:,.0f}/s, dropped {x['builder_dropped']:,} of {x['builder_records']:,}"
+        if "builder_big_queue_per_s" in x:
+            shown += (f" (span queue {x['builder_big_queue_size']:,}: {x['builder_big_queue_per_s']:,.0f}/s, "
+                      f"dropped {x['builder_big_queue_dropped']:,})")
+        lines.append(f"| 4. one builder >= {GOALS['builder_per_s']:,} records/s, nothing dropped (its CPU) "
+                     f"| {COST_RUNS[name]} | {shown} | {x['builder_verdict']} |")
+    anchor = results["vllm_anchor"].get("anchor") or results["vllm_anchor"]
+    if "skipped" in anchor:
+        lines.append(f"| 5. beside vLLM's own per-transfer telemetry | - | skipped: {anchor['skipped']} | - |")
+    else:
+        lines.append(f"| 5. beside vLLM's own per-transfer telemetry | vLLM {anchor['vllm']}, the same real sends "
+                     f"| vLLM's code {anchor['vllm_us_per_send']:.2f} us per send; ours on the calling thread "
+                     f"{anchor['ours_added_thread_cpu_us']:+.2f} us ({anchor['ours_aa_thread_cpu_us']:+.2f}), our "
+                     "recorder thread's marginal above | measured |")
     return lines
 
 
@@ -408,22 +459,22 @@ def render(results: dict) -> str:
               "to tell; 'NOT met' when it exceeds the goal by more than that noise; otherwise 'within noise'.", "",
               "| goal | " + " | | ".join(COST_RUNS[name] for name in runs) + " | |",
               "|---|" + "---|---|" * len(runs),
-              row("1. <= 20 us CPU per transfer in total (engine process + every helper it starts), 64 KiB writes "
+              row("<= 20 us CPU per transfer in total (engine process + every helper it starts), 64 KiB writes "
                   "at 700/s; the receiver gets every span, kv_transfer.size counts each",
                   lambda x: f"{x['total_cpu_us']:+.1f} us (A/A {x['total_aa_us']:+.1f}); spans received "
                             f"{x['process_spans_received']:,} of {x['process_transfers_on']:,}, size count "
                             f"{x['process_size_count']:,}",
                   "total_verdict"),
-              row("2. <= 5 us CPU per transfer in the engine process",
+              row("<= 5 us CPU per transfer in the engine process",
                   lambda x: f"{x['engine_cpu_us']:+.1f} us (A/A {x['engine_aa_us']:+.1f})", "engine_verdict"),
-              row("3. >= 50,000 transfers/s by one builder alone, nothing dropped (its CPU; queued records built "
-                  "and exported over OTLP)",
+              row(f">= {GOALS['builder_per_s']:,} transfers/s by one builder alone, nothing dropped (its CPU; queued "
+                  "records built and exported over OTLP)",
                   lambda x: f"{x['builder_per_s']:,.0f}/s, dropped {x['builder_dropped']:,} of "
                             f"{x['builder_records']:,}"
                   + (f" (span queue {x['builder_big_queue_size']:,}: {x['builder_big_queue_per_s']:,.0f}/s, "
                      f"dropped {x['builder_big_queue_dropped']:,})" if "builder_big_queue_per_s" in x else ""),
                   "builder_verdict"),
-              row("5. <= 2 us added on the calling thread per real engine call (A/A beside each)",
+              row("<= 2 us added on the calling thread per real engine call (A/A beside each)",
                   lambda x: "; ".join(f"{shape}: {v:+.2f} us ({x['thread_aa_us'][shape]:+.2f})"
                                       for shape, v in x["thread_added_us"].items()), "thread_verdict"),
               row("a CPU-bound Python thread slows <= 1% beside 1,000 transfers/s",
