@@ -175,6 +175,53 @@ def test_exporter_that_raises_leaves_engine_and_metrics_intact(engine, receiver,
         setup.close()
 
 
+class _ReleaseWhenFull(SpanProcessor):
+    """Put in front of a batch processor whose exporter hangs: the first span handed on while that processor's
+    queue is full releases the exporter and waits for the room it makes, before the batch processor's turn. So a
+    span counted as lost to a full queue meets a queue with room: the widest the window between the count and the
+    hand-off can be, made certain instead of rare."""
+
+    def __init__(self, exporter, batch):
+        self._exporter = exporter
+        self._queue, self._size = batch._batch_processor._queue, batch._batch_processor._max_queue_size
+        self.released_at = None  # the name of the span whose hand-off released the exporter
+
+    def on_end(self, span):
+        if self.released_at is None and len(self._queue) >= self._size:
+            self.released_at = span.name
+            self._exporter.release.set()
+            wait_until(lambda: len(self._queue) < self._size, 10, what="the released exporter making room")
+
+
+def test_a_span_counted_for_a_full_export_queue_is_not_exported_as_well(engine, receiver, monkeypatch):
+    """A span the export queue could not take (its exporter hung past the wait) is counted, and the processor it
+    was counted for never gets it, even when the exporter makes room before the hand-off: every transfer is
+    exported or counted, never both."""
+    from otel_kvtransfer.building import direct_spans
+
+    monkeypatch.setattr(direct_spans._QueueRoom, "WAIT_S", 0.2)  # the hung exporter's wait, shortened
+    exporter = _HangingExporter()
+    batch = BatchSpanProcessor(exporter, max_queue_size=8, max_export_batch_size=8, schedule_delay_millis=5)
+    releaser = _ReleaseWhenFull(exporter, batch)
+    setup = _Setup(releaser, batch)
+    try:
+        assert _write(engine, receiver) == 0
+        RECORDER.drain()
+        assert exporter.entered.wait(10)  # the exporter is now stuck inside export() with the first span
+        assert [_write(engine, receiver) for _ in range(12)] == [0] * 12
+        RECORDER.drain()  # 8 fill the queue; the 9th waits, is counted, and meets the room the releaser made
+        assert releaser.released_at == semconv.SPAN_SEND
+        assert setup.dropped() == {"export_queue_full": 1}
+        batch.force_flush()
+        sends = [s for s in exporter.exported if s.name == semconv.SPAN_SEND]
+        assert len(sends) == 12  # 13 transfers: 12 exported, 1 counted, none both
+        assert len({s.context.span_id for s in sends}) == 12
+        assert setup.transfers_in_metrics() == 13
+    finally:
+        exporter.release.set()
+        setup.close()
+
+
 def test_collector_down_with_the_real_otlp_exporter(engine, receiver):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter,

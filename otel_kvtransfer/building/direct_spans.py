@@ -151,12 +151,12 @@ class _QueueRoom:
     queue (and lets the next spans through unlooked while the room it found leaves a margin): when one is full it
     waits, up to WAIT_S, for its worker to make room. Waiting holds the builder, so
     what cannot wait is counted where it queues (the recorder's queue, or the helper's socket). After WAIT_S (a
-    hung exporter) the span goes on and is counted as dropped (`export_queue_full`), and so is every span that
-    finds that queue still full, without waiting again, until it has room. No wait outlasts the deadline of the
-    drain in progress (a flush's or the exit's own bound): a span whose wait that deadline ends is counted as
-    `flush_timeout` instead and not handed on, as the records that drain leaves undelivered (handed on, it could
-    still find room made since the last look, and be exported as well as counted), and the exporter is not taken
-    as hung.
+    hung exporter) the span is counted as dropped (`export_queue_full`) and not handed to that processor (the
+    others get it), and so is every span that finds that queue still full, without waiting again, until it has
+    room: a span counted is never exported by the processor it was counted for, even if its exporter makes room
+    in between. No wait outlasts the deadline of the drain in progress (a flush's or the exit's own bound): a span
+    whose wait that deadline ends is counted as `flush_timeout` instead and handed to no processor, as the records
+    that drain leaves undelivered, and the exporter is not taken as hung.
     """
 
     WAIT_S = 5.0
@@ -181,42 +181,46 @@ class _QueueRoom:
         for processor in processors:
             found = sdk_internals.batch_queue(processor)
             if found is not None:
-                self._queues.append([*found, False])  # False: not stalled
+                self._queues.append([*found, False, processor])  # False: not stalled
 
-    def wait(self) -> bool:
-        """False when the span is not to be handed on: the drain's deadline ended its wait (counted)."""
+    def wait(self):
+        """The processors not to hand the span to: () for none (the common case), those whose queue stayed full
+        (counted); None for every one (the drain's deadline ended the wait: counted as flush_timeout)."""
         processors = getattr(self._multi, _PROCESSORS, ())
         if self._unlooked and processors is self._seen:
             self._unlooked -= 1
-            return True
+            return ()
         if processors is not self._seen:
             self._rescan(processors)
         room = self.SPANS_PER_LOOK * 2
+        full = ()
         for entry in self._queues:
-            queue, size, inner, stalled = entry
+            queue, size, inner, stalled, processor = entry
             if len(queue) < size:
                 entry[3] = False
                 room = min(room, size - len(queue))
                 continue
             room = 0
-            if stalled:  # its exporter did not make room last time: count, do not wait again
-                self.on_drop("export_queue_full", 1)
-                continue
-            deadline = time.monotonic() + self.WAIT_S
-            awaken = sdk_internals.worker_awaken(inner)
-            while len(queue) >= size and time.monotonic() < min(deadline, self.drain_deadline()):
-                if awaken is not None:
-                    awaken.set()  # the worker exports at once instead of at its next scheduled time
-                time.sleep(0.001)
-            if len(queue) >= size:
+            if not stalled:
+                deadline = time.monotonic() + self.WAIT_S
+                awaken = sdk_internals.worker_awaken(inner)
+                while len(queue) >= size and time.monotonic() < min(deadline, self.drain_deadline()):
+                    if awaken is not None:
+                        awaken.set()  # the worker exports at once instead of at its next scheduled time
+                    time.sleep(0.001)
+                if len(queue) < size:
+                    continue
                 if self.drain_deadline() < deadline:  # the flush's or exit's bound, not a hung exporter
                     self.on_drop("flush_timeout", 1)
                     self._unlooked = 0  # the queue is full: the next span looks again
-                    return False
+                    return None
                 entry[3] = True
-                self.on_drop("export_queue_full", 1)
+            # Its exporter did not make room in WAIT_S (now, or at an earlier span): counted, not handed to it,
+            # so that room it makes from here on cannot export the span as well.
+            self.on_drop("export_queue_full", 1)
+            full += (processor,)
         self._unlooked = max(room // 2 - 1, 0)
-        return True
+        return full
 
 
 class DirectSpans:
@@ -325,15 +329,22 @@ class DirectSpans:
     def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
         if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
             return
-        if not self.room.wait():
+        skip = self.room.wait()
+        if skip is None:
             return
         attributes = self._bounded(attributes)
         if events:
             events = bounded_events(events, self._limits)
         if status is not UNSET_STATUS:
             status = repaired_status(status)
-        self._processor.on_end(KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None,
-                                      status, start_ns, end_ns, self._scope))
+        span = KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None, status, start_ns,
+                      end_ns, self._scope)
+        if not skip:
+            self._processor.on_end(span)
+            return
+        for processor in getattr(self._processor, _PROCESSORS, ()):
+            if processor not in skip:
+                processor.on_end(span)
 
     def _bounded(self, attributes):
         """`attributes` as the SDK would keep them under the provider's limits: themselves when nothing is cut or
