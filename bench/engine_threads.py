@@ -11,7 +11,9 @@ configurator, OTLP exporters to bench/otlp_receiver.py, real Mooncake 64 KiB wri
   mooncake     threads Python did not start: the Mooncake engine's own (and, over OTLP/gRPC, gRPC's)
   python_other this script's other Python threads (the main thread waiting out the round)
   ended        what threads that ended within the round used (process CPU minus the threads above)
-  helper       the builder processes this process started (another process: beside, not in, the engine's)
+  helper       the builder processes this process started (another process: beside, not in, the engine's),
+               and split in two: its main thread, which builds (helper_builder), and its other threads, the
+               SDK's exporters (helper_export)
 And beside them the calling thread's wall time inside its engine calls: a sync call that waits by polling spends
 its wall time on the CPU, so CPU and wall inside the calls move together.
 
@@ -44,6 +46,7 @@ from common import emit_json, in_private_network, machine, stop_all
 from engine_cost import _rotations, _spread
 
 OWNERS = ("calling", "recorder", "sdk", "mooncake", "python_other", "ended", "helper")
+HELPER_PARTS = ("helper_builder", "helper_export")  # the helper's CPU, split: beside, not in, OWNERS
 OURS_PREFIX = "otel-kvtransfer-"
 SDK_PREFIXES = ("OtelBatch", "OtelPeriodicExportingMetricReader")
 
@@ -68,6 +71,7 @@ class Round:
     def start(self):
         self._threads, self._process = cpu.threads_ns(os.getpid()), time.process_time_ns()
         self._helper = cpu.Snapshot(pids=self._helpers())
+        self._helper_main = _main_threads_ns(self._helpers())
 
     def stop(self, calling_tid: int, calling_ns: int) -> dict:
         threads, process = cpu.threads_ns(os.getpid()), time.process_time_ns()
@@ -86,7 +90,22 @@ class Round:
             counted += used
         owners["ended"] = max(process - self._process - counted, 0)
         owners["helper"] = helper["others_ns"]
+        # The helper's main thread is its frame loop, which builds; its other threads are the SDK's exporters
+        # (and a flush's own thread): what building costs, apart from what exporting does.
+        main = _main_threads_ns(self._helpers())
+        owners["helper_builder"] = sum(ns - self._helper_main.get(pid, 0) for pid, ns in main.items())
+        owners["helper_export"] = max(owners["helper"] - owners["helper_builder"], 0)
         return owners
+
+
+def _main_threads_ns(pids) -> dict:
+    """pid -> its main thread's nanoseconds on the CPU (schedstat), for the processes still there."""
+    found = {}
+    for pid in pids:
+        ns = cpu.threads_ns(pid).get(pid) if os.path.isdir(f"/proc/{pid}/task") else None
+        if ns is not None:
+            found[pid] = ns
+    return found
 
 
 def _paced(call, rate: float, seconds: float) -> tuple:
@@ -212,7 +231,7 @@ def attribute(b, placement, call, rate, rounds, seconds) -> dict:
            "us per second", "transfers_per_round": _spread([x["made"] for m in per.values() for x in m]),
            # the rates reached (a paced thread falls behind when the engine is slower than its pace)
            "achieved_per_s": {m: [x["made"] / seconds for x in per[m]] for m in per}}
-    for owner in OWNERS + ("engine_process", "ours_in_engine", "calling_wall_in_calls"):
+    for owner in OWNERS + HELPER_PARTS + ("engine_process", "ours_in_engine", "calling_wall_in_calls"):
         def value(x, owner=owner):
             if owner == "engine_process":
                 return sum(x[k] for k in OWNERS if k != "helper")
@@ -250,7 +269,8 @@ def run(b, placement, rates, rounds, seconds) -> dict:
              "idle": attribute(b, placement, None, 0, rounds, seconds)}
     low, high = (found["by_rate"][str(r)] for r in (min(rates), max(rates)))
     found["marginal_us_per_transfer"] = {owner: slope(low, high, owner) for owner in
-                                         ("ours_in_engine", "calling", "engine_process", "helper")}
+                                         ("ours_in_engine", "calling", "engine_process", "helper")
+                                         + HELPER_PARTS}
     # The wrapper's own cost on the calling thread, where the engine's own work is smallest (0 B writes), in
     # the same placement: what the calling thread adds beyond it is the engine's polling while it waits.
     found["zero_length_call"] = thread_cost(b, rounds=max(rounds, 3), calls=400, shapes=("0 B sync write",))[

@@ -51,6 +51,8 @@ OWNER_LABELS = {"calling": "the calling thread", "recorder": "our recorder threa
                 "mooncake": "Mooncake's own threads", "python_other": "the bench's main thread (its flushes)",
                 "ended": "threads that ended in the round", "engine_process": "**the engine process**",
                 "helper": "the helper process (beside the engine)",
+                "helper_builder": "of it, its builder (the main thread)",
+                "helper_export": "of it, its export threads (the SDK's)",
                 "calling_wall_in_calls": "wall time inside the engine calls (not CPU)"}
 OWNERS_IN_ENGINE = ("calling", "recorder", "sdk", "mooncake", "python_other", "ended")
 PLACEMENT_LABELS = {"shared": "as scheduled", "apart": "engine on a core of its own",
@@ -197,6 +199,8 @@ def _threads_summary(run: dict) -> dict:
             "calling_waits_per_block": zero.get("waits_per_block"), "calling_block": zero.get("calls_per_block"),
             "helper_marginal_us": helper["median"], "helper_marginal_aa": helper["aa"],
             "helper_marginal_rounds": [helper["min"], helper["max"]],
+            "helper_builder_us": x["marginal_us_per_transfer"].get("helper_builder", {}).get("median"),
+            "helper_export_us": x["marginal_us_per_transfer"].get("helper_export", {}).get("median"),
             "helper_marginal_verdict": _against_noise([(helper["median"], helper["aa"])], GOALS["helper_marginal_us"])
             if helper["median"] is not None else "not measured (the higher rate was not reached)"}
     return out
@@ -335,10 +339,13 @@ def _threads_headline(results: dict) -> list:
             shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f})"
             if key == "helper_marginal" and figure is not None:  # no helper runs uninstrumented: its A/A is 0
                 shown += f"; rounds {x['helper_marginal_rounds'][0]:+.2f} .. {x['helper_marginal_rounds'][1]:+.2f}"
+                if x.get("helper_builder_us") is not None:
+                    shown += (f"; of it the builder {x['helper_builder_us']:+.2f}, the export threads "
+                              f"{x['helper_export_us']:+.2f}")
             if key == "calling_zero_length" and x.get("calling_waits_per_block"):
                 waits = x["calling_waits_per_block"]
-                shown += (f"; the calling thread waited {waits['on']:g} times per block of {x['calling_block']} "
-                          f"calls on, {waits['off']:g} off")
+                shown += (f"; the calling thread's waits per block of {x['calling_block']} calls: "
+                          f"{waits['on']:g} on, {waits['off']:g} off")
             lines.append(f"| {goal} | {where} | {shown} | {x.get(key + '_verdict', 'not measured')} |")
     for name in ("engine_cost_http", "engine_cost_grpc"):
         x = results["summary"]["cost"][name]
@@ -382,11 +389,12 @@ def _threads_section(run: dict, title: str) -> list:
         m = x["marginal_us_per_transfer"]
         z = x["zero_length_call"]
         marginal = {"ours_in_engine": "our threads in the engine process", "calling": "the calling thread",
-                    "engine_process": "the engine process", "helper": "the helper process"}
+                    "engine_process": "the engine process", "helper": "the helper process",
+                    "helper_builder": "its builder", "helper_export": "its export threads"}
         lines += ["", "- Marginal us per transfer (slope between the rates; rounds min .. max; A/A): "
                   + "; ".join(f"{label} {m[o]['median']:+.2f} ({m[o]['min']:+.2f} .. {m[o]['max']:+.2f}; "
                               f"A/A {m[o]['aa']:+.2f})" for o, label in marginal.items()
-                              if m[o]["median"] is not None) + ".",
+                              if o in m and m[o]["median"] is not None) + ".",
                   f"- 0 B real writes (the engine's smallest work, {z['off_us_per_call']:.2f} us each uninstrumented): "
                   f"added on the calling thread **{z['added_thread_cpu_us']:+.2f} us** of CPU "
                   f"(A/A {z['aa_thread_cpu_us']:+.2f}), {z['added_wall_us']:+.2f} us of wall "
