@@ -102,7 +102,10 @@ def _main_threads_ns(pids) -> dict:
     """pid -> its main thread's nanoseconds on the CPU (schedstat), for the processes still there."""
     found = {}
     for pid in pids:
-        ns = cpu.threads_ns(pid).get(pid) if os.path.isdir(f"/proc/{pid}/task") else None
+        try:
+            ns = cpu.threads_ns(pid).get(pid)
+        except OSError:  # it ended
+            continue
         if ns is not None:
             found[pid] = ns
     return found
