@@ -347,6 +347,7 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             "added_thread_cpu_us": statistics.median(added_cpu) / 1e3,
             "aa_thread_cpu_us": statistics.median(aa_cpu) / 1e3,
             "added_thread_cpu_us_rounds": [x / 1e3 for x in added_cpu],
+            "aa_thread_cpu_us_rounds": [x / 1e3 for x in aa_cpu],
             # How often the calling thread waited in a block (for the GIL, held by our threads or the SDK's
             # meanwhile: each wait costs it a futex round trip and a colder cache, not only the wait itself).
             "waits_per_block": {mode: statistics.median(x[2] for x in per[mode]) for mode in per},
