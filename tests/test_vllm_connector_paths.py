@@ -6,8 +6,9 @@ listener binds every interface), once per release:
 - 0.33.0: vLLM 0.33.0's own Python code from its wheel (the canary's cache, tests/version_canary.py), first on
   sys.path. vLLM 0.33 has no CPU build (`vllm==0.33.0` pins CUDA torch), but its connector modules import on the
   CPU torch: these are its real classes and methods, not a copy.
-- 0.34.0: the same, from its wheel: the newest release, past the declared range (the package instruments it with
-  its warning); what its wrappers need is here, run on its own classes, before its new paths are read.
+- 0.34.0: the same, from its wheel (the newest release). Its new paths (a pull after the prefill's KV expired,
+  KV leases, the extensible KV cache's re-registration) end in the spans and counts the older releases' do
+  (docs/vllm.md).
 What the script stands in for (a loaded model, a second engine) is listed in its docstring.
 """
 

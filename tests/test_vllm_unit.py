@@ -14,7 +14,7 @@ from otel_kvtransfer.frameworks import vllm as vllm_framework
 
 
 @pytest.mark.parametrize("version,supported", [
-    ("0.32.0", True), ("0.32.7", True), ("0.32.1rc1", True), ("0.33.0", True), ("0.34.0", False),
+    ("0.32.0", True), ("0.32.7", True), ("0.32.1rc1", True), ("0.33.0", True), ("0.34.0", True), ("0.35.0", False),
     ("0.31.9", False), ("1.0.0", False), ("", False), (None, False), ("garbage", False),
 ])
 def test_version_gate(version, supported):

@@ -46,8 +46,8 @@ def _targets():
     return targets.by_module()
 
 
-# The vLLM releases the tests ran on: 0.32.x (real servers) and 0.33.x (real classes, source checked).
-HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 34), _patches, patcher=patcher, forget=_forget,
+# The vLLM releases the tests ran on: 0.32.x (real servers), 0.33.x and 0.34.x (real classes, source checked).
+HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 35), _patches, patcher=patcher, forget=_forget,
                        targets=_targets)
 SUPPORTED = HOOKS.supported
 is_supported = HOOKS.is_supported

@@ -11,7 +11,7 @@ stay the KV's, and the per-send metrics keep the payload label.
 - Expert weights over NIXL (EPLB): `NixlEplbCommunicator.add_recv` (eplb/eplb_communicator.py) makes and posts one
   READ per expert from its source rank; `execute()` polls them.
 
-vLLM 0.32 and 0.33 have all three. Each module is patched when vLLM imports it; a class or method a release lacks
+vLLM 0.32, 0.33 and 0.34 have all three. Each module is patched when vLLM imports it; a class or method a release lacks
 is not wrapped (optional targets in targets.py, never a reason to block the KV wrappers), and its bytes then show
 as raw sends, as would any other non-KV caller of these engines (docs/support.md lists what was looked for).
 """

@@ -83,7 +83,7 @@ NIXL_STATS_TARGETS = [
 ]
 
 
-# Traffic that is not KV (payloads.py; 0.32 and 0.33 have all three): each entry method opens a payload scope. All
+# Traffic that is not KV (payloads.py; 0.32, 0.33 and 0.34 have all three): each entry method opens a payload scope. All
 # optional: a release without one keeps its KV wrappers, and those bytes show as raw sends.
 _EC = "vllm.distributed.ec_transfer.ec_connector"
 EC_MOONCAKE = f"{_EC}.mooncake.transfer"
