@@ -26,8 +26,8 @@ LOGGER = "otel_kvtransfer.wiring.activation"
 
 @pytest.mark.parametrize("version,tested,newer", [
     ("0.32.0", True, False), ("0.32.7", True, False), ("0.33.0", True, False), ("0.33.2rc1", True, False),
-    ("0.34.0", True, False), ("0.35.0", False, True), ("1.0.0", False, True), ("0.31.9", False, False), ("", False, False),
-    (None, False, False), ("garbage", False, False),
+    ("0.34.0", True, False), ("0.35.0", False, True), ("1.0.0", False, True), ("0.31.9", False, False),
+    ("", False, False), (None, False, False), ("garbage", False, False),
 ])
 def test_declared_range_and_newer_releases(version, tested, newer):
     assert vllm_framework.is_supported(version) is tested
