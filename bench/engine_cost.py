@@ -315,11 +315,12 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             return pool.submit(run).result()
 
     # A batch write takes ~100x an 8 B write: a tenth of the calls keeps its blocks short (CPU is per call).
+    batch_calls = max(calls // 10, 10)
     # A 0 B write is the engine's smallest work (~0.6 us): what is added there is the wrapper's own cost, and
     # nothing of the engine's polling while it waits for a receiver.
     known = {"0 B sync write": lambda n: _block(b.call_0b, n),
              "8 B sync write": lambda n: _block(b.call_8b, n),
-              "128-descriptor batch write": lambda n: _block(b.call_batch, max(n // 10, 10)),
+              "128-descriptor batch write": lambda n: _block(b.call_batch, batch_calls),
               "8 B write in a transfer_scope": lambda n: _block(b.call_scoped, n),
               "8 B write via scope.bind() on an executor thread": bound_block}
     out = {}
@@ -334,7 +335,7 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
                 per[mode].append(run(calls))
                 if mode == "on":  # one send per call, except calls bound to one scope: one send per block
                     b.transfers_on += (1 if shape.startswith("8 B write via") else
-                                       max(calls // 10, 10) if shape.startswith("128") else calls)
+                                       batch_calls if shape.startswith("128") else calls)
         b.off()
         added_wall = [on[0] - off[0] for on, off in zip(per["on"], per["off"])]
         added_cpu = [on[1] - off[1] for on, off in zip(per["on"], per["off"])]
@@ -351,7 +352,7 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             # How often the calling thread waited in a block (for the GIL, held by our threads or the SDK's
             # meanwhile: each wait costs it a futex round trip and a colder cache, not only the wait itself).
             "waits_per_block": {mode: statistics.median(x[2] for x in per[mode]) for mode in per},
-            "calls_per_block": max(calls // 10, 10) if shape.startswith("128") else calls,
+            "calls_per_block": batch_calls if shape.startswith("128") else calls,
         }
     pool.shutdown()
     return out

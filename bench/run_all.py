@@ -349,14 +349,14 @@ def _threads_headline(results: dict) -> list:
     for key, goal, unit in goals:
         for where, x, _ in each_placement():
             figure = x["ours_idle_us_per_s"] if key == "ours_idle" else x.get(key + "_us")
-            shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f})"
+            noise = x.get(key + "_noise")  # a round's typical A/A, where the run kept its rounds
+            spread = "" if noise is None else f", ±{noise:.2f}"
+            shown = "-" if figure is None else f"{figure:+.2f} {unit} ({x[key + '_aa']:+.2f}{spread})"
             if key == "helper_marginal" and figure is not None:  # no helper runs uninstrumented: its A/A is 0
                 shown += f"; rounds {x['helper_marginal_rounds'][0]:+.2f} .. {x['helper_marginal_rounds'][1]:+.2f}"
                 if x.get("helper_builder_us") is not None:
                     shown += (f"; of it the builder {x['helper_builder_us']:+.2f}, the export threads "
                               f"{x['helper_export_us']:+.2f}")
-            if key == "calling_zero_length" and "calling_zero_length_noise" in x:
-                shown = shown[:-1] + f", ±{x['calling_zero_length_noise']:.2f})"
             if key == "calling_zero_length" and x.get("calling_waits_per_block"):
                 waits = x["calling_waits_per_block"]
                 shown += (f"; the calling thread's waits per block of {x['calling_block']} calls: "

@@ -24,7 +24,7 @@ from opentelemetry.trace import StatusCode
 from support.telemetry import dropped_by_reason, metric_points, transfers_in_metrics
 from support.waiting import exited, wait_until
 
-from otel_kvtransfer import KVTransferInstrumentor, config, semconv
+from otel_kvtransfer import KVTransferInstrumentor, config, sdk_internals, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.demo.loopback import digest
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -183,7 +183,7 @@ class _ReleaseWhenFull(SpanProcessor):
 
     def __init__(self, exporter, batch):
         self._exporter = exporter
-        self._queue, self._size = batch._batch_processor._queue, batch._batch_processor._max_queue_size
+        self._queue, self._size, _ = sdk_internals.batch_queue(batch)  # the queue the builder looks at
         self.released_at = None  # the name of the span whose hand-off released the exporter
 
     def on_end(self, span):
