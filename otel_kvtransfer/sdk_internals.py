@@ -86,6 +86,44 @@ def worker_awaken(inner):
     return getattr(inner, "_worker_awaken", None)
 
 
+def _sdk_own(function) -> bool:
+    """A function of the SDK's that nobody wrapped (functools.wraps and wrapt both leave `__wrapped__`)."""
+    return getattr(function, "__module__", "").startswith("opentelemetry.sdk.") and not hasattr(function,
+                                                                                                 "__wrapped__")
+
+
+def batch_handoff(processor, pid: int) -> Optional[Callable[[Any], None]]:
+    """For the SDK's own BatchSpanProcessor: a function that queues a sampled span exactly as its `on_end` does
+    (appended to the export queue, the worker woken once a batch waits) without that path's checks per span
+    (three calls, a getpid() system call); the processor's own `on_end` takes every span it must judge itself (its
+    queue full, shut down, or a fork since `pid` was read: it counts, logs or re-initialises as it always does).
+    None for any other processor, a subclass, or one whose `on_end` or emit was replaced (it is called as such)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    inner = getattr(processor, "_batch_processor", None)
+    if (type(processor) is not BatchSpanProcessor or inner is None or "on_end" in vars(processor)
+            or "emit" in vars(inner) or not _sdk_own(BatchSpanProcessor.on_end)
+            or not _sdk_own(getattr(type(inner), "emit", None))):
+        return None
+    found = batch_queue(processor)
+    batch, awaken = getattr(inner, "_max_export_batch_size", None), worker_awaken(inner)
+    if found is None or not isinstance(batch, int) or not hasattr(awaken, "is_set") or not hasattr(inner, "_pid") \
+            or not hasattr(inner, "_shutdown"):
+        return None
+    queue, size, _ = found
+    on_end, appendleft, is_set, wake = processor.on_end, queue.appendleft, awaken.is_set, awaken.set
+
+    def hand(span) -> None:
+        if len(queue) < size and inner._pid == pid and not inner._shutdown:
+            appendleft(span)
+            if len(queue) >= batch and not is_set():
+                wake()
+        else:
+            on_end(span)
+
+    return hand
+
+
 # The ReadableSpan fields the span encoder (building/span_encoding.py) reads from spans this package built:
 # `span._context` and the rest directly, there, because a slot read is the cheapest access Python has (a getter
 # called per span cost ~0.15 us more per span). The canary checks each name on the installed SDK, and that the

@@ -259,6 +259,73 @@ def test_the_batch_span_processor_queue_the_direct_path_waits_on():
     processor.shutdown()
 
 
+class _HeldExporter:
+    """An exporter whose export waits until released: its batch processor's worker stays inside it."""
+
+    def __init__(self):
+        import threading
+
+        self.entered, self.release, self.exported = threading.Event(), threading.Event(), []
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.exported.extend(spans)
+        self.entered.set()
+        self.release.wait(30)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.release.set()
+
+    def force_flush(self, timeout_millis=30000):
+        return True
+
+
+def test_the_batch_span_processor_emit_the_hand_off_stands_in_for():
+    """`batch_handoff` queues a span as the SDK's BatchSpanProcessor.on_end does (`_max_export_batch_size`, the
+    worker's wake-up, `_pid`, `_shutdown`) and leaves it to that on_end when the queue is full or the processor is
+    shut down; a subclass gets none (its on_end may differ)."""
+    import logging
+    import os
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+    exporter = _HeldExporter()
+    processor = BatchSpanProcessor(exporter, max_queue_size=4, max_export_batch_size=2, schedule_delay_millis=600_000)
+    queue, _, inner = sdk_internals.batch_queue(processor)
+    hand = sdk_internals.batch_handoff(processor, os.getpid())
+    span = TracerProvider().get_tracer("canary").start_span("s")
+    span.end()
+    try:
+        hand(span)
+        assert list(queue) == [span] and not sdk_internals.worker_awaken(inner).is_set()
+        hand(span)  # a batch waits: the worker is woken, and stays in the exporter with it
+        assert exporter.entered.wait(30) and exporter.exported == [span, span]
+        queue.extend([span] * 4)  # full, and nothing drains it while the worker is held
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("opentelemetry.sdk._shared_internal").addHandler(handler)
+        try:
+            hand(span)  # the SDK's own emit takes it, and says it dropped one
+        finally:
+            logging.getLogger("opentelemetry.sdk._shared_internal").removeHandler(handler)
+        assert len(queue) == 4 and any("Queue full" in r.getMessage() for r in records)
+    finally:
+        exporter.release.set()
+        processor.shutdown()
+    queue.clear()
+    hand(span)  # shut down: the SDK's emit refuses it
+    assert not queue
+    subclass = type("Sub", (BatchSpanProcessor,), {})(SpanExporter())
+    try:
+        assert sdk_internals.batch_handoff(subclass, os.getpid()) is None
+    finally:
+        subclass.shutdown()
+    assert sdk_internals.batch_handoff(_Seen(), os.getpid()) is None
+
+
 def test_the_set_up_and_the_otlp_encoders():
     from opentelemetry.sdk.resources import Resource
 
@@ -272,7 +339,8 @@ def test_the_set_up_and_the_otlp_encoders():
 # Private names of OpenTelemetry that only sdk_internals may read (distinctive enough to search for).
 PRIVATE_NAMES = ("_active_span_processor", "_span_processors", "_instrumentation_scope", "_span_limits",
                  "_is_enabled", "_batch_processor", "_worker_awaken", "_max_queue_size", "_sdk_config",
-                 "_metric_readers", "_instrument_class_temporality", "_RUNTIME_CONTEXT", "_current_context",
+                 "_metric_readers", "_max_export_batch_size", "inner._pid", "inner._shutdown",
+                 "_instrument_class_temporality", "_RUNTIME_CONTEXT", "_current_context",
                  "_SUPPRESS_INSTRUMENTATION_KEY", "_OTelSDKConfigurator", "_encode_resource",
                  "_encode_instrumentation_scope", "._internal", "reader._collect", "\"_collect\"", "\"_exporter\"",
                  "\"_disabled\"")

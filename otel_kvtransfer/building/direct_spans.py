@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from otel_kvtransfer import sdk_internals
+from otel_kvtransfer.building import span_handoff
 from otel_kvtransfer.building.attribute_values import (
     bounded,
     bounded_events,
@@ -170,6 +171,7 @@ class _QueueRoom:
         self._seen = None
         self._queues = []
         self._unlooked = 0  # spans that may go before the next look at the queues
+        self.hand = provider_processor.on_end  # span -> None: to the processors looked at last (span_handoff)
         self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
         # time.monotonic() by which the drain in progress must end: no wait for room outlasts it (the recorder's,
         # set by the attachment in the engine process; the builder process's frame loop has none).
@@ -178,6 +180,7 @@ class _QueueRoom:
     def _rescan(self, processors) -> None:
         """The batch processors' queues, again whenever the provider's processor tuple changed."""
         self._seen, self._queues = processors, []
+        self.hand = span_handoff.plan(self._multi, processors)
         for processor in processors:
             found = sdk_internals.batch_queue(processor)
             if found is not None:
@@ -340,7 +343,7 @@ class DirectSpans:
         span = KVSpan(name, context, parent, self._resource, attributes, events, (), kind, None, status, start_ns,
                       end_ns, self._scope)
         if not skip:
-            self._processor.on_end(span)
+            self.room.hand(span)
             return
         for processor in getattr(self._processor, _PROCESSORS, ()):
             if processor not in skip:
