@@ -107,6 +107,20 @@ def test_a_request_the_prefill_side_dropped(release):
         assert result["events"]["mooncake/peer_dropped"] == 1
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_pull_refused_because_the_prefills_kv_expired_ends_expired(release):
+    """0.34's prefill refuses a pull of KV it already freed ("KV expired on P side"): the decode's receive span
+    ends ERROR expired, not transfer_failed. Releases before 0.34 have no such answer."""
+    result = _run(release)
+    if release in ("0.32.0", "0.33.0"):
+        assert "expired" not in result["decode"]
+        return
+    assert "expired" in result["decode"]["expired"]["err_msg"].lower()
+    assert result["decode"]["expired"]["finished"] == ["dE"]
+    (span,) = _spans(result, "kv_transfer.receive", "tE")
+    assert span["status"] == "ERROR" and span["attributes"]["error.type"] == "expired"
+
+
 def test_a_layout_miss_is_a_resend_counted_on_both_sides_and_flagged_on_the_send():
     result = _run("0.33.0")
     # decode: the pull without its layout, LAYOUT_MISS, the same pull again with it, FINISH

@@ -11,7 +11,8 @@ Stand-ins (what needs a GPU model runner or a second vLLM engine): worker instan
 `object.__new__` and given the state `__init__` would compute from a loaded model; the prefill peer of the
 decode-side runs is a ZMQ socket answering vLLM's own response messages; the KV cache config is a namespace;
 the NIXL handshake with a remote agent is replaced on the instance (`_cleanup_remote_engine`,
-`_background_nixl_handshake`).
+`_background_nixl_handshake`). On 0.34, the stand-in prefill refuses one pull as 0.34's prefill refuses a pull of
+KV it already freed, with the message read from that release's own `send_kv_to_decode`.
 
 Usage: python connector_paths.py   (prints JSON on the last line of stdout)
 """
@@ -204,7 +205,30 @@ def decode_paths(mc, utils) -> dict:
                                             layout_id=meta.layout_id)]
 
         out["layout"] = run_decode(mc, utils, miss_then_finish, 0x1235, [("dC", "tC", [4, 5])])
+    refusal = expired_refusal(mc)
+    if refusal is not None:
+        # Prefill had freed tE's KV (0.34: its lease ran out): it answers the pull as its own code does.
+        def refuse_expired(meta, _):
+            return [mc.MooncakeXferResponse(status=ok.FINISH, err_reqs=sorted(meta.req_blocks), err_msg=refusal,
+                                            layout_id=meta.layout_id)]
+
+        out["expired"] = run_decode(mc, utils, refuse_expired, 0, [("dE", "tE", [6, 7])])
+        out["expired"]["err_msg"] = refusal
     return out
+
+
+def expired_refusal(mc):
+    """The err_msg the release's prefill worker answers a pull of KV it already freed with (read from its own
+    `send_kv_to_decode`), or None for a release that has no such answer (before 0.34)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(mc.MooncakeConnectorWorker.send_kv_to_decode)
+    if "_expired_transfer_ids" not in source:
+        return None
+    found = re.search(r'err_msg="([^"]*expired[^"]*)"', source)
+    assert found, "the release refuses expired pulls with a message this script cannot read"
+    return found.group(1)
 
 
 def mooncake_engine():

@@ -18,7 +18,8 @@ Decode side (peer), same class:
   (expected bytes: its blocks x this rank's bytes per block), `_handle_failed_recv` marks failures, and
   `fetch_finished_recving_reqs()` on the receiver loop ends them. A failure reported right after the prefill
   side's FINISH response (`process_pulling_result`) is a request that side dropped without a result (vLLM >= 0.33
-  fails it instead of waiting forever): ERROR `peer_dropped`.
+  fails it instead of waiting forever): ERROR `peer_dropped`. A pull the prefill side refused because it had
+  already freed that KV (vLLM >= 0.34, "KV expired on P side"): ERROR `expired`.
 vLLM 0.33's peer-layout cache: a pull that names a layout the prefill side no longer holds is answered
 LAYOUT_MISS (`_lookup_peer_layout` found nothing) and decode sends it again with its layout
 (`_build_pull_metadata` a second time for the same pull): counted (`layout_miss`, `layout_resend`), and the send
@@ -215,11 +216,19 @@ def _fetch_sending_wrapper(wrapped, instance, args, kwargs):
     return fetch()
 
 
+def _says_expired(reason) -> bool:
+    """vLLM >= 0.34's prefill refuses a pull of KV it already freed ("KV expired on P side before the pull."):
+    the reason it gives is all that tells that refusal from a failed read."""
+    return isinstance(reason, str) and "expired" in reason[:256].lower()
+
+
 def _on_failed_recv(instance, args, kwargs) -> None:
     params = bind(("pull_metas", "req_ids", "reason"), args, kwargs)
     pull_metas = params["pull_metas"]
     # Right after the FINISH response of this very pull: requests the prefill side never reported.
     error = PEER_DROPPED if getattr(_finished, "pull_metas", None) is pull_metas else TRANSFER_FAILED
+    if error == TRANSFER_FAILED and _says_expired(params.get("reason")):
+        error = EXPIRED
     _finished.pull_metas = None
     dropped = 0
     for req_id in params["req_ids"]:  # read before the call: vLLM >= 0.33 pops them from pull_metas
