@@ -101,8 +101,8 @@ def batch_handoff(processor, pid: int) -> Optional[Callable[[Any], None]]:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     inner = getattr(processor, "_batch_processor", None)
-    if (type(processor) is not BatchSpanProcessor or inner is None or "on_end" in vars(processor)
-            or "emit" in vars(inner) or not _sdk_own(BatchSpanProcessor.on_end)
+    if (type(processor) is not BatchSpanProcessor or inner is None or "on_end" in getattr(processor, "__dict__", ())
+            or "emit" in getattr(inner, "__dict__", ()) or not _sdk_own(BatchSpanProcessor.on_end)
             or not _sdk_own(getattr(type(inner), "emit", None))):
         return None
     found = batch_queue(processor)

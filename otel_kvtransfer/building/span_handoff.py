@@ -20,7 +20,7 @@ def plan(multi, processors: tuple) -> Callable[[object], None]:
     """A function span -> None that delivers a span to `processors` (what `multi`, the provider's multi span
     processor, holds now) as `multi.on_end` would; `multi.on_end` itself for any multi processor but the SDK's
     synchronous one (a concurrent one runs them on its own threads)."""
-    if type(multi) is not SynchronousMultiSpanProcessor or "on_end" in vars(multi):
+    if type(multi) is not SynchronousMultiSpanProcessor or "on_end" in getattr(multi, "__dict__", ()):
         return multi.on_end
     pid = os.getpid()
     steps = tuple(sdk_internals.batch_handoff(processor, pid) or processor.on_end for processor in processors)
