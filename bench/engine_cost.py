@@ -445,7 +445,9 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
             b.call_8b()
         b.transfers_on += n
         queued = RECORDER.pending()
+        unpickle_ns = _unpickle_ns(list(RECORDER._queue)) if b.where == "process" else None
         received = b.otlp.counts()["spans"].get(SEND, 0)
+        helper_pid = b.helper_pid()
         before, threads_before = b.snapshot(), _python_threads_ns()
         wall, drain_cpu = time.perf_counter(), time.thread_time_ns()
         RECORDER.drain()
@@ -461,13 +463,38 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
             del os.environ[key]
     helper = b.where == "process"
     builder_ns = use["others_ns"] if helper else threads_after - threads_before
+    main_ns = _main_thread_ns(before, after, helper_pid) if helper else None
     return {"records": queued, "where_built": b.where, "bsp_max_queue_size": bsp_queue or 2048,
             "builder_cpu_s": builder_ns / 1e9,
             "records_per_cpu_s": queued / (builder_ns / 1e9), "cpu_us_per_record": builder_ns / queued / 1e3,
             "wall_s": wall, "records_per_wall_s": queued / wall, "spans_received": received,
             "dropped": queued - received,
             "handoff_cpu_us_per_record": drain_cpu / queued / 1e3 if helper else None,
+            # where a helper's CPU goes: its main thread (reads the frame, unpickles, builds, hands each span to
+            # the span queue) and its other threads (the SDK's: encoding, the HTTP or gRPC requests, metrics)
+            "helper_main_us_per_record": None if main_ns is None else main_ns / queued / 1e3,
+            "helper_other_us_per_record": None if main_ns is None else (builder_ns - main_ns) / queued / 1e3,
+            "unpickle_us_per_record": None if unpickle_ns is None else unpickle_ns / queued / 1e3,
             "counted_in_ticks": bool(use["coarse"])}
+
+
+def _main_thread_ns(before, after, pid):
+    """A process's main thread's CPU between two snapshots (its tid is its pid); None when not in both."""
+    threads_before, threads_after = before.others.get(pid, ({},))[0], after.others.get(pid, ({},))[0]
+    if pid not in threads_before or pid not in threads_after:
+        return None
+    return threads_after[pid] - threads_before[pid]
+
+
+def _unpickle_ns(records: list) -> int:
+    """This process's thread CPU to decode the frame the helper gets for these records (one drain, one frame),
+    as the helper decodes it: its share of the helper's main thread."""
+    from otel_kvtransfer.offloading import wire
+
+    body = wire.encode((wire.BATCH, records, {}), len(records))[wire.HEADER.size:]
+    began = time.thread_time_ns()
+    wire.decode(body)
+    return time.thread_time_ns() - began
 
 
 def builder_parts(b: Bench, n: int) -> dict:

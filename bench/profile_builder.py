@@ -8,11 +8,14 @@ OTLP/gRPC span exporters' own `encode_spans` (our fast path while instrumented) 
 encoder, so the three figures sit side by side. The builder code is the same in a helper process, so this is the
 floor of both builders. `--pipeline sdk` profiles the previous path (SDK tracer and instruments).
 
-    python bench/profile_builder.py [--records N] [--pipeline direct|sdk] [--top K]
+    python bench/profile_builder.py [--records N] [--pipeline direct|sdk] [--top K] [--out FILE] [--quick]
+
+`--out` also writes the figures as JSON (what bench/run_all.py shows as the floor of goal 4).
 """
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import sys
@@ -65,7 +68,11 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=20000)
     parser.add_argument("--pipeline", choices=("direct", "sdk"), default="direct")
     parser.add_argument("--top", type=int, default=0, help="also print the K functions with the most own time")
+    parser.add_argument("--out", help="also write the figures here, as JSON")
+    parser.add_argument("--quick", action="store_true", help="2,000 records: a smoke run, not for quoting")
     args = parser.parse_args()
+    if args.quick:
+        args.records = 2000
     if not 1 <= args.records <= 200_000:
         parser.error("--records: between 1 and 200000")
     from opentelemetry.sdk.metrics import MeterProvider
@@ -105,16 +112,24 @@ def main() -> None:
     total = sum(entry[3] for key, entry in stats.stats.items() if key[2] == "drain")  # cumulative time of drain
     print(f"stand-in records: {args.records:,}, pipeline {args.pipeline}; drain {elapsed:.2f} s under cProfile "
           f"({elapsed / args.records * 1e6:.0f} us per record with the profiler's own overhead)")
+    result = {"engine": "stand-in", "records": args.records, "pipeline": args.pipeline, "shares_of_drain": {},
+              "encode_us_per_span": {}, "batch": BATCH}
     for label, (path, name) in PARTS[args.pipeline].items():
         spent = sum(entry[3] for key, entry in stats.stats.items() if key[0].endswith(path) and key[2] == name)
+        result["shares_of_drain"][label] = spent / total
         print(f"  {spent / total:6.1%}  {label}")
     spans = kept.spans
     print(f"OTLP encoding of the {len(spans):,} spans built, in batches of {BATCH} (no profiler; CPU, best of 3), "
           "us per span:")
     for label, encoder in encoders:
         encode = getattr(encoder, "encode_spans", encoder)
-        print(f"  {_encode_us(encode, spans):8.2f}  {label}")
+        result["encode_us_per_span"][label] = us = _encode_us(encode, spans)
+        print(f"  {us:8.2f}  {label}")
     instrumentor.uninstrument()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+            handle.write("\n")
     if args.top:
         stats.sort_stats("tottime").print_stats(args.top)
 

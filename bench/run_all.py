@@ -38,6 +38,8 @@ SCRIPTS = {
     # vLLM's own per-transfer telemetry beside ours: in the vLLM virtualenv (it needs vLLM), skipped without one
     "vllm_anchor": ("engine_cost", ["--parts", "anchor"], "vllm"),
     "pipeline": ("pipeline", []), "memory": ("memory", []), "truth": ("truth", []), "eviction": ("eviction", []),
+    # where goals 3 and 4 stop: the wrapper's steps and the builder's parts (stand-in engine, labelled so)
+    "wrapper_floor": ("wrapper_floor", []), "profile_builder": ("profile_builder", []),
 }
 BENCHES = list(SCRIPTS)
 COST_RUNS = {"engine_cost_http": "OTLP/HTTP protobuf, default configuration",
@@ -293,7 +295,10 @@ def _cost_section(cost: dict, title: str) -> list:
                 f"{where} ({b['cpu_us_per_record']:.1f} us each; {b['records_per_wall_s']:,.0f}/s of wall time); "
                 f"spans received {b['spans_received']:,}, **dropped {b['dropped']:,}**"
                 + (f"; handing them over cost the engine process {b['handoff_cpu_us_per_record']:.2f} us each"
-                   if b["handoff_cpu_us_per_record"] is not None else "") + ".")
+                   if b["handoff_cpu_us_per_record"] is not None else "")
+                + (f"; the helper's main thread {b['helper_main_us_per_record']:.1f} us a record (unpickling "
+                   f"{b['unpickle_us_per_record']:.2f} of it), its other threads {b['helper_other_us_per_record']:.1f}"
+                   if b.get("helper_main_us_per_record") is not None else "") + ".")
     n = cost.get("neighbour")
     if n:
         lines.append(f"- A CPU-bound Python thread beside real 8 B transfers at 1,000/s slows by "
@@ -380,6 +385,38 @@ def _threads_headline(results: dict) -> list:
                      f"| vLLM's code {anchor['vllm_us_per_send']:.2f} us per send; ours on the calling thread "
                      f"{anchor['ours_added_thread_cpu_us']:+.2f} us ({anchor['ours_aa_thread_cpu_us']:+.2f}), our "
                      "recorder thread's marginal above | measured |")
+    return lines
+
+
+def _floors(results: dict) -> list:
+    """Where goals 3 and 4 stop, from the same run: the wrapper's cost step by step, and the helper's CPU per
+    record split into its threads and the builder's parts."""
+    wrapper, profile = results["wrapper_floor"], results["profile_builder"]
+    steps = wrapper["steps"]
+    lines = ["", "### Where goals 3 and 4 stop", "",
+             "- Goal 3, the wrapper step by step around a zero-cost stand-in method (`bench/wrapper_floor.py`; "
+             "stand-in, not the engine; medians of "
+             f"{wrapper['rounds']} blocks of {wrapper['calls_per_block']:,} calls, spread beside): the bare call "
+             f"{steps['direct']['median']:.2f} us ({steps['direct']['spread']:.2f}); "
+             + ", ".join(f"{name} {added:+.2f}" for name, added in wrapper["added_by_step"].items())
+             + f" -> the package's wrapper {steps['package']['median']:.2f} us ({steps['package']['spread']:.2f}), "
+             f"{steps['package']['median'] - steps['direct']['median']:+.2f} us over the bare call. A Python "
+             f"function that only passes the arguments on costs {wrapper['added_by_step']['forward']:+.2f} of it."]
+    b = results["engine_cost_http"].get("builder_alone", {}).get("default_queue", {})
+    if b.get("helper_main_us_per_record") is not None:
+        lines.append(
+            f"- Goal 4, the helper's {b['cpu_us_per_record']:.1f} us per record (1.1's builder alone, real "
+            f"Mooncake records, OTLP/HTTP): its main thread {b['helper_main_us_per_record']:.1f} us (reading and "
+            f"unpickling the frame {b['unpickle_us_per_record']:.2f} us of it, the rest building), its other "
+            f"threads (the SDK's: encoding, the HTTP requests, metrics) {b['helper_other_us_per_record']:.1f} us.")
+    encode = profile["encode_us_per_span"]
+    lines.append(
+        f"- Goal 4, building's parts (`bench/profile_builder.py`, {profile['records']:,} stand-in records, "
+        "cProfile shares of one drain): "
+        + "; ".join(f"{share:.0%} {label}" for label, share in profile["shares_of_drain"].items())
+        + f"; {1 - sum(profile['shares_of_drain'].values()):.0%} the rest of the drain (reading each record, "
+        "the checks before building, the loop). Encoding per span, batches of "
+        f"{profile['batch']}: " + "; ".join(f"{label} {us:.2f} us" for label, us in encode.items()) + ".")
     return lines
 
 
@@ -510,7 +547,7 @@ def render(results: dict) -> str:
               + " | ".join(f"{x['sends_received']:,} of {x['transfers_made']:,} spans; size count {x['size_count']:,}"
                            f" | {_verdict(x['spans_complete'] and x['metrics_agree'])}"
                            for x in (c[name] for name in runs)) + " |",
-              ""] + _threads_headline(results) + [
+              ""] + _threads_headline(results) + _floors(results) + [
               "", "## Headline: capacity, memory, truth", "", "| goal | figure | verdict |", "|---|---|---|",
               f"| >= 20,000 transfers/s into spans + metrics, nothing dropped (counting exporter) | sustained: "
               f"{s['capacity_per_s']:,}/s | {_verdict(s['capacity_goal_met'])} |",

@@ -19,7 +19,7 @@ before it took its arguments as positional-only parameters).
 Blocks of each step alternate, round after round, so drift hits all alike; per step the median of its blocks,
 and beside it the spread (max - min) of those blocks. The GC is on (the engine's default) unless `--gc off`.
 
-    python bench/wrapper_floor.py [--tree OTHER_CHECKOUT] [--calls 2000] [--rounds 30] [--gc off] [--out FILE]
+    python bench/wrapper_floor.py [--tree OTHER_CHECKOUT] [--calls 2000] [--rounds 30] [--gc off] [--out FILE] [--quick]
 """
 
 import argparse
@@ -110,7 +110,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30, help="blocks of each step")
     parser.add_argument("--gc", choices=("on", "off"), default="on")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--quick", action="store_true", help="6 rounds: a smoke run, not for quoting")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 6
     if not (500 <= args.calls <= 100_000 and 5 <= args.rounds <= 200):
         parser.error("--calls: 500..100000, --rounds: 5..200")
     tree = use_tree(args.tree)
