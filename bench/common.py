@@ -190,7 +190,10 @@ def register_transport(engine, transport="tcp"):
     """What the package's initialize() wrapper notes for a real engine, for a stand-in that has no initialize."""
     from otel_kvtransfer.engines import mooncake
 
-    mooncake._transports[id(engine)] = transport
+    if hasattr(mooncake, "_engines"):  # (transport, the engine's one device): no device, as initialize("", ...)
+        mooncake._engines[id(engine)] = (transport, None)
+    else:  # a checkout from before kv_transfer.nic (--tree): the transport alone
+        mooncake._transports[id(engine)] = transport
 
 
 # --- the naive reference instrumentation ----------------------------------------------------------------------

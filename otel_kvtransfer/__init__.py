@@ -13,10 +13,9 @@ or by hand:
     from otel_kvtransfer import KVTransferInstrumentor
     KVTransferInstrumentor().instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
-The layout says where code runs: `recording/` on the engine's threads, `building/` in the builder (a thread, or
-the builder process), `wiring/` at start-up, `tools/` offline; `engines/` and `frameworks/` hold the wrappers
-(engine threads) of each transfer engine and serving framework; `semconv`, `config` and `registry` are the names,
-settings and backends every part shares. The API a serving framework calls: `otel_kvtransfer.integration`.
+The folders say where code runs (`recording/` on the engine's threads, `building/` in the builder, `wiring/` at
+start-up, `tools/` offline, `engines/` and `frameworks/` the wrappers); docs/architecture.md is the map of every
+module. The API a serving framework calls: `otel_kvtransfer.integration`.
 """
 
 from otel_kvtransfer.building.processor import KVTransferMetricsProcessor

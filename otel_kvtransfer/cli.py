@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Summarize a span file: one row per request (bytes, busy time, true throughput, overlap) and the "
         "distribution of per-transfer throughput.")
     summarize.add_argument("--json", action="store_true", help="machine-readable output")
-    summarize.add_argument("--limit", type=_count, default=50, metavar="N", help="rows of the text table (50; 0 = all)")
+    summarize.add_argument("--limit", type=_count, default=50, metavar="N",
+                           help="rows of the text table: requests, or peers with --links (50; 0 = all)")
     summarize.add_argument("--links", action="store_true",
                            help="the link model instead: per peer, duration = fixed cost + bytes / bandwidth "
                                 "(+ per descriptor), its spread, the calls far above it, the requests it bounds")
@@ -264,7 +265,7 @@ def _run_links(args) -> int:
     if args.json:
         links.write_json(model, sys.stdout)
     else:
-        sys.stdout.write(links.format_text(model))
+        sys.stdout.write(links.format_text(model, limit=args.limit or None))
     sys.stdout.flush()
     return 0
 

@@ -72,6 +72,17 @@ def enabled_flag(tracer):
     return getattr(tracer, "_is_enabled", None)
 
 
+def tracer_metrics(tracer):
+    """The SDK's own span metrics of an SDK tracer (`otel.sdk.span.started`, `otel.sdk.span.live`: on with
+    OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED when the tracer was made): an object whose `start_span(parent span
+    context or None, sampling Decision)` counts a span started and returns what counts it ended. None when they are
+    off, or the release has none."""
+    found = getattr(tracer, "_tracer_metrics", None)
+    if found is None or type(found).__name__.startswith("NoOp") or not callable(getattr(found, "start_span", None)):
+        return None
+    return found
+
+
 def batch_queue(processor) -> Optional[Tuple[Any, int, Any]]:
     """(the export queue, its bound, the inner processor) of a BatchSpanProcessor, or None for another kind."""
     inner = getattr(processor, "_batch_processor", None)

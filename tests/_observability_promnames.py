@@ -130,4 +130,6 @@ DESIGN_METRICS = [
     ("kv_transfer.connect.duration", "s", HISTOGRAM),
     ("kv_transfer.post.duration", "s", HISTOGRAM),
     ("kv_transfer.late_completions", "{transfer}", COUNTER),
+    ("kv_transfer.receive.allocation_wait", "s", HISTOGRAM),
+    ("kv_transfer.integrity_mismatches", "{request}", COUNTER),
 ]

@@ -113,10 +113,16 @@ def _decode_main(conn, args_dict):
             continue
         message = conn.recv()
         if message[0] == "begin":
+            # the room waited for "memory" from its announcement until this receiver asked for its KV (the pipe)
+            wait_s = max(time.time_ns() - message[3], 0) / 1e9
             integration.begin_receive(message[1], backend=BACKEND, framework=FRAMEWORK, expected_bytes=message[2],
-                                      attributes={"gen_ai.request.model": MODEL})
+                                      attributes={"gen_ai.request.model": MODEL,
+                                                  "kv_transfer.allocation_wait_s": wait_s})
         elif message[0] == "end":
-            integration.end_receive(message[1], error_type=message[2])
+            verdict = message[3]  # what a framework's integrity check said of the KV, after the receive ended
+            integration.end_receive(message[1], error_type=message[2], outcome_pending=verdict is not None)
+            if verdict is not None:
+                integration.receive_outcome(message[1], attributes={"kv_transfer.integrity": verdict})
         elif message[0] == "stop":
             break
     # every receive span ended -> its metrics are in the reader; keep serving them until told to exit
@@ -158,7 +164,7 @@ def run(args) -> dict:
     decode = ctx.Process(target=_decode_main, args=(child_conn, vars(args)), daemon=True)
     decode.start()
     summary = {"decode_pid": decode.pid, "rooms": [], "failed_rooms": [], "transfers": 0, "failed_transfers": 0,
-               "bytes": 0, "descriptors": 0, "late_transfers": 0, "set_ups": 0}
+               "bytes": 0, "descriptors": 0, "late_transfers": 0, "set_ups": 0, "mismatched_rooms": []}
     try:
         if not parent_conn.poll(60):
             raise RuntimeError("decode engine did not start within 60 s")
@@ -191,7 +197,7 @@ def run(args) -> dict:
             integration.begin_request(room, backend=BACKEND, framework=FRAMEWORK,
                                       attributes={"gen_ai.request.model": MODEL})
             set_up_start = time_ns()
-            parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES))
+            parent_conn.send(("begin", room, REPLICAS * CHUNKS * CHUNK_BYTES + AUX_BYTES, time_ns()))
             if args.mode == "metrics":  # the framework's own step towards the decode: announcing the room
                 integration.record_connect("announce_room", set_up_start, backend=BACKEND, framework=FRAMEWORK,
                                            address=LOOPBACK, port=port, key=room)
@@ -240,8 +246,11 @@ def run(args) -> dict:
                 summary["late_transfers"] += 1
             else:
                 integration.end_request(room, error_type=error)
-            parent_conn.send(("end", room, error))
+            verdict = None if error else "mismatch" if index % 4 == 1 else "verified"
+            parent_conn.send(("end", room, error, verdict))
             summary["rooms"].append(room)
+            if verdict == "mismatch":
+                summary["mismatched_rooms"].append(room)
             if error:
                 summary["failed_rooms"].append(room)
             index += 1

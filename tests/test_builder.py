@@ -131,9 +131,9 @@ def end_request(key, end, error=None):
     return tuple({r.KIND: r.END_REQUEST, r.KEY: key, r.TIME: end, r.END_ERROR: error}[i] for i in range(4))
 
 
-def compute(keys, start, end, chunk=None):
+def compute(keys, start, end, chunk=None, clock=None):
     fields = {r.KIND: r.COMPUTE, r.COMPUTE_KEYS: keys, r.COMPUTE_START: start, r.COMPUTE_END: end,
-              r.COMPUTE_CHUNK: chunk}
+              r.COMPUTE_CHUNK: chunk, r.COMPUTE_CLOCK: clock}
     return tuple(fields[i] for i in range(len(fields)))
 
 

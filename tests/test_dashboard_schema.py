@@ -31,7 +31,20 @@ def _panels(dashboard):
 
 
 def _exprs(dashboard):
-    return [(panel["title"], target["expr"]) for panel in _panels(dashboard) for target in panel.get("targets", [])]
+    """(panel title, expression) of every query of ours (the engines' own series beside them: `_engine_exprs`)."""
+    return [(panel["title"], target["expr"]) for panel in _panels(dashboard) for target in panel.get("targets", [])
+            if not ENGINE_SERIES.search(target["expr"])]
+
+
+# The engines' own series (SGLang's, vLLM's) that some panels show beside ours: a query of its own, which reads no
+# series of ours and none of our labels (the engines' series carry theirs), and shows nothing where the engine is not
+# scraped.
+ENGINE_SERIES = re.compile(r"\b((?:sglang|vllm):[a-z_]+)")
+
+
+def _engine_exprs(dashboard):
+    return [(panel["title"], target["expr"]) for panel in _panels(dashboard) for target in panel.get("targets", [])
+            if ENGINE_SERIES.search(target["expr"])]
 
 
 def test_dashboards_exist():
@@ -78,7 +91,7 @@ def dashboard():
 
 def test_every_query_uses_only_the_collector_names(dashboard):
     for title, expr in _exprs(dashboard):
-        names = set(re.findall(r"\b(kv_transfer_[a-z_]+)\b", expr))
+        names = set(re.findall(r"(?<![:\w])(kv_transfer_[a-z_]+)\b", expr))
         assert names, (title, expr)
         # label names (kv_transfer_payload, ...) follow `by (` / `{` ; metric names are the known series
         metric_names = {n for n in names if re.search(rf"\b{n}\s*(\{{|\[)", expr)}
@@ -149,7 +162,63 @@ FILTERS_OF = {
     "kv_transfer_inflight_oldest_age_seconds{": ("service", "instance"),
     "kv_transfer_stuck_total{": ("service", "instance", "backend", "role"),
     "connect_duration": ("service", "instance", "backend", "framework"),  # only the set-up call's own
+    "receive_allocation_wait": ("service", "instance", "backend", "framework"),  # a receive's framework's own
+    "integrity_mismatches": ("service", "instance", "backend", "framework"),
 }
+
+
+def test_the_engines_own_series_beside_ours_read_nothing_of_ours(dashboard):
+    engine = _engine_exprs(dashboard)
+    assert {title for title, _ in engine} >= {  # the questions an engine now answers in part (docs/telemetry.md)
+        "Decode wait for KV memory p50 / p99 (allocation wait)",
+        "Set-up call duration p50 / p99 (kv_transfer.connect)", "Posting time per send p50 / p99 by payload",
+        "Late completions since start (KV landing after its request ended)",
+        "Integrity mismatches since start (received KV that failed its check)"}
+    for title, expr in engine:
+        assert not re.search(r"(?<![:\w])kv_transfer_", expr) and "$" not in expr.replace("$__rate_interval", ""), \
+            (title, expr)
+        ours = [t for t in _exprs(dashboard) if t[0] == title]
+        assert ours, title  # beside a query of ours, never alone
+
+
+def _engine_sources():
+    """Where the engines' own metric names are defined: the installed SGLang, and vLLM (its virtualenv's build and
+    the newer releases the canary unpacked)."""
+    import importlib.util
+    import sys
+
+    roots = []
+    spec = importlib.util.find_spec("sglang")
+    if spec and spec.submodule_search_locations:
+        roots += list(spec.submodule_search_locations)
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from vllm_serving import harness
+
+    python = harness.vllm_python()
+    venv = os.path.dirname(os.path.dirname(python))
+    roots += glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "vllm"))
+    cache = os.environ.get("KVT_CANARY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "otel-kvtransfer", "canary")
+    roots += glob.glob(os.path.join(cache, "vllm", "*", "src", "vllm"))
+    return roots
+
+
+def test_the_engines_series_are_names_the_engines_define(dashboard):
+    """Each engine series a panel reads is defined in that engine's source (a metric's name, as its Prometheus
+    client exposes it: histograms with _bucket, counters with _total)."""
+    roots = _engine_sources()
+    require_part(any("sglang" in r for r in roots) and any("vllm" in r for r in roots),
+                 f"sglang and vLLM sources ({SETUP})")
+    wanted = {name for _, expr in _engine_exprs(dashboard) for name in ENGINE_SERIES.findall(expr)}
+    defined = {}
+    for root in roots:
+        for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                for name in re.findall(r"[\"']((?:sglang|vllm):[a-z_]+)[\"']", handle.read()):
+                    defined.setdefault(name, set()).add(root)
+    for series in wanted:
+        family = re.sub(r"_(bucket|total)$", "", series)
+        assert family in defined or series in defined, series
 
 
 def test_throughput_quantiles_and_heatmap_are_kv_only_by_default(dashboard):

@@ -190,3 +190,4 @@ def test_the_engine_process_exits_within_its_bound_behind_a_slow_collector(tmp_p
     assert len(lines) == 1, err.decode()[-2000:]
     left = int(re.search(r"; (\d+) records not delivered", lines[0]).group(1))
     assert dropped["flush_timeout"] - left in (0, 1)
+    assert "waiting for room in the export queue (a slow or hung exporter)" in lines[0]  # what took the time

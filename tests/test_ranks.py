@@ -115,7 +115,7 @@ def _startup_lines(stderr):
 def test_each_process_prints_one_start_up_line_with_its_role_and_rank(fanout):
     lines = _startup_lines(fanout["stderr"])
     assert len(lines) == 3, lines  # the prefill process and the two decode processes, once each
-    said = sorted(line.split("; ")[3] for line in lines)
+    said = sorted(next(part for part in line.split("; ") if part.startswith("role ")) for line in lines)
     assert said == ["role decode, kv_transfer.tp_rank 0 (sglang)", "role decode, kv_transfer.tp_rank 1 (sglang)",
                     "role prefill, kv_transfer.tp_rank 0 (sglang)"]
     for line in lines:

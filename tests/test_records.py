@@ -24,9 +24,11 @@ LAYOUTS = {
                                   "role": r.PEER_ROLE, "backend": r.PEER_BACKEND, "framework": r.PEER_FRAMEWORK,
                                   "attributes": r.PEER_ATTRIBUTES, "parent": r.PEER_PARENT}),
     r.end_request: (r.END_REQUEST, {"key": r.KEY, "end_ns": r.TIME, "error": r.END_ERROR}),
-    r.end_peer: (r.END_PEER, {"key": r.KEY, "end_ns": r.TIME, "error": r.END_ERROR}),
+    r.end_peer: (r.END_PEER, {"key": r.KEY, "end_ns": r.TIME, "error": r.END_ERROR, "pending": r.END_PENDING}),
+    r.peer_outcome: (r.PEER_OUTCOME, {"key": r.KEY, "at_ns": r.TIME, "attributes": r.OUTCOME_ATTRIBUTES,
+                                      "events": r.OUTCOME_EVENTS}),
     r.compute: (r.COMPUTE, {"keys": r.COMPUTE_KEYS, "start_ns": r.COMPUTE_START, "end_ns": r.COMPUTE_END,
-                            "chunk": r.COMPUTE_CHUNK}),
+                            "chunk": r.COMPUTE_CHUNK, "clock": r.COMPUTE_CLOCK}),
     r.inflight: (r.INFLIGHT, {"now_ns": r.INFLIGHT_AT, "count": r.INFLIGHT_COUNT, "oldest": r.INFLIGHT_OLDEST,
                               "stuck": r.INFLIGHT_STUCK, "connects": r.INFLIGHT_CONNECTS}),
     r.connect: (r.CONNECT, {"start": r.CONNECT_START, "end": r.CONNECT_END, "backend": r.CONNECT_BACKEND,
@@ -61,7 +63,7 @@ def test_a_raw_call_is_its_calls_fields_between_its_kind_and_its_context():
 
 def test_the_kinds_are_distinct():
     kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT,
-             r.LATE_ARRIVAL, r.RAW_CALL]
+             r.LATE_ARRIVAL, r.RAW_CALL, r.PEER_OUTCOME]
     assert len(set(kinds)) == len(kinds)
 
 

@@ -336,6 +336,24 @@ def test_the_set_up_and_the_otlp_encoders():
     assert (encode_scope(scope).name, encode_scope(scope).version) == ("canary", "2")
 
 
+def test_the_sdk_tracers_own_span_metrics(monkeypatch):
+    """What direct_spans counts our spans with when OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED is on: the tracer's
+    own counter (None when it is off, or on a release that has none)."""
+    from opentelemetry.sdk.trace.sampling import Decision
+
+    assert sdk_internals.tracer_metrics(TracerProvider().get_tracer("canary")) is None
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    counted = sdk_internals.tracer_metrics(TracerProvider().get_tracer("canary"))
+    try:
+        from opentelemetry.sdk.trace import _tracer_metrics  # noqa: F401  the releases that count spans
+    except ImportError:
+        assert counted is None
+        return
+    ended = counted.start_span(None, Decision.RECORD_AND_SAMPLE)
+    assert callable(ended)
+    ended()
+
+
 # Private names of OpenTelemetry that only sdk_internals may read (distinctive enough to search for).
 PRIVATE_NAMES = ("_active_span_processor", "_span_processors", "_instrumentation_scope", "_span_limits",
                  "_is_enabled", "_batch_processor", "_worker_awaken", "_max_queue_size", "_sdk_config",
@@ -343,7 +361,7 @@ PRIVATE_NAMES = ("_active_span_processor", "_span_processors", "_instrumentation
                  "_instrument_class_temporality", "_RUNTIME_CONTEXT", "_current_context",
                  "_SUPPRESS_INSTRUMENTATION_KEY", "_OTelSDKConfigurator", "_encode_resource",
                  "_encode_instrumentation_scope", "._internal", "reader._collect", "\"_collect\"", "\"_exporter\"",
-                 "\"_disabled\"")
+                 "\"_disabled\"", "\"_tracer_metrics\"")
 
 
 def test_no_other_module_reads_opentelemetrys_private_names():

@@ -385,8 +385,8 @@ def test_prefill_tp2_behind_a_router_reaches_both_decodes_and_each_request_names
 def test_every_tp2_rank_says_it_is_on_with_its_rank(shapes):
     """One start-up line per scheduler with a KV manager, naming its role and rank, in its server's log."""
     for name, server in shapes.traced.deployment.servers.items():
-        said = sorted(line.split("; ")[3] for line in _startup_lines(shapes.traced.deployment, name)
-                      if "; role " in line)
+        said = sorted(next(part for part in line.split("; ") if part.startswith("role "))
+                      for line in _startup_lines(shapes.traced.deployment, name) if "; role " in line)
         assert said == [f"role {server.role}, kv_transfer.tp_rank {rank} (sglang)" for rank in range(server.tp)], \
             (name, said)
 

@@ -121,5 +121,31 @@ def test_a_forked_child_is_a_process_of_its_own_and_says_so_once():
             os._exit(0)
         os.waitpid(pid, 0)
     """)
-    said = sorted(line.split("; ")[3] for line in _lines(proc.stderr))
+    said = sorted(next(part for part in line.split("; ") if part.startswith("role ")) for line in _lines(proc.stderr))
     assert said == ["role decode, kv_transfer.tp_rank 1 (sglang)", "role prefill, kv_transfer.tp_rank 0 (sglang)"]
+
+
+def test_the_devices_configured_are_named_escaped_and_bounded():
+    """The framework's device option (sglang's --disaggregation-ib-device, as its KV manager hands it over) and
+    UCX_NET_DEVICES: named on the line; a value with control characters (a forged log line, a terminal escape)
+    stays on the line, escaped, and bounded."""
+    proc = _run("""
+        instrumentor.instrument(tracer_provider=provider)
+        startup.role_known("sglang", "prefill", {"kv_transfer.tp_rank": 0},
+                           {"--disaggregation-ib-device": "mlx5_0,mlx5_1\\n2026-01-01 CRITICAL forged\\x1b[2J"})
+    """, UCX_NET_DEVICES="mlx5_2:1," + "x" * 300)
+    (line,) = _lines(proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1  # nothing the values held started a line of its own
+    part = next(p for p in line.split("; ") if p.startswith("devices: "))
+    assert part.startswith("devices: sglang --disaggregation-ib-device mlx5_0,mlx5_1\\x0a2026-01-01 CRITICAL "
+                           "forged\\x1b[2J, UCX_NET_DEVICES mlx5_2:1,xxx")
+    assert part.endswith("x... (309 characters)") and len(part) < 300
+
+
+def test_no_device_configured_says_so():
+    proc = _run("""
+        instrumentor.instrument(tracer_provider=provider)
+        startup.role_known("sglang", "prefill", {"kv_transfer.tp_rank": 0})
+    """, UCX_NET_DEVICES="")  # other tests of the session may have set it in this process's environment
+    (line,) = _lines(proc.stderr)
+    assert "; devices: none named; untimed calls: none; role prefill" in line

@@ -296,7 +296,8 @@ def test_a_batch_written_twice_is_summarized_and_drawn_as_written_once(tmp_path)
     assert len(err) == 1 and "left out 10 spans repeating the trace and span id" in err[0], err
     assert "(lines 4, 5)" in err[0], err
     summary, alone = json.loads(proc.stdout), json.loads(expected.stdout)
-    assert summary.pop("left_out") == {"torn_lines": 0, "spans_ending_before_they_start": 0, "repeated_span_ids": 10}
+    assert summary.pop("left_out") == {"torn_lines": 0, "spans_ending_before_they_start": 0, "repeated_span_ids": 10,
+                                       "foreign_attributes": 0}
     assert alone.pop("left_out")["repeated_span_ids"] == 0
     assert summary == alone
     for folder in (once, twice):

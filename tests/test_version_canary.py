@@ -48,8 +48,7 @@ def test_engine_targets_are_what_the_engine_modules_replace():
     require_part(mooncake_importable(), "the Mooncake engine (bash scripts/setup.sh)")
     from otel_kvtransfer.engines import mooncake, nixl
 
-    names = set(mooncake.SYNC_METHODS) | set(mooncake.ASYNC_METHODS) | {
-        "transfer_check_status", "get_batch_transfer_status", "initialize", "initialize_ext"}
+    names = mooncake.timed_calls() | {"initialize", "initialize_ext"}
     assert names <= set(version_canary.MOONCAKE_METHODS) | set(version_canary.MOONCAKE_OPTIONAL)
     # NIXL: every (class, method) the engine module wraps (read from its source: NIXL need not be installed)
     source = open(nixl.__file__, encoding="utf-8").read()
@@ -65,7 +64,49 @@ def test_newest_releases_pass():
         require_part(False, "the package registry (pip index / pip download): " + lines[-1])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert len(lines) == len(version_canary.LIBRARIES)
-    assert all("every patch target present" in line for line in lines), lines
+    # A build whose newest release lies below the supported range is said so (never instrumented), not checked.
+    assert all("every patch target present" in line or "below the supported range" in line for line in lines), lines
+    newest_mooncake = next(line for line in lines if line.startswith("canary: mooncake-transfer-engine-cuda13 "))
+    assert "lacks" not in newest_mooncake  # the build with 0.3.14: every call this package times is in its engine
+
+
+def test_the_canary_reads_every_build_of_every_engine():
+    """One line per published build, from the engine modules' own lists: the canary cannot miss a build the
+    package switches on for."""
+    from otel_kvtransfer.engines import mooncake, nixl
+
+    builds = set(mooncake.DISTRIBUTIONS) | set(nixl.DISTRIBUTIONS)
+    assert builds <= set(version_canary.LIBRARIES)
+    assert all(version_canary.LIBRARIES[name].binary for name in mooncake.DISTRIBUTIONS)  # each its own engine
+    assert {version_canary.LIBRARIES[name].aliases["nixl._api"] for name in nixl.DISTRIBUTIONS} == {
+        "nixl_cu12._api", "nixl_cu13._api"}
+
+
+def _cached_release(tmp_path, distribution: str, version: str, members: dict) -> None:
+    """A release in the canary's cache (as if downloaded and unpacked), holding `members` {path: bytes}."""
+    src = tmp_path / distribution / version / "src"
+    for member, data in members.items():
+        (src / member).parent.mkdir(parents=True, exist_ok=True)
+        (src / member).write_bytes(data)
+    (src / ".complete").write_text(version + "\n")
+
+
+def test_a_supported_release_without_the_engine_fails_and_one_below_the_range_is_said(tmp_path):
+    """A Mooncake build whose release has no compiled engine: a failure at a supported version (a wrapper has
+    nothing to patch where the build claims to be one), one line and no failure below the supported range (what
+    mooncake-transfer-engine-musa 0.0.0.1 is: it installs no `mooncake` package)."""
+    placeholder = {"mtmlpkg/__init__.py": b"", "placeholder-0.dist-info/METADATA": b"Name: placeholder\n"}
+    _cached_release(tmp_path, "mooncake-transfer-engine-rocm", "0.3.99", placeholder)
+    _cached_release(tmp_path, "mooncake-transfer-engine-musa", "0.0.0.1", placeholder)
+    env = dict(os.environ, KVT_CANARY_CACHE=str(tmp_path))
+    for pinned, code, said in (("mooncake-transfer-engine-rocm==0.3.99", 1, "FAILED, a wrapper's target is missing"),
+                               ("mooncake-transfer-engine-musa==0.0.0.1", 0,
+                                "below the supported range (>=0.3): never instrumented; its wheel holds no engine")):
+        name = pinned.split("==")[0]
+        done = subprocess.run([sys.executable, CANARY, "--only", name, "--version", pinned], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0] and done.returncode == code, done.stdout + done.stderr[-2000:]
 
 
 def test_a_release_that_renames_a_target_fails_the_canary(tmp_path):

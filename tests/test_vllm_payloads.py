@@ -130,7 +130,8 @@ def test_entries_are_gated_on_their_class_and_method_not_on_a_version():
 
     assert common.patcher.patched() == []  # vLLM is not imported in this process
     patches = payloads.patches()
-    assert set(patches) == {targets.EC_MOONCAKE, targets.EC_NIXL, targets.EPLB}
+    assert set(patches) == {targets.EC_MOONCAKE, targets.EC_NIXL, targets.EPLB, targets.OFFLOAD_P2P_NIXL,
+                            targets.OFFLOAD_OBJ}
     bare = types.ModuleType(targets.EPLB)
     bare.NixlEplbCommunicator = type("NixlEplbCommunicator", (), {})  # renamed away: no add_recv
     for name, patch in patches.items():

@@ -10,6 +10,14 @@ run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines'
 with their patch functions by tests/test_version_canary.py. Mooncake's engine is a compiled extension: its
 method names are looked up in the binary's string table (pybind11 keeps them there).
 
+Every published build of each engine is read, its newest release each (the build names are the engine modules'
+DISTRIBUTIONS): Mooncake's nine (CUDA 12, CPU, CUDA 13, three EFA, ROCm, NPU, MUSA), each wheel's own compiled
+engine; NIXL's three (`nixl` chooses a build at import time: its code is the `nixl-cu12` release of the same number;
+`nixl-cu12` and `nixl-cu13` are read as they are). A build whose newest release lies below the engine's supported
+range is said so in its line and is no failure: `instruments-any` asks for the range's minimum, so such a release
+never switches the instrumentation on (mooncake-transfer-engine-musa's only release, 0.0.0.1, is a placeholder that
+installs no `mooncake` package at all: its line says it holds no engine).
+
     python tests/version_canary.py [--only NAME ...] [--version NAME==X.Y.Z ...]
 
 One line per library; exit 1 when a required target is missing. A registry that cannot be reached is said in
@@ -33,6 +41,10 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from packaging.version import InvalidVersion, Version
+
+from otel_kvtransfer.engines import mooncake as mooncake_engine
+from otel_kvtransfer.engines import nixl as nixl_engine
 from otel_kvtransfer.wiring.targets import Target, missing_in_source
 
 PIP_TIMEOUT_S = 60  # per pip command (the biggest wheel, vLLM's, is ~340 MB)
@@ -81,6 +93,12 @@ SGLANG_TARGETS = [
     Target(f"{_SG}.prefill", "PrefillBootstrapQueue", "create_sender"),
     Target(f"{_SG}.decode", "DecodePreallocQueue", "_create_receiver_and_enqueue"),
     Target(f"{_SG}.decode", "DecodePreallocQueue", "_ensure_prefill_info"),
+    # the decode's KV checksum (integrity.py): is it on, the digest taken, the verdict, a mismatch
+    Target(f"{_SG}.decode", "DecodePreallocQueue", "__init__"),
+    Target(f"{_SG}.decode", "DecodeTransferQueue", "_commit_transfer_to_req"),
+    Target(f"{_SG}.decode", "SchedulerDisaggregationDecodeMixin", "_verify_kv_checksums"),
+    Target(f"{_SG}.decode", "SchedulerDisaggregationDecodeMixin", "_handle_kv_checksum_mismatch"),
+    Target("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl", "_xfer_and_wait"),  # HiCache's offload
     Target("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
 ]
 
@@ -97,12 +115,17 @@ NIXL_TARGETS = [
     Target(_NX, "nixl_prepped_dlist_handle", "release", (), ("_agent", "_handle")),
 ]
 
-# Mooncake's TransferEngine methods the engine module replaces (a compiled class: names only).
+# Mooncake's TransferEngine methods the engine module replaces (a compiled class: names only). Required: what every
+# 0.3 release has; optional: the rest of what the engine module times where a build has it (0.3.14's arrays, pages
+# and scatter calls, the CUDA builds' *_on_cuda calls), taken from the module so the two cannot drift apart.
 MOONCAKE_METHODS = ("initialize", "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write",
                     "batch_transfer_sync_read", "batch_transfer_async_write", "batch_transfer_async_read",
                     "transfer_check_status", "get_batch_transfer_status", "register_memory")
 MOONCAKE_OPTIONAL = ("initialize_ext", "transfer_sync", "batch_transfer_sync", "transfer_submit_write",
-                     "batch_transfer_async", "batch_register_memory", "batch_unregister_memory")
+                     "batch_transfer_async", "batch_register_memory", "batch_unregister_memory",
+                     *sorted(mooncake_engine.timed_calls() - {"initialize_ext", "transfer_sync", "batch_transfer_sync",
+                                                              "transfer_submit_write", "batch_transfer_async",
+                                                              *MOONCAKE_METHODS}))
 
 
 def _vllm_targets() -> List[Target]:
@@ -118,17 +141,36 @@ class Library:
     targets: Callable[[], List[Target]] = list
     aliases: Dict[str, str] = field(default_factory=dict)  # module prefix -> where its code lives
     binary: Optional[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = None  # (file pattern, required, optional)
+    supported: Optional[str] = None  # an engine's supported range: a newest release below it is not checked
+
+
+def _nixl_build(name: str) -> Library:
+    """`nixl-cuXY` holds its code as the module `nixl_cuXY` (nixl._api is nixl_cuXY._api there); the plain `nixl`
+    only chooses a build at import time, and is checked through `nixl-cu12`'s code of its release."""
+    code = "nixl-cu12" if name == "nixl" else name
+    return Library(name, code, lambda: NIXL_TARGETS, aliases={"nixl._api": code.replace("-", "_") + "._api"},
+                   supported=nixl_engine.SUPPORTED)
 
 
 LIBRARIES = {
     "vllm": Library("vllm", "vllm", _vllm_targets),
     "sglang": Library("sglang", "sglang", lambda: SGLANG_TARGETS),
-    "mooncake-transfer-engine": Library("mooncake-transfer-engine", "mooncake-transfer-engine",
-                                        binary=(r"^mooncake/engine[^/]*\.so$", MOONCAKE_METHODS,
-                                                MOONCAKE_OPTIONAL)),
-    # `nixl` only chooses a build at import time; the code is in nixl-cu12 (nixl._api is nixl_cu12._api there).
-    "nixl": Library("nixl", "nixl-cu12", lambda: NIXL_TARGETS, aliases={"nixl._api": "nixl_cu12._api"}),
+    **{name: Library(name, name, binary=(r"^mooncake/engine[^/]*\.so$", MOONCAKE_METHODS, MOONCAKE_OPTIONAL),
+                     supported=mooncake_engine.SUPPORTED) for name in mooncake_engine.DISTRIBUTIONS},
+    **{name: _nixl_build(name) for name in nixl_engine.DISTRIBUTIONS},
 }
+
+
+def below_supported(library: Library, version: str) -> bool:
+    """The release lies below the engine's supported range: `instruments-any` (its minimum) never switches the
+    instrumentation on for it."""
+    if not library.supported:
+        return False
+    minimum = [part.strip()[2:].strip() for part in library.supported.split(",") if part.strip().startswith(">=")]
+    try:
+        return bool(minimum) and Version(version) < Version(minimum[0])
+    except InvalidVersion:
+        return False
 
 
 class RegistryUnreachable(Exception):
@@ -283,7 +325,12 @@ def main(argv=None) -> int:
             failed = True
             print(f"canary: {name}: could not read its release ({type(error).__name__}: {str(error)[:200]})")
             continue
-        if absent:
+        if below_supported(library, version):
+            held = "holds no engine" if any("no engine binary" in a for a in absent) else (
+                "lacks " + ", ".join(absent[:6]) if absent else "has every patch target")
+            print(f"canary: {name} {version}: below the supported range ({library.supported}): never instrumented; "
+                  f"its wheel {held}{note}")
+        elif absent:
             failed = True
             print(f"canary: {name} {version}: FAILED, a wrapper's target is missing: {', '.join(absent[:12])}{note}")
         else:

@@ -35,6 +35,7 @@ class Attachment:
         self._original_sampler = None
         self._processors = ()
         self._direct = False
+        self._accelerated = False  # the OTLP exporters' encoder wrapped (span_encoding)
         self._tables = None  # the direct path's metric tables (KVMetrics), once attached
         self.spans = None  # what the builder builds with: DirectSpans or SdkSpans
         self.metrics = None  # the direct path's RecordMetrics (None: a processor derives them)
@@ -53,7 +54,6 @@ class Attachment:
             self.spans = DirectSpans(tracer)
             self._direct = True
             self.attach_metrics()
-            span_encoding.accelerate()
             ours = ()
         else:
             if hasattr(tracer, "sampler") and not isinstance(tracer.sampler, RecordUnsampledSampler):
@@ -61,6 +61,10 @@ class Attachment:
                 tracer.sampler = RecordUnsampledSampler(tracer.sampler)
             self.spans = SdkSpans(tracer)
             ours = (KVTransferMetricsProcessor(self._meter_provider, self._max_peers),)
+        # Either pipeline: the OTLP exporters' encoder (ours writes our spans; in both, a span it cannot encode
+        # costs itself alone, counted, not its whole batch).
+        span_encoding.accelerate(drop_counter(self._meter_provider))
+        self._accelerated = True
         if self._direct and flush_first:  # this process's drains bound the wait for room in the export queues
             self.spans.room.drain_deadline = RECORDER.current_deadline
         if not flush_first:
@@ -99,8 +103,9 @@ class Attachment:
         return self._direct and self._tables is None and self.attach_metrics()
 
     def detach(self) -> None:
-        if self._direct:
+        if self._accelerated:
             span_encoding.restore()
+            self._accelerated = False
         self._direct, self._tables, self.metrics = False, None, None
         if self._processors and self._provider is not None:
             ours = self._processors
@@ -122,6 +127,13 @@ def drop_counter(meter_provider) -> Callable[[str, int], None]:
     counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
         semconv.METRIC_DROPPED, unit="{record}", description=semconv.DROPPED_DESCRIPTION)
     return lambda reason, n: counter.add(n, {semconv.DROP_REASON: reason})
+
+
+def untimed_counter(meter_provider) -> Callable[[str, str], None]:
+    """`count(backend, call)`: adds one to kv_transfer.instrumentation.untimed_calls (in the engine process)."""
+    counter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider).create_counter(
+        semconv.METRIC_UNTIMED_CALLS, unit="{call}", description=semconv.UNTIMED_CALLS_DESCRIPTION)
+    return lambda backend, call: counter.add(1, {semconv.BACKEND: backend, semconv.CODE_FUNCTION_NAME: call})
 
 
 def new_builder(attachment: "Attachment", settings: config.Settings, engines,

@@ -7,6 +7,7 @@ The spans that stay open across records live in `open_spans.OpenSpans` (bounded 
 evicts ends here, as evicted, and is counted); a send's attributes come from `send_attributes`.
 """
 
+import math
 import time
 from typing import Callable, Dict, Optional
 
@@ -29,6 +30,9 @@ PeerParser = Callable[[object], dict]
 
 
 _OK = UNSET_STATUS  # the direct path's own object: a span with it needs no repair
+# A send's times are checked here, off the engine's thread: OTLP's fixed64 nanoseconds, the end not before the
+# start (an engine call's come from clock.now_ns(); a bad one came through integration.deliver()).
+_TIME_LIMIT = 1 << 64
 
 
 def _error(span, error_type: str) -> None:
@@ -55,8 +59,11 @@ class SpanBuilder:
         self._clock = clock
         self._raw_statics = {}  # static attributes of raw engine calls, by shape
         self._open = OpenSpans(max_open, self._end_evicted_request, self._end_evicted_peer, self._on_drop)
-        self._ended = late.EndedRequests()  # requests that concluded: a send of theirs arriving later is late
+        self._ended = late.EndedRequests(on_drop=self._on_drop)  # concluded: a send of theirs arriving later is late
+        self._late_lines = late.LateLines()  # the late transfers' log lines, a few a scan
         self._held = late.HeldPeers(late_watch_s, self._close_peer)  # peer waits that ended with an error
+        # Peer waits that ended with more to come (records.PEER_OUTCOME: sglang's KV checksum, verified later)
+        self._awaiting = late.HeldPeers(request_ttl_s, self._close_peer)
         # Backends whose first transfer to a peer sets the connection up, and the peers each has sent to.
         first_calls = FirstToPeer(setup_in_first_call)
         self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
@@ -74,6 +81,7 @@ class SpanBuilder:
             r.INFLIGHT: self._inflight,
             r.CONNECT: self._connect,
             r.LATE_ARRIVAL: self._late_arrival,
+            r.PEER_OUTCOME: self._peer_outcome,
         }
 
     def handle(self, rec: tuple) -> None:
@@ -99,6 +107,7 @@ class SpanBuilder:
         self._open.clear()
         self._ended.clear()
         self._held.clear()
+        self._awaiting.clear()
         if self._watch is not None:
             self._watch.reset()
 
@@ -160,7 +169,7 @@ class SpanBuilder:
             _error(span, failure)
         self._spans.close(span, end_ns)
         self._metrics.request(attrs, span, state, end_ns, failure)
-        self._ended.ended(state.key, state.parent, end_ns, state.labels, state.statics)
+        self._ended.ended(state.key, state.parent, end_ns, state.labels)
 
     def _end_evicted_request(self, state: OpenRequest) -> None:
         self._finish_request(state, now_ns(), semconv.EVICTED_ERROR, evicted=True)  # the records' clock
@@ -169,11 +178,15 @@ class SpanBuilder:
     def _raw_call(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, call = send_attributes.measure_call(
             rec[r.RAW_CALL_FIELDS], None)
+        if not 0 <= start <= end < _TIME_LIMIT:  # no engine measures that: bad input to deliver(), counted
+            return self._on_drop("api_error", 1)
         call, nbytes, descriptors = self._checked(call, nbytes, descriptors)
         self._raw_send(start, end, nbytes, descriptors, 1, failure, return_code, call, rec[r.RAW_CONTEXT])
 
     def _send(self, rec, now):
         start, end, nbytes, descriptors, failure, return_code, first = send_attributes.measure(rec)
+        if not 0 <= start <= end < _TIME_LIMIT:
+            return self._on_drop("api_error", 1)
         first, nbytes, descriptors = self._checked(first, nbytes, descriptors)
         info = rec[r.SEND_INFO]
         if info is None:
@@ -220,8 +233,8 @@ class SpanBuilder:
     def _ended_request_send(self, rec, key, ended, start, end, nbytes, descriptors, failure, return_code, first):
         """A send of a request that already concluded: under that request's span, late if it ended after it."""
         attrs = send_attributes.attributes(start, end, nbytes, descriptors, len(rec[r.SEND_CALLS]), failure,
-                                           return_code, first, rec[r.SEND_INFO], ended.labels, ended.statics,
-                                           self._peer_parsers)
+                                           return_code, first, rec[r.SEND_INFO], ended.labels,
+                                           self._ended.shapes(key), self._peer_parsers)
         late_s = late.late_by_s(ended, end)
         if late_s is None:  # it ended in time, its record only came after the request's end
             return self._send_span(ended.parent, attrs, start, end, nbytes, descriptors, failure)
@@ -232,12 +245,13 @@ class SpanBuilder:
         span_context = self._spans.context_of(span)
         self._spans.close(span, end)
         self._metrics.late(attrs, span_context)
-        late.warn_once(ended, key, attrs, late_s)
+        self._late_lines.send(ended, key, attrs.get(semconv.BACKEND), first[r.CALL_PEER] if first else None, late_s)
         self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
 
     # --- compute ---------------------------------------------------------------------------------------------
     def _compute(self, rec, now):
         start_ns, end_ns, chunk = rec[r.COMPUTE_START], rec[r.COMPUTE_END], rec[r.COMPUTE_CHUNK]
+        clock = rec[r.COMPUTE_CLOCK] or semconv.CLOCK_HOST
         for key in rec[r.COMPUTE_KEYS]:
             # Compute of a request with no open request span (warm-up, health checks, requests that never
             # transfer) makes no span: it would be an orphan trace.
@@ -245,7 +259,7 @@ class SpanBuilder:
             if state is None:
                 continue
             state.aggregate.add_compute(start_ns, end_ns)
-            attrs = {semconv.REQUEST_KEY: str(key)}
+            attrs = {semconv.REQUEST_KEY: str(key), semconv.COMPUTE_CLOCK: clock}
             if chunk is not None:
                 attrs[semconv.CHUNK_INDEX] = chunk
             for name in semconv.RANK_ATTRIBUTES:
@@ -291,9 +305,10 @@ class SpanBuilder:
         key = rec[r.KEY]
         if key in self._peers:
             return
-        held = self._held.take(key)  # a new wait of the same key: the old one's watch is over
-        if held is not None:
-            self._close_peer(held.span, held.end_ns)
+        for waits in (self._held, self._awaiting):  # a new wait of the same key: the old one's watch is over
+            held = waits.take(key)
+            if held is not None:
+                self._close_peer(held.span, held.end_ns)
         self._open.make_room(False)
         span = self._start_top(rec[r.PEER_SPAN_NAME], key, rec[r.PEER_ROLE], rec[r.PEER_BACKEND],
                                rec[r.PEER_FRAMEWORK], rec[r.PEER_ATTRIBUTES], rec[r.PEER_PARENT], rec[r.TIME])
@@ -309,6 +324,8 @@ class SpanBuilder:
         if rec[r.END_ERROR]:  # its KV was let go unread: what still arrives of it is late
             _error(state.span, rec[r.END_ERROR])
             self._held.hold(rec[r.KEY], state.span, rec[r.TIME])
+        elif len(rec) > r.END_PENDING and rec[r.END_PENDING]:  # its outcome comes later: exported with it
+            self._awaiting.hold(rec[r.KEY], state.span, rec[r.TIME])
         else:
             self._close_peer(state.span, rec[r.TIME])
 
@@ -322,7 +339,7 @@ class SpanBuilder:
         if held is None:  # not held (ended in time, or never seen here), or held and exported already
             end_ns = self._held.released_end(key)
             if end_ns is not None:
-                late.warn_peer(key, rec[r.LATE_BACKEND], max(at_ns - end_ns, 0) / 1e9, True)
+                self._late_lines.arrival(key, rec[r.LATE_BACKEND], max(at_ns - end_ns, 0) / 1e9, True)
             return
         late_s = max(at_ns - held.end_ns, 0) / 1e9
         span = held.span
@@ -330,7 +347,24 @@ class SpanBuilder:
         self._close_peer(span, held.end_ns)
         self._held.reported(key)
         self._metrics.late(span.attributes, self._spans.context_of(span))
-        late.warn_peer(key, rec[r.LATE_BACKEND], late_s, False)
+        self._late_lines.arrival(key, rec[r.LATE_BACKEND], late_s, False)
+
+    def _peer_outcome(self, rec, now):
+        """What the peer found out about its KV after the wait (a framework's integrity check): onto the wait's
+        span while it is open or awaits it, which then ends as it had; one that comes too late is counted."""
+        key = rec[r.KEY]
+        state = self._peers.get(key)
+        awaited = None if state is not None else self._awaiting.take(key)
+        if state is None and awaited is None:
+            self._on_drop("outcome_unmatched", 1)
+            return
+        span = state.span if state is not None else awaited.span
+        if rec[r.OUTCOME_ATTRIBUTES]:
+            span.set_attributes(rec[r.OUTCOME_ATTRIBUTES])
+        for name, attributes in rec[r.OUTCOME_EVENTS] or ():
+            span.add_event(name, attributes, max(rec[r.TIME], span.start_time))
+        if awaited is not None:
+            self._close_peer(span, awaited.end_ns)
 
     def _end_evicted_peer(self, state: OpenPeer) -> None:
         state.span.set_attribute(semconv.EVICTED, True)
@@ -364,7 +398,11 @@ class SpanBuilder:
     def evict_stale(self) -> None:
         """End, as evicted, what has had no activity for longer than the TTL (oldest first, stops at the first
         fresh one); then report what just became stuck. Export the peer waits whose late watch is over."""
-        self._held.release_due(now_ns())
+        now = now_ns()
+        self._held.release_due(now)
+        self._awaiting.release_due(now)
+        self._ended.expire(now)
+        self._late_lines.flush()  # the scan's summary line of late transfers, if any
         if self._watch is not None:
             self._watch.tick({semconv.INFLIGHT_REQUEST: self._requests, semconv.INFLIGHT_PEER: self._peers},
                              self._describe_open)
@@ -374,15 +412,22 @@ class SpanBuilder:
         """Uninstrument: end every open span as evicted (nothing would ever end it) and count them; export the
         held peer waits as they ended."""
         self._held.release_all()
+        self._awaiting.release_all()
         self._open.end_all(on_drop)
+        self._late_lines.flush()
 
     def release_held(self) -> None:
-        """A flush: the peer waits held for late KV are exported now, as they ended."""
+        """A flush: the peer waits held for late KV or an outcome are exported now, as they ended."""
         self._held.release_all()
+        self._awaiting.release_all()
 
-    def end_at_exit(self) -> None:
+    def end_at_exit(self, deadline: float = math.inf) -> int:
         """The process is ending (or its engine, seen from the builder process): every request and peer wait
         still open ends now, as ended by the exit (ERROR, error.type and kv_transfer.ended_by = process_exit),
-        with its aggregates so far, so its sends' parent arrives. Delivered, so not counted as dropped."""
+        with its aggregates so far, so its sends' parent arrives. Delivered, so not counted as dropped. Until
+        `deadline` (time.monotonic()): returns how many it could not end by then (the caller counts them)."""
         self._held.release_all()
-        self._open.end_every(self._end_request_at_exit, self._end_peer_at_exit)
+        self._awaiting.release_all()
+        left = self._open.end_every(self._end_request_at_exit, self._end_peer_at_exit, deadline)
+        self._late_lines.flush()
+        return left

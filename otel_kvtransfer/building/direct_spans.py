@@ -6,7 +6,12 @@ tracer's generic work (attribute validation into a BoundedAttributes, a lock per
 `ReadableSpan` (`KVSpan`) once the span has ended, and hands it to the provider's span processors' `on_end`:
 the user's exporters and processors receive a genuine ReadableSpan. What differs from the SDK path: processors'
 `on_start` is not called for our spans (they are built after the transfer ended), and a span the sampler drops
-is never built at all (the metrics count it all the same: they come from the records, not from spans).
+is never built at all (the metrics count it all the same: they come from the records, not from spans). A span the
+sampler records without sampling it (RECORD_ONLY) is built and handed to every processor's `on_end`, as the SDK
+hands it (the SDK's exporting processors drop what is not sampled; a span-metrics processor counts it). With the
+SDK's own metrics on (OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED), each of our spans is counted in
+`otel.sdk.span.started` and, while open, `otel.sdk.span.live`, with the parent origin and sampling result the SDK
+tracer would give it.
 """
 
 import math
@@ -18,7 +23,14 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, StaticSampler, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    StaticSampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from otel_kvtransfer import sdk_internals
@@ -63,9 +75,10 @@ class OpenSpan:
     """A span that stays open across records (a request's or a peer's): what the builder sets on it until it
     ends. `context` is final from the start, so children can be parented to it at once."""
 
-    __slots__ = ("name", "context", "parent", "kind", "start_time", "attributes", "status", "events")
+    __slots__ = ("name", "context", "parent", "kind", "start_time", "attributes", "status", "events", "recorded",
+                 "counted_end")
 
-    def __init__(self, name, context, parent, kind, start_time, attributes):
+    def __init__(self, name, context, parent, kind, start_time, attributes, recorded=None, counted_end=None):
         self.name = name
         self.context = context
         self.parent = parent
@@ -74,6 +87,9 @@ class OpenSpan:
         self.attributes = attributes
         self.status = UNSET_STATUS
         self.events = ()
+        # Built at its end: sampled, or recorded only (RECORD_ONLY); None when the sampler dropped it.
+        self.recorded = context.trace_flags.sampled if recorded is None else recorded
+        self.counted_end = counted_end  # the SDK's own span metrics: called once it ended (otel.sdk.span.live)
 
     def get_span_context(self):
         return self.context
@@ -137,11 +153,12 @@ def _root_decision(sampler):
 
 def _inherits_from_local_parent(sampler) -> bool:
     """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
-    `sampler`, so the sampler need not be asked per child: the standard samplers."""
+    `sampler`, sampled or dropped, so the sampler need not be asked per child: the standard samplers."""
     if isinstance(sampler, ParentBased):
         return sampler._local_parent_sampled is ALWAYS_ON and sampler._local_parent_not_sampled is ALWAYS_OFF
-    # A static decision is the same for parent and child; a ratio decides on the trace id, which they share.
-    return type(sampler) in (StaticSampler, TraceIdRatioBased)
+    if type(sampler) is StaticSampler:  # the same decision for parent and child; one to record only is asked
+        return sampler.should_sample(None, 1, "").decision is not Decision.RECORD_ONLY
+    return type(sampler) is TraceIdRatioBased  # decides on the trace id, which parent and child share
 
 
 class _QueueRoom:
@@ -172,6 +189,7 @@ class _QueueRoom:
         self._queues = []
         self._unlooked = 0  # spans that may go before the next look at the queues
         self.hand = provider_processor.on_end  # span -> None: to the processors looked at last (span_handoff)
+        self.waited_s = 0.0  # time spent waiting for room so far (the exit drain's line says what took its time)
         self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
         # time.monotonic() by which the drain in progress must end: no wait for room outlasts it (the recorder's,
         # set by the attachment in the engine process; the builder process's frame loop has none).
@@ -205,12 +223,14 @@ class _QueueRoom:
                 continue
             room = 0
             if not stalled:
-                deadline = time.monotonic() + self.WAIT_S
+                began = time.monotonic()
+                deadline = began + self.WAIT_S
                 awaken = sdk_internals.worker_awaken(inner)
                 while len(queue) >= size and time.monotonic() < min(deadline, self.drain_deadline()):
                     if awaken is not None:
                         awaken.set()  # the worker exports at once instead of at its next scheduled time
                     time.sleep(0.001)
+                self.waited_s += time.monotonic() - began
                 if len(queue) < size:
                     continue
                 if self.drain_deadline() < deadline:  # the flush's or exit's bound, not a hung exporter
@@ -248,6 +268,9 @@ class DirectSpans:
         self._max_count = self._limits.max_span_attributes
         self._max_length = self._limits.max_span_attribute_length
         self._statics = {}  # id(a send shape's static attributes) -> (them, whether the limits leave them be)
+        # The last decision the sampler was asked for said RECORD_ONLY: read (and reset) by the caller of _context.
+        self._record_only = False
+        self._span_metrics = sdk_internals.tracer_metrics(tracer)  # the SDK's own (None: off)
 
     @property
     def _processor(self):
@@ -293,6 +316,7 @@ class DirectSpans:
                 context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _ROOT)
             result = self._sampler.should_sample(context, trace_id, name, kind, attributes, ())
             flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+            self._record_only = result.decision is Decision.RECORD_ONLY
             state = result.trace_state if result.trace_state is not None else _EMPTY_STATE
         if flags_random:
             flags = TraceFlags(flags | flags_random)
@@ -307,30 +331,58 @@ class DirectSpans:
         synthetic = parent is not None and is_synthetic(parent)
         attributes = repaired(attributes)  # what a sampler sees too, as on the SDK path
         context = self._context(name, parent, kind, attributes, synthetic)
+        recorded = bool(context.trace_flags & 1) or self._record_only
+        self._record_only = False
+        counted_end = self._count_started(parent, context, recorded) if self._span_metrics is not None else None
         return OpenSpan(name, context, parent if parent is not None and parent.is_valid else None, kind, start_ns,
-                        attributes)
+                        attributes, recorded, counted_end)
 
     @staticmethod
     def context_of(span: OpenSpan) -> SpanContext:
         return span.context
 
     def close(self, span: OpenSpan, end_ns: int) -> None:
-        if span.context.trace_flags.sampled:
+        if span.counted_end is not None:
+            span.counted_end, ended = None, span.counted_end
+            ended()
+        if span.recorded:
             self._emit(span.name, span.context, span.parent, span.kind, span.attributes, span.status,
-                       span.start_time, max(end_ns, span.start_time), span.events)
+                       span.start_time, max(end_ns, span.start_time), span.events, span.context.trace_flags & 1)
 
     def child(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int, end_ns: int,
               status=UNSET_STATUS, synthetic=False) -> SpanContext:
         """A span started and ended at once (a send, a compute interval) under `parent`; its context (for an
         exemplar). `synthetic`: the parent is the stitching one, which never decides sampling."""
         context = self._context(name, parent, kind, attributes, synthetic)
+        if self._span_metrics is not None:
+            self._count_started(parent, context, bool(context.trace_flags & 1) or self._record_only)()
         if context.trace_flags & 1:  # sampled
             self._emit(name, context, parent if parent is not None and parent.is_valid else None, kind,
                        attributes, status, start_ns, end_ns, ())
+        elif self._record_only:  # recorded, not sampled: every processor gets it, the exporting ones drop it
+            self._record_only = False
+            self._emit(name, context, parent if parent is not None and parent.is_valid else None, kind,
+                       attributes, status, start_ns, end_ns, (), False)
         return context
 
-    def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events) -> None:
+    def _count_started(self, parent, context, recorded):
+        """The SDK's own count of a span started (otel.sdk.span.started, and otel.sdk.span.live while it is
+        open), as its tracer counts one: by parent origin and sampling result. Returns what ends it."""
+        if self._enabled is not None and not self._enabled():  # a tracer switched off starts no span
+            return _nothing
+        decision = Decision.RECORD_AND_SAMPLE if context.trace_flags & 1 else \
+            Decision.RECORD_ONLY if recorded else Decision.DROP
+        return self._span_metrics.start_span(parent if parent is not None and parent.is_valid else None, decision)
+
+    def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events, sampled=True) -> None:
         if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
+            return
+        if not sampled:  # recorded only: to every processor's on_end, as the SDK hands it (no
+            # export queue takes it: no wait for room)
+            self._processor.on_end(KVSpan(name, context, parent, self._resource, self._bounded(attributes),
+                                          bounded_events(events, self._limits) if events else events, (), kind,
+                                          None, repaired_status(status) if status is not UNSET_STATUS else status,
+                                          start_ns, end_ns, self._scope))
             return
         skip = self.room.wait()
         if skip is None:
@@ -374,6 +426,10 @@ class DirectSpans:
                  and (self._max_count is None or len(static) + _SEND_OWN_MAX <= self._max_count))
         seen = self._statics[id(static)] = (static, whole)
         return seen
+
+
+def _nothing() -> None:
+    pass
 
 
 def span_context_of(context) -> Optional[SpanContext]:

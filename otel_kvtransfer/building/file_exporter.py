@@ -29,7 +29,9 @@ A span file must never hurt the process that writes it, and what it loses is nev
 * a file renamed or removed under it (log rotation) is noticed at the next batch, which goes to a new file at
   the path;
 * no line is longer than MAX_LINE, the reader's limit: a batch that would be is split, and a span that alone
-  would be is dropped, counted.
+  would be is dropped, counted;
+* a span the OTLP encoder cannot encode (a time outside fixed64 fails the encoding of its whole batch) is left
+  out alone, counted; the rest of its batch is written.
 """
 
 import base64
@@ -57,6 +59,9 @@ DROP_REASON = "span_file"
 # bounds what reading one line may cost (docs/tools.md); a batch longer than this is split over several lines.
 MAX_LINE = 16 << 20
 _LOG = logging.getLogger(__name__)
+
+# Causes logged once per exporter, whatever is written between (a span that cannot be encoded is about that span).
+_SAID_ONCE = frozenset({"unencodable"})
 
 # Fields that hold ids: bytes in protobuf (base64 in proto3 JSON), hex strings in OTLP/JSON.
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -107,20 +112,30 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
 
 
 def encode_lines(spans: Sequence[ReadableSpan], limit: int = MAX_LINE):
-    """(lines, spans too big): the batch as lines of at most `limit` bytes, halved until each fits; a span whose
-    line alone is over the limit cannot be written and is returned apart."""
-    lines, too_big, todo = [], [], [list(spans)]
+    """(lines, spans too big, spans that do not encode): the batch as lines of at most `limit` bytes, halved until
+    each fits; a span whose line alone is over the limit cannot be written and is returned apart. A batch the
+    encoder refuses (one span with a time outside OTLP's fixed64 fails all of it) is halved too, down to the spans
+    that alone do not encode: only those are left out."""
+    lines, too_big, unencodable, todo = [], [], [], [list(spans)]
     while todo:
         batch = todo.pop()
-        data = encode_line(batch).encode("ascii")  # json.dumps escapes all non-ASCII
+        try:
+            data = encode_line(batch).encode("ascii")  # json.dumps escapes all non-ASCII
+        except Exception:
+            if len(batch) == 1:
+                unencodable.append(batch[0])
+            else:
+                half = len(batch) // 2
+                todo += [batch[half:], batch[:half]]  # popped first half first: file order kept
+            continue
         if len(data) <= limit:
             lines.append((data, len(batch)))
         elif len(batch) == 1:
             too_big.append(batch[0])
         else:
             half = len(batch) // 2
-            todo += [batch[half:], batch[:half]]  # popped first half first: file order kept
-    return lines, too_big
+            todo += [batch[half:], batch[:half]]
+    return lines, too_big, unencodable
 
 
 class _Failure(Exception):
@@ -327,10 +342,14 @@ class OtlpJsonFileSpanExporter(SpanExporter):
             return SpanExportResult.FAILURE
         ok = True
         try:
-            lines, too_big = encode_lines(spans)
+            lines, too_big, unencodable = encode_lines(spans)
         except Exception as exc:  # an exporter reports failure, never raises
             self._drop(len(spans), _Failure("encode", f"cannot encode spans: {exc}"))
             return SpanExportResult.FAILURE
+        if unencodable:  # the rest of their batch is written
+            ok = False
+            self._drop(len(unencodable), _Failure("unencodable", "a span the OTLP encoder cannot encode (a time "
+                                                                 "outside what OTLP carries) is left out"))
         if too_big:
             ok = False
             self._drop(len(too_big), _Failure("too_big", f"a span alone encodes to over {MAX_LINE >> 20} MiB, "
@@ -338,7 +357,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         for data, count in lines:
             failure = self._write(data, count)
             if failure is None:
-                self._logged.clear()
+                self._logged &= _SAID_ONCE  # a write that works again: its failures are news again
             else:
                 ok = False
                 if failure is not _PENDING:  # a pending write is counted where it ends, only if it fails

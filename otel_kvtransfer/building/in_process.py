@@ -32,6 +32,9 @@ class InProcessSink(Sink):
         self.end_at_exit = builder.end_at_exit
         self.release_held = builder.release_held
 
+    def export_wait_s(self) -> float:
+        return getattr(getattr(self._attachment.spans, "room", None), "waited_s", 0.0)
+
     def tick(self) -> None:
         if self._waiting:
             provider = trace.get_tracer_provider()

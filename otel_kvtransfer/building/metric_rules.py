@@ -56,11 +56,15 @@ INSTRUMENTS = (
      "Time in which at least one send of this process was in flight, over all its peers", None),
     (semconv.METRIC_CONNECT_DURATION, "s", "Duration of one set-up call towards a peer (NIXL add_remote_agent...)",
      SECONDS_BUCKETS),
+    (semconv.METRIC_RECEIVE_ALLOCATION_WAIT, "s",
+     "Time from a request's admission on the receiving side until its KV memory was reserved", SECONDS_BUCKETS),
+    (semconv.METRIC_INTEGRITY_MISMATCHES, "{request}",
+     "Requests whose received KV failed the framework's integrity check (sglang's KV checksum)", None),
 )
 (I_DURATION, I_SIZE, I_THROUGHPUT, I_DESCRIPTORS, I_FAILURES, I_REQUEST_DURATION, I_REQUEST_SIZE,
  I_REQUEST_THROUGHPUT, I_REQUEST_OVERLAP, I_RECEIVE_DURATION, I_REQUEST_TAIL, I_REQUEST_TAIL_QUEUED,
  I_PEER_THROUGHPUT, I_POST_DURATION, I_LATE_COMPLETIONS, I_PEER_BUSY_TIME, I_BUSY_TIME,
- I_CONNECT_DURATION) = range(len(INSTRUMENTS))
+ I_CONNECT_DURATION, I_ALLOCATION_WAIT, I_INTEGRITY_MISMATCHES) = range(len(INSTRUMENTS))
 PER_PEER = (I_PEER_THROUGHPUT, I_PEER_BUSY_TIME)  # instruments whose series are the peers (PeerSeries)
 
 
@@ -89,15 +93,30 @@ def send_row(attrs, duration_s: float, nbytes: int, descriptors: int, *extra) ->
 
 
 def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
-    """A send's measurements in its own series: `send_row`'s, or a failed send's (no speed, one failure)."""
+    """A send's measurements in its own series: `send_row`'s, or a failed send's (no speed; its failure is counted
+    in a series of its own, `failure`)."""
     if not failed:
         row = send_row(attrs, duration_s, nbytes, descriptors)
         return tuple([(index, value) for index, value in zip(SEND_ROW, row) if value is not None])
-    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors), (I_FAILURES, 1))
+    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
     post_s = attrs.get(_POST_S)
     if post_s is not None:
         measured += ((I_POST_DURATION, post_s),)
     return measured
+
+
+_FAILED = ((I_FAILURES, 1),)
+_NIC = semconv.NIC
+
+
+def failure(attrs, key: tuple, labels: dict) -> Tuple[tuple, dict, tuple]:
+    """(key, labels, measurements) of a failed send's `kv_transfer.failures`: the send's own series (`key`,
+    `labels`) and, where the send names it, its local NIC (`kv_transfer.nic`: a host has a few, so the series stay
+    few; a bad NIC shows as the failures on it)."""
+    nic = attrs.get(_NIC)
+    if nic is None:
+        return key, labels, _FAILED
+    return key + (nic,), {**labels, _NIC: nic}, _FAILED
 
 
 def peer_speed(attrs, nbytes: int, failed: bool) -> tuple:
@@ -127,6 +146,18 @@ def request(attrs, duration_s: float, failed: bool) -> tuple:
 def peer_wait(duration_s: float) -> tuple:
     """A receive or serve span: how long the peer waited for the request's KV."""
     return ((I_RECEIVE_DURATION, duration_s),)
+
+
+def peer_outcomes(attrs) -> tuple:
+    """A receive span's allocation wait and integrity mismatch, where its framework told them
+    (`framework_series`)."""
+    measured = ()
+    wait = attrs.get(semconv.ALLOCATION_WAIT_S)
+    if wait is not None:
+        measured += ((I_ALLOCATION_WAIT, wait),)
+    if attrs.get(semconv.INTEGRITY) == semconv.INTEGRITY_MISMATCH:
+        measured += ((I_INTEGRITY_MISMATCHES, 1),)
+    return measured
 
 
 def connect(duration_s: float) -> tuple:
@@ -175,6 +206,12 @@ def process_series(attrs) -> Tuple[tuple, dict]:
     return ("busy_time", labels.get(semconv.BACKEND), labels.get(semconv.ROLE)), labels
 
 
+def framework_series(attrs) -> Tuple[tuple, dict]:
+    """(key, labels) of a peer wait's `peer_outcomes` series: its backend and framework."""
+    labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.FRAMEWORK) if key in attrs}
+    return ("framework", labels.get(semconv.BACKEND), labels.get(semconv.FRAMEWORK)), labels
+
+
 def connect_series(attrs) -> Tuple[tuple, dict]:
     """(key, labels) of a set-up call's series: its backend, framework and outcome."""
     labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.FRAMEWORK, semconv.CONNECT_OUTCOME)
@@ -188,21 +225,32 @@ class BusyTime:
     to it (so a counter of the additions grows by the union's length, and its rate() is the share of time in use).
 
     Sends arrive as they end, not as they start: each series keeps its last `KEPT` disjoint busy stretches, which
-    makes the addition exact for any send that starts after the oldest kept stretch ended (a send older than that
-    is counted as if nothing had overlapped it before that stretch)."""
+    makes the addition exact for any send that starts after the oldest kept stretch ended. Past `KEPT`, the two
+    oldest stretches are merged into one (the gap between them taken as busy), never forgotten: a send older than
+    the kept stretches adds only what lies outside all of them, so the sum of the additions never exceeds the
+    union of the intervals (at worst it misses a gap an old send covered), and no time is counted twice.
+
+    A series' stretches are kept for the life of the process: up to `max_series` series (the peers, capped upstream
+    at OTEL_KVTRANSFER_MAX_PEERS and `other`, and the process's few backend and role series); a series past that
+    (a misuse) shares one union with the others past it, which again never counts a moment twice."""
 
     KEPT = 64
+    MAX_SERIES = (1 << 16) + 1 + 256  # the most peers the setting allows, `other`, and the process series
 
-    def __init__(self):
+    def __init__(self, max_series: int = MAX_SERIES):
         self._unions = {}  # series key -> its BusyUnion
+        self._max_series = max_series
+        self._beyond = None  # the one union of the series past max_series
 
     def union(self, key) -> "BusyUnion":
         """The union of series `key` (new and empty the first time): its `add` is `add(key, ...)` with the
         series already found, for a caller that keeps it per series."""
         union = self._unions.get(key)
         if union is None:
-            if len(self._unions) >= 65536:  # series are capped upstream (peers); this bounds a misuse
-                self._unions.clear()
+            if len(self._unions) >= self._max_series:
+                if self._beyond is None:
+                    self._beyond = BusyUnion(self.KEPT)
+                return self._beyond
             union = self._unions[key] = BusyUnion(self.KEPT)
         return union
 
@@ -228,7 +276,7 @@ class BusyUnion:
             starts.append(start_ns)
             ends.append(end_ns)
             if len(starts) > self.kept:
-                del starts[0], ends[0]
+                self._merge_oldest()
             return (end_ns - start_ns) / 1e9
         first = bisect_left(ends, start_ns)  # the first stretch that ends at or after the send's start
         last = bisect_right(starts, end_ns)  # past the last stretch that starts at or before its end
@@ -240,5 +288,10 @@ class BusyUnion:
         starts[first:last] = [start_ns]
         ends[first:last] = [end_ns]
         if len(starts) > self.kept:
-            del starts[0], ends[0]
+            self._merge_oldest()
         return (end_ns - start_ns - before) / 1e9
+
+    def _merge_oldest(self) -> None:
+        """The two oldest stretches become one: what was counted stays covered (forgetting it would count it
+        again when an old send ends over it)."""
+        del self.starts[1], self.ends[0]

@@ -6,10 +6,14 @@ not O(open). How an evicted span ends is the builder's business: the table calls
 `end_peer` it was given and counts what it evicted through `on_drop`.
 """
 
+import math
+import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
 from otel_kvtransfer.building.aggregate import RequestAggregate
+
+_ENDS_PER_LOOK = 64  # spans ended between two looks at the exit's deadline (ending one takes microseconds)
 
 
 class OpenRequest:
@@ -107,11 +111,19 @@ class OpenSpans:
             if count:
                 on_drop(reason, count)
 
-    def end_every(self, end_request: Callable[[OpenRequest], None], end_peer: Callable[[OpenPeer], None]) -> None:
-        """End every open span with the enders given (the process is exiting), oldest first; nothing counted."""
+    def end_every(self, end_request: Callable[[OpenRequest], None], end_peer: Callable[[OpenPeer], None],
+                  deadline: float = math.inf) -> int:
+        """End every open span with the enders given (the process is exiting), oldest first, until `deadline`
+        (time.monotonic()); nothing counted here. Returns how many were left unended (then forgotten)."""
         for table, end in ((self.requests, end_request), (self.peers, end_peer)):
             while table:
-                end(table.popitem(last=False)[1])
+                if time.monotonic() >= deadline:
+                    left = len(self.requests) + len(self.peers)
+                    self.clear()
+                    return left
+                for _ in range(min(len(table), _ENDS_PER_LOOK)):
+                    end(table.popitem(last=False)[1])
+        return 0
 
     def clear(self) -> None:
         """Forget every open span without ending it."""

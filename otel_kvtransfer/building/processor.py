@@ -82,6 +82,9 @@ class KVTransferMetricsProcessor(SpanProcessor):
         start, end = span.start_time, span.end_time
         self._measure(rules.send(attrs, (end - start) / 1e9, nbytes, attrs.get(semconv.DESCRIPTOR_COUNT, 0), failed),
                       labels, context)
+        if failed:  # its own series: the NIC it went out on, where known
+            _key, failure_labels, measured = rules.failure(attrs, (), labels)
+            self._measure(measured, failure_labels, context)
         if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
             self._measure(rules.late_send(), labels, context)
         peer = self._peers.of(attrs)
@@ -98,6 +101,7 @@ class KVTransferMetricsProcessor(SpanProcessor):
 
     def _on_peer(self, span, attrs, labels, context) -> None:
         self._measure(rules.peer_wait((span.end_time - span.start_time) / 1e9), labels, context)
+        self._measure(rules.peer_outcomes(attrs), rules.framework_series(attrs)[1], context)
         if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
             self._measure(rules.late_send(), labels, context)
 

@@ -76,6 +76,8 @@ class RecordMetrics:
         sums = ((process_sum, busy_s),) if peer_busy is None else ((process_sum, busy_s), (peer_busy[1], peer_busy_s))
         self.tables.record(key, labels, rules.send(attrs, duration_s, nbytes, descriptors, bool(failure)),
                            span_context, sums)
+        if failure:  # its own series: the NIC it went out on, where known
+            self.tables.record(*rules.failure(attrs, key, labels), span_context)
         if peer is not None:
             speed = rules.peer_speed(attrs, nbytes, bool(failure))
             if speed:
@@ -92,6 +94,9 @@ class RecordMetrics:
     def peer(self, span, end_ns) -> None:
         self.tables.record(*series_of(span.attributes),
                            rules.peer_wait((max(end_ns, span.start_time) - span.start_time) / 1e9), span.context)
+        outcomes = rules.peer_outcomes(span.attributes)
+        if outcomes:
+            self.tables.record(*rules.framework_series(span.attributes), outcomes, span.context)
 
     def connect(self, attrs, start_ns, end_ns, span_context) -> None:
         self.tables.record(*rules.connect_series(attrs), rules.connect((end_ns - start_ns) / 1e9), span_context)

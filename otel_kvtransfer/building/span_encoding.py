@@ -13,6 +13,10 @@ original encoder. tests/test_span_encoding.py decodes both encoders' output and 
 What the SDK's encoder drops, this one drops too: an attribute whose key or string UTF-8 cannot carry (the span
 pipelines repair such strings before a span is made: attribute_values), an integer outside int64. What it keeps
 in its cache is bounded by count and by bytes; a pair too large to be worth keeping is encoded on each use.
+
+One span the SDK's encoder cannot encode (a time outside OTLP's fixed64: "Value out of range") makes it fail the
+whole batch, and the batch processor drops it. Here such a span costs itself alone, in both pipelines (the wrapper
+is installed for either): it is left out and counted (`span_encoding`), the rest of its batch goes out.
 """
 
 import logging
@@ -238,15 +242,27 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     return b"".join(parts)
 
 
-def encode_request(spans, pieces: _Pieces = _PIECES) -> bytes:
-    """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order."""
+# What a span's own fields raise when they are outside what OTLP carries (a time or an id outside fixed64, a time
+# that is not an int): that span is left out, alone.
+_UNENCODABLE = (struct.error, OverflowError, TypeError, ValueError)
+
+
+def encode_request(spans, pieces: _Pieces = _PIECES, unencodable=None) -> bytes:
+    """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order. A span
+    whose own fields OTLP cannot carry raises, or, given the list `unencodable`, is put there and left out."""
     groups = {}
     for span in spans:
+        try:
+            encoded = encode_span(span, pieces)
+        except _UNENCODABLE:
+            if unencodable is None:
+                raise
+            unencodable.append(span)
+            continue
         key = (id(span._resource), id(span._instrumentation_scope))
         group = groups.get(key)
         if group is None:
             group = groups[key] = (span._resource, span._instrumentation_scope, [])
-        encoded = encode_span(span, pieces)
         group[2].extend((b"\x12" + _varint(len(encoded)), encoded))  # joined once below: one copy of the span
     out = []
     for resource, scope, encoded_spans in groups.values():
@@ -279,38 +295,91 @@ class PreEncoded:
         return len(self.data)
 
 
+DROP_REASON = "span_encoding"  # kv_transfer.drop_reason of a span left out of its batch (docs/settings.md)
+
+
+def _no_count(reason: str, count: int) -> None:
+    pass
+
+
 class AcceleratedEncoder:
     """Stands in for an exporter module's `encode_spans`: our spans written here, the rest by the original.
-    `as_message`: the exporter hands the result to a gRPC stub, which needs a real protobuf message."""
+    `as_message`: the exporter hands the result to a gRPC stub, which needs a real protobuf message.
 
-    def __init__(self, original, as_message: bool = True):
+    A span that cannot be encoded (a time outside OTLP's fixed64, whoever made the span: ours reach here checked,
+    others' need not) costs that span alone: it is left out of the batch and counted (`count_dropped(DROP_REASON,
+    n)`), and the rest of the batch goes out. The original encoder fails a whole batch on one such span."""
+
+    def __init__(self, original, as_message: bool = True, count_dropped=_no_count):
         self.original = original
         self.as_message = as_message
+        self.count_dropped = count_dropped
         self._failed_logged = False
+        self._left_out_logged = False
 
     def __call__(self, sdk_spans, *args, **kwargs):
         ours = [span for span in sdk_spans if _fast_enough(span)]
-        if not ours:
-            return self.original(sdk_spans, *args, **kwargs)
+        if ours:
+            try:
+                return self._fast(ours, sdk_spans, args, kwargs)
+            except Exception:
+                if not self._failed_logged:
+                    self._failed_logged = True
+                    _logger.warning("otel_kvtransfer: its fast span encoder failed; the exporter's own encoder takes "
+                                    "over for that batch", exc_info=True)
         try:
-            encoded = encode_request(ours)
-            others = [span for span in sdk_spans if not _fast_enough(span)] if len(ours) < len(sdk_spans) else []
-            if not self.as_message:  # protobuf concatenation is merging: their ResourceSpans, then ours
-                return PreEncoded((self.original(others, *args, **kwargs).SerializePartialToString()
-                                   if others else b"") + encoded)
-            message = self.original(others, *args, **kwargs)
-            message.MergeFromString(encoded)
-            return message
-        except Exception:
-            if not self._failed_logged:
-                self._failed_logged = True
-                _logger.warning("otel_kvtransfer: its fast span encoder failed; the exporter's own encoder takes "
-                                "over for that batch", exc_info=True)
             return self.original(sdk_spans, *args, **kwargs)
+        except Exception:  # the whole batch would be lost: encode what encodes
+            return self.original(self._encodable(sdk_spans, args, kwargs), *args, **kwargs)
+
+    def _fast(self, ours, sdk_spans, args, kwargs):
+        unencodable = []
+        encoded = encode_request(ours, unencodable=unencodable)
+        others = [span for span in sdk_spans if not _fast_enough(span)] if len(ours) < len(sdk_spans) else []
+        if unencodable:
+            self._left_out(len(unencodable))
+        if others:
+            try:
+                message = self.original(others, *args, **kwargs)
+            except Exception:
+                message = self.original(self._encodable(others, args, kwargs), *args, **kwargs)
+        if not self.as_message:  # protobuf concatenation is merging: their ResourceSpans, then ours
+            return PreEncoded((message.SerializePartialToString() if others else b"") + encoded)
+        if not others:
+            message = self.original([], *args, **kwargs)
+        message.MergeFromString(encoded)
+        return message
+
+    def _encodable(self, spans, args, kwargs) -> list:
+        """The spans the original encoder encodes one by one (only after it failed a batch of them); the others
+        counted."""
+        kept = []
+        for span in spans:
+            try:
+                self.original([span], *args, **kwargs)
+            except Exception:
+                continue
+            kept.append(span)
+        if len(kept) < len(spans):
+            self._left_out(len(spans) - len(kept))
+        return kept
+
+    def _left_out(self, count: int) -> None:
+        if not self._left_out_logged:
+            self._left_out_logged = True
+            _logger.warning("otel_kvtransfer: %d span(s) of an export batch could not be encoded (a time outside "
+                            "what OTLP carries): left out of it, the rest sent; counted in "
+                            "kv_transfer.instrumentation.dropped (%s), further ones without a line", count,
+                            DROP_REASON)
+        try:
+            self.count_dropped(DROP_REASON, count)
+        except Exception:
+            _logger.debug("otel_kvtransfer: could not count spans left out of a batch", exc_info=True)
 
 
-def accelerate() -> int:
-    """Wrap `encode_spans` in the OTLP span exporter modules already imported; how many are wrapped now."""
+def accelerate(count_dropped=None) -> int:
+    """Wrap `encode_spans` in the OTLP span exporter modules already imported; how many are wrapped now.
+    `count_dropped(reason, n)` counts the spans left out of a batch (the wrapper in place takes it too)."""
     wrapped = 0
     for name in EXPORTER_MODULES:
         module = sys.modules.get(name)
@@ -318,7 +387,9 @@ def accelerate() -> int:
         if current is None:
             continue
         if not isinstance(current, AcceleratedEncoder):
-            module.encode_spans = AcceleratedEncoder(current, as_message=".grpc." in name)
+            current = module.encode_spans = AcceleratedEncoder(current, as_message=".grpc." in name)
+        if count_dropped is not None:
+            current.count_dropped = count_dropped
         wrapped += 1
     return wrapped
 

@@ -1,7 +1,8 @@
 """Our finished spans handed to the provider's span processors, a BatchSpanProcessor's straight into its queue.
 
 The provider's multi span processor calls each processor's `on_end`; the SDK's BatchSpanProcessor then checks
-that the span is sampled (ours always are) and its batch processor's `emit` checks for a shutdown and a fork (a
+that the span is sampled (the ones handed here are: one recorded only goes to the processors' own `on_end`, see
+direct_spans) and its batch processor's `emit` checks for a shutdown and a fork (a
 getpid() system call) before it queues the span: about a tenth of what building one of our spans costs. `plan`
 settles once, whenever the provider's processors change, what each one gets: the SDK's own BatchSpanProcessor a
 function that queues the span as its `emit` would (`sdk_internals.batch_handoff`, which leaves every span that

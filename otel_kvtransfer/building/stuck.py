@@ -6,8 +6,9 @@ OTEL_KVTRANSFER_STUCK_S is reported once, while it is still open: one WARNING li
 when known, age), the counter `kv_transfer.stuck` and the span event `kv_transfer.stuck` on its request or peer
 span. Many items stuck at once (a frozen peer under load) log their first MAX_LINES one by one and the rest in one
 summary line per scan (how many, the oldest, by kind and peer), so the log stays readable; every item is still
-counted and gets its event. The gauges are observed at collection time from the builder's last snapshot, so they
-cost nothing per transfer.
+counted and gets its event. Keys and peer names come from clients and peers: each is printed as one bounded line
+with control and format characters escaped (`printable.one_line`), so none can forge a line. The gauges are
+observed at collection time from the builder's last snapshot, so they cost nothing per transfer.
 """
 
 import logging
@@ -19,6 +20,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import Observation
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.building.printable import as_text, one_line
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.version import __version__
 
@@ -66,7 +68,7 @@ class StuckReporter:
                 logged += 1
             else:
                 rest += 1
-                group = (kind, None if peer is None else str(peer)[:120])
+                group = (kind, None if peer is None else one_line(peer))
                 if group in groups or len(groups) < MAX_GROUPS:
                     groups[group] = groups.get(group, 0) + 1
             labels = (kind, backend or None, role or None)
@@ -74,7 +76,7 @@ class StuckReporter:
             if span is not None:
                 attributes = {semconv.STUCK_AGE_S: float(age_s), semconv.INFLIGHT_KIND: kind}
                 if peer is not None:
-                    attributes[semconv.SERVER_ADDRESS] = str(peer)[:256]
+                    attributes[semconv.SERVER_ADDRESS] = as_text(peer)[:256]
                 if nbytes is not None:
                     attributes[semconv.BYTES] = int(nbytes)
                 span.add_event(semconv.EVENT_STUCK, attributes, at_ns)
@@ -87,7 +89,7 @@ class StuckReporter:
             self._counter.add(count, labels)
         if rest:
             named = sum(groups.values())
-            shown = ", ".join(f"{kind} to {_shown(peer)}: {count}" if peer is not None else f"{kind}: {count}"
+            shown = ", ".join(f"{kind} to {peer}: {count}" if peer is not None else f"{kind}: {count}"
                               for (kind, peer), count in sorted(groups.items(), key=lambda item: -item[1]))
             _logger.warning("otel_kvtransfer: %d items became stuck in this scan, %d more than the lines above (the "
                             "oldest open for %.0f s); those by kind and peer: %s%s", logged + rest, rest, oldest,
@@ -95,11 +97,9 @@ class StuckReporter:
 
 
 def _shown(value) -> str:
-    """A value for the log line: bounded, one line, never the engine's whole object."""
-    if value is None:
-        return "unknown"
-    text = str(value)
-    return (text[:120] + "...") if len(text) > 120 else text.replace("\n", " ")
+    """A value for the log line (a request key a client chose, a peer's own name): one line, control and format
+    characters escaped, bounded; never the engine's whole object."""
+    return "unknown" if value is None else one_line(value)
 
 
 def reporter_for(meter_provider) -> StuckReporter:

@@ -5,14 +5,25 @@ observed through `transfer_check_status` or `get_batch_transfer_status` (`pendin
 duration is the real transfer time; the time inside the submitting call is its `kv_transfer.post_s`. Each
 wrapper is a plain function set on the pybind class (the cheapest call path Python has); instrument() patches at
 once when `mooncake.engine` is already imported, else when it is.
+
+Mooncake 0.3.14 adds calls that take the same transfers in other shapes, each timed here with the same record:
+8-byte integer arrays (`*_arrays`, sync and async), a pages x fields table the engine expands itself (`*_pages`),
+and scatter lists (`submit_scatter_*`, `scatter_transfer_sync_*_with_ticket`), whose `ScatterTransferTicket` ends
+the send when its `drain()` (or its `status`, `drained`) shows the end, as an async batch's poll does. Every CUDA build
+also has the `*_on_cuda` calls, which only queue a transfer on the caller's CUDA stream (`_on_stream`).
+
+`kv_transfer.nic`: the local device the caller named for the call (`nic_hint`, 0.3.14), else the one device the
+engine was initialised with; `configured_devices()` lists every device given to initialize() in this process.
 """
 
+import functools
 import logging
 import os
+import weakref
 from time import monotonic_ns
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import clock, inflight, integration
+from otel_kvtransfer.recording import clock, inflight, integration, untimed
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
@@ -20,6 +31,7 @@ from otel_kvtransfer.recording.patching import (
     Patcher,
     active,
     current_context,
+    is_ours,
     own_error,
     safely,
 )
@@ -28,6 +40,7 @@ from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.recording.records import (
     CALL_BYTES,
     CALL_DESCRIPTORS,
+    CALL_EXTRA,
     CALL_OP,
     CALL_PEER,
     CALL_PROTOCOL,
@@ -40,7 +53,19 @@ _logger = logging.getLogger(__name__)
 BACKEND = "mooncake"
 SETUP_IN_FIRST_CALL = True  # the first transfer to a segment opens it (its send says kv_transfer.first_to_peer)
 MODULE = "mooncake.engine"
-DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+# Every published build (each installs the same `mooncake` package): CUDA 12 (the plain name), CPU, CUDA 13, AWS EFA
+# (three), ROCm, Ascend NPU, Moore Threads MUSA. One list: wiring/package.py builds `instruments-any` from it.
+DISTRIBUTIONS = (
+    "mooncake-transfer-engine",
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine-efa",
+    "mooncake-transfer-engine-efa-cuda13",
+    "mooncake-transfer-engine-efa-non-cuda",
+    "mooncake-transfer-engine-rocm",
+    "mooncake-transfer-engine-npu",
+    "mooncake-transfer-engine-musa",
+)
 SUPPORTED = ">=0.3"  # the releases whose TransferEngine has the calls wrapped here (0.3.13 tested)
 WRITE, READ = semconv.OP_WRITE, semconv.OP_READ
 
@@ -61,11 +86,60 @@ ASYNC_METHODS = {
 }
 # Every transfer method takes (target_hostname, buffer(s), peer address(es), length(s)[, opcode]).
 _LENGTH_KW = {False: "length", True: "lengths"}
+# 0.3.14: the same (target_hostname, buffers, peer_buffer_addresses, lengths) as contiguous 8-byte integer arrays.
+# method -> (op, async?)
+ARRAY_METHODS = {
+    "batch_transfer_sync_write_arrays": (WRITE, False),
+    "batch_transfer_sync_read_arrays": (READ, False),
+    "batch_transfer_async_write_arrays": (WRITE, True),
+    "batch_transfer_async_read_arrays": (READ, True),
+}
+# 0.3.14: (target_hostname, src_pages, dst_pages, fields, max_batch_size): a pages x fields table, expanded inside
+# the engine into one descriptor per (field, page). method -> op
+PAGE_METHODS = {
+    "batch_transfer_sync_write_pages": WRITE,
+    "batch_transfer_sync_read_pages": READ,
+}
+# 0.3.14: (endpoint, local bases, local capacities, remote bases, remote capacities, local offsets, remote offsets,
+# lengths), the last three a list per base; each answers a ScatterTransferTicket. method -> (op, drained on return?)
+SCATTER_METHODS = {
+    "submit_scatter_write": (WRITE, False),
+    "submit_scatter_read": (READ, False),
+    "scatter_transfer_sync_write_with_ticket": (WRITE, True),
+    "scatter_transfer_sync_read_with_ticket": (READ, True),
+}
+# Every CUDA build (only where SUPPORT_CUDA): the classic arguments and a CUDA stream; the call queues the transfer
+# on that stream and returns. method -> (op, batch call?)
+CUDA_STREAM_METHODS = {
+    "transfer_write_on_cuda": (WRITE, False),
+    "transfer_read_on_cuda": (READ, False),
+    "batch_transfer_write_on_cuda": (WRITE, True),
+    "batch_transfer_read_on_cuda": (READ, True),
+}
+# Where a call takes `nic_hint` positionally (0.3.14; by keyword too): after `transport_hint`, which follows the
+# lengths, or the opcode (and a sync call's `notify`), a pages call's `max_batch_size`, a CUDA call's stream.
+# tests/test_mooncake_cuda13.py checks every position against the signatures of the real 0.3.14 engine.
+NIC_HINT_AT = {
+    **dict.fromkeys(("transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write",
+                     "batch_transfer_sync_read", "transfer_submit_write", "batch_transfer_async_write",
+                     "batch_transfer_async_read", *ARRAY_METHODS), 5),
+    "transfer_sync": 7, "batch_transfer_sync": 7, "batch_transfer_async": 6,
+    **dict.fromkeys((*PAGE_METHODS, *CUDA_STREAM_METHODS), 6),
+}
+# ScatterTransferCompletionStatus values (0.3.14)
+SCATTER_COMPLETED, SCATTER_FAILED, SCATTER_UNKNOWN = 0, -1, -2
 
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
-_transports = {}  # id(engine) -> protocol given to initialize()
-_state = {"fallback_transport": None}  # read on the hot path: the transport of engines initialised before us
+_tickets = PendingTransfers(BACKEND)  # scatter tickets not yet seen ended, by id(ticket)
+_ticket_refs = {}  # id(ticket) -> a weak reference whose callback forgets the ticket when it dies unobserved
+_ticket_status = {"read": None}  # the ticket's own `status` getter (an observed ticket's status is read with it)
+# id(engine) -> (protocol given to initialize(), the call extra naming its one device, or None): one lookup per call
+_engines = {}
+_state = {"fallback": (None, None)}  # read on the hot path: (transport, extra) of engines initialised before us
+_devices = []  # every device given to initialize() in this process, in order (configured_devices())
+_hinted = {}  # nic_hint -> its call extra, one constant dict per device named
+MAX_DEVICES = 64
 
 
 def peer_attributes(session) -> dict:
@@ -83,36 +157,53 @@ def _op_of(opcode) -> str:
     return READ if "read" in name.lower() else WRITE
 
 
-def _call(engine, args, kwargs, op, batch, start, end, rc, error_type) -> tuple:
+def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5, count=None) -> tuple:
     """The `records.call` of one transfer call, from its arguments (the sync wrapper inlines the common
-    positional case: tests/test_backend_contract.py checks that both build the same record).
+    positional case: tests/test_backend_contract.py checks that both build the same record). `nic_at`: where the
+    call takes `nic_hint`; `count(args, kwargs)`: (bytes, descriptors) of a call whose lengths are not a list.
 
     A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
     engine copies that list into its own request and keeps no reference, and sglang and vLLM build a fresh list
     per call, so nothing changes it in between; summing 2,048 lengths here would cost the engine thread ~20 us.
     """
-    if len(args) > 3 and not kwargs:  # how sglang and vLLM call it
-        session, lengths = args[0], args[3]
-    else:
+    if count is not None:
         session = args[0] if args else kwargs.get("target_hostname")
-        lengths = args[3] if len(args) > 3 else kwargs.get(_LENGTH_KW[batch], 0)
-    if batch:
-        descriptors = len(lengths)
-        if type(lengths) is not list:  # e.g. a tuple or an array
-            lengths = sum(lengths)
+        lengths, descriptors = count(args, kwargs)
     else:
-        lengths, descriptors = int(lengths), 1
+        if len(args) > 3 and not kwargs:  # how sglang and vLLM call it
+            session, lengths = args[0], args[3]
+        else:
+            session = args[0] if args else kwargs.get("target_hostname")
+            lengths = args[3] if len(args) > 3 else kwargs.get(_LENGTH_KW[batch], 0)
+        if batch:
+            descriptors = len(lengths)
+            if type(lengths) is not list:  # e.g. a tuple or an array
+                lengths = sum(lengths)
+        else:
+            lengths, descriptors = int(lengths), 1
     if op is None:
         op = _op_of(args[4] if len(args) > 4 else kwargs.get("opcode"))
-    transport = _transports.get(id(engine), _state["fallback_transport"])
+    transport, extra = _engines.get(id(engine), _state["fallback"])
+    hint = args[nic_at] if len(args) > nic_at else kwargs.get("nic_hint") if kwargs else None
+    if hint:
+        extra = _hinted.get(hint) or _hint_extra(hint)
     # records.call(...), inline: this runs for every async submission too.
-    return (start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, None)
+    return (start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, extra)
+
+
+def _hint_extra(hint) -> dict:
+    """The call extra of a send whose caller named its device: one constant dict per name (the builder shares a
+    shape's attributes between the sends that carry the same dict's items)."""
+    if len(_hinted) >= 256:  # a host has a few NICs; a caller inventing names costs a new dict each, no more
+        _hinted.clear()
+    extra = _hinted[hint] = {semconv.NIC: str(hint)[:64]}
+    return extra
 
 
 _UNSET = object()  # an argument the caller did not pass
 
 
-def _sync(original, op, batch):
+def _sync(original, op, batch, nic_at=5):
     # Everything the hot path uses is a local of this closure. The common call (four positional arguments, the op
     # known from the method: how sglang and vLLM call it) takes them as positional-only parameters and passes them
     # on as they came, parsed and handed over inline, with no further Python frame: packing and unpacking *args
@@ -121,7 +212,7 @@ def _sync(original, op, batch):
     # very arguments it was given.
     recorder, context = RECORDER, current_context
     thread = integration.THREAD  # its .scope: this thread's transfer scope
-    transports, state, suppress, suppress_plain = _transports, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+    engines, state, suppress, suppress_plain = _engines, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
     base = clock.BASE  # times are monotonic_ns() + base: clock.now_ns(), inline
     unset = _UNSET
 
@@ -142,7 +233,7 @@ def _sync(original, op, batch):
         except BaseException as exc:
             safely("record a failed Mooncake call", _deliver, self,
                    (target_hostname, buffer, peer_buffer_address, length), {}, op, batch, start, None,
-                   type(exc).__qualname__, ctx)
+                   type(exc).__qualname__, ctx, nic_at)
             raise
         end = monotonic_ns() + base
         try:
@@ -154,15 +245,16 @@ def _sync(original, op, batch):
                     lengths = sum(lengths)
             else:
                 lengths, descriptors = int(lengths), 1
-            transport = transports.get(id(self), state["fallback_transport"])
+            # The engine's transport and its one device (kv_transfer.nic) or None, in one lookup.
+            transport, extra = engines.get(id(self), state["fallback"])
             # records.call(...) and records.raw_call(...), inline: a call to either would be one more Python frame
             # per transfer, and a raw call is one tuple, not a call tuple inside a send record.
             if scope is not None:
                 scope.calls.append((start, end, lengths, descriptors, op, target_hostname, transport, rc, error,
-                                    BACKEND, None))
+                                    BACKEND, extra))
             elif recorder.active:  # as integration.deliver, with the context already fetched
                 rec = (RAW_CALL, start, end, lengths, descriptors, op, target_hostname, transport, rc, error, BACKEND,
-                       None, ctx or None)
+                       extra, ctx or None)
                 queue = recorder._queue
                 if len(queue) < recorder._capacity and not recorder._idle:
                     queue.append(rec)  # Recorder.record's common case, inline (see there)
@@ -184,11 +276,12 @@ def _sync(original, op, batch):
             rc = original(self, *args, **kwargs)
         except BaseException as exc:
             safely("record a failed Mooncake call", _deliver, self, args, kwargs, op, batch, start, None,
-                   type(exc).__qualname__, ctx)
+                   type(exc).__qualname__, ctx, nic_at)
             raise
         end = monotonic_ns() + base
         try:
-            call = _call(self, args, kwargs, op, batch, start, end, rc, None if rc == 0 else "transfer_failed")
+            call = _call(self, args, kwargs, op, batch, start, end, rc, None if rc == 0 else "transfer_failed",
+                         nic_at)
             if scope is not None:
                 scope.calls.append(call)
             elif recorder.active:
@@ -220,12 +313,14 @@ def _in_progress(frame_locals):
 _POSITIONS = ("target_hostname", "buffer", "peer_buffer_address", "length")  # the common call's parameters
 
 
-def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None) -> None:
+def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None, nic_at=5, count=None) -> None:
     """A call that failed (raised, or refused a submission), ending now."""
-    integration.deliver(_call(engine, args, kwargs, op, batch, start, clock.now_ns(), rc, error_type), context)
+    integration.deliver(_call(engine, args, kwargs, op, batch, start, clock.now_ns(), rc, error_type, nic_at, count),
+                        context)
 
 
-def _async(original, op, batch):
+def _async(original, op, batch, nic_at=5, count=None):
+    # `count`: (bytes, descriptors) from the arguments of a submission whose lengths are an array (see _call).
     def submit(self, *args, **kwargs):
         if not active():
             return original(self, *args, **kwargs)
@@ -234,11 +329,11 @@ def _async(original, op, batch):
         posted = clock.now_ns()
         try:
             if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
-                _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed")
+                _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed", None, nic_at, count)
             else:
-                call = _call(self, args, kwargs, op, batch, start, start, None, None)
+                call = _call(self, args, kwargs, op, batch, start, start, None, None, nic_at, count)
                 _pending.submit((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
-                                call[CALL_PEER], call[CALL_PROTOCOL], posted_ns=posted)
+                                call[CALL_PEER], call[CALL_PROTOCOL], call[CALL_EXTRA], posted_ns=posted)
         except Exception:
             own_error("record a Mooncake submission")
         return batch_id
@@ -287,17 +382,312 @@ def _batch_status(original):
     return get_batch_transfer_status
 
 
-def _remember_transport(engine, args, kwargs) -> None:
+# --- 0.3.14's other shapes of the same transfers, and the CUDA stream's calls -------------------------------------
+# Their bytes and descriptors are exact, read without a copy. Arrays and pages tables are counted on the calling
+# thread once the call returned: a caller may well refill the same arrays for its next call (not having to build
+# them per call is what they are for), so a reference kept for the builder could read the next call's lengths.
+# numpy sums an array of thousands in a few microseconds; a pages table's lengths are one column of F rows (F
+# fields, a few to a few hundred). Scatter lists are lists, as the classic calls' lengths: the engine copies them,
+# the reference is kept and the builder sums them (_ScatterLengths).
+
+
+def _array_total(array) -> tuple:
+    """(sum, count) of a contiguous 8-byte integer array, where it lies: numpy's own sum for a numpy array, else
+    the values of its buffer through a memoryview (array.array, a memoryview: rare, and a Python loop)."""
+    size = getattr(array, "size", None)
+    if type(size) is int:  # numpy (its size is a Python int; a torch tensor's is a method, and has no buffer)
+        return int(array.sum()), size
+    values = memoryview(array).cast("B").cast("q")
+    return sum(values), len(values)
+
+
+def _arrays_count(args, kwargs) -> tuple:
+    """(bytes, descriptors) of an *_arrays call: its lengths array, summed."""
+    return _array_total(args[3] if len(args) > 3 else kwargs["lengths"])
+
+
+def _pages_count(args, kwargs) -> tuple:
+    """(bytes, descriptors) of a *_pages call. `fields` is a C-contiguous [F, 5] table of (src_base, src_stride,
+    dst_base, dst_stride, length) rows and the engine makes descriptor (f, i) of `length` bytes for every field f
+    and page i: pages x the fields' lengths summed, in pages x F descriptors (checked at the receiver by
+    tests/test_mooncake_cuda13.py)."""
+    pages = memoryview(args[1] if len(args) > 1 else kwargs["src_pages"]).nbytes >> 3
+    table = memoryview(args[3] if len(args) > 3 else kwargs["fields"]).cast("B").cast("q")
+    return pages * sum(table[4::5]), pages * (len(table) // 5)
+
+
+class _ScatterLengths:
+    """A scatter call's length lists (one per base address) as the caller gave them, for the builder to sum: `sum()`
+    of it is the bytes (it iterates each list's total), and it travels to the builder process as the list of those
+    totals. Nothing is summed or copied on the calling thread."""
+
+    __slots__ = ("lists",)
+
+    def __init__(self, lists):
+        self.lists = lists
+
+    def __iter__(self):
+        return map(sum, self.lists)
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
+def _scatter_count(args, kwargs) -> tuple:
+    """(bytes, descriptors) of a scatter call: its length lists, kept; one descriptor per length."""
+    lengths = args[7] if len(args) > 7 else kwargs["lengths"]
+    return _ScatterLengths(lengths), sum(map(len, lengths))
+
+
+def _emit(scope, context, call) -> None:
+    """One finished call: into the thread's transfer scope, else a raw send of its own (as `_sync` does inline)."""
+    if scope is not None:
+        scope.calls.append(call)
+    elif RECORDER.active:
+        RECORDER.record(raw_call(call, context))
+
+
+def _counted(original, op, count, nic_at):
+    """A sync call whose lengths come as arrays or a pages table: timed as `_sync`'s general path, its bytes and
+    descriptors from `count(args, kwargs)` once it returned (see above). A family of its own, so `_sync`'s common
+    call stays as it is."""
+    recorder, context, thread, base = RECORDER, current_context, integration.THREAD, clock.BASE
+    suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+
+    def transfer(self, *args, **kwargs):
+        if not recorder.active:
+            return original(self, *args, **kwargs)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):
+            return original(self, *args, **kwargs)
+        scope = thread.scope
+        start = monotonic_ns() + base
+        try:
+            rc = original(self, *args, **kwargs)
+        except BaseException as exc:
+            safely("record a failed Mooncake call", _deliver, self, args, kwargs, op, True, start, None,
+                   type(exc).__qualname__, ctx, nic_at, count)
+            raise
+        end = monotonic_ns() + base
+        try:
+            _emit(scope, ctx, _call(self, args, kwargs, op, True, start, end, rc,
+                                    None if rc == 0 else "transfer_failed", nic_at, count))
+        except Exception:
+            own_error("record a Mooncake call")
+        return rc
+
+    inflight.register_wrapper(transfer.__code__, _in_progress_at_peer)
+    return transfer
+
+
+def _on_stream(original, op, batch):
+    """A `*_on_cuda` call: it queues the transfer on the caller's CUDA stream and returns None (it raises when it
+    cannot); Mooncake moves the bytes when the stream gets there, in a driver callback where no Python runs (and
+    ends the process if that transfer fails). Its send is the moment it was queued, a send of no duration (so it
+    claims no throughput and no busy time) with exact bytes and descriptors, `kv_transfer.post_s` the time inside
+    the call."""
+    recorder, context, thread = RECORDER, current_context, integration.THREAD
+    suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+    nic_at = NIC_HINT_AT["transfer_write_on_cuda"]
+
+    def transfer(self, *args, **kwargs):
+        if not recorder.active:
+            return original(self, *args, **kwargs)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):
+            return original(self, *args, **kwargs)
+        scope = thread.scope
+        start = clock.now_ns()
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as exc:
+            safely("record a failed Mooncake call", _deliver, self, args, kwargs, op, batch, start, None,
+                   type(exc).__qualname__, ctx, nic_at)
+            raise
+        end = clock.now_ns()
+        try:
+            call = _call(self, args, kwargs, op, batch, end, end, None, None, nic_at)
+            posted = {semconv.POST_S: (end - start) / 1e9}
+            extra = call[CALL_EXTRA]
+            _emit(scope, ctx, call[:CALL_EXTRA] + ({**extra, **posted} if extra else posted,))
+        except Exception:
+            own_error("record a Mooncake call")
+        return result
+
+    inflight.register_wrapper(transfer.__code__, _in_progress)  # the classic arguments: its bytes are readable
+    return transfer
+
+
+def _scatter(original, op, drained_on_return):
+    """A scatter call: it answers a ScatterTransferTicket. A sync call's ticket has drained when it returns (its
+    status says how it ended): a sync send. Otherwise (a submission, or a sync call that gave up waiting) the send
+    stays pending until the ticket shows its end (`_ticket_drain`), as an async batch's does, with the time inside
+    the call as `kv_transfer.post_s`; a ticket that dies unobserved is counted as dropped (`async_released`)."""
+    recorder, context, thread = RECORDER, current_context, integration.THREAD
+    suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+
+    def scatter(self, *args, **kwargs):
+        if not recorder.active:
+            return original(self, *args, **kwargs)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):
+            return original(self, *args, **kwargs)
+        scope = thread.scope
+        start = clock.now_ns()
+        try:
+            ticket = original(self, *args, **kwargs)
+        except BaseException as exc:
+            safely("record a failed Mooncake call", _deliver_scatter, self, args, kwargs, op, start,
+                   type(exc).__qualname__, ctx)
+            raise
+        end = clock.now_ns()
+        try:
+            _scattered(self, ticket, args, kwargs, op, drained_on_return, start, end, scope, ctx)
+        except Exception:
+            own_error("record a Mooncake scatter")
+        return ticket
+
+    inflight.register_wrapper(scatter.__code__, _in_progress_at_peer)
+    return scatter
+
+
+_SCATTER_ARGUMENTS = 8  # a scatter call takes eight and no nic_hint: `_call` finds none past them
+
+
+def _scatter_call(engine, args, kwargs, op, start, end, rc, error_type) -> tuple:
+    call = _call(engine, args, kwargs, op, True, start, end, rc, error_type, _SCATTER_ARGUMENTS, _scatter_count)
+    if not args:  # the peer by keyword: a scatter call names it `endpoint`
+        call = call[:CALL_PEER] + (kwargs.get("endpoint"),) + call[CALL_PEER + 1:]
+    return call
+
+
+def _deliver_scatter(engine, args, kwargs, op, start, error_type, context) -> None:
+    integration.deliver(_scatter_call(engine, args, kwargs, op, start, clock.now_ns(), None, error_type), context)
+
+
+def _scattered(engine, ticket, args, kwargs, op, drained_on_return, start, end, scope, context) -> None:
+    if drained_on_return:
+        code = int(_ticket_status["read"](ticket))
+        if code != SCATTER_UNKNOWN:
+            _emit(scope, context, _scatter_call(engine, args, kwargs, op, start, end, code,
+                                                None if code == SCATTER_COMPLETED else "transfer_failed"))
+            return
+    call = _scatter_call(engine, args, kwargs, op, start, start, None, None)
+    key = id(ticket)
+    _tickets.submit(key, start, call[CALL_BYTES], call[CALL_DESCRIPTORS], op, call[CALL_PEER], call[CALL_PROTOCOL],
+                    call[CALL_EXTRA], posted_ns=end)
+    # Forgotten (counted) when the ticket dies unobserved, before its id can name another ticket.
+    _ticket_refs[key] = weakref.ref(ticket, functools.partial(_ticket_gone, key))
+
+
+def _ticket_gone(key, _reference) -> None:
+    _ticket_refs.pop(key, None)
+    _tickets.forget(key)
+
+
+def _ticket_seen(key, code) -> None:
+    """What drain() just answered for a ticket: still running (it gave up waiting), or the end of its send."""
+    if code == SCATTER_UNKNOWN:
+        _tickets.seen_running(key)
+    elif _tickets.complete(key, code, None if code == SCATTER_COMPLETED else "transfer_failed"):
+        _ticket_refs.pop(key, None)
+
+
+def _ticket_ended(key, code) -> None:
+    """A ticket's `status` as its caller read it: an end when it shows one. COMPLETION_UNKNOWN says nothing
+    there: the status changes only when the ticket is drained (0.3.14 over TCP), so it is no sign of a transfer
+    still running."""
+    if code != SCATTER_UNKNOWN and _tickets.complete(key, code,
+                                                     None if code == SCATTER_COMPLETED else "transfer_failed"):
+        _ticket_refs.pop(key, None)
+
+
+def _ticket_drain(original):
+    # drain(timeout_ms) waits up to its timeout and answers the status: the end, or COMPLETION_UNKNOWN when the
+    # transfer was still running as it gave up (a poll that saw it unfinished).
+    def drain(self, *args, **kwargs):
+        status = original(self, *args, **kwargs)
+        if len(_tickets):
+            try:
+                _ticket_seen(id(self), int(status))
+            except Exception:
+                own_error("observe a Mooncake scatter ticket")
+        return status
+
+    return drain
+
+
+class _ObservedProperty(property):
+    """A ticket's property read through an observer (a subclass of property only so the patcher can mark it)."""
+
+
+def _observed_property(observe):
+    """`make` for Patcher.replace of a ticket property: the same property with `observe(ticket, value)` after each
+    read (a plain callable in its place, as the contract test installs, is observed as a method)."""
+
+    def make(original):
+        read = original.fget if isinstance(original, property) else original
+
+        def getter(self, *args, **kwargs):
+            value = read(self, *args, **kwargs)
+            if len(_tickets):
+                try:
+                    observe(self, value)
+                except Exception:
+                    own_error("observe a Mooncake scatter ticket")
+            return value
+
+        return _ObservedProperty(getter, doc=original.__doc__) if isinstance(original, property) else getter
+
+    return make
+
+
+def _seen_status(ticket, status) -> None:
+    _ticket_ended(id(ticket), int(status))
+
+
+def _seen_drained(ticket, drained) -> None:
+    if drained:
+        _ticket_ended(id(ticket), int(_ticket_status["read"](ticket)))
+
+
+def _in_progress_at_peer(frame_locals):
+    """A call of a newer shape still inside the engine (inflight.py): its peer, its bytes left unread (an array or
+    a table another thread may be refilling)."""
+    start = frame_locals.get("start")
+    if start is None or "end" in frame_locals:
+        return None
+    args, kwargs = frame_locals.get("args") or (), frame_locals.get("kwargs") or {}
+    peer = args[0] if args else kwargs.get("target_hostname", kwargs.get("endpoint"))
+    return inflight.describe_call(start, frame_locals.get("scope"), (peer,), BACKEND)
+
+
+def _remember_engine(engine, args, kwargs) -> None:
+    """What initialize() (and initialize_ext()) said of the engine: its protocol, and its devices (the 4th
+    argument, a comma-separated list; empty: the engine finds its own): with exactly one, every send of this
+    engine carries it as kv_transfer.nic unless the call names another."""
     protocol = _forced_transport() or (args[2] if len(args) > 2 else kwargs.get("protocol"))
-    if protocol:
-        _transports[id(engine)] = str(protocol)[:32]
+    named = args[3] if len(args) > 3 else kwargs.get("device_name")
+    devices = [d.strip()[:64] for d in named.split(",") if d.strip()] if isinstance(named, str) else []
+    for device in devices:
+        if device not in _devices and len(_devices) < MAX_DEVICES:
+            _devices.append(device)
+    transport = str(protocol)[:32] if protocol else _state["fallback"][0]
+    _engines[id(engine)] = (transport, {semconv.NIC: devices[0]} if len(devices) == 1 else None)
+
+
+def configured_devices() -> tuple:
+    """The device names given to TransferEngine.initialize() / initialize_ext() in this process while instrumented
+    (each once, in the order given; at most MAX_DEVICES), for the start-up line: empty before any engine is
+    initialised, and where engines find their devices themselves."""
+    return tuple(_devices)
 
 
 def _initialize(original):
     # Once per engine: its guard is the shared helper's.
     def initialize(self, *args, **kwargs):
         rc = original(self, *args, **kwargs)
-        safely("read the transport of initialize()", _remember_transport, self, args, kwargs)
+        safely("read the transport and devices of initialize()", _remember_engine, self, args, kwargs)
         return rc
 
     return initialize
@@ -309,16 +699,69 @@ def _forced_transport():
     return (os.environ.get("MOONCAKE_PROTOCOL") or "")[:32] or None
 
 
+# TransferEngine's calls that move no bytes: set-up, registration, the engine's own local buffer, queries,
+# notifications, a reachability probe. Any public call neither here nor timed (TIMED_CALLS) is counted as untimed.
+QUIET_CALLS = frozenset({
+    "initialize", "initialize_ext", "get_rpc_port", "get_local_topology", "get_engine", "get_engine_ptr",
+    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
+    "allocate_managed_buffer", "free_managed_buffer", "get_first_buffer_address",
+    "write_bytes_to_buffer", "read_bytes_from_buffer",  # copies within this process's own buffer
+    "get_notifies", "send_probe", "warmup_efa_segment",
+})
+
+
+def timed_calls() -> frozenset:
+    """Every TransferEngine call this module times or observes (a send, or the completion of one)."""
+    return (frozenset(SYNC_METHODS) | frozenset(ASYNC_METHODS) | COMPLETION_CALLS | frozenset(ARRAY_METHODS)
+            | frozenset(PAGE_METHODS) | frozenset(SCATTER_METHODS) | frozenset(CUDA_STREAM_METHODS))
+
+
+COMPLETION_CALLS = frozenset({"transfer_check_status", "get_batch_transfer_status"})
+
+
 def _patch(module) -> None:
     engine = module.TransferEngine
     for name, (op, batch) in SYNC_METHODS.items():
-        patcher.replace(engine, name, lambda original, op=op, batch=batch: _sync(original, op, batch))
+        patcher.replace(engine, name, lambda original, op=op, batch=batch, at=NIC_HINT_AT[name]:
+                        _sync(original, op, batch, at))
     for name, (op, batch) in ASYNC_METHODS.items():
-        patcher.replace(engine, name, lambda original, op=op, batch=batch: _async(original, op, batch))
+        patcher.replace(engine, name, lambda original, op=op, batch=batch, at=NIC_HINT_AT[name]:
+                        _async(original, op, batch, at))
+    # The newer shapes and the CUDA stream's calls: each patched where the build has it.
+    for name, (op, is_async) in ARRAY_METHODS.items():
+        if is_async:
+            patcher.replace(engine, name, lambda original, op=op, at=NIC_HINT_AT[name]:
+                            _async(original, op, True, at, _arrays_count))
+        else:
+            patcher.replace(engine, name, lambda original, op=op, at=NIC_HINT_AT[name]:
+                            _counted(original, op, _arrays_count, at))
+    for name, op in PAGE_METHODS.items():
+        patcher.replace(engine, name, lambda original, op=op, at=NIC_HINT_AT[name]:
+                        _counted(original, op, _pages_count, at))
+    for name, (op, batch) in CUDA_STREAM_METHODS.items():
+        patcher.replace(engine, name, lambda original, op=op, batch=batch: _on_stream(original, op, batch))
+    ticket = getattr(module, "ScatterTransferTicket", None)
+    if ticket is not None and isinstance(ticket, type):
+        _patch_ticket(ticket)
+        for name, (op, drained) in SCATTER_METHODS.items():
+            patcher.replace(engine, name, lambda original, op=op, drained=drained: _scatter(original, op, drained))
     patcher.replace(engine, "transfer_check_status", _check_status)
     patcher.replace(engine, "get_batch_transfer_status", _batch_status)
     patcher.replace(engine, "initialize", _initialize)
     patcher.replace(engine, "initialize_ext", _initialize)
+    untimed.wrap_unknown(patcher, engine, BACKEND, timed_calls(), QUIET_CALLS)
+
+
+def _patch_ticket(ticket) -> None:
+    """Where a scatter ticket shows its end: drain(), and the `status` and `drained` properties."""
+    status = ticket.__dict__.get("status")
+    if status is None:
+        return
+    if not is_ours(status):  # the class's own getter, not our observer of it (instrument() twice patches once)
+        _ticket_status["read"] = status.fget if isinstance(status, property) else status
+    patcher.replace(ticket, "drain", _ticket_drain)
+    patcher.replace(ticket, "status", _observed_property(_seen_status))
+    patcher.replace(ticket, "drained", _observed_property(_seen_drained))
 
 
 def modules() -> tuple:
@@ -331,7 +774,7 @@ _lazy = LazyPatch(MODULE, _patch)
 
 def instrument() -> bool:
     """Patch the engine now if `mooncake.engine` is imported, else as soon as it is."""
-    _state["fallback_transport"] = _forced_transport()  # for engines initialised before instrument()
+    _state["fallback"] = (_forced_transport(), None)  # for engines initialised before instrument()
     _lazy.instrument()
     return True
 
@@ -339,5 +782,9 @@ def instrument() -> bool:
 def uninstrument() -> None:
     _lazy.uninstrument()
     patcher.unwrap_all()
+    untimed.forget(BACKEND)
     _pending.abandon()  # completions that will now never be observed: counted, not silently lost
-    _transports.clear()
+    _tickets.abandon()
+    _ticket_refs.clear()
+    _engines.clear()
+    _devices.clear()

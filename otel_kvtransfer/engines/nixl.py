@@ -20,7 +20,7 @@ import sys
 from typing import Optional
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import inflight, records
+from otel_kvtransfer.recording import inflight, records, untimed
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import (
@@ -39,7 +39,9 @@ from otel_kvtransfer.recording.recorder import RECORDER
 _logger = logging.getLogger(__name__)
 
 BACKEND = "nixl"
-DISTRIBUTIONS = ("nixl",)
+# Every published build: `nixl` (which pulls in a CUDA build) and the CUDA 12 and CUDA 13 builds themselves; each
+# provides `nixl._api`. One list: wiring/package.py builds `instruments-any` from it.
+DISTRIBUTIONS = ("nixl", "nixl-cu12", "nixl-cu13")
 SUPPORTED = ">=1.5"  # the releases whose nixl_agent and handle classes have what is wrapped here (1.5.1 tested)
 SETUP_IN_FIRST_CALL = False  # set-up is add_remote_agent and friends, before any transfer
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
@@ -440,10 +442,31 @@ def _patch(_module=None) -> None:
             patcher.wrap(agent, operation, _SETUP_WRAPPERS[operation])
         patcher.wrap(agent, "fetch_remote_metadata", _fetch_wrapper)
         patcher.wrap(agent, "check_remote_metadata", _check_metadata_wrapper)
+        untimed.wrap_unknown(patcher, agent, BACKEND, TIMED_CALLS, QUIET_CALLS)
     except Exception:
         own_error("patch NIXL")
         _logger.warning("otel_kvtransfer could not patch NIXL", exc_info=True)
 
+
+# nixl_agent's calls that move no bytes: back-ends and memory registration, descriptor and metadata queries and
+# exchange, notifications, telemetry, releases, and memory views (prep_mem_view only prepares memory that GPU
+# kernels then move themselves: device-initiated transfers, which no Python call shows). Any public call neither
+# here nor timed (TIMED_CALLS) is counted as untimed.
+QUIET_CALLS = frozenset({
+    "create_backend", "get_plugin_list", "get_plugin_mem_types", "get_plugin_params", "get_backend_mem_types",
+    "get_backend_params", "query_xfer_backend", "register_memory", "deregister_memory", "query_memory",
+    "get_reg_descs", "get_xfer_descs", "get_remote_descs", "get_serialized_descs", "deserialize_descs",
+    "get_agent_metadata", "get_partial_agent_metadata", "send_local_metadata", "send_partial_agent_metadata",
+    "invalidate_local_metadata", "remove_remote_agent", "get_new_notifs", "update_notifs", "send_notif",
+    "check_remote_xfer_done", "get_xfer_telemetry", "estimate_xfer_cost", "release_xfer_handle",
+    "release_dlist_handle", "prep_mem_view", "release_mem_view",
+})
+# nixl_agent's calls this module times or observes: transfers, the handles and lists they are made from, their
+# completion, and the set-up calls that are `kv_transfer.connect` spans.
+TIMED_CALLS = frozenset({
+    "prep_xfer_dlist", "make_prepped_xfer", "initialize_xfer", "transfer", "check_xfer_state",
+    "fetch_remote_metadata", "check_remote_metadata", *_SETUP_CALLS,
+})
 
 _lazy = LazyPatch("nixl", _patch)
 
@@ -463,6 +486,7 @@ def instrument() -> bool:
 def uninstrument() -> None:
     _lazy.uninstrument()
     patcher.unwrap_all()
+    untimed.forget(BACKEND)
     _pending.abandon()
     _dlists.clear()
     _handles.clear()

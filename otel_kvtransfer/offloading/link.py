@@ -168,6 +168,14 @@ class HelperLink(Sink):
         if self._local is not None:
             self._local.release_held()
 
+    def end_at_exit(self, deadline: float = float("inf")) -> int:
+        """The exit drain's last step: the in-process builder's, once it builds (a helper ends what it holds open
+        itself, when its engine's end reaches it)."""
+        return self._local.end_at_exit(deadline) if self._local is not None else 0
+
+    def export_wait_s(self) -> float:
+        return self._local.export_wait_s() if self._local is not None else 0.0
+
     def end_open(self) -> None:
         """uninstrument(): the helper ends what it holds open as evicted, as the in-process builder does."""
         if self._local is not None:

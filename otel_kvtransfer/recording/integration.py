@@ -2,7 +2,9 @@
 over the calls it timed.
 
 Every function here is cheap (it appends one tuple to the recorder's queue) and never raises into the caller:
-bad input is counted as dropped (`api_error`) and ignored.
+bad input is counted as dropped (`api_error`) and ignored. Times are ints of Unix-epoch nanoseconds, checked as
+they enter (`_given_time`: OTLP's range, at most an hour ahead; an interval's end not before its start); the times
+of the engine calls handed to `deliver()` are checked by the builder, off the engine's thread.
 
     from otel_kvtransfer.recording import integration as kvt
 
@@ -31,12 +33,16 @@ import logging
 import math
 import os
 import threading
+import weakref
+from functools import partial
+from operator import index as _integer
+from threading import get_ident
 from typing import Iterable, Optional
 
 from opentelemetry.context import Context
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording import device_clock, records
 from otel_kvtransfer.recording.clock import from_wall, now_ns
 from otel_kvtransfer.recording.patching import current_context
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -72,9 +78,47 @@ def _key(key):
     raise TypeError(f"a request key is an int or a str, not {type(key).__name__}")
 
 
+# A time the API takes is Unix-epoch nanoseconds, an int (one a float cannot hold exactly), as OTLP carries it:
+# fixed64, so 0 <= t < 2**64. Brought onto the records' clock (clock.from_wall), it may lie anywhere in the past (a
+# replay, a test's synthetic times), but at most FUTURE_SLACK_NS ahead of now: a framework hands over times it has
+# already read, and one from further ahead (2**63, a unit slip) would put its span past anything a backend shows
+# and end the intervals it bounds before they start.
+FUTURE_SLACK_NS = 3600 * 10**9
+
+
+def _given_time(ns) -> int:
+    """A framework's time (`time.time_ns()` or now_ns()) on the records' clock; raises when it is no such time."""
+    if type(ns) is not int:
+        if isinstance(ns, bool):
+            raise TypeError("a time is an int of nanoseconds, not a bool")
+        ns = _integer(ns)  # an int of numpy's too; a float or a str raises
+    t = from_wall(ns)
+    if not 0 <= t <= now_ns() + FUTURE_SLACK_NS:
+        raise ValueError(f"a time out of range: {ns}")
+    return t
+
+
 def _time(ns) -> int:
-    """Now, or a framework's `time.time_ns()` value, on the records' clock (clock.py)."""
-    return now_ns() if ns is None else from_wall(ns)
+    """Now, or a framework's time on the records' clock. One that is no such time is counted (api_error) and the
+    record made with now instead: a request begun or ended at the moment it was said to be is of more use than
+    one never begun, or never ended (evicted, as failed, a TTL later)."""
+    if ns is None:
+        return now_ns()
+    try:
+        return _given_time(ns)
+    except (TypeError, ValueError, OverflowError):
+        RECORDER.drop("api_error")
+        return now_ns()
+
+
+def _interval(start_ns, end_ns) -> tuple:
+    """(start, end) of an interval a framework measured, on the records' clock (an end of None is now); raises when
+    either is no time or the end comes before the start: such a record is not made."""
+    start = _given_time(start_ns)
+    end = now_ns() if end_ns is None else _given_time(end_ns)
+    if end < start:
+        raise ValueError("an interval that ends before it starts")
+    return start, end
 
 
 # --- what engine modules use -----------------------------------------------------------------------------------
@@ -110,7 +154,9 @@ capture_context = current_context
 
 def deliver(call: tuple, context: Optional[Context] = None) -> None:
     """A finished engine call (records.CALL_*, its times from clock.now_ns()): joins this thread's scope, else it
-    is a raw send of its own, parented to `context` (the current one when not given)."""
+    is a raw send of its own, parented to `context` (the current one when not given). Nothing is checked here (an
+    engine's thread): a send whose times are outside OTLP's range, or end before they start, is counted as
+    `api_error` by the builder and not made."""
     scope = THREAD.scope
     if scope is not None:
         scope.calls.append(call)  # list.append is atomic: executor threads may add to one scope at once
@@ -120,19 +166,90 @@ def deliver(call: tuple, context: Optional[Context] = None) -> None:
 
 # --- transfer scopes -------------------------------------------------------------------------------------------
 
-# Guards every scope's depth (threads may enter and leave one scope at once). One lock for all: it is held for a
-# few bytecodes, and a scope, made per transfer, then allocates none. A forked child gets a fresh one: a thread
-# of the parent may have held it at the fork.
+# Guards every scope's list of entries (threads may enter and leave one scope at once). One lock for all: it is
+# held for a few bytecodes, and a scope, made per transfer, then allocates none. A forked child gets a fresh one:
+# a thread of the parent may have held it at the fork.
 _DEPTH_LOCK = threading.Lock()
 
 
+# The thread signal handlers run on (a forked child's is the thread that forked).
+_MAIN_THREAD = threading.main_thread().ident
+
+
 def _fresh_depth_lock() -> None:
-    global _DEPTH_LOCK
+    global _DEPTH_LOCK, _MAIN_THREAD
     _DEPTH_LOCK = threading.Lock()
+    _MAIN_THREAD = get_ident()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_fresh_depth_lock)
+
+
+# Leaving a scope must survive an interrupt (KeyboardInterrupt, or any exception raised asynchronously) landing at
+# any bytecode of it: a scope left attached to its thread would swallow every later engine call of that thread.
+# Each entry of a thread into a scope is one tuple (the scope it was in before, the scope), made for that entry, so
+# every step of leaving can tell by identity whether it already happened: the thread's own list of entries (the
+# scope goes back first, then the entry), the scope's list of the entries inside it, and the calls taken from it
+# (taken before they are queued, so an interrupted exit records its send once or, when it lands between the two,
+# not at all, never twice). A retry of those steps is always safe; an interrupted exit retries them before it lets
+# the interrupt go on.
+ENTRY_PREVIOUS, ENTRY_SCOPE = 0, 1
+
+
+def _index(entries: list, entry: tuple) -> int:
+    """The position of `entry` (by identity) in `entries`, searched from the end; -1 when it is not there."""
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i] is entry:
+            return i
+    return -1
+
+
+def _innermost(saved: list, scope) -> Optional[tuple]:
+    """This thread's latest entry into `scope` (None: it is not in it)."""
+    if saved and saved[-1][ENTRY_SCOPE] is scope:  # the common case: the scope this thread is in now
+        return saved[-1]
+    for entry in reversed(saved):
+        if entry[ENTRY_SCOPE] is scope:
+            return entry
+    return None
+
+
+def _leave(scope, thread, entry, exc_type) -> None:
+    """The thread gives `entry`'s scope back and the scope counts the entry out; the last to leave records it.
+    Every step may be retried (see above)."""
+    if entry is None:  # this thread never entered the scope (its exit called by hand): nothing of it to undo
+        return
+    saved = thread.saved
+    if saved and saved[-1] is entry:  # the common case, without the search
+        thread.scope = entry[ENTRY_PREVIOUS]  # the scope first, then the entry: a retry finds the entry still there
+        del saved[-1]
+    else:
+        i = _index(saved, entry)
+        if i >= 0:
+            thread.scope = entry[ENTRY_PREVIOUS]
+            del saved[i:]  # with any entry above it, of a scope whose own exit never ran
+    with _DEPTH_LOCK:
+        inside = scope._inside
+        j = len(inside) - 1 if inside and inside[-1] is entry else _index(inside, entry)
+        if j >= 0:
+            if exc_type is not None and scope.error_type is None:
+                scope.error_type = exc_type.__qualname__
+            del inside[j]
+        if inside or not (scope.calls or scope.error_type):
+            return
+        recs = scope._records(scope.calls, scope.error_type, (scope._entered_ns, now_ns())) \
+            if RECORDER.active else []
+        queue = RECORDER._queue
+        room = RECORDER._capacity - len(queue)
+        if len(recs) > room:
+            RECORDER.drop("queue_full", len(recs) - max(room, 0))
+            recs = recs[:max(room, 0)]
+        scope.calls, scope.error_type = [], None  # taken: from here to the append below, nothing that runs a
+        queue.extend(recs)  # signal handler (one C call: the hand-off Recorder.record makes)
+    if recs and RECORDER._idle:  # the recorder's thread sleeps long: wake it, as Recorder.record does
+        RECORDER._idle = False
+        RECORDER._wake.set()
 
 
 class TransferScope:
@@ -142,13 +259,13 @@ class TransferScope:
     on any number of threads, or nested, it is recorded once, when the last of them leaves it.
     """
 
-    __slots__ = ("info", "calls", "error_type", "_depth", "_entered_ns")
+    __slots__ = ("info", "calls", "error_type", "_inside", "_entered_ns")
 
     def __init__(self, info: Optional[tuple]):
         self.info = info
         self.calls: list = []
         self.error_type: Optional[str] = None
-        self._depth = 0
+        self._inside: list = []  # the entries (of every thread) into it not left yet
         self._entered_ns = None
 
     def set_error(self, error_type: str) -> None:
@@ -161,51 +278,53 @@ class TransferScope:
         return self
 
     def __enter__(self) -> "TransferScope":
-        # The thread takes the scope last, and gives it back if an interrupt (KeyboardInterrupt) lands half-way:
-        # `with` calls __exit__ only after __enter__ returned, so a scope left attached here would swallow every
-        # later engine call of this thread.
+        # The thread takes the scope last, and gives it back if an interrupt lands half-way: `with` calls
+        # __exit__ only after __enter__ returned.
         thread = THREAD
         previous, saved = thread.scope, thread.saved
-        depth, counted = len(saved), False
+        depth, entry = len(saved), (thread.scope, self)
         try:
             with _DEPTH_LOCK:
-                if self._depth == 0:
+                if not self._inside:
                     self._entered_ns = now_ns()
-                self._depth += 1
-                counted = True
-            saved.append(previous)
+                self._inside.append(entry)
+            saved.append(entry)
             thread.scope = self
         except BaseException:
             thread.scope = previous
             del saved[depth:]
-            if counted:
-                with _DEPTH_LOCK:
-                    self._depth -= 1
+            with _DEPTH_LOCK:
+                j = _index(self._inside, entry)
+                if j >= 0:
+                    del self._inside[j]
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            thread = THREAD
-            saved = thread.saved
-            thread.scope = saved.pop() if saved else None
-            if exc_type is not None and self.error_type is None:
-                self.error_type = exc_type.__qualname__
-            with _DEPTH_LOCK:
-                self._depth -= 1
-                if self._depth > 0:
-                    return False
-                calls, self.calls = self.calls, []
-                error, self.error_type = self.error_type, None
-                entered = self._entered_ns
-            if (calls or error) and RECORDER.active:
-                self._emit(calls, error, (entered, now_ns()))
-        except Exception:
+            entry = None
+            saved = THREAD.saved
+            entry = saved[-1] if saved and saved[-1][ENTRY_SCOPE] is self else _innermost(saved, self)
+            _leave(self, THREAD, entry, exc_type)
+        except BaseException as failure:
+            # Half-way out (an interrupt, or a failure of ours): the rest of leaving, then the interrupt goes on.
+            try:
+                found = locals().get("entry")  # unset when the interrupt came first
+                _leave(self, THREAD, found if found is not None else _innermost(THREAD.saved, self), exc_type)
+            except Exception:
+                pass
+            if not isinstance(failure, Exception):
+                raise
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
+    def _records(self, calls, error, times) -> list:
+        """The records of its send (a list: a split scope makes one per request)."""
+        return [records.send(self.info, calls, None, error, times)]
+
     def _emit(self, calls, error, times) -> None:
-        RECORDER.record(records.send(self.info, calls, None, error, times))
+        for rec in self._records(calls, error, times):
+            RECORDER.record(rec)
 
     # Where this scope's transfer is recorded from outside it (an engine module that remembered the scope a NIXL
     # handle was made in, and sees the handle posted on a thread that is not in it).
@@ -222,6 +341,74 @@ class TransferScope:
             self._emit([call], None, None)
 
 
+class _Leaving:
+    """One `with` of a scope on the main thread, the one thread signal handlers run on: the thread's depth in
+    scopes when the `with` began, and the exception its body raised."""
+
+    __slots__ = ("scope", "thread", "depth", "exc_type", "entry", "armed")
+
+    def __init__(self, scope, thread):
+        self.scope, self.thread, self.depth = scope, thread, len(thread.saved)
+        self.exc_type = self.entry = self.armed = None
+
+    def own_entry(self) -> Optional[tuple]:
+        """The entry this `with` made (at its depth, into its scope), or None: __enter__ never completed."""
+        if self.entry is None:
+            saved = self.thread.saved
+            if len(saved) > self.depth and saved[self.depth][ENTRY_SCOPE] is self.scope:
+                self.entry = saved[self.depth]
+        return self.entry
+
+    def finish(self, _ref=None) -> None:
+        """The rest of leaving, once the `with` let go of its exit: runs only when the exit did not complete."""
+        try:
+            _leave(self.scope, self.thread, self.own_entry(), self.exc_type)
+        except Exception:
+            RECORDER.drop("api_error")
+
+
+def _guarded_exit(leaving: _Leaving, exc_type, exc, tb) -> bool:
+    try:
+        leaving.exc_type = exc_type
+        _leave(leaving.scope, leaving.thread, leaving.own_entry(), exc_type)
+    except Exception:  # a failure of ours: counted, never raised into the engine
+        RECORDER.drop("api_error")
+    leaving.armed = None  # done: the `with` letting go of its exit now runs nothing (an interrupt skips this)
+    return False
+
+
+class _GuardedExit:
+    """`__exit__` of a scope made on the main thread. A Python exit can be interrupted before its first bytecode
+    runs (CPython runs signal handlers as a function starts), where no code of its own can catch it: so each `with`
+    gets an exit of its own (a C partial whose frame holds only its `_Leaving`), and a weak reference to it that,
+    unless the exit completed, finishes leaving as soon as the `with` lets go of it: before any later bytecode of
+    the thread, even when the interrupt propagates and is kept."""
+
+    def __get__(self, scope, owner=None):
+        if scope is None:  # read on the class (contextlib.ExitStack): the plain exit
+            return TransferScope.__exit__
+        leaving = _Leaving(scope, THREAD)
+        exit_call = partial(_guarded_exit, leaving)
+        leaving.armed = weakref.ref(exit_call, leaving.finish)
+        return exit_call
+
+
+_GUARDED = {}  # scope class -> its subclass with the guarded exit
+
+
+def _guarded(cls):
+    guarded = _GUARDED.get(cls)
+    if guarded is None:
+        guarded = _GUARDED[cls] = type(cls.__name__, (cls,), {"__slots__": (), "__exit__": _GuardedExit(),
+                                                               "__module__": cls.__module__})
+    return guarded
+
+
+def _new(cls, *args):
+    """A scope, its exit guarded against interrupts when made on the main thread (where signals are handled)."""
+    return (_guarded(cls) if get_ident() == _MAIN_THREAD else cls)(*args)
+
+
 # A call's bytes and descriptors are adjacent (test_records.py holds them so): a share replaces both in one slice.
 _BYTES, _AFTER_DESCRIPTORS = records.CALL_BYTES, records.CALL_DESCRIPTORS + 1
 
@@ -235,12 +422,14 @@ class SplitTransferScope(TransferScope):
         super().__init__(None)
         self.shares = shares  # [(info, bytes, descriptors)]
 
-    def _emit(self, calls, error, times) -> None:
+    def _records(self, calls, error, times) -> list:
+        recs = []
         for info, nbytes, descriptors in self.shares:
             # The share's bytes ride on the first call; every call keeps its own times, peer and outcome.
             share_calls = [call[:_BYTES] + ((nbytes, descriptors) if i == 0 else (0, 0)) + call[_AFTER_DESCRIPTORS:]
                            for i, call in enumerate(calls)]
-            RECORDER.record(records.send(info, share_calls, None, error, times))
+            recs.append(records.send(info, share_calls, None, error, times))
+        return recs
 
 
 def _info(key, chunk_index=0, payload=semconv.PAYLOAD_KV, destination_index=0, replica_factor=1,
@@ -269,10 +458,9 @@ class PayloadScope(TransferScope):
     def _labelled(self, call: tuple) -> tuple:
         return call[:records.CALL_EXTRA] + (self.label(call[records.CALL_EXTRA]),)
 
-    def _emit(self, calls, error, times) -> None:
+    def _records(self, calls, error, times) -> list:
         # Only engine calls are sends here: a scope that failed before making one moved nothing of a request.
-        for call in calls:
-            RECORDER.record(records.raw_call(self._labelled(call), self.context))
+        return [records.raw_call(self._labelled(call), self.context) for call in calls]
 
 
 def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = None) -> TransferScope:
@@ -285,20 +473,20 @@ def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = 
         labels = dict(attributes) if attributes else {}
         labels[semconv.PAYLOAD] = payload
         labels[semconv.FRAMEWORK] = str(framework)[:64]
-        return PayloadScope(labels, current_context())
+        return _new(PayloadScope, labels, current_context())
     except Exception:
         RECORDER.drop("api_error")
-        return TransferScope(None)
+        return _new(TransferScope, None)
 
 
 def transfer_scope(key=None, **keywords) -> TransferScope:
     """A scope for one transfer of request `key`: keywords chunk_index, payload, destination_index,
     replica_factor, is_last_chunk, prefix_early_send, attributes. Always returns a usable context manager."""
     try:
-        return TransferScope(_info(key, **keywords))
+        return _new(TransferScope, _info(key, **keywords))
     except Exception:
         RECORDER.drop("api_error")
-        return TransferScope(None)
+        return _new(TransferScope, None)
 
 
 def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
@@ -310,10 +498,10 @@ def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
             keywords = dict(share)
             nbytes, descriptors = int(keywords.pop("bytes")), int(keywords.pop("descriptors", 0))
             parts.append((_info(**keywords), nbytes, descriptors))
-        return SplitTransferScope(parts)
+        return _new(SplitTransferScope, parts)
     except Exception:
         RECORDER.drop("api_error")
-        return TransferScope(None)
+        return _new(TransferScope, None)
 
 
 # --- requests, compute, peers ----------------------------------------------------------------------------------
@@ -347,7 +535,8 @@ def record_connect(operation: str, start_ns: int, *, backend: str, framework: Op
         if isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536:
             attrs[semconv.SERVER_PORT] = port
         key = current_key() if key is None else _key(key)
-        RECORDER.record(records.connect(_time(start_ns), _time(end_ns), str(backend)[:64], str(operation)[:128],
+        start, end = _interval(start_ns, end_ns)
+        RECORDER.record(records.connect(start, end, str(backend)[:64], str(operation)[:128],
                                         None, error_type and str(error_type)[:128], key,
                                         None if key is not None else current_context(), attrs or None))
 
@@ -356,14 +545,17 @@ def record_connect(operation: str, start_ns: int, *, backend: str, framework: Op
 def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:
-        RECORDER.record(records.end_request(_key(key), _time(end_ns), error_type and str(error_type)[:128]))
+        key = _key(key)
+        device_clock.settle(key)  # its compute still on the device's clock goes first: after the end, no span
+        RECORDER.record(records.end_request(key, _time(end_ns), error_type and str(error_type)[:128]))
 
 
 @_never_raises
 def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
     """A compute interval that served these requests: times from time.time_ns() or now_ns() (clock.py)."""
     if RECORDER.active:
-        RECORDER.record(records.compute(tuple(_key(k) for k in keys), from_wall(start_ns), from_wall(end_ns),
+        start, end = _interval(start_ns, end_ns)
+        RECORDER.record(records.compute(tuple(_key(k) for k in keys), start, end,
                                         None if chunk_index is None else int(chunk_index)))
 
 
@@ -376,9 +568,10 @@ def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes,
                                            framework and str(framework), attrs or None, parent))
 
 
-def _end_peer(key, error_type, end_ns) -> None:
+def _end_peer(key, error_type, end_ns, pending=False) -> None:
     if RECORDER.active:
-        RECORDER.record(records.end_peer(_key(key), _time(end_ns), error_type and str(error_type)[:128]))
+        RECORDER.record(records.end_peer(_key(key), _time(end_ns), error_type and str(error_type)[:128],
+                                         bool(pending)))
 
 
 @_never_raises
@@ -391,8 +584,24 @@ def begin_receive(key, *, backend: str, framework: Optional[str] = None, expecte
 
 
 @_never_raises
-def end_receive(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
-    _end_peer(key, error_type, end_ns)
+def end_receive(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None,
+                outcome_pending: bool = False) -> None:
+    """End the receive; with `outcome_pending`, its span waits for `receive_outcome` before it is exported (at
+    most OTEL_KVTRANSFER_REQUEST_TTL_S; a flush or the process's end exports it as it is)."""
+    _end_peer(key, error_type, end_ns, outcome_pending)
+
+
+@_never_raises
+def receive_outcome(key, *, attributes: Optional[dict] = None, events: Iterable = (),
+                    at_ns: Optional[int] = None) -> None:
+    """What the receiver found out about the KV of `key` after its wait ended (sglang verifies its KV checksum
+    when the request enters a batch): `attributes` onto the receive span, `events` ((name, attributes) pairs) on
+    it at `at_ns` (now when None); a receive ended with `outcome_pending` is then exported. No attributes and no
+    events: there is nothing to add, the span goes as it is."""
+    if RECORDER.active:
+        RECORDER.record(records.peer_outcome(_key(key), _time(at_ns), dict(attributes) if attributes else None,
+                                             tuple((str(name)[:128], dict(attrs or {})) for name, attrs in events)
+                                             or None))
 
 
 @_never_raises

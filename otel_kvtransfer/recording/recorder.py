@@ -14,7 +14,7 @@ one deadline through all of its work, including the direct pipeline's wait for r
 its deadline stays queued, in order, for the next drain; what an exit drain could not (a slow or hung exporter),
 including records already taken from the queue, is counted as dropped (`flush_timeout`): nothing vanishes
 uncounted. After its last records, within the same bound, the exit drain has the builder end what is still open
-(the sink's `end_at_exit`: ended by the process's exit).
+(the sink's `end_at_exit`: ended by the process's exit); what the bound leaves unended is counted too.
 """
 
 import atexit
@@ -80,8 +80,15 @@ class Sink:
     def after_fork_in_child(self) -> None:
         """A forked child starts with nothing of its parent's."""
 
-    def end_at_exit(self) -> None:
-        """The exit drain's last step, within its bound: end what is still open (ended by the process's exit)."""
+    def end_at_exit(self, deadline: float = math.inf) -> int:
+        """The exit drain's last step, within its bound: end what is still open (ended by the process's exit)
+        until `deadline` (time.monotonic()); how many it could not end by then (counted as flush_timeout)."""
+        return 0
+
+    def export_wait_s(self) -> float:
+        """Seconds the builder here has waited for room in the export queues so far (what a slow exporter costs
+        it): the exit drain's line says whether that is what took its time."""
+        return 0.0
 
     def release_held(self) -> None:
         """A flush's last step: what has ended but is held back (peer waits watched for late KV) goes out now."""
@@ -105,6 +112,7 @@ class Recorder:
         self._abandoned = False  # an exit drain gave up (on its deadline, or on a drain in progress)
         self._drains = 0  # drains begun: the number of the one in progress
         self._given_up_on = 0  # the drain in progress an exit drain gave up on and counted the rest of
+        self._not_ended = 0  # spans still open that the last exit drain's deadline left unended
         # time.monotonic() by which the drain in progress must end (NO_DEADLINE: a background drain, unbounded).
         self.deadline = NO_DEADLINE
         # What a multiprocessing child runs on its way out; None: drain, then flush the global providers.
@@ -240,7 +248,7 @@ class Recorder:
         sink = self._sink  # as it is now: stop() may clear it
         if sink is None:
             return True
-        last_step = sink.end_at_exit if at_end else sink.release_held if flushing else None
+        last_step = sink.release_held if flushing else None
         wait_s = -1 if timeout_s is None else max(timeout_s, 0)
         deadline = NO_DEADLINE if timeout_s is None else time.monotonic() + wait_s
         if not self._drain_lock.acquire(timeout=wait_s):
@@ -256,10 +264,14 @@ class Recorder:
                 self._batch, self._done = [], 0
                 on_rest(rest)
                 self._run_at_end(last_step)
+                if at_end:
+                    self._end_open(sink, deadline)
                 self._report_drops()  # what the wait for room counted: the flush's caller reads the metrics next
                 return False
             self._batch = []
             self._run_at_end(last_step)
+            if at_end and not self._end_open(sink, deadline):
+                return False
             self._after_delivery(sink)
         finally:
             self.deadline = NO_DEADLINE
@@ -273,6 +285,20 @@ class Recorder:
                 at_end()
             except Exception as exc:
                 log_own_error("ending the spans still open at exit", exc)
+
+    def _end_open(self, sink: Sink, deadline: float) -> bool:
+        """The exit drain's last step: the builder ends what is still open, within the drain's deadline; what it
+        could not end by then is counted (flush_timeout) and kept for the line that says so. False then."""
+        try:
+            left = sink.end_at_exit(deadline)
+        except Exception as exc:
+            log_own_error("ending the spans still open at exit", exc)
+            return True
+        if not isinstance(left, int) or left <= 0:
+            return True
+        self._not_ended += left
+        self.drop("flush_timeout", left)
+        return False
 
     def _requeue(self, rest: list) -> None:
         self._queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
@@ -333,11 +359,15 @@ class Recorder:
 
         What could not be delivered in time is counted as dropped (`flush_timeout`): the queue, and the part of
         the batch not handled by then, this drain's own or the stuck drain's it gave up on (it will not be
-        handled: nothing runs after exit).
+        handled: nothing runs after exit); and the requests and peer waits still open that the bound left
+        unended. One WARNING line says how many of each, and what took the time: waiting for room in the export
+        queue (a slow or hung exporter), a drain that did not let go (a hung one), or building and ending spans.
         """
         if self._abandoned:
             timeout_s = 0  # already gave up once on the way out: don't wait again
+        waited = self._export_wait_s()
         lost = []
+        self._not_ended = 0
         outcome = self._drain(timeout_s, lost.append, at_end=at_exit)
         if outcome is True:
             return True
@@ -356,10 +386,30 @@ class Recorder:
             pass
         if left:
             self.drop("flush_timeout", left)
-            _logger.warning("otel_kvtransfer: the exit drain stopped at its %g s bound (a slow or hung exporter); "
-                            "%d records not delivered are counted as dropped (flush_timeout)", timeout_s, left)
+        if left or self._not_ended or outcome is None:
+            _logger.warning("otel_kvtransfer: the exit drain stopped at its %g s bound, %s; %d records not delivered "
+                            "and %d requests and peer waits still open not ended are counted as dropped "
+                            "(flush_timeout)", timeout_s, self._exit_cause(outcome, timeout_s,
+                                                                           self._export_wait_s() - waited),
+                            left, self._not_ended)
         self._report_drops()
         return False
+
+    @staticmethod
+    def _exit_cause(outcome, timeout_s: float, waited_s: float) -> str:
+        """What took the exit drain's time, as the line says it."""
+        if outcome is None:
+            return "a drain in progress holding the builder (an exporter that hangs)"
+        if waited_s > 0 and waited_s >= timeout_s / 2:
+            return f"{waited_s:.1f} s of it waiting for room in the export queue (a slow or hung exporter)"
+        return f"building and ending spans (of it {waited_s:.1f} s waiting for the exporters)"
+
+    def _export_wait_s(self) -> float:
+        sink = self._sink
+        try:
+            return float(sink.export_wait_s()) if sink is not None else 0.0
+        except Exception:
+            return 0.0
 
     def _report_drops(self) -> None:
         with self._drop_lock:

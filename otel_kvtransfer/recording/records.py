@@ -18,6 +18,7 @@ INFLIGHT = 7  # what the engine process is transferring right now (inflight.py)
 CONNECT = 8  # one explicit set-up call towards a peer (NIXL's add_remote_agent, make_connection)
 LATE_ARRIVAL = 9  # the peer saw KV of a wait of its that had already ended (a read of KV it had freed)
 RAW_CALL = 10  # one engine call outside any transfer scope: a send of its own, in one flat tuple
+PEER_OUTCOME = 11  # what the peer found out about its KV after its wait ended (a framework's integrity check)
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -107,16 +108,27 @@ def begin_peer(key, start_ns, span_name, role, backend, framework, attributes, p
     return (BEGIN_PEER, key, start_ns, span_name, role, backend, framework, attributes, parent)
 
 
-# END_REQUEST / END_PEER: (kind, key, end_ns, error_type)
+# END_REQUEST / END_PEER: (kind, key, end_ns, error_type); END_PEER also (..., outcome_pending)
 END_ERROR = 3
+END_PENDING = 4  # the peer will say more of this wait (PEER_OUTCOME): its span waits for that before export
 
 
 def end_request(key, end_ns, error=None) -> tuple:
     return (END_REQUEST, key, end_ns, error)
 
 
-def end_peer(key, end_ns, error=None) -> tuple:
-    return (END_PEER, key, end_ns, error)
+def end_peer(key, end_ns, error=None, pending=False) -> tuple:
+    return (END_PEER, key, end_ns, error, pending)
+
+
+# PEER_OUTCOME: (PEER_OUTCOME, key, at_ns, attributes, events): attributes for the peer's span (or None), events
+# a tuple of (name, attributes) put on it at at_ns (or None)
+OUTCOME_ATTRIBUTES = 3
+OUTCOME_EVENTS = 4
+
+
+def peer_outcome(key, at_ns, attributes, events) -> tuple:
+    return (PEER_OUTCOME, key, at_ns, attributes, events)
 
 
 # LATE_ARRIVAL: (LATE_ARRIVAL, key, at_ns, backend)
@@ -141,15 +153,16 @@ def inflight(now_ns, count, oldest, stuck, connects=(0, None)) -> tuple:
     return (INFLIGHT, now_ns, count, oldest, stuck, connects)
 
 
-# COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index)
+# COMPUTE: (COMPUTE, keys, start_ns, end_ns, chunk_index, clock)
 COMPUTE_KEYS = 1
 COMPUTE_START = 2
 COMPUTE_END = 3
 COMPUTE_CHUNK = 4
+COMPUTE_CLOCK = 5  # semconv.CLOCK_DEVICE: the times come from the device's timing events; CLOCK_HOST or None: host
 
 
-def compute(keys, start_ns, end_ns, chunk=None) -> tuple:
-    return (COMPUTE, keys, start_ns, end_ns, chunk)
+def compute(keys, start_ns, end_ns, chunk=None, clock=None) -> tuple:
+    return (COMPUTE, keys, start_ns, end_ns, chunk, clock)
 
 
 # CONNECT: (CONNECT, start_ns, end_ns, backend, operation, peer, error, key, context, attributes): `key` the request

@@ -10,9 +10,14 @@ Two formats, one JSON object per line, detected line by line:
   ``resource``, ``scope``.
 
 Anything else (an empty, binary or foreign file; NaN, Infinity or 1e999 anywhere; a value of the wrong type in
-a ``kv_transfer.*`` attribute; nesting too deep; a lone surrogate; a line over MAX_LINE; a line denser in JSON
-objects than any exporter writes) raises :class:`SpanFileError`, whose message is one line naming the file and
-the line, with echoed values bounded.
+a ``kv_transfer.*`` attribute of one of our spans; nesting too deep; a lone surrogate; a line over MAX_LINE; a
+line denser in JSON objects than any exporter writes) raises :class:`SpanFileError`, whose message is one line
+naming the file and the line, with echoed values bounded.
+
+Only our own spans' attributes are ours to judge (`is_ours`: a ``kv_transfer.*`` span, or one of our scope). A
+Collector's file holds every service's spans: an attribute of another span that the tools would refuse in one of
+ours (a string ``server.port``, a non-finite double) is left out of that span and counted in
+`skipped.foreign`, and the file is read on.
 
 A torn line (what a crash or a full disk leaves: a line cut short, or the start of a line with the next one run
 into it) is skipped and noted in `skipped`, so one lost batch does not cost the file; a file with no good span
@@ -155,18 +160,42 @@ def _check_text(value: Any) -> None:
 # --------------------------------------------------------------------------------------------------- values
 
 
-def _checked_attributes(attributes: dict) -> dict:
-    """The attributes with the numeric kv_transfer ones checked: counts are integers >= 0, measures finite >= 0."""
+def is_ours(name: str, scope_name: str) -> bool:
+    """A span this package wrote (or one named as ours, which the tools compute with): its values are judged."""
+    return name.startswith(_OUR_PREFIX) or scope_name == sc.INSTRUMENTATION_NAME
+
+
+_OUR_PREFIX = sc.SPAN_REQUEST.split(".")[0] + "."  # "kv_transfer."
+
+
+class _Foreign:
+    """Attributes left out of spans not ours, for the reader to count per line."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+
+
+def _checked_attributes(attributes: dict, foreign: Optional[_Foreign] = None) -> dict:
+    """The attributes with the numeric kv_transfer ones checked: counts are integers >= 0, measures finite >= 0.
+    In our spans (`foreign` None) a bad one refuses the line; in another's it is left out and counted."""
     for key in COUNTS.intersection(attributes):
         value = attributes[key]
         if isinstance(value, float) and value.is_integer():
             value = attributes[key] = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-            raise _LineError(f"{key} must be an integer >= 0, got {bounded(repr(value))}")
+            if foreign is None:
+                raise _LineError(f"{key} must be an integer >= 0, got {bounded(repr(value))}")
+            del attributes[key]
+            foreign.count += 1
     for key in MEASURES.intersection(attributes):
         value = attributes[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-            raise _LineError(f"{key} must be a finite number >= 0, got {bounded(repr(value))}")
+            if foreign is None:
+                raise _LineError(f"{key} must be a finite number >= 0, got {bounded(repr(value))}")
+            del attributes[key]
+            foreign.count += 1
     if sc.REQUEST_KEY in attributes and not isinstance(attributes[sc.REQUEST_KEY], str):
         attributes[sc.REQUEST_KEY] = str(attributes[sc.REQUEST_KEY])
     return attributes
@@ -292,8 +321,9 @@ _MEMO_TEXT_MAX = 256  # longer keys or string values are parsed every time: the 
 _SCALARS = (str, int, float, bool)
 
 
-def _span_attributes(items) -> dict:
-    """The attributes of one span from its OTLP-JSON list, each KeyValue parsed by json_format (or remembered)."""
+def _span_attributes(items, foreign: Optional[_Foreign] = None) -> dict:
+    """The attributes of one span from its OTLP-JSON list, each KeyValue parsed by json_format (or remembered). In
+    a span not ours (`foreign`), an attribute that cannot be read is left out and counted."""
     if items is None:
         return {}
     if not isinstance(items, list):
@@ -312,17 +342,27 @@ def _span_attributes(items) -> dict:
                     memo = (item["key"], kind, type(scalar), scalar)
         parsed = _KEY_VALUES.get(memo) if memo is not None else None
         if parsed is None:
-            if not isinstance(item, dict):
-                raise _LineError(f"an attribute must be an object, got {type(item).__name__}")
-            key_value = KeyValue()
-            json_format.ParseDict(item, key_value, ignore_unknown_fields=True)
-            parsed = _key_value(key_value)
+            try:
+                parsed = _parsed_attribute(item)
+            except (_LineError, json_format.ParseError, ValueError, TypeError):
+                if foreign is None:
+                    raise
+                foreign.count += 1
+                continue
             if memo is not None:
                 if len(_KEY_VALUES) >= _KEY_VALUES_MAX:
                     _KEY_VALUES.clear()
                 _KEY_VALUES[memo] = parsed
         out[parsed[0]] = parsed[1]
     return out
+
+
+def _parsed_attribute(item) -> tuple:
+    if not isinstance(item, dict):
+        raise _LineError(f"an attribute must be an object, got {type(item).__name__}")
+    key_value = KeyValue()
+    json_format.ParseDict(item, key_value, ignore_unknown_fields=True)
+    return _key_value(key_value)
 
 
 def _span_dicts(obj: dict) -> Iterator[dict]:
@@ -334,7 +374,7 @@ def _span_dicts(obj: dict) -> Iterator[dict]:
                     yield from (s for s in scope_spans.get("spans") or () if isinstance(s, dict))
 
 
-def _otlp_spans(obj: dict) -> Iterator[Span]:
+def _otlp_spans(obj: dict, foreign: _Foreign) -> Iterator[Span]:
     attribute_lists = [span.pop("attributes", None) for span in _span_dicts(obj)]
     _check_shape(obj, ExportTraceServiceRequest.DESCRIPTOR)
     message = ExportTraceServiceRequest()
@@ -348,6 +388,8 @@ def _otlp_spans(obj: dict) -> Iterator[Span]:
                 if not raw.name:
                     raise _LineError("a span has no name")
                 start, end = _times(raw.start_time_unix_nano, raw.end_time_unix_nano)
+                judged = None if is_ours(raw.name, scope) else foreign
+                attributes = _checked_attributes(_span_attributes(next(attribute_lists), judged), judged)
                 yield Span(
                     name=raw.name,
                     trace_id=_hex(raw.trace_id, 16, "traceId"),
@@ -358,7 +400,7 @@ def _otlp_spans(obj: dict) -> Iterator[Span]:
                     end_time_unix_nano=end,
                     status_code=STATUS_CODES[raw.status.code] if 0 <= raw.status.code < 3 else "UNSET",
                     status_description=raw.status.message or None,
-                    attributes=_checked_attributes(_span_attributes(next(attribute_lists))),
+                    attributes=attributes,
                     resource=resource,
                     scope_name=scope,
                 )
@@ -380,7 +422,7 @@ def _hex_id(value: Any, digits: int, what: str, optional: bool = False) -> Optio
     raise _LineError(f"{what} must be {digits} hex digits, got {bounded(repr(value))}")
 
 
-def _native_span(obj: dict) -> Span:
+def _native_span(obj: dict, foreign: _Foreign) -> Span:
     for key in ("name", "trace_id", "span_id", "start_time_unix_nano", "end_time_unix_nano"):
         if key not in obj:
             raise _LineError(f"span has no {key!r}")
@@ -395,6 +437,8 @@ def _native_span(obj: dict) -> Span:
     if kind not in KINDS:
         raise _LineError(f"unknown span kind {bounded(repr(kind))}")
     start, end = _times(obj["start_time_unix_nano"], obj["end_time_unix_nano"])
+    scope = _text(_object(obj.get("scope"), "scope").get("name"), "scope name")
+    judged = None if is_ours(name, scope) else foreign
     return Span(
         name=name,
         trace_id=_hex_id(obj["trace_id"], 32, "trace_id"),
@@ -405,9 +449,9 @@ def _native_span(obj: dict) -> Span:
         end_time_unix_nano=end,
         status_code=code,
         status_description=_text(status.get("description"), "status description") or None,
-        attributes=_checked_attributes(dict(_object(obj.get("attributes"), "attributes"))),
+        attributes=_checked_attributes(dict(_object(obj.get("attributes"), "attributes")), judged),
         resource=dict(_object(obj.get("resource"), "resource")),
-        scope_name=_text(_object(obj.get("scope"), "scope").get("name"), "scope name"),
+        scope_name=scope,
     )
 
 
@@ -422,7 +466,7 @@ class _TornLine(_LineError):
     """A line a crash or a full disk cut short (or the start of one with the next line run into it)."""
 
 
-def _parse_line(raw: bytes) -> list:
+def _parse_line(raw: bytes, foreign: _Foreign) -> list:
     if raw.startswith(b"{") and (b"\x00" in raw or not raw.rstrip().endswith(b"}")):
         raise _TornLine("the line is cut short")  # a crash leaves zeros, a full disk a partial line
     if not raw.strip(b"\x00\r\n"):
@@ -451,11 +495,11 @@ def _parse_line(raw: bytes) -> list:
         raise _LineError(f"expected a JSON object, got {type(obj).__name__}: not a span file")
     if "resourceSpans" in obj:
         try:
-            return list(_otlp_spans(obj))
+            return list(_otlp_spans(obj, foreign))
         except json_format.ParseError as exc:
             raise _LineError(_parse_error(str(exc))) from None
     if "trace_id" in obj and "span_id" in obj:
-        return [_native_span(obj)]
+        return [_native_span(obj, foreign)]
     keys = ", ".join(sorted(bounded(k, 40) for k in obj)[:5]) or "none"
     raise _LineError(f"not a span: neither OTLP-JSON nor the JSON-lines span format (keys: {keys})")
 
@@ -473,8 +517,8 @@ class LineTally:
         self.lines: list = []
         self.more_lines = False
 
-    def add(self, number: int) -> None:
-        self.count += 1
+    def add(self, number: int, count: int = 1) -> None:
+        self.count += count
         if self.lines and self.lines[-1] == number:
             return
         if len(self.lines) < self.SHOWN:
@@ -490,8 +534,9 @@ class LineTally:
 
 class Skipped:
     """What a read left out, each kind counted with the first few line numbers: torn lines (`count`, `lines`,
-    `add`, as before), spans that end before they start (`backwards`) and, counted by the reader of requests,
-    spans that repeat the trace and span id of one read before (`duplicates`)."""
+    `add`, as before), spans that end before they start (`backwards`), attributes of spans not ours that could not
+    be read (`foreign`) and, counted by the reader of requests, spans that repeat the trace and span id of one read
+    before (`duplicates`)."""
 
     SHOWN = LineTally.SHOWN
 
@@ -499,6 +544,7 @@ class Skipped:
         self.torn = LineTally()
         self.backwards = LineTally()
         self.duplicates = LineTally()
+        self.foreign = LineTally()
 
     @property
     def count(self) -> int:
@@ -527,6 +573,11 @@ class Skipped:
             out.append(f"{bounded(name)}: skipped {n} span{'s' if n > 1 else ''} that end{'' if n > 1 else 's'} "
                        f"before {'they start' if n > 1 else 'it starts'} ({self.backwards.where()}): the wall "
                        "clock stepped back while the span was open; the other spans were read")
+        if self.foreign.count:
+            n = self.foreign.count
+            out.append(f"{bounded(name)}: left out {n} attribute{'s' if n > 1 else ''} of spans not written by "
+                       f"otel_kvtransfer that {'are' if n > 1 else 'is'} not what the tools read "
+                       f"({self.foreign.where()}): those spans are not ours to judge; the rest was read")
         if self.duplicates.count:
             n = self.duplicates.count
             out.append(f"{bounded(name)}: left out {n} span{'s' if n > 1 else ''} repeating the trace and span id of "
@@ -586,8 +637,9 @@ def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterat
             if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
                 raise SpanFileError(name, number, f"line longer than {MAX_LINE >> 20} MiB, the longest a span "
                                                   "file may hold")
+            foreign = _Foreign()
             try:
-                spans = _parse_line(raw)
+                spans = _parse_line(raw, foreign)
             except _TornLine as exc:
                 skipped.add(number)
                 first_torn = first_torn or (number, str(exc))
@@ -596,6 +648,8 @@ def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterat
                 raise SpanFileError(name, number, str(exc)) from None
             except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
                 raise SpanFileError(name, number, f"bad value: {bounded(str(exc))}") from None
+            if foreign.count:
+                skipped.foreign.add(number, foreign.count)
             for span in spans:
                 if span.end_time_unix_nano < span.start_time_unix_nano:
                     skipped.backwards.add(number)

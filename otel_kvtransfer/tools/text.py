@@ -1,15 +1,15 @@
-"""Text the tools print: units, and values from span files made safe for a terminal (control characters escaped,
-length bounded), since every value in a span file is untrusted."""
+"""Text the tools print: units, and values from span files made safe for a terminal (control and format characters
+escaped by `building.printable`, the one rule the engine's log lines follow too; length bounded), since every value
+in a span file is untrusted."""
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Optional
 
-PROG = "otel-kvtransfer"  # the command, as its messages name it
+from otel_kvtransfer.building.printable import printable
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+PROG = "otel-kvtransfer"  # the command, as its messages name it
 
 
 def bounded(text: Any, limit: int = 200) -> str:
@@ -18,16 +18,6 @@ def bounded(text: Any, limit: int = 200) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-def printable(text: str) -> str:
-    """Control characters (terminal escapes, bidi overrides, newlines) as visible \\xNN / \\uNNNN escapes."""
-    return _CONTROL.sub(_escape, text)
-
-
-def _escape(match) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def label(value: Any, limit: int = 60) -> str:

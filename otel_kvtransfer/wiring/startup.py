@@ -1,8 +1,15 @@
 """The start-up line: one INFO line per instrumented process (logger `otel_kvtransfer`), so an operator can grep a
 server's log and see that the instrumentation is on, in which role and rank, and where its spans and metrics go.
 
-    otel_kvtransfer: on (otel_kvtransfer 0.1.0); patched: sglang 0.5.23; engines: mooncake 0.3.13, nixl absent;
-    role prefill, kv_transfer.tp_rank 0; builder: process; spans: otlp (OTLPSpanExporter); metrics: otlp (...)
+    otel_kvtransfer: on (otel_kvtransfer 0.1.0); patched: sglang 0.5.23; engines: mooncake 0.3.14
+    (mooncake-transfer-engine-cuda13), nixl absent; devices: mooncake mlx5_0, sglang --disaggregation-ib-device
+    mlx5_0; untimed calls: none; role prefill, kv_transfer.tp_rank 0; builder: process; spans: otlp
+    (OTLPSpanExporter); metrics: otlp (...)
+
+Each engine is named with the build (the distribution: one of the engine's DISTRIBUTIONS) and version found; the
+devices are those configured (each engine's own device list, the framework's device option, UCX_NET_DEVICES); the
+untimed calls are the engine calls found that this package neither times nor knows to move no bytes
+(recording/untimed.py). Values from the environment and the engine are escaped and bounded: the line stays one line.
 
 instrument() hands over what it set up (`announce`). A process whose framework can name its role and rank (the
 framework's KV manager or connector worker, built after the framework configured its logging) prints the line when
@@ -18,11 +25,12 @@ import os
 import sys
 import threading
 from importlib import metadata
-from typing import Optional
+from typing import Optional, Tuple
 
 from opentelemetry import metrics, trace
 
 from otel_kvtransfer import sdk_internals
+from otel_kvtransfer.building.printable import one_line
 
 LOGGER_NAME = "otel_kvtransfer"
 # How long a process with a framework waits for its role before printing without one: an engine process builds
@@ -40,9 +48,13 @@ class Announcement:
     def __init__(self, version: str, frameworks, engines, builder: str, tracer_provider=None, meter_provider=None):
         self.version = version
         self.frameworks = frameworks  # [(name, version or None, on)]
-        self.engines = engines  # [(name, version or None, on)]
+        # [(name, version or None, on)], or [(name, version or None, on, build)]; or a callable that answers such a
+        # list when the line is printed (an engine module imported after instrument() is then known by its build)
+        self.engines = engines
         self.builder = builder  # "process" | "thread"
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
+        self.engine_devices = lambda: []  # [(engine, [device, ...])]: the devices each engine was initialised with
+        self.untimed = lambda: []  # [(engine, [call name, ...])]: calls found that are not timed
 
 
 def announce(announcement: Announcement, wait_for_role: bool) -> None:
@@ -67,9 +79,10 @@ def withdraw() -> None:
         _state["pending"] = None
 
 
-def role_known(framework: str, role: Optional[str], ranks: Optional[dict]) -> None:
-    """A framework learnt this process's role and rank: the line goes out now (once per process)."""
-    _print_pending(framework, role, ranks)
+def role_known(framework: str, role: Optional[str], ranks: Optional[dict], devices: Optional[dict] = None) -> None:
+    """A framework learnt this process's role and rank: the line goes out now (once per process). `devices`: the
+    framework's device options and their values (e.g. {"--disaggregation-ib-device": "mlx5_0"}), when set."""
+    _print_pending(framework, role, ranks, devices)
 
 
 def _cancel_timer() -> None:
@@ -79,7 +92,7 @@ def _cancel_timer() -> None:
         _state["timer"] = None
 
 
-def _print_pending(framework=None, role=None, ranks=None) -> None:
+def _print_pending(framework=None, role=None, ranks=None, devices=None) -> None:
     try:
         with _lock:
             announcement = _state["pending"]
@@ -87,27 +100,74 @@ def _print_pending(framework=None, role=None, ranks=None) -> None:
                 return  # nothing set up, or already said
             _state["printed"] = True
             _cancel_timer()
-        emit(line(announcement, framework, role, ranks))
+        emit(line(announcement, framework, role, ranks, devices))
     except Exception:  # the line is a courtesy: it never disturbs the engine
         _logger.debug("otel_kvtransfer: the start-up line failed", exc_info=True)
+    finally:
+        for listener in list(_printed_listeners):
+            try:
+                listener()
+            except Exception:
+                _logger.debug("otel_kvtransfer: a start-up line listener failed", exc_info=True)
+
+
+_printed_listeners: list = []  # called once the line went out (or could not): later finds get a line of their own
+
+
+def on_printed(listener) -> None:
+    if listener not in _printed_listeners:
+        _printed_listeners.append(listener)
+
+
+def shown(value) -> str:
+    """A value from the environment or an engine, as one bounded line (building.printable: the rule every line
+    of ours follows)."""
+    return one_line(value)
 
 
 def _parts(items) -> str:
-    said = [f"{name} {version}" if on else f"{name} {version} (not patched)" if version else f"{name} absent"
-            for name, version, on in items]
+    said = []
+    for item in items:
+        name, version, on = item[:3]
+        build = item[3] if len(item) > 3 else None
+        text = f"{name} {version}" if version else f"{name} absent"
+        if version and build:
+            text += f" ({build})"
+        if version and not on:
+            text += " (not patched)"
+        said.append(text)
     return ", ".join(said) or "none"
 
 
-def line(announcement: Announcement, framework=None, role=None, ranks=None) -> str:
-    """The start-up line's text (pure apart from reading the providers and OTEL_* variables)."""
+def _named(pairs) -> str:
+    """[(owner, [value, ...])] -> "owner a, b; owner2 c" (escaped, bounded)."""
+    return ", ".join(f"{shown(owner)} {' '.join(shown(value) for value in values[:16])}"
+                     for owner, values in pairs if values)
+
+
+def devices_part(announcement: Announcement, framework=None, devices=None) -> str:
+    pairs = list(announcement.engine_devices())
+    if framework and devices:
+        pairs.extend((f"{framework} {option}", [value]) for option, value in sorted(devices.items()) if value)
+    ucx = os.environ.get("UCX_NET_DEVICES", "").strip()
+    if ucx:
+        pairs.append(("UCX_NET_DEVICES", [ucx]))
+    return _named(pairs) or "none named"
+
+
+def line(announcement: Announcement, framework=None, role=None, ranks=None, devices=None) -> str:
+    """The start-up line's text (pure apart from reading the providers, OTEL_* and UCX_NET_DEVICES)."""
     frameworks = [item for item in announcement.frameworks if item[1]]  # installed ones only
+    engines = announcement.engines() if callable(announcement.engines) else announcement.engines
     where = f"role {role}" if role else "no role in this process (no KV manager or connector worker seen)"
     if ranks:
         where += "".join(f", {name} {value}" for name, value in sorted(ranks.items()))
     if framework:
         where += f" ({framework})"
+    untimed = _named([(engine, [f"{name}()" for name in names]) for engine, names in announcement.untimed()])
     return (f"otel_kvtransfer: on (otel_kvtransfer {announcement.version}); patched: {_parts(frameworks)}; "
-            f"engines: {_parts(announcement.engines)}; {where}; builder: {announcement.builder}; "
+            f"engines: {_parts(engines)}; devices: {devices_part(announcement, framework, devices)}; "
+            f"untimed calls: {untimed or 'none'}; {where}; builder: {announcement.builder}; "
             f"spans: {spans_destination(announcement.tracer_provider)}; "
             f"metrics: {metrics_destination(announcement.meter_provider)}")
 
@@ -154,6 +214,46 @@ def distribution_version(names) -> Optional[str]:
         except Exception:
             continue
     return None
+
+
+def installed_build(names, module_names=()) -> Optional[Tuple[str, str]]:
+    """(distribution, version) of the build of an engine found here, among its published builds `names`.
+
+    Where several are installed (their files overwrite each other in one package folder), the one whose files are
+    on disk: the build that owns a loaded module's file, else the build whose record of the engine's files matches
+    their size on disk (read from each build's RECORD, nothing imported). None when none is installed.
+    """
+    found = []
+    for name in names:
+        try:
+            found.append(metadata.distribution(name))
+        except Exception:
+            continue
+    if len(found) <= 1:
+        return (found[0].metadata["Name"], found[0].version) if found else None
+    loaded = [path for path in (getattr(sys.modules.get(module), "__file__", None) for module in module_names) if path]
+    for dist in found:
+        if _owns(dist, loaded, module_names):
+            return dist.metadata["Name"], dist.version
+    return found[0].metadata["Name"], found[0].version
+
+
+def _owns(dist, loaded_files, module_names) -> bool:
+    """Does `dist` own a loaded module's file, or (none loaded) is its copy of the module's file the one on disk?"""
+    wanted = {tuple(module.split(".")) for module in module_names}
+    for entry in dist.files or ():
+        path = os.path.realpath(str(dist.locate_file(entry)))
+        if loaded_files:
+            if any(os.path.realpath(loaded) == path for loaded in loaded_files):
+                return True
+            continue
+        stem = entry.parts[:-1] + (entry.name.split(".", 1)[0],)
+        if stem in wanted and entry.size:
+            try:
+                return os.path.getsize(path) == entry.size
+            except OSError:
+                return False
+    return False
 
 
 def _has_handler(logger: logging.Logger) -> bool:

@@ -62,11 +62,11 @@ DECODE_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-decode-retr
 
 class Server:
     """One sglang server of a deployment: its name (its log, span file and service name), its role, its ports and
-    its tensor-parallel size, its own environment, model and transfer backend (else the deployment's). The
+    its tensor-parallel size, its own environment, model, transfer backend (else the deployment's) and flags. The
     suite's pair is Server("prefill") and Server("decode")."""
 
     def __init__(self, name: str, role: str = None, *, port: int = None, bootstrap_port: int = None, tp: int = 1,
-                 env=None, model_dir=None, backend=None):
+                 env=None, model_dir=None, backend=None, flags=()):
         self.name = name
         self.role = role or name
         if self.role not in ("prefill", "decode"):
@@ -79,6 +79,7 @@ class Server:
         if backend is not None and backend not in TRANSFER_BACKENDS:
             raise ValueError(f"server {name!r}: backend one of {TRANSFER_BACKENDS}, not {backend!r}")
         self.backend = backend
+        self.flags = list(flags)  # after the deployment's own (argparse: last wins)
 
     @property
     def url(self) -> str:
@@ -308,7 +309,7 @@ class Deployment:
             argv += DECODE_FLAGS
         if server.tp > 1:
             argv += ["--tp", str(server.tp)]
-        argv += self.server_flags
+        argv += self.server_flags + server.flags
         if self.enable_trace:
             argv += ["--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{PHOENIX_GRPC_PORT}"]
         if self.instrument:

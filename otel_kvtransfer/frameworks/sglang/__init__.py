@@ -17,6 +17,8 @@ What is wrapped, and why there (sglang 0.5.23):
   it serves).
 - bootstrap.py here: the decode's set-up steps towards a prefill (its parallel-info and bootstrap-info queries,
   its KV-layout registration), each a `kv_transfer.connect`.
+- integrity.py here: the decode's KV checksum verdict on the receive span (called from decode.py's patch).
+- hicache.py here: HiCache's NIXL storage backend, its transfers labelled `offload`.
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """
 
@@ -25,7 +27,7 @@ from otel_kvtransfer.wiring.activation import FrameworkHooks
 
 
 def _patches():
-    from otel_kvtransfer.frameworks.sglang import bootstrap, decode, prefill
+    from otel_kvtransfer.frameworks.sglang import bootstrap, decode, hicache, prefill
 
     return {
         "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
@@ -40,6 +42,7 @@ def _patches():
         "sglang.srt.disaggregation.nixl.conn#decode": decode.patch_nixl_conn,
         "sglang.srt.disaggregation.decode": decode.patch_decode,
         "sglang.srt.disaggregation.decode#bootstrap": bootstrap.patch_decode,
+        hicache.MODULE: hicache.patch_hicache_nixl,
     }
 
 

@@ -67,7 +67,8 @@ def rank_attributes(mgr) -> dict:
         setattr(mgr, _RANKS, ranks)
         mode = getattr(getattr(mgr, "disaggregation_mode", None), "name", None)
         role = {"PREFILL": semconv.ROLE_PREFILL, "DECODE": semconv.ROLE_DECODE}.get(mode)
-        startup.role_known(FRAMEWORK, role, ranks)
+        device = getattr(getattr(mgr, "kv_args", None), "ib_device", None)  # --disaggregation-ib-device
+        startup.role_known(FRAMEWORK, role, ranks, {"--disaggregation-ib-device": device} if device else None)
     return ranks
 
 

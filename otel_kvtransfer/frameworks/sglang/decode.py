@@ -3,16 +3,26 @@
 It opens when the receiver asks for the KV (`send_metadata`, which hands prefill the destination pages) and ends
 the first time `poll()` answers Success or Failed (or on `abort`). It is stitched into the prefill request's trace
 by room (building/stitching.py), or goes under sglang's own request span when sglang's tracing is on.
+
+Allocation wait: `DecodePreallocQueue.add` makes the request's receiver as it admits the request; the receiver
+asks for its KV (`send_metadata`) only once the queue has reserved its KV pages (`pop_preallocated`: it waits while
+the pool cannot hold it). The time between the two is `kv_transfer.allocation_wait_s` on the receive span; it
+includes the receiver's bootstrap towards the prefill (sglang's own `kv_transfer_bootstrap_ms`, short once the
+prefill is known), and with `--disaggregation-decode-allocation-policy prefill_complete`, the prefill itself.
+A receive ending in Success on a decode that verifies its KV checksum waits for that verdict (integrity.py).
 """
 
 import threading
 
-from otel_kvtransfer.frameworks.sglang import common
+from otel_kvtransfer import semconv
+from otel_kvtransfer.frameworks.sglang import common, integrity
 from otel_kvtransfer.recording import integration
+from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import observe_call, remember_argument
 
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
 _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sglang's tracing is on
+_ADMITTED = "_otel_kvt_admitted_ns"  # when the prealloc queue made the receiver (admitted its request)
 _tls = threading.local()  # .req: the Req whose receiver DecodePreallocQueue is creating
 
 
@@ -42,6 +52,9 @@ def _on_send_metadata(instance, args, kwargs) -> None:
     room = instance.bootstrap_room
     attributes = common.room_attributes(room)
     attributes.update(common.rank_attributes(instance.kv_mgr))
+    admitted = getattr(instance, _ADMITTED, None)
+    if admitted is not None:
+        attributes[semconv.ALLOCATION_WAIT_S] = max(now_ns() - admitted, 0) / 1e9
     integration.begin_receive(
         room, backend=backend, framework=common.FRAMEWORK,
         expected_bytes=_expected_bytes(instance, kv_indices, aux_index),
@@ -54,26 +67,35 @@ _send_metadata_wrapper = observe_call("send_metadata", _on_send_metadata)
 _create_receiver_wrapper = remember_argument(_tls, "req", 0, "req")
 
 
+def _admitted(instance, args, kwargs):
+    """A receiver the prealloc queue makes: its request is being admitted now."""
+    return now_ns() if getattr(_tls, "req", None) is not None else None
+
+
 def _on_receiver_init(instance, args, kwargs, token, result, error) -> None:
     req = getattr(_tls, "req", None)
     if req is not None:
+        setattr(instance, _ADMITTED, token)
         parent = common.sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
         if parent is not None:
             setattr(instance, _PARENT, parent)
 
 
-_receiver_init_wrapper = observe_call("receiver init", after=_on_receiver_init)
+_receiver_init_wrapper = observe_call("receiver init", _admitted, _on_receiver_init)
 
 
 def _end(instance, status_name) -> None:
     if getattr(instance, _DONE, False) or not common.is_instance(instance, "receiver"):
         return
     setattr(instance, _DONE, True)
-    error = None
+    error, pending = None, False
     if status_name != "Success":
         records = getattr(instance.kv_mgr, "failure_records", {})
         error = common.error_type_of(records.get(instance.bootstrap_room)) if status_name == "Failed" else status_name
-    integration.end_receive(instance.bootstrap_room, error_type=error)
+    elif integrity.awaits_verdict(instance):
+        pending = True
+        setattr(instance, integrity.PENDING, True)
+    integration.end_receive(instance.bootstrap_room, error_type=error, outcome_pending=pending)
 
 
 def _on_poll(instance, args, kwargs, token, status, error) -> None:
@@ -103,6 +125,7 @@ def patch_common_conn(module) -> None:
 
 def patch_decode(module) -> None:
     common.patcher.wrap(module.DecodePreallocQueue, "_create_receiver_and_enqueue", _create_receiver_wrapper)
+    integrity.patch_decode(module)
 
 
 def patch_mooncake_conn(module) -> None:

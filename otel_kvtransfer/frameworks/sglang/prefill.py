@@ -19,8 +19,9 @@ itself); what it calls is:
 A staging chunk deferred by back-pressure (`_do_staging_transfer` -> (-1, True), re-queued) is not an error.
 The request begins at the sender's `__init__` (bootstrap), under sglang's own request span when sglang's
 tracing is on (`create_sender` hands us the Req). `Scheduler.run_batch` of a prefill scheduler gives the compute
-intervals. Every wrapper passes return values and exceptions through unchanged; its own failures are counted
-(`wrapper_error` drops) and logged at debug level.
+intervals (on a CUDA device, from timing events on its streams: `_batch_started` says which). Every wrapper
+passes return values and exceptions through unchanged; its own failures are counted (`wrapper_error` drops) and
+logged at debug level.
 """
 
 import inspect
@@ -44,7 +45,7 @@ from otel_kvtransfer.frameworks.sglang.common import (
     room_attributes,
     sglang_parent,
 )
-from otel_kvtransfer.recording import integration, records
+from otel_kvtransfer.recording import device_clock, integration, records
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import active, count_drop, observe_call, remember_argument, safely
 
@@ -393,26 +394,58 @@ def _early_send_wrapper(wrapped, instance, args, kwargs):
 
 
 def _batch_started(instance, args, kwargs):
-    """The start of a prefill scheduler's batch; None (nothing recorded) on any other scheduler."""
-    return time_ns() if _is_prefill(instance) else None
+    """The start of a prefill scheduler's batch; None (nothing recorded) on any other scheduler.
+
+    On a CPU (or any device without timing events) the host's clock, as the forward runs inside the call. On a
+    CUDA device sglang returns once the forward is enqueued (the overlap scheduler; the normal loop's forward
+    also ends later, on the device), so the batch is bracketed by timing events instead (device_clock), on two
+    streams: the scheduler thread's current stream (where sglang stages the batch's inputs, and where the normal
+    loop runs the forward) and the model runner's `forward_stream` (where the overlap loop runs it, behind the
+    previous batch's forward). The start is the later of the two start events: before both are reached the
+    forward cannot begin (under overlap it first waits for the previous forward and, through `wait_stream`, for
+    the staged inputs), and from then the batch's step holds the device; when the device then idles while the
+    host still prepares and launches, that time is in the interval, as it was in the host's. The end is the
+    later of the two end events, recorded as run_batch returns: every kernel it launched has run. (sglang's own
+    `copy_done` is recorded a little later, after the result's copy to the host, and without timing.)"""
+    if not _is_prefill(instance):
+        return None
+    clock = device_clock.for_device(getattr(instance, "device", None))
+    if clock is None:
+        return time_ns()
+    streams = [clock.current_stream()]
+    forward = getattr(instance, "forward_stream", None)
+    if forward is not None and forward != streams[0]:
+        streams.append(forward)
+    return clock, streams, clock.begin(streams)
 
 
 def _batch_ran(instance, args, kwargs, start, result, error) -> None:
-    if start is not None:
-        record_batch_compute(args[0] if args else kwargs.get("batch"), start, time_ns())
+    if start is None:
+        return
+    batch = args[0] if args else kwargs.get("batch")
+    if isinstance(start, int):
+        record_batch_compute(batch, start, time_ns())
+        return
+    clock, streams, token = start
+    clock.end(token, streams, transferring_rooms(batch))  # even with no room: its events are let go there
 
 
 # Scheduler.run_batch of a prefill scheduler: one compute interval for every room in the batch.
 _run_batch_wrapper = observe_call("run_batch", _batch_started, _batch_ran)
 
 
-def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:
+def transferring_rooms(batch) -> list:
     """Rooms of the batch that really transfer. sglang's warm-up and health requests carry its fake bootstrap
     host (room 0, or the DP rank) and a fake sender: they make no compute record, whatever their room number."""
     fake = _fake_host()
-    rooms = [r.bootstrap_room for r in (getattr(batch, "reqs", None) or ())
-             if getattr(r, "bootstrap_room", None) is not None
-             and (fake is None or getattr(r, "bootstrap_host", None) != fake)]
+    return [r.bootstrap_room for r in (getattr(batch, "reqs", None) or ())
+            if getattr(r, "bootstrap_room", None) is not None
+            and (fake is None or getattr(r, "bootstrap_host", None) != fake)]
+
+
+def record_batch_compute(batch, start_ns: int, end_ns: int) -> None:
+    """A batch's compute interval on the host's clock, for the rooms of it that really transfer."""
+    rooms = transferring_rooms(batch)
     if rooms:
         integration.record_compute(rooms, start_ns, end_ns)
 

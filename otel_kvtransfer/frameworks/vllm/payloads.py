@@ -1,8 +1,8 @@
 """vLLM traffic that is not KV but moves through the engines this package times: recognised by the vLLM class that
 makes the engine call. Each entry method below runs inside a payload scope (`integration.payload_scope`), so its
 engine calls become `kv_transfer.send` spans of no request, labelled `kv_transfer.payload` = `encoder_cache` |
-`expert_weights` and `kv_transfer.framework` = `vllm`: the request figures, the per-peer throughput and the tail
-stay the KV's, and the per-send metrics keep the payload label.
+`expert_weights` | `offload` and `kv_transfer.framework` = `vllm`: the request figures, the per-peer throughput and
+the tail stay the KV's, and the per-send metrics keep the payload label.
 
 - Encoder cache over Mooncake: `MooncakeTransfer.write` (ec_connector/mooncake/transfer.py), one
   `batch_transfer_sync_write` per write.
@@ -10,8 +10,12 @@ stay the KV's, and the per-send metrics keep the payload label.
   handle; vLLM's scheduler polls it later, and the NIXL engine module keeps the scope with the handle.
 - Expert weights over NIXL (EPLB): `NixlEplbCommunicator.add_recv` (eplb/eplb_communicator.py) makes and posts one
   READ per expert from its source rank; `execute()` polls them.
+- KV offloaded to a peer's offload tier over NIXL: `NixlTransport.write_blocks` (v1/kv_offload/tiering/p2p/data/
+  nixl.py) makes and posts one WRITE of the blocks; the tier's `poll()` sees it end.
+- KV offloaded to an object store over NIXL's OBJ plugin: `ObjectStoreSecondaryTierManager._submit_transfer`
+  (v1/kv_offload/tiering/obj/manager.py; `submit_store` and `submit_load` call it) posts one READ or WRITE per job.
 
-vLLM 0.32, 0.33 and 0.34 have all three. Each module is patched when vLLM imports it; a class or method a release lacks
+vLLM 0.32, 0.33 and 0.34 have all five. Each module is patched when vLLM imports it; a class or method a release lacks
 is not wrapped (optional targets in targets.py, never a reason to block the KV wrappers), and its bytes then show
 as raw sends, as would any other non-KV caller of these engines (docs/support.md lists what was looked for).
 """
@@ -27,6 +31,8 @@ PAYLOAD_OF = {
     "MooncakeTransfer": semconv.PAYLOAD_ENCODER_CACHE,
     "NixlDataTransport": semconv.PAYLOAD_ENCODER_CACHE,
     "NixlEplbCommunicator": semconv.PAYLOAD_EXPERT_WEIGHTS,
+    "NixlTransport": semconv.PAYLOAD_OFFLOAD,
+    "ObjectStoreSecondaryTierManager": semconv.PAYLOAD_OFFLOAD,
 }
 
 

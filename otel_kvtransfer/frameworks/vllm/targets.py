@@ -83,17 +83,23 @@ NIXL_STATS_TARGETS = [
 ]
 
 
-# Traffic that is not KV (payloads.py; 0.32, 0.33 and 0.34 have all three): each entry method opens a payload scope. All
+# Traffic that is not KV (payloads.py; 0.32, 0.33 and 0.34 have all five): each entry method opens a payload scope. All
 # optional: a release without one keeps its KV wrappers, and those bytes show as raw sends.
 _EC = "vllm.distributed.ec_transfer.ec_connector"
 EC_MOONCAKE = f"{_EC}.mooncake.transfer"
 EC_NIXL = f"{_EC}.cpu.data.nixl"
 EPLB = "vllm.distributed.eplb.eplb_communicator"
+# KV offloading's secondary tiers (the OffloadingConnector's tiering): a peer's offload tier over NIXL, an object store
+# through NIXL's OBJ plugin.
+OFFLOAD_P2P_NIXL = "vllm.v1.kv_offload.tiering.p2p.data.nixl"
+OFFLOAD_OBJ = "vllm.v1.kv_offload.tiering.obj.manager"
 
 PAYLOAD_TARGETS = [
     Target(EC_MOONCAKE, "MooncakeTransfer", "write", optional=True),
     Target(EC_NIXL, "NixlDataTransport", "post_read", optional=True),
     Target(EPLB, "NixlEplbCommunicator", "add_recv", optional=True),
+    Target(OFFLOAD_P2P_NIXL, "NixlTransport", "write_blocks", optional=True),
+    Target(OFFLOAD_OBJ, "ObjectStoreSecondaryTierManager", "_submit_transfer", optional=True),
 ]
 
 

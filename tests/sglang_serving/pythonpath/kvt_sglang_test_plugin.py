@@ -17,6 +17,14 @@ with (engine, scheduler, detokenizer), found through the dist-info folder beside
    as if it held per-head K and V and fails. torch_native is routed to sglang's own MLA dispatch instead (the
    latent attention, computed by torch_native's SDPA); the KV pool, and the transfer that moves it, stay
    sglang's own.
+5. Stand-in for what cannot run here (only when KVT_TEST_KV_CHECKSUM_ON_CPU=1): sglang's KV checksum
+   (`--disaggregation-enable-kv-checksum`) digests the KV pages with a CUDA kernel (`KvChecksumComputer.compute`,
+   sglang/srt/disaggregation/checksum.py, through kernels/ops/memory/adler32.py). That one method is replaced by
+   the same digest computed on the host buffers: Adler-32 of the selected items of every buffer, buffer after
+   buffer, each item `item_len` bytes at `ptr + index * item_len` (what the kernel computes block by block and
+   combines in order), 1 when there is none. Everything around it (where the prefill stores the digest, the
+   metadata row that carries it, the decode's verification, its drop of a mismatching request, sglang's test
+   switch SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB) stays sglang's own.
 """
 
 import json
@@ -26,6 +34,7 @@ import sys
 _MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
 _NIXL_CONN = "sglang.srt.disaggregation.nixl.conn"
 _MLA_DISPATCH = "sglang.srt.models.deepseek_common.attention_backend_handler"
+_CHECKSUM = "sglang.srt.disaggregation.checksum"
 _ROLES = {"run_scheduler_process": "scheduler", "run_detokenizer_process": "detokenizer",
           "run_data_parallel_controller_process": "dp_controller"}
 
@@ -47,6 +56,25 @@ def _kv_pool_as_dram(module) -> None:
 
 def _mla_on_torch_native(module) -> None:
     module.AttentionBackendRegistry.register("torch_native", module._dispatch_mla_subtype)
+
+
+def _adler32_on_host(self, kv_page_indices, state_indices=None) -> int:
+    import ctypes
+    import zlib
+
+    selected = [(ptr, item_len, kv_page_indices) for ptr, item_len in zip(self._kv_data_ptrs, self._kv_item_lens)]
+    if self._state_data_ptrs:
+        selected += [(ptr, item_len, state_indices)
+                     for ptr, item_len in zip(self._state_data_ptrs, self._state_item_lens)]
+    digest = 1  # Adler-32 of nothing
+    for ptr, item_len, indices in selected:
+        for index in indices.tolist():
+            digest = zlib.adler32(ctypes.string_at(ptr + index * item_len, item_len), digest)
+    return digest
+
+
+def _checksum_on_host(module) -> None:
+    module.KvChecksumComputer.compute = _adler32_on_host
 
 
 def _on_import(name, patch) -> None:
@@ -95,6 +123,8 @@ def activate() -> None:
     _on_import(_NIXL_CONN, _kv_pool_as_dram)
     if os.environ.get("KVT_TEST_MLA_ON_TORCH_NATIVE") == "1":
         _on_import(_MLA_DISPATCH, _mla_on_torch_native)
+    if os.environ.get("KVT_TEST_KV_CHECKSUM_ON_CPU") == "1":
+        _on_import(_CHECKSUM, _checksum_on_host)
     directory = os.environ.get("KVT_TEST_PROMETHEUS_SD_DIR")
     if directory and os.path.isdir(directory):
         _publish_metrics_target(directory)

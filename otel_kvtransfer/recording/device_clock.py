@@ -1,0 +1,484 @@
+"""Compute on the device's clock: a forward's interval read from timing events on its streams, not from its launch.
+
+A framework that launches its forward on a GPU returns before the work has run (sglang's overlap scheduler returns
+once the forward is enqueued), so the host's clock around the launch says when the work was enqueued, not when it
+ran. Here the launch is bracketed by timing events recorded on the streams the forward uses: `begin` before the
+launch and `end` after it, on the engine's thread (a few event records and one append; never a wait, never a
+query). A thread of this module's own, the resolver, turns each bracket into a compute record once its events
+have completed, which it learns by non-blocking queries every `poll_s`.
+
+Device time onto the records' clock (clock.py): the resolver records an *anchor* event on a stream of its own that
+holds no other work, reading the records' clock just before the record and again when a query first sees it
+complete. The anchor's host time is the middle of that window, and an anchor is kept only when the window is at
+most ANCHOR_WINDOW_NS, so its host time is right to half of that (25 us). An event's host time is its anchor's
+plus the device's elapsed time between the two (`elapsed_time`). Both ends of one interval go through the same
+anchor, the one nearest its end, so a duration is exactly the device's. Device and host clocks drift apart
+slowly: while brackets are pending the resolver anchors again every MAX_ANCHOR_INTERVAL_S at the latest (every
+MIN_ANCHOR_INTERVAL_S until it has measured the drift), and sooner when the drift rate it measures between its
+anchors would make the drift reach DRIFT_BUDGET_NS (25 us) in between; with the anchor's own 25 us, an event's
+host time stays within 50 us of the truth. A launch after an idle spell wakes the resolver, which anchors at
+once.
+
+Nothing is lost silently, and nothing of a request comes after its end (after its end record a compute record
+makes no span): `settle(key)`, called when a request ends (integration.end_request), records at once what is
+pending for it: on the device's clock where its events completed, else with the launch's host times
+(`kv_transfer.compute.clock` = host) and counted in `kv_transfer.instrumentation.dropped` as
+`device_compute_unresolved`. The same fallback and count for a bracket whose events have not completed
+GIVE_UP_S after its launch (a device that hangs); at most `max_pending` brackets wait, a bracket beyond that is
+recorded with its host times at once, counted as `device_compute_full`.
+
+Only CUDA devices (torch.cuda: NVIDIA, and AMD through HIP) are read; any other device keeps the host's times.
+torch is never imported here: a device is looked up only in a torch the engine already imported.
+`use_device_module` is the seam for a torch.cuda-shaped stand-in (tests, where no GPU is).
+"""
+
+import logging
+import os
+import sys
+import threading
+from collections import deque
+from time import monotonic
+from typing import Optional
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording.clock import now_ns
+from otel_kvtransfer.recording.recorder import RECORDER
+
+_logger = logging.getLogger(__name__)
+
+DEVICE_TYPES = ("cuda",)  # torch.cuda, also on ROCm (HIP builds of torch answer to "cuda")
+POLL_S = 0.005  # how often the resolver queries pending brackets (each pass: one query per bracket, no wait)
+IDLE_WAIT_S = 1.0  # how long the resolver sleeps with nothing pending (a bracket wakes it at once)
+GIVE_UP_S = 60.0  # a bracket whose events have not completed by then keeps its host times (counted)
+MAX_PENDING = 4096  # brackets waiting for their events; beyond it a bracket keeps its host times (counted)
+ANCHOR_WINDOW_NS = 50_000  # an anchor's record-to-seen window: its host time is right to half of this
+ANCHOR_TRIES = 8  # records per anchoring before giving up until the next pass
+DRIFT_BUDGET_NS = 25_000  # device/host drift allowed between anchors
+MAX_ANCHOR_INTERVAL_S = 1.0
+MIN_ANCHOR_INTERVAL_S = 0.05
+DRIFT_BASELINE_S = 0.5  # the shortest span of anchors a drift rate is measured over (less: too noisy)
+KEPT_ANCHORS = 64  # per device: the nearest of them converts a bracket
+FULL = "device_compute_full"
+UNRESOLVED = "device_compute_unresolved"
+
+
+class _Anchor:
+    __slots__ = ("event", "host_ns", "window_ns")
+
+    def __init__(self, event, host_ns: int, window_ns: int):
+        self.event = event
+        self.host_ns = host_ns
+        self.window_ns = window_ns
+
+
+class _Anchors:
+    """One device's anchors: a stream of their own, the last KEPT_ANCHORS, the drift rate measured over them."""
+
+    __slots__ = ("stream", "kept", "rate", "due_s")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.kept: deque = deque(maxlen=KEPT_ANCHORS)
+        self.rate = None  # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
+        self.due_s = 0.0  # time.monotonic() by which the next anchor is due while brackets are pending
+
+    def nearest(self, host_ns: int) -> Optional[_Anchor]:
+        best = None
+        for anchor in self.kept:
+            if best is None or abs(anchor.host_ns - host_ns) < abs(best.host_ns - host_ns):
+                best = anchor
+        return best
+
+
+class _Bracket:
+    """One launch: its start and end events, the host's times around it (the fallback), the keys it served."""
+
+    __slots__ = ("keys", "starts", "ends", "host_start", "host_end", "chunk", "device")
+
+    def __init__(self, keys, starts, ends, host_start, host_end, chunk, device):
+        self.keys = keys  # list: keys are removed as their requests settle
+        self.starts = starts
+        self.ends = ends
+        self.host_start = host_start
+        self.host_end = host_end
+        self.chunk = chunk
+        self.device = device
+
+
+def _good_key(key) -> bool:
+    return (isinstance(key, int) and not isinstance(key, bool)) or isinstance(key, str)
+
+
+def _device_of(stream):
+    return getattr(stream, "device_index", None)
+
+
+class DeviceClock:
+    """Compute brackets on one device module's timing events (torch.cuda, or a stand-in shaped like it)."""
+
+    def __init__(self, device, *, poll_s: float = POLL_S, give_up_s: float = GIVE_UP_S,
+                 max_pending: int = MAX_PENDING):
+        self.device = device
+        self._poll_s = poll_s
+        self._give_up_ns = int(give_up_s * 1e9)
+        self._max_pending = max_pending
+        self._incoming: deque = deque()  # brackets from engine threads (append is atomic: no lock there)
+        self._pending: dict = {}  # id -> _Bracket, oldest first
+        self._by_key: dict = {}  # key -> {id of a pending bracket serving it}
+        self._anchors: dict = {}  # device index -> _Anchors
+        self._lock = threading.Lock()  # the pending table, and every record made from it
+        self._wake = threading.Event()
+        self._idle = False
+        self._stopping = False
+        self._thread = None
+        self._counts = {"device": 0, "host": 0, "anchors": 0, "anchors_refused": 0}
+        self._windows: deque = deque(maxlen=1024)
+
+    # --- engine thread ---------------------------------------------------------------------------------------
+    def current_stream(self):
+        return self.device.current_stream()
+
+    def begin(self, streams) -> tuple:
+        """Before a launch: a timing event on each stream the launch uses. The token goes to `end`."""
+        host = now_ns()
+        try:
+            capturing = getattr(self.device, "is_current_stream_capturing", None)
+            if capturing is not None and capturing():
+                return (host, None, None)  # a CUDA graph being captured: no timing events in it, the host's times
+            events = []
+            for stream in streams:
+                event = self.device.Event(enable_timing=True)
+                event.record(stream)
+                events.append(event)
+            return (host, tuple(events), _device_of(streams[0]))
+        except Exception:
+            RECORDER.drop("wrapper_error")
+            _logger.debug("otel_kvtransfer could not record a timing event", exc_info=True)
+            return (host, None, None)
+
+    def end(self, token: tuple, streams, keys, chunk_index: Optional[int] = None) -> None:
+        """After the launch: a timing event on each stream; the bracket waits for them off this thread."""
+        host_start, starts, device = token
+        valid = [k for k in keys if _good_key(k)]
+        if len(valid) != len(keys):
+            RECORDER.drop("api_error", len(keys) - len(valid))  # as integration.record_compute counts them
+        keys = list(dict.fromkeys(valid))  # each request once
+        ends = None
+        if starts is not None:
+            try:
+                events = []
+                for stream in streams:
+                    event = self.device.Event(enable_timing=True)
+                    event.record(stream)
+                    events.append(event)
+                ends = tuple(events)
+            except Exception:
+                RECORDER.drop("wrapper_error")
+                _logger.debug("otel_kvtransfer could not record a timing event", exc_info=True)
+        host_end = now_ns()
+        if not keys:
+            return
+        if ends is None:  # no events: the launch's own times, as where there is no device
+            self._record(keys, host_start, host_end, chunk_index, semconv.CLOCK_HOST)
+            return
+        if len(self._incoming) + len(self._pending) >= self._max_pending:
+            RECORDER.drop(FULL, len(keys))
+            self._record(keys, host_start, host_end, chunk_index, semconv.CLOCK_HOST)
+            return
+        self._incoming.append(_Bracket(keys, starts, ends, host_start, host_end, chunk_index, device))
+        if self._thread is None:
+            self._start()
+        elif self._idle:  # after an idle spell: anchor now, near this launch
+            self._idle = False
+            self._wake.set()
+
+    # --- a request ends (any thread) ---------------------------------------------------------------------------
+    def settle(self, key) -> None:
+        """Record now what is pending for `key` (its request ends): never waits for the device."""
+        if not self._pending and not self._incoming:
+            return
+        with self._lock:
+            self._absorb()
+            ids = self._by_key.pop(key, None)
+            for bracket_id in ids or ():
+                bracket = self._pending.get(bracket_id)
+                if bracket is None:
+                    continue
+                times = self._device_times(bracket) if self._complete(bracket) else None
+                if times is None:
+                    RECORDER.drop(UNRESOLVED)
+                    self._record([key], bracket.host_start, bracket.host_end, bracket.chunk, semconv.CLOCK_HOST)
+                else:
+                    self._record([key], times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
+                bracket.keys.remove(key)
+                if not bracket.keys:
+                    del self._pending[bracket_id]
+
+    # --- the resolver ------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._run, name="otel-kvtransfer-device-clock", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._pass()
+            except Exception:
+                RECORDER.drop("wrapper_error")
+                _logger.debug("otel_kvtransfer: the device clock's pass failed", exc_info=True)
+            # The flag first, then the look: an end() racing this either is seen here or sees the flag and wakes us.
+            self._idle = True
+            if self._pending or self._incoming:
+                self._idle = False
+                self._wake.wait(self._poll_s)
+            else:
+                self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()
+            self._idle = False
+
+    def _pass(self) -> None:
+        with self._lock:
+            self._absorb()
+            devices = {b.device for b in self._pending.values()}
+        for device in devices:
+            self._anchor_if_due(device)
+        with self._lock:
+            self._absorb()
+            self._resolve(now_ns())
+
+    def _absorb(self) -> None:
+        """Brackets from the engine threads into the table (under the lock)."""
+        incoming = self._incoming
+        while incoming:
+            bracket = incoming.popleft()
+            bracket_id = id(bracket)
+            self._pending[bracket_id] = bracket
+            for key in bracket.keys:
+                self._by_key.setdefault(key, set()).add(bracket_id)
+
+    def _resolve(self, now: int) -> None:
+        for bracket_id, bracket in list(self._pending.items()):
+            times = self._device_times(bracket) if self._complete(bracket) else None
+            if times is not None:
+                self._record(bracket.keys, times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
+            elif now - bracket.host_end > self._give_up_ns:
+                RECORDER.drop(UNRESOLVED, len(bracket.keys))
+                self._record(bracket.keys, bracket.host_start, bracket.host_end, bracket.chunk, semconv.CLOCK_HOST)
+            else:
+                continue
+            del self._pending[bracket_id]
+            for key in bracket.keys:
+                ids = self._by_key.get(key)
+                if ids is not None:
+                    ids.discard(bracket_id)
+                    if not ids:
+                        del self._by_key[key]
+
+    @staticmethod
+    def _complete(bracket) -> bool:
+        # A stream runs in order: its end event done means its start event is too.
+        return all(event.query() for event in bracket.ends)
+
+    def _device_times(self, bracket) -> Optional[tuple]:
+        """(start, end) on the records' clock through the anchor nearest the bracket's end (found through the one
+        nearest its launch); both ends through one anchor, so the duration is the device's. None without an
+        anchor."""
+        anchors = self._anchors.get(bracket.device)
+        anchor = anchors.nearest(bracket.host_start) if anchors is not None else None
+        if anchor is None:
+            return None
+        try:
+            end = self._through(anchor, bracket.ends)
+            nearer = anchors.nearest(end)
+            if nearer is not anchor:
+                anchor, end = nearer, self._through(nearer, bracket.ends)
+            # The forward can start once every stream it uses got there; it has ended once every one has.
+            start = self._through(anchor, bracket.starts)
+        except Exception:
+            RECORDER.drop("wrapper_error")
+            _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
+            return None
+        return start, max(end, start)
+
+    @staticmethod
+    def _through(anchor: _Anchor, events) -> int:
+        """The latest of `events` on the records' clock: the anchor's host time + the device's elapsed time."""
+        base, event = anchor.host_ns, anchor.event
+        return max(base + round(event.elapsed_time(e) * 1e6) for e in events)
+
+    def _record(self, keys, start: int, end: int, chunk, clock: str) -> None:
+        self._counts["device" if clock == semconv.CLOCK_DEVICE else "host"] += len(keys)
+        if RECORDER.active:
+            RECORDER.record(records.compute(tuple(keys), start, end, chunk, clock))
+
+    # --- anchors -----------------------------------------------------------------------------------------------
+    def _anchors_of(self, device) -> _Anchors:
+        anchors = self._anchors.get(device)
+        if anchors is None:
+            stream = self.device.Stream() if device is None else self.device.Stream(device=device)
+            anchors = self._anchors[device] = _Anchors(stream)
+        return anchors
+
+    def _anchor_if_due(self, device) -> None:
+        with self._lock:
+            anchors = self._anchors_of(device)
+        if monotonic() < anchors.due_s:
+            return
+        anchor = self._take_anchor(anchors.stream)  # outside the lock: settle() never waits for a spin
+        with self._lock:
+            if anchor is None:  # again soon; brackets wait (or keep their host times past GIVE_UP_S)
+                anchors.due_s = monotonic() + MIN_ANCHOR_INTERVAL_S
+                return
+            self._measure_drift(anchors, anchor)
+            anchors.kept.append(anchor)
+            # Until a drift rate is measured (anchors DRIFT_BASELINE_S apart), anchor as often as allowed.
+            interval = MIN_ANCHOR_INTERVAL_S if anchors.rate is None else MAX_ANCHOR_INTERVAL_S
+            if anchors.rate:
+                interval = min(max(DRIFT_BUDGET_NS / 1e9 / abs(anchors.rate), MIN_ANCHOR_INTERVAL_S), interval)
+            anchors.due_s = monotonic() + interval
+
+    def _take_anchor(self, stream) -> Optional[_Anchor]:
+        best = None
+        for _ in range(ANCHOR_TRIES):
+            event = self.device.Event(enable_timing=True)
+            before = now_ns()
+            event.record(stream)
+            seen = None
+            while True:  # a record on an idle stream completes within microseconds: spin, bounded
+                if event.query():
+                    seen = now_ns()
+                    break
+                if now_ns() - before > ANCHOR_WINDOW_NS:
+                    break
+            if seen is not None and seen - before <= ANCHOR_WINDOW_NS:
+                if best is None or seen - before < best.window_ns:
+                    best = _Anchor(event, (before + seen) // 2, seen - before)
+                if best.window_ns <= ANCHOR_WINDOW_NS // 4:
+                    break
+        if best is None:
+            self._counts["anchors_refused"] += 1
+            return None
+        self._counts["anchors"] += 1
+        self._windows.append(best.window_ns)
+        return best
+
+    @staticmethod
+    def _measure_drift(anchors: _Anchors, anchor: _Anchor) -> None:
+        if not anchors.kept:
+            return
+        base = anchors.kept[0]
+        host_ns = anchor.host_ns - base.host_ns
+        if host_ns < DRIFT_BASELINE_S * 1e9:
+            return
+        device_ns = base.event.elapsed_time(anchor.event) * 1e6
+        if device_ns > 0:
+            anchors.rate = (host_ns - device_ns) / device_ns
+
+    # --- life --------------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """What the clock did: records on each clock, anchors taken and refused, their windows, the drift rate."""
+        windows = sorted(self._windows)
+        rates = [a.rate for a in self._anchors.values() if a.rate is not None]
+        return {
+            "compute_records_device": self._counts["device"], "compute_records_host": self._counts["host"],
+            "anchors": self._counts["anchors"], "anchorings_refused": self._counts["anchors_refused"],
+            "anchor_window_median_ns": windows[len(windows) // 2] if windows else None,
+            "anchor_window_max_ns": windows[-1] if windows else None,
+            "drift_ppm": [-rate * 1e6 for rate in rates],  # how much faster the device's clock runs than the host's
+            "pending": len(self._pending) + len(self._incoming),
+        }
+
+    def close(self) -> None:
+        """Stop the resolver; what is pending is recorded now (device times where complete, else host, counted)."""
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        with self._lock:
+            self._absorb()
+            self._resolve(now_ns() + self._give_up_ns + 1)
+
+
+# --- the process's clocks ----------------------------------------------------------------------------------------
+
+_clocks: dict = {}  # device type -> DeviceClock, or None: no such device in this process
+_stand_ins: dict = {}  # device type -> (module, options) given by use_device_module
+_live: list = []  # the clocks made, for settle()
+
+
+def _device_type(device) -> Optional[str]:
+    if device is None:
+        return None
+    name = str(getattr(device, "type", device))
+    return name.split(":", 1)[0].strip().lower() or None
+
+
+def _module_for(kind: str):
+    """torch's module for this device type, when the engine imported torch and the device is there."""
+    if kind in _stand_ins:
+        return _stand_ins[kind][0]
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    module = getattr(torch, kind, None)
+    try:
+        return module if module is not None and module.is_available() else None
+    except Exception:
+        return None
+
+
+def for_device(device) -> Optional[DeviceClock]:
+    """This process's clock for a framework's device ("cuda", "cuda:1", a torch.device); None where the forward's
+    times stay the host's: a CPU forward, another device type, no torch imported by the engine, no device."""
+    kind = _device_type(device)
+    if kind not in DEVICE_TYPES:
+        return None
+    try:
+        return _clocks[kind]
+    except KeyError:
+        pass
+    if kind not in _stand_ins and "torch" not in sys.modules:
+        return None  # asked again once the engine has imported torch
+    module = _module_for(kind)
+    clock = None
+    if module is not None:
+        clock = DeviceClock(module, **(_stand_ins.get(kind, (None, {}))[1]))
+        _live.append(clock)
+    _clocks[kind] = clock
+    return clock
+
+
+def use_device_module(module, kind: str = "cuda", **options) -> Optional[DeviceClock]:
+    """Time this process's `kind` forwards on `module` (torch.cuda-shaped: Event(enable_timing=True) with
+    record(stream) / query() / elapsed_time(), Stream(device=...), current_stream(), is_available()) instead of
+    torch's; `options` go to DeviceClock (poll_s, give_up_s, max_pending). None puts torch's back. The clock made
+    before for `kind` is closed. Returns the new clock (None for module None)."""
+    old = _clocks.pop(kind, None)
+    if old is not None:
+        old.close()
+        _live.remove(old)
+    if module is None:
+        _stand_ins.pop(kind, None)
+        return None
+    _stand_ins[kind] = (module, dict(options))
+    return for_device(kind)
+
+
+def settle(key) -> None:
+    """A request ends: what its device brackets still hold is recorded now, before its end record."""
+    for clock in _live:
+        clock.settle(key)
+
+
+def _forget_after_fork() -> None:
+    # The resolver thread does not survive a fork, and a forked child cannot use its parent's CUDA context.
+    _clocks.clear()
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
