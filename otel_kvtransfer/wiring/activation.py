@@ -74,18 +74,6 @@ class LazyPatcher:
         self._warned = False
         self._checked: Dict[str, bool] = {}  # module name -> passed its target check (once per module)
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def supported(self) -> str:
-        return self.spec.supported
-
-    @property
-    def distributions(self) -> Tuple[str, ...]:
-        return self.spec.distributions
-
     def modules(self) -> Tuple[str, ...]:
         """The library's modules its patches apply to (each patched when it is imported)."""
         return self.spec.modules
@@ -122,14 +110,15 @@ class LazyPatcher:
             return False
         if not self.is_supported(version) and not self.is_newer(version):
             self._warn_once("otel_kvtransfer: %s %s is outside the supported range %s; %s is not instrumented",
-                            self.name, version, self.supported, self.name)
+                            self.spec.name, version, self.spec.supported, self.spec.name)
             return False
         if self.blocked is not None:
             return False
         if self.is_newer(version):
             self._warn_once("otel_kvtransfer: %s %s is newer than the tested range %s; instrumenting it because "
                             "what the wrappers use is checked as each module loads (a miss is named in a warning "
-                            "and then nothing of %s is instrumented)", self.name, version, self.supported, self.name)
+                            "and then nothing of %s is instrumented)", self.spec.name, version, self.spec.supported,
+                            self.spec.name)
         return True
 
     def _passes_check(self, module_name: str, module) -> bool:
@@ -153,7 +142,7 @@ class LazyPatcher:
         if self.blocked is None:
             self.blocked = what
             _logger.warning("otel_kvtransfer: %s %s lacks what its instrumentation needs (%s); nothing of %s is "
-                            "instrumented", self.name, self.installed_version(), what, self.name)
+                            "instrumented", self.spec.name, self.installed_version(), what, self.spec.name)
         self.patcher.unwrap_all()
         self.spec.forget()
 
