@@ -2,8 +2,10 @@
 
 None of these is public API. Each is read defensively here: a name an OpenTelemetry release renamed turns off
 the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/test_sdk_canary.py runs
-every function and constant below against the installed releases, and tests/test_layout.py keeps these names out
-of every other module, so a new OpenTelemetry release is this one file to read.
+every function and constant below against the installed releases, and parses the package to hold it to the
+allowlist at the end of this file (`PRIVATE_NAMES`): the names read here are exactly those, and no other module
+reads one of OpenTelemetry's but what `READ_ELSEWHERE` grants it. A new OpenTelemetry release is this one file to
+read.
 """
 
 import contextvars
@@ -143,6 +145,20 @@ SPAN_FIELD_NAMES = ("_context", "_parent", "_name", "_kind", "_start_time", "_en
                     "_resource", "_instrumentation_scope", "_events", "_links")
 
 
+# --- samplers -----------------------------------------------------------------------------------------------------
+
+def parent_based_root(sampler):
+    """The sampler a ParentBased asks about a root span (its `root`), or None on a release that keeps it
+    elsewhere (the direct path then asks the ParentBased itself)."""
+    return getattr(sampler, "_root", None)
+
+
+def parent_based_local_parents(sampler) -> Tuple[Any, Any]:
+    """The samplers a ParentBased asks about a child of a local parent: (sampled parent, unsampled parent); Nones
+    on a release that keeps them elsewhere (the direct path then asks the ParentBased for every child)."""
+    return getattr(sampler, "_local_parent_sampled", None), getattr(sampler, "_local_parent_not_sampled", None)
+
+
 def otlp_resource_and_scope_encoders() -> Tuple[Callable, Callable]:
     """The OTLP exporters' own encoders of a resource and an instrumentation scope."""
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
@@ -205,3 +221,31 @@ def sdk_configurator_class():
     from opentelemetry.sdk._configuration import _OTelSDKConfigurator
 
     return _OTelSDKConfigurator
+
+
+# --- the allowlist ------------------------------------------------------------------------------------------------
+# Every private name of OpenTelemetry the package reads. tests/test_sdk_canary.py finds them by parsing the package
+# (attributes, getattr names, imports, and the names this module declares for others to read) and holds them here:
+# a new read is a line below first.
+PRIVATE_NAMES = frozenset({
+    # the API's context and the instrumentation utilities
+    "_SUPPRESS_INSTRUMENTATION_KEY", "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "_RUNTIME_CONTEXT", "_current_context",
+    # TracerProvider, Tracer and the span processors
+    "_active_span_processor", "_span_processors", "_lock", "_instrumentation_scope", "_span_limits", "_is_enabled",
+    "_tracer_metrics", "_batch_processor", "_queue", "_max_queue_size", "_worker_awaken", "_max_export_batch_size",
+    "_pid", "_shutdown",
+    # ParentBased
+    "_root", "_local_parent_sampled", "_local_parent_not_sampled",
+    # ReadableSpan's fields (SPAN_FIELD_NAMES)
+    "_context", "_parent", "_name", "_kind", "_start_time", "_end_time", "_attributes", "_status", "_resource",
+    "_events", "_links",
+    # the OTLP encoders, the MeterProvider and its readers, the SDK's configurator
+    "_internal", "_encode_resource", "_encode_instrumentation_scope", "_sdk_config", "_metric_readers", "_disabled",
+    "_exporter", "_collect", "_instrument_class_temporality", "_Counter", "_configuration", "_OTelSDKConfigurator",
+})
+# Reads another module makes itself, by module (relative to the package): the span encoder reads the span fields
+# directly (see SPAN_FIELD_NAMES).
+READ_ELSEWHERE = {"building.span_encoding": SPAN_FIELD_NAMES}
+# Reads the parse would take for OpenTelemetry's (a value passed in, a name OpenTelemetry also uses) that are another
+# library's: NIXL's transfer handle keeps its agent's handle as `_handle`, a name of the SDK's error handlers too.
+NOT_OPENTELEMETRY = {"engines.nixl": ("_handle",)}

@@ -31,7 +31,7 @@ from support.parts import require_part
 
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.recording import records
-from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours, observe_call
+from otel_kvtransfer.recording.patching import Backend, EngineSpec, FrameworkSpec, is_ours, observe_call
 from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -173,7 +173,7 @@ def test_backend_contract(name, recording):
             return
     backend, modules = _load(name)
     assert isinstance(backend, Backend)
-    assert isinstance(backend, Engine if name in registry.ENGINES else Framework)
+    assert isinstance(backend.SPEC, EngineSpec if name in registry.ENGINES else FrameworkSpec)
     classes = [klass for module in modules for klass in _module_classes(module)]
     before = _snapshot(classes)
     try:
@@ -341,6 +341,7 @@ def test_each_backend_declares_its_distributions_and_supported_range(name):
     release it works on is said in one way everywhere."""
     from packaging.specifiers import SpecifierSet
 
+    from otel_kvtransfer.wiring.activation import bounds
     from otel_kvtransfer.wiring.package import _instruments_any
 
     backend = importlib.import_module(name)
@@ -349,9 +350,9 @@ def test_each_backend_declares_its_distributions_and_supported_range(name):
     assert backend.DISTRIBUTIONS and all(isinstance(d, str) and d for d in backend.DISTRIBUTIONS)
     for distribution in backend.DISTRIBUTIONS:
         assert f"{distribution} >= {lower[0]}" in _instruments_any, (distribution, _instruments_any)
-    hooks = getattr(backend, "HOOKS", None)
-    if hooks is not None:  # a framework: its gate enforces exactly the range it declares
-        assert backend.SUPPORTED == hooks.supported and backend.DISTRIBUTIONS == hooks.distributions
+    if backend.SPEC.version_gate:  # a framework: its gate enforces exactly the range it declares
+        assert (backend.HOOKS.minimum, backend.HOOKS.below) == bounds(backend.SUPPORTED)
+        assert backend.HOOKS.is_supported(lower[0])
 
 
 def test_every_instruments_any_entry_belongs_to_a_backend():
@@ -359,3 +360,82 @@ def test_every_instruments_any_entry_belongs_to_a_backend():
 
     declared = {distribution for name in BACKENDS for distribution in importlib.import_module(name).DISTRIBUTIONS}
     assert {entry.split(" ")[0] for entry in _instruments_any} == declared
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_is_one_spec_and_its_views(name):
+    """One frozen spec per backend says what it is and what it patches; the module-level names the package, its
+    tests and its docs use are views of it, and its one lazy patcher (`HOOKS`) is driven by it."""
+    import dataclasses
+
+    from otel_kvtransfer.wiring.activation import LazyPatcher
+
+    backend = importlib.import_module(name)
+    spec = backend.SPEC
+    assert dataclasses.is_dataclass(spec) and type(spec).__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "renamed"
+    assert isinstance(backend.HOOKS, LazyPatcher) and backend.HOOKS.spec is spec
+    assert backend.HOOKS.patcher is backend.patcher
+    assert (backend.instrument, backend.uninstrument, backend.modules) == (
+        backend.HOOKS.instrument, backend.HOOKS.uninstrument, backend.HOOKS.modules)
+    assert (backend.DISTRIBUTIONS, backend.SUPPORTED, backend.modules()) == (
+        spec.distributions, spec.supported, spec.modules)
+    assert spec.patches and all(callable(patch.apply) for patch in spec.patches)
+    if name in registry.ENGINES:
+        assert (backend.BACKEND, backend.SETUP_IN_FIRST_CALL) == (spec.name, spec.setup_in_first_call)
+        assert backend.peer_attributes is spec.peer_attributes
+        assert not spec.version_gate
+    else:
+        assert backend.FRAMEWORK == spec.name and spec.version_gate
+        assert backend.is_supported == backend.HOOKS.is_supported
+    hooked = [patch.module for patch in spec.patches]
+    if name.endswith("engines.nixl"):  # `nixl` picks its build as it is imported: patched then, in `nixl._api`
+        assert hooked == ["nixl"] and spec.modules == ("nixl._api",)
+    else:
+        assert spec.modules == tuple(dict.fromkeys(hooked))
+
+
+def test_an_engine_spec_drives_the_same_lazy_patcher(tmp_path, monkeypatch, caplog):
+    """What an engine's spec asks of the one lazy patcher, on a module of our own (named as such) imported for real:
+    nothing before its module is imported, patched the moment it is, undone with the backend's own state on
+    uninstrument; an absent library is not patched; a patch that raises is named once and leaves nothing patched."""
+    import logging
+
+    from otel_kvtransfer.recording.patching import EngineSpec, Patch, Patcher
+    from otel_kvtransfer.wiring.activation import LazyPatcher
+
+    (tmp_path / "kvt_standin_engine.py").write_text("class Engine:\n    def transfer(self):\n        return 'moved'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvt_standin_engine", raising=False)
+    patcher, seen = Patcher("stand-in"), []
+
+    def patch(module):
+        patcher.wrap(module.Engine, "transfer", observe_call("time", when=None))
+
+    def broken(module):
+        raise Unreadable("a class the release renamed")
+
+    def spec(apply, available=lambda: True):
+        return EngineSpec("standin", ("kvt-standin",), ">=1.0", (Patch("kvt_standin_engine", apply),),
+                          available=available, prepare=lambda: seen.append("prepare"),
+                          forget=lambda: seen.append("forget"))
+
+    assert LazyPatcher(spec(patch, available=lambda: False), patcher).instrument() is False
+    hooks = LazyPatcher(spec(patch), patcher)
+    try:
+        assert hooks.instrument() is True and patcher.patched() == [] and seen == ["prepare"]
+        module = importlib.import_module("kvt_standin_engine")
+        assert patcher.patched() == [(module.Engine, "transfer")] and module.Engine().transfer() == "moved"
+        hooks.uninstrument()
+        assert patcher.patched() == [] and seen == ["prepare", "forget"]
+        assert hooks.instrument() is True and patcher.patched() == [(module.Engine, "transfer")]  # imported: now
+    finally:
+        hooks.uninstrument()
+    failing = LazyPatcher(spec(broken), patcher)
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.activation"):
+        assert failing.instrument() is False  # the module is imported: patched at once, and that failed
+        assert failing.instrument() is False
+    said = [r.getMessage() for r in caplog.records if "lacks what its instrumentation needs" in r.getMessage()]
+    assert len(said) == 1 and "kvt_standin_engine: the patch failed" in said[0]
+    assert patcher.patched() == [] and failing.blocked

@@ -1,7 +1,7 @@
 """The package's folders say where code runs, and imports run one way: a module imports only from its own folder
-or from folders below it, deferred (function-level) imports included, never another folder's private names, and
-no module imports itself back through others (read from the source: a deferred import closes a circle that
-importing the modules would never show).
+or from folders below it, deferred (function-level) imports included, never another folder's private names (nor
+reads a private attribute of an object another folder owns), and no module imports itself back through others
+(read from the source: a deferred import closes a circle that importing the modules would never show).
 
 From the bottom: the shared leaves (names, settings, the backend registry, the version), recording/ (the engine's
 threads), building/ (the builder), offloading/ (the builder process and its link), wiring/ (start-up), engines/,
@@ -13,6 +13,7 @@ import ast
 import pathlib
 
 import pytest
+from support import private_reads
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "otel_kvtransfer"
 
@@ -30,6 +31,9 @@ LAYERS = (
 )
 # Names the OpenTelemetry contrib convention spells with an underscore and reads across modules.
 SHARED_PRIVATE = {"_instruments", "_instruments_any"}
+# Private attribute reads across folders in code another change is rewriting now: the Mooncake wrapper's inline
+# hand-off reads the recorder's queue fields, which become public there. The lead removes this list at merge.
+KNOWN_CROSSINGS = {("engines.mooncake", "_queue"), ("engines.mooncake", "_capacity"), ("engines.mooncake", "_idle")}
 
 
 def _modules():
@@ -99,6 +103,47 @@ def test_no_private_names_across_folders(module):
                 if name.startswith("_") and not name.startswith("__") and name not in SHARED_PRIVATE
                 and _folder(target) != _folder(module)]
     assert not borrowed, f"{module} reads another folder's private names: {borrowed}"
+
+
+def _crossings(module: str, source: str) -> list:
+    """Private attributes `module` reads (or sets, or names to getattr) of objects another folder's code owns: the
+    owner is where the object comes from (tests/support/private_reads.py), an import or a name assigned from one."""
+    crossing = []
+    for read in sorted(private_reads.reads(module, source), key=lambda read: (read.line, read.text)):
+        owner = read.owner_module()
+        if (read.kind == "attribute" and owner is not None and _folder(owner) != _folder(module)
+                and read.name not in SHARED_PRIVATE and (module, read.name) not in KNOWN_CROSSINGS):
+            crossing.append(f"{read.text} (line {read.line}: {owner}'s)")
+    return crossing
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_attributes_across_folders(module):
+    crossing = _crossings(module, MODULES[module].read_text())
+    assert not crossing, f"{module} reads another folder's private attributes: {crossing}"
+
+
+def test_the_check_sees_a_private_attribute_across_folders():
+    """The rule is not vacuous: the recorder's queue read from engines/, also through a local name, or a getattr, is
+    caught; a module's own privates, and the same read inside recording/, are not."""
+    source = ("from otel_kvtransfer.recording import integration as kvt\n"
+              "from otel_kvtransfer.recording.recorder import RECORDER\n"
+              "class Wrapper:\n"
+              "    def __init__(self):\n"
+              "        self._calls = []\n"
+              "    def call(self, rec, recorder=RECORDER):\n"
+              "        self._calls.append(rec)\n"
+              "        queue = RECORDER._queue\n"
+              "        getattr(recorder, '_idle')\n"
+              "        return kvt._DEPTH_LOCK\n")
+    assert _crossings("engines.example", source) == [
+        "RECORDER._queue (line 8: recording.recorder's)", "getattr(recorder, '_idle') (line 9: recording.recorder's)",
+        "kvt._DEPTH_LOCK (line 10: recording.integration's)"]
+    assert _crossings("recording.example", source) == []
+    still_read = {(module, read.name) for module in {module for module, _ in KNOWN_CROSSINGS}
+                  for read in private_reads.reads(module, MODULES[module].read_text())
+                  if _folder(read.owner_module() or module) != _folder(module)}
+    assert KNOWN_CROSSINGS <= still_read  # none is stale
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

@@ -1,14 +1,16 @@
 """Canaries for the OpenTelemetry internals the package relies on, checked on the installed releases.
 
 Every private name of OpenTelemetry the package reads is read in one module, `otel_kvtransfer/sdk_internals.py`
-(the last test here holds every other module to that): these tests run each of its readers against the installed
-API, SDK and OTLP exporters, with the behaviour the package needs from it (the flush processor put first by
-replacing the provider's processor tuple under its lock, each tracer's replaceable `sampler`, the readers'
-collect callback, the batch queue the direct path waits on, ...). None of these is public API: a release that
-renames or retypes one would turn a feature off. pyproject.toml bounds the SDK below the next major version.
+(the last tests here parse the package and hold it to that module's allowlist): these tests run each of its
+readers against the installed API, SDK and OTLP exporters, with the behaviour the package needs from it (the
+flush processor put first by replacing the provider's processor tuple under its lock, each tracer's replaceable
+`sampler`, the readers' collect callback, the batch queue the direct path waits on, ...). None of these is public
+API: a release that renames or retypes one would turn a feature off. pyproject.toml bounds the SDK below the next
+major version.
 """
 
 import os
+import pathlib
 import re
 import threading
 
@@ -20,6 +22,7 @@ from opentelemetry.sdk.trace import (
     TracerProvider,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
+from support import private_reads
 
 from otel_kvtransfer import sdk_internals
 
@@ -354,49 +357,113 @@ def test_the_sdk_tracers_own_span_metrics(monkeypatch):
     ended()
 
 
-# Private names of OpenTelemetry that only sdk_internals may read (distinctive enough to search for).
-PRIVATE_NAMES = ("_active_span_processor", "_span_processors", "_instrumentation_scope", "_span_limits",
-                 "_is_enabled", "_batch_processor", "_worker_awaken", "_max_queue_size", "_sdk_config",
-                 "_metric_readers", "_max_export_batch_size", "inner._pid", "inner._shutdown",
-                 "_instrument_class_temporality", "_RUNTIME_CONTEXT", "_current_context",
-                 "_SUPPRESS_INSTRUMENTATION_KEY", "_OTelSDKConfigurator", "_encode_resource",
-                 "_encode_instrumentation_scope", "._internal", "reader._collect", "\"_collect\"", "\"_exporter\"",
-                 "\"_disabled\"", "\"_tracer_metrics\"")
+def test_the_parent_based_samplers_the_direct_path_reads():
+    """The direct path decides a root span and a child of its own spans itself under the standard samplers: it reads
+    what a ParentBased asks about a root and about a child of a local (un)sampled parent."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
+
+    ratio, first, second = TraceIdRatioBased(0.25), _Named("sampled"), _Named("not sampled")
+    assert sdk_internals.parent_based_root(ParentBased(ratio)) is ratio
+    assert sdk_internals.parent_based_local_parents(ParentBased(ALWAYS_ON)) == (ALWAYS_ON, ALWAYS_OFF)
+    custom = ParentBased(ALWAYS_ON, local_parent_sampled=first, local_parent_not_sampled=second)
+    assert sdk_internals.parent_based_local_parents(custom) == (first, second)
+    assert sdk_internals.parent_based_root(ALWAYS_ON) is None  # not a ParentBased: nothing to read
+
+
+class _Named(Sampler):
+    def __init__(self, name):
+        self.name = name
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None):
+        return SamplingResult(Decision.DROP)
+
+    def get_description(self):
+        return self.name
+
+
+# --- one door: the package parsed ---------------------------------------------------------------------------------
+
+DOOR = "sdk_internals"
+ALLOWLISTS = ("PRIVATE_NAMES", "READ_ELSEWHERE", "NOT_OPENTELEMETRY")  # the door's lists themselves, not reads
+
+
+def _opentelemetry_names() -> frozenset:
+    """Every private identifier in the installed OpenTelemetry's source (API, SDK, exporters, instrumentation)."""
+    import opentelemetry
+
+    names = set()
+    for base in opentelemetry.__path__:
+        for path in pathlib.Path(base).rglob("*.py"):
+            names.update(re.findall(r"(?<![\w])_[A-Za-z]\w*", path.read_text(encoding="utf-8", errors="replace")))
+    return frozenset(names)
+
+
+OPENTELEMETRY_NAMES = _opentelemetry_names()
+
+
+def _opentelemetry_reads(module: str, source: str) -> list:
+    """The private names of OpenTelemetry `module` reads: from a value of an OpenTelemetry module, or from a value
+    the source does not place (one passed in) by a name OpenTelemetry's own source uses; never our own."""
+    return sorted({read.name for read in private_reads.reads(module, source) if not read.ours() and (
+        (read.owner or "").split(".")[0] == "opentelemetry"
+        or (read.owner is None and read.name in OPENTELEMETRY_NAMES))})
+
+
+def _declared(source: str) -> set:
+    """The private names the door declares for reading (string constants), its own allowlists left out."""
+    import ast
+
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.Assign) and any(
+        isinstance(target, ast.Name) and target.id in ALLOWLISTS for target in node.targets))]
+    return set(private_reads.private_strings(ast.unparse(tree)))
+
+
+def test_the_door_reads_exactly_its_allowlist():
+    """What sdk_internals reads (attributes, getattr names, imports) and declares (SPAN_FIELD_NAMES, ...) is its
+    PRIVATE_NAMES, both ways: a read the list lacks, or a name it keeps that nothing reads, fails here."""
+    source = private_reads.modules()[DOOR].read_text(encoding="utf-8")
+    read = {r.name for r in private_reads.reads(DOOR, source) if not r.ours()} | _declared(source)
+    assert read == sdk_internals.PRIVATE_NAMES, (sorted(read - sdk_internals.PRIVATE_NAMES),
+                                                 sorted(sdk_internals.PRIVATE_NAMES - read))
 
 
 def test_no_other_module_reads_opentelemetrys_private_names():
-    """One door: an OpenTelemetry release is checked by reading sdk_internals.py alone."""
-    import pathlib
-
-    package = pathlib.Path(ROOT) / "otel_kvtransfer"
-    door = package / "sdk_internals.py"
-    assert _private_reads(door.read_text()) == sorted(PRIVATE_NAMES)
-    encoder = package / "building" / "span_encoding.py"
-    field_reads = set(re.findall(r"\bspan\.(_\w+)", encoder.read_text()))
-    assert field_reads and field_reads <= set(sdk_internals.SPAN_FIELD_NAMES)  # the encoder's direct reads
-    found = [(str(path.relative_to(package)), name) for path in sorted(package.rglob("*.py")) if path != door
-             for name in _private_reads(_without_encoder_field_reads(path, encoder))]
-    assert not found
-
-
-def _without_encoder_field_reads(path, encoder) -> str:
-    """A module's source; the encoder's without its reads of the span fields the door lists."""
-    text = path.read_text()
-    if path == encoder:
-        text = re.sub(r"\bspan\.(_\w+)", lambda m: "" if m.group(1) in sdk_internals.SPAN_FIELD_NAMES else m.group(0),
-                      text)
-    return text
+    """One door: an OpenTelemetry release is checked by reading sdk_internals.py alone. Another module reads only
+    what the door grants it (READ_ELSEWHERE), each grant in use."""
+    granted = {**{m: set(n) for m, n in sdk_internals.READ_ELSEWHERE.items()}}
+    for module, names in sdk_internals.NOT_OPENTELEMETRY.items():
+        granted.setdefault(module, set()).update(names)
+    found, used = [], set()
+    for module, path in private_reads.modules().items():
+        if module == DOOR:
+            continue
+        for name in _opentelemetry_reads(module, path.read_text(encoding="utf-8")):
+            if name in granted.get(module, ()):
+                used.add((module, name))
+            else:
+                found.append(f"{module}: {name}")
+    assert not found, "read OpenTelemetry's private names outside sdk_internals: " + ", ".join(found)
+    assert used == {(module, name) for module, names in granted.items() for name in names}  # no stale grant
+    assert set(sdk_internals.READ_ELSEWHERE.get("building.span_encoding", ())) <= sdk_internals.PRIVATE_NAMES
 
 
-def _private_reads(text: str) -> list:
-    """The names of PRIVATE_NAMES in `text`, each where it starts a name (not inside a longer one)."""
-    return sorted(name for name in PRIVATE_NAMES
-                  if re.search((r"(?<![A-Za-z0-9])" if name[0] == "_" else "") + re.escape(name), text))
-
-
-def test_the_private_names_check_sees_a_read():
-    """The check above is not vacuous: a module reading the provider's processors is caught, a name of ours that
-    holds one inside it is not."""
-    assert _private_reads("multi = getattr(provider, '_active_span_processor', None)\n") == [
-        "_active_span_processor"]
-    assert _private_reads("sdk_internals.replace_span_processors(provider, change)\n") == []
+def test_the_parse_sees_a_private_read():
+    """The check is not vacuous: a read through a value passed in, a getattr name, an import from a private module
+    are caught, under any variable name; our own objects' privates and other libraries' are not."""
+    caught = _opentelemetry_reads("building.example", (
+        "from opentelemetry.sdk._configuration import _OTelSDKConfigurator\n"
+        "from otel_kvtransfer.recording.recorder import RECORDER\n"
+        "import os\n"
+        "class Mine:\n"
+        "    def __init__(self, sampler):\n"
+        "        self._root = sampler._root\n"  # a parameter's: OpenTelemetry's name
+        "        self._root()\n"  # our own attribute, of the same name
+        "def f(provider, x):\n"
+        "    getattr(provider, '_active_span_processor', None)\n"
+        "    recorder = RECORDER\n"
+        "    recorder._queue.append(x)\n"  # ours, through a local name
+        "    os._exit(0)\n"))  # the interpreter's, not OpenTelemetry's
+    assert caught == ["_OTelSDKConfigurator", "_active_span_processor", "_configuration", "_root"]
+    assert _opentelemetry_reads("wiring.example", "sdk_internals.replace_span_processors(provider, change)\n") == []

@@ -14,7 +14,7 @@ from otel_kvtransfer.frameworks import sglang as kvt_sglang
 from otel_kvtransfer.frameworks.sglang import common, prefill
 from otel_kvtransfer.recording.patching import is_ours
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.wiring.activation import FrameworkHooks
+from otel_kvtransfer.wiring.activation import LazyPatcher
 from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
 
@@ -116,8 +116,7 @@ def test_instrument_and_uninstrument_mirror_each_other(spans):
 def test_unsupported_version_patches_nothing_and_warns_once(monkeypatch, caplog):
     _require_sglang()
     targets = _targets()
-    hooks = FrameworkHooks("sglang", ("sglang",), kvt_sglang.HOOKS.minimum, kvt_sglang.HOOKS.below,
-                           kvt_sglang._patches)  # a fresh gate like sglang's: the process-wide one warned already
+    hooks = LazyPatcher(kvt_sglang.SPEC, kvt_sglang.patcher)  # a fresh gate: the process-wide one warned already
     monkeypatch.setattr(hooks, "installed_version", lambda: "0.4.9")
     with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.activation"):
         assert hooks.instrument() is False

@@ -17,8 +17,8 @@ import pytest
 from otel_kvtransfer.frameworks import vllm as vllm_framework
 from otel_kvtransfer.frameworks.vllm import mooncake as vllm_mooncake
 from otel_kvtransfer.frameworks.vllm import nixl as vllm_nixl
-from otel_kvtransfer.recording.patching import Patcher, is_ours
-from otel_kvtransfer.wiring.activation import FrameworkHooks
+from otel_kvtransfer.recording.patching import FrameworkSpec, Patch, Patcher, is_ours
+from otel_kvtransfer.wiring.activation import LazyPatcher
 from otel_kvtransfer.wiring.targets import Target, missing, missing_in_source
 
 LOGGER = "otel_kvtransfer.wiring.activation"
@@ -60,8 +60,9 @@ def _hooks(module_names, version):
         patcher.wrap(module.Worker, "send", wrapper)
 
     targets = {name: [Target(name, "Worker", "send", ("session", "payload"), ("sent",))] for name in module_names}
-    hooks = FrameworkHooks("standin", ("standin",), (0, 32), (0, 34), lambda: {n: patch for n in module_names},
-                           patcher=patcher, targets=lambda: targets)
+    spec = FrameworkSpec("standin", ("standin",), ">=0.32, <0.34", tuple(Patch(n, patch) for n in module_names),
+                         targets=lambda: targets)
+    hooks = LazyPatcher(spec, patcher)
     hooks.installed_version = lambda: version
     return hooks, patcher
 

@@ -140,7 +140,7 @@ def _root_decision(sampler):
     """For the standard samplers, a function trace_id -> sampled that decides a root span exactly as `sampler`
     would (with no trace state and no attributes of its own); None for any other sampler (it is asked)."""
     if isinstance(sampler, ParentBased):
-        sampler = sampler._root
+        sampler = sdk_internals.parent_based_root(sampler)
     if sampler is ALWAYS_ON:
         return lambda trace_id: True
     if sampler is ALWAYS_OFF:
@@ -155,7 +155,8 @@ def _inherits_from_local_parent(sampler) -> bool:
     """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
     `sampler`, sampled or dropped, so the sampler need not be asked per child: the standard samplers."""
     if isinstance(sampler, ParentBased):
-        return sampler._local_parent_sampled is ALWAYS_ON and sampler._local_parent_not_sampled is ALWAYS_OFF
+        sampled, not_sampled = sdk_internals.parent_based_local_parents(sampler)
+        return sampled is ALWAYS_ON and not_sampled is ALWAYS_OFF
     if type(sampler) is StaticSampler:  # the same decision for parent and child; one to record only is asked
         return sampler.should_sample(None, 1, "").decision is not Decision.RECORD_ONLY
     return type(sampler) is TraceIdRatioBased  # decides on the trace id, which parent and child share

@@ -27,7 +27,8 @@ from otel_kvtransfer.recording import clock, inflight, integration, untimed
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
-    LazyPatch,
+    EngineSpec,
+    Patch,
     Patcher,
     active,
     current_context,
@@ -47,26 +48,11 @@ from otel_kvtransfer.recording.records import (
     RAW_CALL,
     raw_call,
 )
+from otel_kvtransfer.wiring.activation import LazyPatcher
 
 _logger = logging.getLogger(__name__)
 
-BACKEND = "mooncake"
-SETUP_IN_FIRST_CALL = True  # the first transfer to a segment opens it (its send says kv_transfer.first_to_peer)
-MODULE = "mooncake.engine"
-# Every published build (each installs the same `mooncake` package): CUDA 12 (the plain name), CPU, CUDA 13, AWS EFA
-# (three), ROCm, Ascend NPU, Moore Threads MUSA. One list: wiring/package.py builds `instruments-any` from it.
-DISTRIBUTIONS = (
-    "mooncake-transfer-engine",
-    "mooncake-transfer-engine-non-cuda",
-    "mooncake-transfer-engine-cuda13",
-    "mooncake-transfer-engine-efa",
-    "mooncake-transfer-engine-efa-cuda13",
-    "mooncake-transfer-engine-efa-non-cuda",
-    "mooncake-transfer-engine-rocm",
-    "mooncake-transfer-engine-npu",
-    "mooncake-transfer-engine-musa",
-)
-SUPPORTED = ">=0.3"  # the releases whose TransferEngine has the calls wrapped here (0.3.13 tested)
+BACKEND = "mooncake"  # SPEC's name (below), a global here because every call tuple carries it
 WRITE, READ = semconv.OP_WRITE, semconv.OP_READ
 
 # method -> (op, or None when the opcode argument decides; batch call?)
@@ -764,27 +750,46 @@ def _patch_ticket(ticket) -> None:
     patcher.replace(ticket, "drained", _observed_property(_seen_drained))
 
 
-def modules() -> tuple:
-    """The module instrument() patches (now if imported, else when it is)."""
-    return (MODULE,)
-
-
-_lazy = LazyPatch(MODULE, _patch)
-
-
-def instrument() -> bool:
-    """Patch the engine now if `mooncake.engine` is imported, else as soon as it is."""
+def _prepare() -> None:
     _state["fallback"] = (_forced_transport(), None)  # for engines initialised before instrument()
-    _lazy.instrument()
-    return True
 
 
-def uninstrument() -> None:
-    _lazy.uninstrument()
-    patcher.unwrap_all()
+def _forget() -> None:
     untimed.forget(BACKEND)
     _pending.abandon()  # completions that will now never be observed: counted, not silently lost
     _tickets.abandon()
     _ticket_refs.clear()
     _engines.clear()
     _devices.clear()
+
+
+# --- the engine-module interface ------------------------------------------------------------------------------
+
+MODULE = "mooncake.engine"
+SPEC = EngineSpec(
+    name=BACKEND,
+    # Every published build (each installs the same `mooncake` package): CUDA 12 (the plain name), CPU, CUDA 13, AWS
+    # EFA (three), ROCm, Ascend NPU, Moore Threads MUSA. One list: wiring/package.py builds `instruments-any` from it.
+    distributions=(
+        "mooncake-transfer-engine",
+        "mooncake-transfer-engine-non-cuda",
+        "mooncake-transfer-engine-cuda13",
+        "mooncake-transfer-engine-efa",
+        "mooncake-transfer-engine-efa-cuda13",
+        "mooncake-transfer-engine-efa-non-cuda",
+        "mooncake-transfer-engine-rocm",
+        "mooncake-transfer-engine-npu",
+        "mooncake-transfer-engine-musa",
+    ),
+    supported=">=0.3",  # the releases whose TransferEngine has the calls wrapped here (0.3.13 tested)
+    patches=(Patch(MODULE, _patch),),  # now if `mooncake.engine` is imported, else as soon as it is
+    prepare=_prepare,
+    forget=_forget,
+    setup_in_first_call=True,  # the first transfer to a segment opens it (its send says kv_transfer.first_to_peer)
+    peer_attributes=peer_attributes,
+)
+
+# The views of the spec the rest of the package, its tests and its docs use.
+HOOKS = LazyPatcher(SPEC, patcher)
+DISTRIBUTIONS, SUPPORTED, SETUP_IN_FIRST_CALL = SPEC.distributions, SPEC.supported, SPEC.setup_in_first_call
+instrument, uninstrument, modules = HOOKS.instrument, HOOKS.uninstrument, HOOKS.modules

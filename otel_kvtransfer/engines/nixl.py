@@ -24,7 +24,8 @@ from otel_kvtransfer.recording import inflight, records, untimed
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.patching import (
-    LazyPatch,
+    EngineSpec,
+    Patch,
     Patcher,
     active,
     count_drop,
@@ -35,15 +36,11 @@ from otel_kvtransfer.recording.patching import (
 )
 from otel_kvtransfer.recording.pending import PendingTransfers
 from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.wiring.activation import LazyPatcher
 
 _logger = logging.getLogger(__name__)
 
-BACKEND = "nixl"
-# Every published build: `nixl` (which pulls in a CUDA build) and the CUDA 12 and CUDA 13 builds themselves; each
-# provides `nixl._api`. One list: wiring/package.py builds `instruments-any` from it.
-DISTRIBUTIONS = ("nixl", "nixl-cu12", "nixl-cu13")
-SUPPORTED = ">=1.5"  # the releases whose nixl_agent and handle classes have what is wrapped here (1.5.1 tested)
-SETUP_IN_FIRST_CALL = False  # set-up is add_remote_agent and friends, before any transfer
+BACKEND = "nixl"  # SPEC's name (below), a global here because every call tuple carries it
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
 
 _LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")
@@ -258,7 +255,7 @@ _release_handle_wrapper = observe_call("observe a released NIXL handle", _observ
 def _del_handle_wrapper(wrapped, instance, args, kwargs):
     """`nixl_xfer_handle.__del__`: the garbage collector frees the handle, NIXL's `release()` never runs."""
     try:
-        if _lazy.on:
+        if HOOKS.on:
             _observe_release(instance)
     except Exception:  # also at interpreter exit, when our modules are half gone
         try:
@@ -397,7 +394,7 @@ def _arrived(agent, args, kwargs) -> None:
                                         context))
 
 
-# --- the engine-module interface ------------------------------------------------------------------------------
+# --- what the spec below names ---------------------------------------------------------------------------------
 
 
 def peer_attributes(peer) -> dict:
@@ -407,11 +404,6 @@ def peer_attributes(peer) -> dict:
 API_MODULE = "nixl._api"  # where nixl_agent and its handles live
 
 
-def modules() -> tuple:
-    """The module instrument() patches (when `nixl` has been imported, by whoever imports it)."""
-    return (API_MODULE,)
-
-
 def _api_module():
     import nixl._api
 
@@ -419,6 +411,8 @@ def _api_module():
 
 
 def available() -> bool:
+    """NIXL is installed (never imported here: vLLM sets UCX variables, UCX_RCACHE_MAX_UNRELEASED, before its own
+    first import of NIXL, and an earlier import by us would keep them from applying)."""
     try:
         return importlib.util.find_spec("nixl") is not None
     except (ImportError, ValueError):
@@ -468,26 +462,34 @@ TIMED_CALLS = frozenset({
     "fetch_remote_metadata", "check_remote_metadata", *_SETUP_CALLS,
 })
 
-_lazy = LazyPatch("nixl", _patch)
 
-
-def instrument() -> bool:
-    """Patch NIXL now if it is imported, else when it is; False when NIXL is not installed.
-
-    NIXL is never imported here: vLLM sets UCX variables (UCX_RCACHE_MAX_UNRELEASED) before its own first
-    import of NIXL, and an earlier import by us would keep them from applying.
-    """
-    if not available():
-        return False
-    _lazy.instrument()
-    return True
-
-
-def uninstrument() -> None:
-    _lazy.uninstrument()
-    patcher.unwrap_all()
+def _forget() -> None:
     untimed.forget(BACKEND)
     _pending.abandon()
     _dlists.clear()
     _handles.clear()
     _fetches.open.clear()
+
+
+# --- the engine-module interface ------------------------------------------------------------------------------
+
+SPEC = EngineSpec(
+    name=BACKEND,
+    # Every published build: `nixl` (which pulls in a CUDA build) and the CUDA 12 and CUDA 13 builds themselves;
+    # each provides `nixl._api`. One list: wiring/package.py builds `instruments-any` from it.
+    distributions=("nixl", "nixl-cu12", "nixl-cu13"),
+    supported=">=1.5",  # the releases whose nixl_agent and handle classes have what is wrapped here (1.5.1 tested)
+    # `nixl` chooses its build when imported, and its `_api` may be that build's module: patched once `nixl` is
+    # imported, by whoever imports it.
+    patches=(Patch("nixl", _patch),),
+    modules=(API_MODULE,),
+    available=available,
+    forget=_forget,
+    setup_in_first_call=False,  # set-up is add_remote_agent and friends, before any transfer
+    peer_attributes=peer_attributes,
+)
+
+# The views of the spec the rest of the package, its tests and its docs use.
+HOOKS = LazyPatcher(SPEC, patcher)
+DISTRIBUTIONS, SUPPORTED, SETUP_IN_FIRST_CALL = SPEC.distributions, SPEC.supported, SPEC.setup_in_first_call
+instrument, uninstrument, modules = HOOKS.instrument, HOOKS.uninstrument, HOOKS.modules

@@ -5,17 +5,20 @@ any functools.wraps decorator sets that (sglang's `Scheduler.run_batch` has one)
 silently skip the patch. Unwrapping puts back the exact class `__dict__` entry that was replaced (a pybind11
 instancemethod, a staticmethod, a plain function), so the class is left as it was found.
 
-Every backend (an engine module, a framework package) has the shape `Backend` names, and its wrappers are built
+Every backend (an engine module, a framework package) is declared by one frozen spec (`EngineSpec`,
+`FrameworkSpec`: its name, builds, releases and patches) and has the shape `Backend` names; its wrappers are built
 with `observe_call` (`safely` for the shapes it does not fit): where an observer's own failure is caught, counted
 and logged, so the engine's call, its return value and its exception are never touched. Only an engine's
 per-transfer wrappers keep the same guard inline (`own_error`), one Python frame fewer per call.
 tests/test_backend_contract.py holds every backend in `registry` to all of it.
 """
 
+import importlib
 import logging
-import sys
 import threading
-from typing import Any, Callable, List, Optional, Protocol, Tuple, runtime_checkable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, ClassVar, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import wrapt
 
@@ -50,19 +53,103 @@ def is_ours(entry: Any) -> bool:
     return bool(getattr(entry, _MARK, False) or getattr(getattr(entry, "_self_wrapper", None), _MARK, False))
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """What every engine module (registry.ENGINES) and framework package (registry.FRAMEWORKS) exposes.
+@dataclass(frozen=True)
+class Patch:
+    """One patch of a backend: `apply(module)` runs as soon as the library's `module` is imported (at once when it
+    already is)."""
 
-    `instrument()` is the gate and the patch: False when the backend's library is absent or the version gate says
-    no, True when it patched now or will patch as its modules are imported. `uninstrument()` undoes every patch
-    (a no-op when there is none). `modules()` names the modules it patches (each when it is imported), and
-    `patcher` holds the patches, so anyone can see what the backend touched. `DISTRIBUTIONS` are the packages
-    that install the library (any one of them), `SUPPORTED` the releases it was tested on, a PEP 440 range: its
-    lower bound is the oldest that works; past an upper bound a framework still runs where every target its
-    wrappers need is there (wiring/activation), and an engine's wrappers need only what its calls are.
+    module: str
+    apply: Callable[[ModuleType], None]
+
+
+def deferred(package: str, path: str) -> Callable[..., Any]:
+    """The function `<submodule>.<function>` (`path`) of our `package`, imported only when it is called: a framework
+    package stays cheap to import (its plugin entry point loads it in every process the framework starts)."""
+    submodule, function = path.rsplit(".", 1)
+
+    def call(*args):
+        return getattr(importlib.import_module(f"{package}.{submodule}"), function)(*args)
+
+    call.__qualname__ = f"{package}.{path}"
+    return call
+
+
+def _nothing() -> None:
+    """A hook the backend leaves unset."""
+
+
+def _always() -> bool:
+    return True
+
+
+def _no_peer(_peer) -> dict:
+    return {}
+
+
+def _no_targets() -> Mapping[str, Sequence]:
+    return {}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend, declared once: its name, the builds and releases it covers, what it patches.
+
+    Every engine module and framework package sets `SPEC` to one of these (an `EngineSpec` or a `FrameworkSpec`),
+    patches through `wiring.activation.LazyPatcher(SPEC, patcher)` (its `HOOKS`), and keeps its module-level names
+    as views of it (`DISTRIBUTIONS`, `SUPPORTED`, `modules()`, ...). The fields with a default are hooks, each
+    saying what a backend may add: a backend sets the ones it needs, and the defaults do nothing.
     """
 
+    name: str  # kv_transfer.backend of an engine, kv_transfer.framework of a framework
+    distributions: Tuple[str, ...]  # every published build; any one installed switches the package on
+    supported: str  # the releases it was tested on, a PEP 440 range; its lower bound is what instruments-any asks
+    patches: Tuple[Patch, ...]  # in order; each runs when its module is imported
+    modules: Tuple[str, ...] = ()  # the library's modules patched (the contract test snapshots their classes);
+    # by default those the patches name
+    available: Callable[[], bool] = _always  # is the library installed? (asked by instrument(), never imports it)
+    prepare: Callable[[], None] = _nothing  # on each instrument(), before anything is patched
+    forget: Callable[[], None] = _nothing  # on uninstrument(), once every patch is undone: the backend's own state
+    targets: Callable[[], Mapping[str, Sequence]] = _no_targets  # module -> what its wrappers need from it
+    # (wiring.targets.Target), checked before that module is patched: a miss leaves nothing of the backend patched
+    version_gate: ClassVar[bool] = False  # releases below `supported` refused (frameworks)
+
+    def __post_init__(self):
+        if not self.modules:
+            object.__setattr__(self, "modules", tuple(dict.fromkeys(patch.module for patch in self.patches)))
+
+
+@dataclass(frozen=True)
+class EngineSpec(BackendSpec):
+    """A transfer engine (registry.ENGINES). Its releases are not gated: each call it times is patched where the
+    build has it. `peer_attributes(peer) -> dict` reads the engine's peer names into span attributes (on the
+    builder's side); `setup_in_first_call`: its first transfer to a peer also sets the connection up (Mooncake
+    opens the peer's segment inside that call; NIXL's set-up calls are calls of their own)."""
+
+    setup_in_first_call: bool = False
+    peer_attributes: Callable[[Any], dict] = _no_peer
+
+
+@dataclass(frozen=True)
+class FrameworkSpec(BackendSpec):
+    """A serving framework (registry.FRAMEWORKS). Its releases are gated (wiring.activation.LazyPatcher): below
+    `supported`, one warning and nothing patched; past it, patched where every target checks out (one warning)."""
+
+    version_gate: ClassVar[bool] = True
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every engine module (registry.ENGINES) and framework package (registry.FRAMEWORKS) exposes: its `SPEC`,
+    and the views of it the rest of the package and its docs use.
+
+    `instrument()` is the gate and the patch: False when the backend's library is absent, the version gate says no
+    or a module lacked what its wrappers need; True when it patched now or will patch as its modules are imported.
+    `uninstrument()` undoes every patch (a no-op when there is none). `modules()` names the modules it patches,
+    and `patcher` holds the patches, so anyone can see what the backend touched. `DISTRIBUTIONS` and `SUPPORTED`
+    are its spec's `distributions` and `supported`.
+    """
+
+    SPEC: BackendSpec
     patcher: "Patcher"
     DISTRIBUTIONS: tuple
     SUPPORTED: str
@@ -72,52 +159,6 @@ class Backend(Protocol):
     def instrument(self) -> bool: ...
 
     def uninstrument(self) -> None: ...
-
-
-@runtime_checkable
-class Engine(Backend, Protocol):
-    """A transfer engine module: also its `BACKEND` name (kv_transfer.backend), how its peer names read, and
-    whether its first transfer to a peer also sets the connection up (`SETUP_IN_FIRST_CALL`: Mooncake opens the
-    peer's segment inside that call; NIXL's set-up calls are calls of their own)."""
-
-    BACKEND: str
-    SETUP_IN_FIRST_CALL: bool
-
-    def peer_attributes(self, peer) -> dict: ...
-
-
-@runtime_checkable
-class Framework(Backend, Protocol):
-    """A serving framework package: also its `FRAMEWORK` name (kv_transfer.framework)."""
-
-    FRAMEWORK: str
-
-
-class LazyPatch:
-    """One module patched now if it is imported, else as soon as it is. wrapt keeps an import hook for the life of
-    the process, so it is registered once and does nothing while `on` is False (after uninstrument)."""
-
-    def __init__(self, module_name: str, patch: Callable[[Any], None]):
-        self.module_name = module_name
-        self._patch = patch  # patch(module)
-        self.on = False
-        self._hooked = False
-
-    def _on_import(self, module) -> None:
-        if self.on:
-            self._patch(module)
-
-    def instrument(self) -> None:
-        self.on = True
-        module = sys.modules.get(self.module_name)
-        if module is not None:
-            self._patch(module)
-        elif not self._hooked:
-            self._hooked = True
-            wrapt.register_post_import_hook(self._on_import, self.module_name)
-
-    def uninstrument(self) -> None:
-        self.on = False
 
 
 class Patcher:

@@ -1,12 +1,15 @@
-"""How a framework package is switched on: a version gate, lazy patching, and the framework's own plugin hook.
+"""How a backend is switched on: the one lazy patcher every engine and framework patches through, driven by its
+spec, and the frameworks' plugin hook.
 
-Every framework package does the same three things, so they live here once:
-- `FrameworkHooks.instrument()` follows releases instead of pinning one: below the declared minimum, one warning
-  and nothing patched; inside the declared (tested) range, or past it, each of the framework's modules is patched
-  now if it is imported, else the moment it is (wrapt post-import hooks, registered once per process because
-  wrapt keeps them forever; they consult the on/off state). Past the range it says so once. Before a module is
-  patched, what the wrappers need from it (otel_kvtransfer.wiring.targets: classes, methods, parameters, attributes) is
-  checked; when anything is missing, one warning names it and nothing of that framework stays patched.
+- `LazyPatcher(spec, patcher)` (each backend's `HOOKS`): `instrument()` patches each module the spec names now if
+  it is imported, else the moment it is (wrapt post-import hooks, registered once per process because wrapt keeps
+  them forever; they consult the on/off state), and `uninstrument()` undoes every patch, then lets the backend
+  forget its own state. A framework's spec (`FrameworkSpec`) is gated: its releases follow the declared range
+  instead of pinning one (below the minimum, one warning and nothing patched; past the range, patched, saying so
+  once), and before a module is patched, what the wrappers need from it (otel_kvtransfer.wiring.targets: classes,
+  methods, parameters, attributes) is checked. A miss, or a patch that fails, is named in one warning and then
+  nothing of that backend stays patched. An engine's spec is not gated: its calls are patched where the build has
+  them.
 - `activate_plugin()` is what a framework's plugin entry point calls in every process the framework starts: it
   respects OTEL_PYTHON_DISABLED_INSTRUMENTATIONS, sets up the SDK from the standard OTEL_* variables when nobody
   has (saying in one log line where spans go when no exporter is configured), and instruments once.
@@ -16,10 +19,12 @@ import logging
 import os
 import sys
 from importlib import metadata
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
+
+import wrapt
 
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
-from otel_kvtransfer.recording.patching import own_error
+from otel_kvtransfer.recording.patching import BackendSpec, Patch, Patcher, own_error
 
 _logger = logging.getLogger(__name__)
 
@@ -43,32 +48,38 @@ def version_tuple(text: str) -> Tuple[int, ...]:
     return tuple(parts)
 
 
-class FrameworkHooks:
-    """Version policy + target check + lazy patching of one framework's modules."""
+def bounds(supported: str) -> Tuple[Tuple[int, ...], Optional[Tuple[int, ...]]]:
+    """A spec's range as (minimum, below): ">=0.5.23, <0.6" -> ((0, 5, 23), (0, 6)); below is None when open."""
+    minimum, below = None, None
+    for part in supported.split(","):
+        part = part.strip()
+        if part.startswith(">="):
+            minimum = version_tuple(part[2:].strip())
+        elif part.startswith("<") and not part.startswith("<="):
+            below = version_tuple(part[1:].strip())
+    if not minimum:
+        raise ValueError(f"a backend's range has no lower bound: {supported!r}")
+    return minimum, below
 
-    def __init__(self, name: str, distributions: Iterable[str], minimum: Tuple[int, ...], below: Tuple[int, ...],
-                 patches: Callable[[], Dict[str, Callable]], patcher=None, forget: Callable[[], None] = None,
-                 targets: Optional[Callable[[], Dict[str, list]]] = None):
-        self.name = name
-        self._patcher = patcher  # the framework's Patcher: unwrapped on uninstrument
-        self._forget = forget  # drops the framework's own per-request bookkeeping on uninstrument
-        self.distributions = tuple(distributions)
-        self.minimum, self.below = minimum, below  # the declared range: tested releases
-        self.supported = (f">={'.'.join(map(str, minimum))}, <{'.'.join(map(str, below))}")
-        self._patches = patches  # module name (optionally '#tag' for a second patch of it) -> patch(module)
-        self._targets = targets  # module name -> [targets.Target]: what the wrappers need from it
+
+class LazyPatcher:
+    """One backend switched on and off as its spec says (module docstring): the gate, the import hooks, the state."""
+
+    def __init__(self, spec: BackendSpec, patcher: Patcher):
+        self.spec, self.patcher = spec, patcher
+        self.minimum, self.below = bounds(spec.supported)  # the declared range: tested releases
         self.on = False
-        self.blocked: Optional[str] = None  # what failed the target check (nothing of the framework is patched)
+        self.blocked: Optional[str] = None  # what failed (nothing of the backend is patched)
         self._hooked = False
         self._warned = False
         self._checked: Dict[str, bool] = {}  # module name -> passed its target check (once per module)
 
     def modules(self) -> Tuple[str, ...]:
-        """The framework's modules its patches apply to, in patch order (each patched when it is imported)."""
-        return tuple(dict.fromkeys(key.split("#", 1)[0] for key in self._patches()))
+        """The library's modules its patches apply to (each patched when it is imported)."""
+        return self.spec.modules
 
     def installed_version(self) -> Optional[str]:
-        for distribution in self.distributions:
+        for distribution in self.spec.distributions:
             try:
                 return metadata.version(distribution)
             except metadata.PackageNotFoundError:
@@ -79,26 +90,45 @@ class FrameworkHooks:
 
     def is_supported(self, text: Optional[str]) -> bool:
         """Inside the declared range (the releases the tests ran on)."""
-        return bool(text) and self.minimum <= version_tuple(text) < self.below
+        version = version_tuple(text) if text else ()
+        return self.minimum <= version and (self.below is None or version < self.below)
 
     def is_newer(self, text: Optional[str]) -> bool:
         """Past the declared range: instrumented when its target check passes."""
-        return bool(text) and bool(version_tuple(text)) and version_tuple(text) >= self.below
+        version = version_tuple(text) if text else ()
+        return bool(version) and self.below is not None and version >= self.below
 
     def _warn_once(self, message: str, *args) -> None:
         if not self._warned:
             self._warned = True
             _logger.warning(message, *args)
 
+    def _gate(self) -> bool:
+        """A gated backend's release: absent or below the range, no (below: one warning); past it, yes (one warning)."""
+        version = self.installed_version()
+        if version is None:
+            return False
+        if not self.is_supported(version) and not self.is_newer(version):
+            self._warn_once("otel_kvtransfer: %s %s is outside the supported range %s; %s is not instrumented",
+                            self.spec.name, version, self.spec.supported, self.spec.name)
+            return False
+        if self.blocked is not None:
+            return False
+        if self.is_newer(version):
+            self._warn_once("otel_kvtransfer: %s %s is newer than the tested range %s; instrumenting it because "
+                            "what the wrappers use is checked as each module loads (a miss is named in a warning "
+                            "and then nothing of %s is instrumented)", self.spec.name, version, self.spec.supported,
+                            self.spec.name)
+        return True
+
     def _passes_check(self, module_name: str, module) -> bool:
-        """The module has what the wrappers read; on the first miss the whole framework is unpatched."""
+        """The module has what the wrappers read; on the first miss the whole backend is unpatched."""
         if module_name in self._checked:
             return self._checked[module_name]
         from otel_kvtransfer.wiring import targets as checks
 
         try:
-            wanted = checks.required((self._targets() if self._targets else {}).get(module_name, ()))
-            absent = checks.missing(module, wanted)
+            absent = checks.missing(module, checks.required(self.spec.targets().get(module_name, ())))
         except Exception:
             own_error(f"check {module_name}")
             absent = [f"{module_name} (could not be checked)"]
@@ -108,69 +138,49 @@ class FrameworkHooks:
         return not absent
 
     def _block(self, what: str) -> None:
-        """A target is missing: one warning naming it, and nothing of this framework stays patched."""
+        """A target is missing or a patch failed: one warning naming it, and nothing of this backend stays patched."""
         if self.blocked is None:
             self.blocked = what
             _logger.warning("otel_kvtransfer: %s %s lacks what its instrumentation needs (%s); nothing of %s is "
-                            "instrumented", self.name, self.installed_version(), what, self.name)
-        if self._patcher is not None:
-            self._patcher.unwrap_all()
-        if self._forget is not None:
-            self._forget()
+                            "instrumented", self.spec.name, self.installed_version(), what, self.spec.name)
+        self.patcher.unwrap_all()
+        self.spec.forget()
 
-    def _hook(self, key: str, patch: Callable) -> Callable:
-        module_name = key.split("#", 1)[0]
-
+    def _hook(self, patch: Patch) -> Callable:
         def on_import(module):
-            if not self.on or self.blocked is not None or not self._passes_check(module_name, module):
+            if not self.on or self.blocked is not None or not self._passes_check(patch.module, module):
                 return
             try:
-                patch(module)
+                patch.apply(module)
             except Exception:  # a target the declared checks did not cover
-                own_error(f"patch {key}")
-                _logger.debug("otel_kvtransfer could not patch %s", key, exc_info=True)
-                self._block(f"{key}: the patch failed")
+                own_error(f"patch {patch.module}")
+                self._block(f"{patch.module}: the patch failed")
 
         return on_import
 
     def instrument(self) -> bool:
-        """Patch now or on import; False when the framework is absent, too old, or failed its target check."""
-        version = self.installed_version()
-        if version is None:
+        """Patch now or on import; False when the library is absent, too old, or failed its target check."""
+        if not self.spec.available() or (self.spec.version_gate and not self._gate()) or self.blocked is not None:
             return False
-        if not self.is_supported(version) and not self.is_newer(version):
-            self._warn_once("otel_kvtransfer: %s %s is outside the supported range %s; %s is not instrumented",
-                            self.name, version, self.supported, self.name)
-            return False
-        if self.blocked is not None:
-            return False
-        if self.is_newer(version):
-            self._warn_once("otel_kvtransfer: %s %s is newer than the tested range %s; instrumenting it because "
-                            "what the wrappers use is checked as each module loads (a miss is named in a warning "
-                            "and then nothing of %s is instrumented)", self.name, version, self.supported, self.name)
+        self.spec.prepare()
         if self.on:
             return True
         self.on = True
-        import wrapt
-
-        for key, patch in self._patches().items():
-            module_name = key.split("#", 1)[0]
+        for patch in self.spec.patches:
             if not self._hooked:
-                wrapt.register_post_import_hook(self._hook(key, patch), module_name)  # runs now if imported
-            elif module_name in sys.modules:
-                self._hook(key, patch)(sys.modules[module_name])
+                wrapt.register_post_import_hook(self._hook(patch), patch.module)  # runs now if imported
+            elif patch.module in sys.modules:
+                self._hook(patch)(sys.modules[patch.module])
         self._hooked = True
         return self.blocked is None
 
     def uninstrument(self) -> None:
-        """Undo every patch and forget the framework's bookkeeping (nothing when it was not on)."""
+        """Undo every patch and forget the backend's own state (nothing when it was not on)."""
         if not self.on:
             return
         self.on = False
-        if self._patcher is not None:
-            self._patcher.unwrap_all()
-        if self._forget is not None:
-            self._forget()
+        self.patcher.unwrap_all()
+        self.spec.forget()
 
 
 def is_disabled() -> bool:

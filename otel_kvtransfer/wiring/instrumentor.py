@@ -157,13 +157,11 @@ def _announce(backends, patched, builder, tracer_provider, meter_provider) -> No
     try:
         frameworks, engines = [], []
         for backend in backends:
-            name = backend.__name__
-            if hasattr(backend, "FRAMEWORK"):
-                hooks = getattr(backend, "HOOKS", None)
-                version = hooks.installed_version() if hooks is not None else None
-                frameworks.append((backend.FRAMEWORK, version, patched.get(name, False)))
+            on = patched.get(backend.__name__, False)
+            if backend.SPEC.version_gate:  # a framework: the release its gate read
+                frameworks.append((backend.SPEC.name, backend.HOOKS.installed_version(), on))
             else:
-                engines.append((backend, patched.get(name, False)))
+                engines.append((backend, on))
         announcement = startup.Announcement(__version__, frameworks, functools.partial(_engines_found, engines),
                                             builder, tracer_provider, meter_provider)
         announcement.engine_devices = functools.partial(_engine_devices, [backend for backend, _ in engines])

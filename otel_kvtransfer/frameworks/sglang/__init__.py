@@ -23,44 +23,41 @@ What is wrapped, and why there (sglang 0.5.23):
 """
 
 from otel_kvtransfer.frameworks.sglang.common import FRAMEWORK, patcher
-from otel_kvtransfer.wiring.activation import FrameworkHooks
+from otel_kvtransfer.frameworks.sglang.hicache import MODULE as HICACHE_MODULE
+from otel_kvtransfer.recording.patching import FrameworkSpec, Patch, deferred
+from otel_kvtransfer.wiring.activation import LazyPatcher
 
+_SG = "sglang.srt.disaggregation"
 
-def _patches():
-    from otel_kvtransfer.frameworks.sglang import bootstrap, decode, hicache, prefill
+SPEC = FrameworkSpec(
+    name=FRAMEWORK,
+    distributions=("sglang",),
+    supported=">=0.5.23, <0.6",  # the releases whose disaggregation internals these wrappers were written against
+    patches=(
+        Patch(f"{_SG}.common.utils", deferred(__name__, "prefill.patch_common_utils")),
+        Patch(f"{_SG}.common.conn", deferred(__name__, "prefill.patch_common_conn")),
+        Patch(f"{_SG}.mooncake.conn", deferred(__name__, "prefill.patch_mooncake_conn")),
+        Patch(f"{_SG}.nixl.conn", deferred(__name__, "prefill.patch_nixl_conn")),
+        Patch(f"{_SG}.prefill", deferred(__name__, "prefill.patch_prefill")),
+        Patch("sglang.srt.managers.scheduler", deferred(__name__, "prefill.patch_scheduler")),
+        Patch(f"{_SG}.common.conn", deferred(__name__, "decode.patch_common_conn")),
+        Patch(f"{_SG}.common.conn", deferred(__name__, "bootstrap.patch_common_conn")),
+        Patch(f"{_SG}.mooncake.conn", deferred(__name__, "decode.patch_mooncake_conn")),
+        Patch(f"{_SG}.nixl.conn", deferred(__name__, "decode.patch_nixl_conn")),
+        Patch(f"{_SG}.decode", deferred(__name__, "decode.patch_decode")),
+        Patch(f"{_SG}.decode", deferred(__name__, "bootstrap.patch_decode")),
+        Patch(HICACHE_MODULE, deferred(__name__, "hicache.patch_hicache_nixl")),
+    ),
+    forget=deferred(__name__, "prefill.forget_rooms"),  # the rooms the prefill side tracks
+)
 
-    return {
-        "sglang.srt.disaggregation.common.utils": prefill.patch_common_utils,
-        "sglang.srt.disaggregation.common.conn": prefill.patch_common_conn,
-        "sglang.srt.disaggregation.mooncake.conn": prefill.patch_mooncake_conn,
-        "sglang.srt.disaggregation.nixl.conn": prefill.patch_nixl_conn,
-        "sglang.srt.disaggregation.prefill": prefill.patch_prefill,
-        "sglang.srt.managers.scheduler": prefill.patch_scheduler,
-        "sglang.srt.disaggregation.common.conn#decode": decode.patch_common_conn,
-        "sglang.srt.disaggregation.common.conn#bootstrap": bootstrap.patch_common_conn,
-        "sglang.srt.disaggregation.mooncake.conn#decode": decode.patch_mooncake_conn,
-        "sglang.srt.disaggregation.nixl.conn#decode": decode.patch_nixl_conn,
-        "sglang.srt.disaggregation.decode": decode.patch_decode,
-        "sglang.srt.disaggregation.decode#bootstrap": bootstrap.patch_decode,
-        hicache.MODULE: hicache.patch_hicache_nixl,
-    }
-
-
-def _forget():
-    from otel_kvtransfer.frameworks.sglang import prefill
-
-    prefill.forget_rooms()
-
-
-# The sglang releases whose disaggregation internals these wrappers were written against.
-HOOKS = FrameworkHooks(FRAMEWORK, ("sglang",), minimum=(0, 5, 23), below=(0, 6), patches=_patches, patcher=patcher,
-                       forget=_forget)
-SUPPORTED = HOOKS.supported
-DISTRIBUTIONS = HOOKS.distributions
+# The views of the spec the rest of the package, its tests and its docs use.
+HOOKS = LazyPatcher(SPEC, patcher)
+SUPPORTED, DISTRIBUTIONS = SPEC.supported, SPEC.distributions
 is_supported = HOOKS.is_supported
 instrument = HOOKS.instrument  # patch sglang now or when its modules are imported; False on an unsupported one
 uninstrument = HOOKS.uninstrument
 modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported", "modules",
-           "patcher"]
+__all__ = ["FRAMEWORK", "SPEC", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported",
+           "modules", "patcher"]

