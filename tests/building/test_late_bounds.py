@@ -10,7 +10,7 @@
 - Memory: what an ended request leaves is what the late check needs (its span context, its end, its labels),
   not its send shapes: bytes per ended request measured with tracemalloc, whatever the number of shapes.
 
-No engine: the SpanBuilder is fed records (tests/test_builder.py's harness, both pipelines).
+No engine: the SpanBuilder is fed records (tests/building/test_builder.py's harness, both pipelines).
 """
 
 import gc

@@ -3,8 +3,8 @@ names from the peers themselves: every WARNING line the builder writes about the
 arrival at an ended peer wait, a stuck item, one by one or in a scan's summary) is one bounded line with control
 and format characters escaped, so no value can forge a line of its own or drive the terminal that shows the log.
 
-No engine: the SpanBuilder is fed records (tests/test_builder.py's harness) and the stuck reporter is given items;
-tests/test_nixl_peer_names.py does the same with a real NIXL peer whose agent name holds a newline.
+No engine: the SpanBuilder is fed records (tests/building/test_builder.py's harness) and the stuck reporter is given
+items; tests/engines/test_nixl_peer_names.py does the same with a real NIXL peer whose agent name holds a newline.
 """
 
 import pytest

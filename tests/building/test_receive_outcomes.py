@@ -2,7 +2,7 @@
 a batch) and how long it waited for KV memory before it asked for its KV: through the integration API, into the
 receive span and the metrics derived from it, on both pipelines (our tables, and the SDK's instruments from spans).
 
-The framework side (sglang's own classes) is tested on a real deployment: tests/test_sglang_integrity.py.
+The framework side (sglang's own classes) is tested on a real deployment: tests/deployments/test_sglang_integrity.py.
 """
 
 import pytest

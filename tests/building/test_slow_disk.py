@@ -24,13 +24,12 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 from support.parts import require_part
+from support.paths import ROOT as REPO
 from support.telemetry import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
 from otel_kvtransfer.tools.spanfile import read_spans
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spans(count, key):

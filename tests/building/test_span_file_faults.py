@@ -17,14 +17,13 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
+from support.paths import ROOT as REPO
 from support.telemetry import dropped_by_reason
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
 from otel_kvtransfer.tools import spanfile
 from otel_kvtransfer.tools.spanfile import Skipped, iter_spans, read_spans
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spans(count, key="k", attr_bytes=0):
@@ -81,7 +80,7 @@ def _child(code: str, *prefix) -> subprocess.CompletedProcess:
 
 _TEARING_CHILD = """
     import logging, resource, signal, sys
-    sys.path.insert(0, "tests")
+    sys.path[:0] = ["tests", "tests/building"]  # support/, and this module
     from test_span_file_faults import _Counted, _spans
     from otel_kvtransfer.building import file_exporter as fe
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(message)s")
@@ -124,7 +123,7 @@ def test_the_file_size_limit_tears_a_line_and_the_next_batch_starts_a_new_one(tm
               "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))",
         heal="resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))")
     first = _child("""
-        import sys; sys.path.insert(0, "tests")
+        import sys; sys.path[:0] = ["tests", "tests/building"]  # support/, and this module
         from test_span_file_faults import _spans
         from otel_kvtransfer.building.file_exporter import encode_line
         print(len(encode_line(_spans(3, "before"))))

@@ -93,7 +93,7 @@ def _reported(app) -> bool:
 
 def _run(tmp_path, builder: str, call: str):
     app = instrumented_app.start(
-        tmp_path, "test_stuck", "engine_process", builder, own_user=True,
+        tmp_path, __file__, "engine_process", builder, own_user=True,
         env={"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_KVTRANSFER_STUCK_S": "1",
              "MC_TRANSFER_TIMEOUT": "60", "KVT_TEST_CALL": call})
     try:

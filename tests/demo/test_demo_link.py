@@ -4,7 +4,7 @@ requests, printed with its spread; and a table that never calls it a ceiling whe
 import json
 import os
 
-from test_spanfile_reader import demo_span_file
+from support.span_files import demo_span_file
 
 from otel_kvtransfer.demo import GIB, LINK_ROUNDS, format_table, link_figure
 

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from test_spanfile_reader import demo_span_file
+from support.span_files import demo_span_file
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.demo import GIB, format_table, link_figure

@@ -3,13 +3,13 @@ Mooncake receivers, one behind a rate-limited link (a veth pair with a `tc` toke
 its own, a real Prometheus that scrapes the sender's `kv_transfer.peer.throughput` and `kv_transfer.peer.busy_time`
 and evaluates dashboards/alerts.yaml, unmodified, every second.
 
-Everything runs in a user + network namespace of the test's own (`unshare -rn`; tests/_observability_peers.py):
+Everything runs in a user + network namespace of the test's own (`unshare -rn`; tests/support/observability/peers.py):
 Mooncake binds all interfaces, so its listeners, the veth links (a private 10.231.N.0/24 each) and Prometheus live
 only there, and the test reads the result from the script's stdout. That is why this test starts its own
-Prometheus instead of sharing the one of tests/test_prometheus_dashboard.py (which scrapes the host's loopback);
-the parts and their start/stop are the same (_observability_parts). promtool's unit tests of the same rule
-(dashboards/alerts.test.yaml) cover its 10-minute window and `for`; here the window holds the whole run (rate()
-over 10 minutes of a series a few seconds old is its rate over those seconds), and `for: 5m` is not waited for:
+Prometheus instead of sharing the one of tests/deployments/test_prometheus_dashboard.py (which scrapes the host's
+loopback); the parts and their start/stop are the same (support/observability/parts.py). promtool's unit tests of the
+same rule (dashboards/alerts.test.yaml) cover its 10-minute window and `for`; here the window holds the whole run
+(rate() over 10 minutes of a series a few seconds old is its rate over those seconds), and `for: 5m` is not waited for:
 the sick peer's alert is active (pending), the healthy peer's is absent.
 
 The utilisation record is the one rule whose window matters on its own: rate() divides by its window, so over 5
@@ -23,7 +23,7 @@ import shutil
 import tempfile
 
 import pytest
-from _observability_parts import (
+from support.observability.parts import (
     ROOT,
     SETUP,
     mooncake_available,
@@ -32,8 +32,9 @@ from _observability_parts import (
     veth_namespaces_work,
 )
 from support.parts import require_part
+from support.paths import TESTS
 
-SCRIPT = os.path.join(ROOT, "tests", "_observability_peers.py")
+SCRIPT = os.path.join(TESTS, "support", "observability", "peers.py")
 ALERTS = os.path.join(ROOT, "dashboards", "alerts.yaml")
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
 ALERT = "KVTransferPeerFarBelowFleet"

@@ -2,10 +2,10 @@
 while real Mooncake transfers ran; and the scraped names are exactly the Collector's translation of the OTel names.
 
 Set-up: a Prometheus (Debian `prometheus`, exemplar storage on) on 127.0.0.1 scrapes, every second, the two
-processes of a workload (tests/_observability_workload.py) in which KVTransferInstrumentor derives the metrics:
+processes of a workload (tests/support/observability/workload.py) in which KVTransferInstrumentor derives the metrics:
 the prefill process from real Mooncake transfers to the decode process, the decode process from its receives.
 Both expose them the way the Collector's prometheus
-exporter does (tests/_observability_exposition.py; names through tests/_observability_promnames.py, which
+exporter does (tests/support/observability/exposition.py; names through tests/support/observability/promnames.py, which
 ports the Collector's translation and is unit-tested below against the translator's own cases and against
 opentelemetry-exporter-prometheus).
 """
@@ -22,7 +22,7 @@ import tempfile
 import time
 
 import pytest
-from _observability_parts import (
+from support.observability.parts import (
     ROOT,
     SETUP,
     free_port,
@@ -34,7 +34,7 @@ from _observability_parts import (
     stop,
     wait_until,
 )
-from _observability_promnames import (
+from support.observability.promnames import (
     COUNTER,
     DESIGN_METRICS,
     GAUGE,
@@ -45,9 +45,10 @@ from _observability_promnames import (
     series_names,
 )
 from support.parts import require_part
+from support.paths import TESTS
 
 DASHBOARD = os.path.join(ROOT, "dashboards", "kv_transfer.json")
-WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")
+WORKLOAD = os.path.join(TESTS, "support", "observability", "workload.py")
 RATE_INTERVAL = "4s"  # what Grafana's $__rate_interval is for a 1 s scrape interval (4 x scrape interval)
 # "All" for every filter, the payload variable at its default (kv)
 VARIABLES = {"service": ".*", "instance": ".*", "backend": ".*", "framework": ".*", "model": ".*", "role": ".*",
@@ -193,7 +194,7 @@ def run():
         wait_until(lambda: http_json(f"{base}/api/v1/status/buildinfo")["status"] == "success", 30,
                    what="prometheus ready")
         started = time.time()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
         workload = start([sys.executable, WORKLOAD, "metrics", "--seconds", "6", "--linger", "90",
                           "--metrics-port", str(metrics_port), "--decode-metrics-port", str(decode_port)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)

@@ -42,7 +42,7 @@ BURST, BURST_TOKENS, BURST_NEW_TOKENS = 5, 300, 96
 
 
 def _parts_ready():
-    from _observability_parts import prometheus_binary
+    from support.observability.parts import prometheus_binary
 
     sglang_runs.require_parts("mooncake")
     require_part(bool(prometheus_binary()), "Prometheus (bash scripts/setup-observability.sh)")

@@ -31,7 +31,7 @@ PROJECT = "kvt-sglang-serving"
 
 
 def _parts_ready():
-    from _observability_parts import phoenix_binary, prometheus_binary
+    from support.observability.parts import phoenix_binary, prometheus_binary
 
     sglang_runs.require_parts("mooncake")
     require_part(bool(phoenix_binary() and prometheus_binary()),

@@ -507,7 +507,7 @@ def test_each_servers_log_says_the_instrumentation_is_on_with_its_role_and_rank(
 
 def test_no_send_of_these_requests_completes_after_its_request_ended(shapes):
     """Every request here ends once its KV has left: no server's log reports a late completion (the WARNING a
-    send completing after its request's end writes; tests/test_nixl_late_completion.py makes one)."""
+    send completing after its request's end writes; tests/engines/test_nixl_late_completion.py makes one)."""
     assert shapes.traced.spans and all(shapes.requests(shape) for shape in shapes.by_shape)  # all were served
     for name in shapes.deployment.servers:
         with open(shapes.deployment.log_path(name), encoding="utf-8", errors="replace") as handle:

@@ -16,14 +16,24 @@ import sys
 import tempfile
 
 import pytest
-from _observability_parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
-from _observability_workload import AUX_BYTES, CHUNK_BYTES, CHUNKS, DESCRIPTORS, FRAMEWORK, MODEL, RECV_BYTES, REPLICAS
 from support import netns
+from support.observability.parts import ROOT, SETUP, mooncake_available, phoenix_binary, start, stop, wait_until
+from support.observability.workload import (
+    AUX_BYTES,
+    CHUNK_BYTES,
+    CHUNKS,
+    DESCRIPTORS,
+    FRAMEWORK,
+    MODEL,
+    RECV_BYTES,
+    REPLICAS,
+)
 from support.parts import require_part
+from support.paths import TESTS
 
 from otel_kvtransfer import semconv
 
-WORKLOAD = os.path.join(ROOT, "tests", "_observability_workload.py")
+WORKLOAD = os.path.join(TESTS, "support", "observability", "workload.py")
 HTTP_PORT, GRPC_PORT = 6006, 4317  # inside Phoenix's own network namespace, where nothing else listens
 ROOMS = 4
 
@@ -106,7 +116,7 @@ def phoenix():
 
 def _run_workload(phoenix, protocol: str, room_base: int, project: str):
     endpoint = f"127.0.0.1:{GRPC_PORT if protocol == 'grpc' else HTTP_PORT}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     result = subprocess.run(
         phoenix["nsenter"] + [sys.executable, WORKLOAD, "traces", "--protocol", protocol, "--endpoint", endpoint,
                               "--project", project, "--rooms", str(ROOMS), "--room-base", str(room_base),

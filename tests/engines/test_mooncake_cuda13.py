@@ -27,13 +27,12 @@ import pytest
 from support import netns
 from support.instrumented_app import spans_when
 from support.parts import require_part
+from support.paths import APPS, ROOT, TESTS
 from support.waiting import wait_until
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.engines import mooncake
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-APPS = os.path.join(HERE, "apps")
 IN_MC14 = "KVT_IN_MC14"  # set when this file runs inside the 0.3.14 virtualenv
 RUN_TIMEOUT_S = 300
 DEAD_PORT = 1  # the apps' peer that is not there
@@ -78,14 +77,14 @@ def mc14():
     netns.require_tools()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update({"LD_LIBRARY_PATH": _library_path(python), "MC_LOG_LEVEL": "ERROR", "MC_FORCE_TCP": "1"})
-    return python, netns.with_pythonpath(env, APPS, netns.ROOT)
+    return python, netns.with_pythonpath(env, APPS, ROOT)
 
 
 def _in_mc14(mc14, test_name: str) -> None:
     """This file's test `test_name`, run by pytest inside the 0.3.14 virtualenv (no network: imports only)."""
     python, env = mc14
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", test_name],
-                          cwd=netns.ROOT, env=dict(env, **{IN_MC14: "1"}), capture_output=True, text=True,
+                          cwd=ROOT, env=dict(env, **{IN_MC14: "1"}), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
@@ -187,13 +186,13 @@ def test_every_wrapped_call_has_the_signature_its_wrapper_reads(mc14):
 
 
 def test_the_backend_contract_holds_on_the_0_3_14_classes(mc14):
-    """tests/test_backend_contract.py's Mooncake cases on 0.3.14's own classes (TransferEngine with every new call,
-    ScatterTransferTicket's drain and properties): patched and restored exactly, answers and exceptions through
+    """tests/project/test_backend_contract.py's Mooncake cases on 0.3.14's own classes (TransferEngine with every new
+    call, ScatterTransferTicket's drain and properties): patched and restored exactly, answers and exceptions through
     unchanged, the wrappers' own failures counted."""
     python, env = mc14
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.join(HERE, "test_backend_contract.py"), "-k", "mooncake"],
-                          cwd=netns.ROOT, env=dict(env, KVT_CONTRACT_IN_PROCESS="1"), capture_output=True, text=True,
+                           os.path.join(TESTS, "project", "test_backend_contract.py"), "-k", "mooncake"],
+                          cwd=ROOT, env=dict(env, KVT_CONTRACT_IN_PROCESS="1"), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     passed = re.search(r"(\d+) passed", done.stdout)

@@ -6,7 +6,7 @@ notification messages that arrived. Each test asserts the exact bytes moved, the
 failures, the ERROR status with error.type.
 
 No NIXL agent ever lives in the pytest process (tests/support/nixl_agents.py says why): the scenarios run in ONE
-child process (this file run as a script: `python tests/test_nixl_engine.py OUT.json`) that writes what it saw
+child process (this file run as a script: `python tests/engines/test_nixl_engine.py OUT.json`) that writes what it saw
 (spans, metric points, bytes checks) and leaves with os._exit; the tests below assert on that.
 """
 

@@ -21,6 +21,7 @@ import time
 import pytest
 from support import netns, nixl_agents
 from support.nixl_agents import Initiator, result_of
+from support.paths import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZE = 64 << 20  # far more than the TCP socket buffers: the write cannot finish while the peer is frozen
@@ -146,7 +147,7 @@ def _child(out_path: str) -> None:
 def outcomes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("nixl-stuck") / "outcomes.json")
     env = netns.with_pythonpath(dict(os.environ, UCX_NET_DEVICES="lo", UCX_TLS="tcp,self",
-                                     OTEL_KVTRANSFER_STUCK_S="1"), netns.ROOT)
+                                     OTEL_KVTRANSFER_STUCK_S="1"), ROOT)
     return nixl_agents.run_apart(__file__, out, env, timeout_s=300, private_net=True)
 
 

@@ -5,7 +5,7 @@ is left over. A real engine class given a call this package has never heard of (
 wrapped only to count, `kv_transfer.instrumentation.untimed_calls` counts each use by backend and call name, one
 WARNING names it on its first use (once per process), the start-up line names it, and the call's return value and
 exception pass through untouched; uninstrument puts the class back exactly. Mooncake 0.3.14 (the CUDA 13 build) is
-checked the same way in tests/test_mooncake_cuda13.py.
+checked the same way in tests/engines/test_mooncake_cuda13.py.
 """
 
 import logging
@@ -16,11 +16,10 @@ import textwrap
 
 import pytest
 from support.parts import mooncake_importable, require_part
+from support.paths import ROOT
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import untimed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _engine_class():

@@ -12,13 +12,12 @@ import sys
 
 import pytest
 from support.parts import mooncake_importable, require_part
+from support.paths import APPS, ROOT  # ROOT: this checkout's package, in every process
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer.offloading import wire
 from otel_kvtransfer.tools.spanfile import read_spans
 
-APPS = os.path.join(os.path.dirname(__file__), "apps")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, in every process
 SIZE = 4096
 
 

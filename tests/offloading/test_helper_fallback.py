@@ -21,9 +21,11 @@ import time
 
 from support import instrumented_app, netns
 from support.console import console_json_objects, console_points
+from support.paths import ROOT, TESTS
 
 from otel_kvtransfer import semconv
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # the app imports this module from here
 WRITES_AFTER = 5  # writes made once the first span is out: every one of them must be exported
 WAIT_S = 60.0  # bounded wait for the first exported span (the fallback comes after ~3 s of tries)
 BASE_SIZE = 1000  # write i moves BASE_SIZE + i bytes: each write is told apart by its bytes
@@ -99,8 +101,8 @@ def test_a_helper_that_can_never_start_gives_way_to_the_in_process_builder(tmp_p
     env = netns.with_pythonpath(dict(env, **{
         "OTEL_TRACES_EXPORTER": "kvtransfer_file", "OTEL_KVTRANSFER_SPAN_FILE": spans_path,
         "OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "600000", "OTEL_LOGS_EXPORTER": "none",
-        "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}), netns.ROOT)
-    script = (f"import sys; sys.path.insert(0, {netns.TESTS!r}); import test_helper_fallback as app; "
+        "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR"}), ROOT)
+    script = (f"import sys; sys.path[:0] = [{TESTS!r}, {HERE!r}]; import test_helper_fallback as app; "
               f"app.engine_whose_interpreter_goes({out_path!r})")
     proc = netns.run([instrument, python, "-c", script], env, 240, cwd=str(tmp_path))
     assert proc.returncode == 0 and os.path.exists(out_path), proc.stderr[-3000:]
@@ -132,7 +134,7 @@ def test_the_linked_virtualenv_runs_this_interpreter_with_its_packages(tmp_path)
     # nothing about the fallback).
     python = _linked_venv(tmp_path / "venv")
     result = subprocess.run([python, "-c", "import sys, opentelemetry.sdk, otel_kvtransfer; print(sys.executable)"],
-                            env=netns.with_pythonpath(dict(os.environ), netns.ROOT), capture_output=True, text=True,
+                            env=netns.with_pythonpath(dict(os.environ), ROOT), capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == python

@@ -1,5 +1,5 @@
 """docs/architecture.md is the one map of the package, and it is true: its folder rows run in the order
-tests/test_layout.py enforces, every package module is named in its own folder's row, and every name in a row is
+tests/project/test_layout.py enforces, every package module is named in its own folder's row, and every name in a row is
 a module that exists (a renamed or deleted module cannot linger there)."""
 
 import pathlib
@@ -7,7 +7,7 @@ import re
 
 from test_layout import LAYERS, MODULES
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 MAP = DOCS / "architecture.md"
 
 # The map's rows for the layers whose modules sit at the package's top level rather than in a folder.

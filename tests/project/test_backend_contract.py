@@ -28,14 +28,13 @@ import traceback
 import pytest
 import wrapt
 from support.parts import require_part
+from support.paths import ROOT
 
 from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.patching import Backend, Engine, Framework, is_ours, observe_call
 from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 IN_PROCESS = "KVT_CONTRACT_IN_PROCESS"  # set when this file runs inside another virtualenv
 # Backends whose library lives in another virtualenv: the test runs this file there.
 ELSEWHERE = {"otel_kvtransfer.frameworks.vllm": "vllm"}

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import yaml
-from _observability_parts import ROOT, SETUP
+from support.observability.parts import ROOT, SETUP
 from support.parts import require_part
 
 COLLECTOR = os.path.join(ROOT, "collector")

@@ -9,8 +9,8 @@ import re
 import subprocess
 
 import pytest
-from _observability_parts import NODE_DIR, ROOT, SETUP, node_ready
-from _observability_promnames import DESIGN_METRICS, series_names
+from support.observability.parts import NODE_DIR, ROOT, SETUP, node_ready
+from support.observability.promnames import DESIGN_METRICS, series_names
 from support.parts import require_part
 
 DASHBOARDS = sorted(glob.glob(os.path.join(ROOT, "dashboards", "*.json")))

@@ -12,8 +12,9 @@ import zipfile
 
 import pytest
 from support.parts import require_part
+from support.paths import ROOT
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+SCRIPT = pathlib.Path(ROOT) / "bench" / "gpu_check.py"
 
 
 def _run(tmp_path, *args, timeout=300):

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "otel_kvtransfer"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "otel_kvtransfer"
 
 LAYERS = (
     ("semconv", "config", "registry", "version", "sdk_internals"),

@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 
 import pytest
-from _observability_parts import CACHE, ROOT, mooncake_available
+from support.observability.parts import CACHE, ROOT, mooncake_available
 from support.parts import require_part
 
 try:
@@ -264,17 +264,25 @@ def _fault_rows():
                 and not line.startswith("|---")]
 
 
+FAULTS_TESTS = "tests/recording/test_faults.py"  # where a row's bare test name is
+
+
 def test_faults_doc_names_only_tests_that_exist():
-    """Every test a row names exists in the file it names (a bare name is in tests/test_faults.py)."""
+    """Every test file a row names exists (named from the checkout's root), and every test it names exists in the
+    file it names (a bare name is in FAULTS_TESTS)."""
     rows = _fault_rows()
     assert len(rows) >= 20
     for row in rows:
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
         for ref in re.findall(r"`([^`]+)`", cells[-1]):
-            path, _, name = ref.rpartition("::") if "::" in ref else ("test_faults.py", "", ref)
+            if ref.startswith("tests/") and ref.endswith(".py"):
+                assert os.path.isfile(os.path.join(ROOT, ref)), ref
+                continue
+            path, _, name = ref.rpartition("::") if "::" in ref else (FAULTS_TESTS, "", ref)
             if path.startswith("bench/") or not name.startswith("test_") or name.endswith(".py"):
                 continue
-            with open(os.path.join(ROOT, "tests", path), encoding="utf-8") as handle:
+            assert path.startswith("tests/"), f"{ref}: name a test by its path from the checkout's root"
+            with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
                 source = handle.read()
             assert re.search(rf"^def {re.escape(name.split('[', 1)[0])}\(", source, re.M), (path, name)
 
@@ -290,7 +298,7 @@ def test_faults_doc_claims_no_timing_the_tests_do_not_assert():
 
 def test_faults_doc_poisoned_span_row_matches_the_test():
     """The test exports ten spans of 10..19 bytes with one processor raising: the doc must not say nine."""
-    with open(os.path.join(ROOT, "tests", "test_faults.py"), encoding="utf-8") as handle:
+    with open(os.path.join(ROOT, FAULTS_TESTS), encoding="utf-8") as handle:
         source = handle.read()
     body = source[source.index("def test_one_poisoned_span_loses_only_itself"):]
     body = body[:body.index("\ndef ", 1)]

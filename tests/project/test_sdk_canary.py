@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace import (
     TracerProvider,
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
+from support.paths import ROOT
 
 from otel_kvtransfer import sdk_internals
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 
 

@@ -1,4 +1,4 @@
-"""The release canary (tests/version_canary.py, run by scripts/canary.sh in CI): its declared targets match what
+"""The release canary (tests/support/version_canary.py, run by scripts/canary.sh in CI): its declared targets match what
 the patch functions wrap, it passes on the newest releases, a release that breaks a wrapper fails it, and a
 registry that cannot be reached is one line that fails only under CI=true.
 """
@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import version_canary
+from support import version_canary
 from support.parts import mooncake_importable, require_part
+from support.paths import ROOT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CANARY = os.path.join(HERE, "version_canary.py")
+CANARY = version_canary.__file__
 
 
 def _sglang_importable() -> bool:
@@ -153,5 +153,5 @@ def test_bad_arguments_are_one_line_and_exit_2():
 
 
 def test_ci_runs_the_canary():
-    with open(os.path.join(os.path.dirname(HERE), ".ci", "run"), encoding="utf-8") as handle:
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as handle:
         assert "scripts/canary.sh" in handle.read()

@@ -557,7 +557,8 @@ def test_uninstrument_with_async_submissions_in_flight_counts_them(engine, recei
 
 def test_ten_thousand_rooms_that_never_conclude_are_all_evicted_and_counted(monkeypatch):
     """No engine. The count bound (max_open 1,000) ends the oldest as evicted while they open; the TTL ends the
-    rest. The TTL test on a controlled clock is tests/test_builder.py's; here the real recorder thread does it."""
+    rest. The TTL test on a controlled clock is tests/building/test_builder.py's; here the real recorder thread does
+    it."""
     monkeypatch.setenv(config.MAX_OPEN_REQUESTS, "1000")
     monkeypatch.setenv(config.REQUEST_TTL_S, "0.2")
     monkeypatch.setenv(config.FLUSH_INTERVAL_MS, "20")

@@ -1,7 +1,7 @@
 """`integration.payload_scope`: engine calls whose bytes are not a request's KV (vLLM's encoder caches, EPLB's
 expert weights), through the real instrumentor and recorder with no engine, the calls handed over as engine
 modules hand them (`integration.deliver`). The same on vLLM's own classes over the real engines:
-tests/test_vllm_payloads.py.
+tests/frameworks/vllm/test_vllm_payloads.py.
 """
 
 from time import time_ns

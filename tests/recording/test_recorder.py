@@ -230,7 +230,7 @@ def test_after_uninstrument_the_provider_derives_no_metrics_and_flushes_no_recor
 @pytest.mark.parametrize("pipeline, added", [("direct", 1), ("sdk", 2)])
 def test_uninstrument_leaves_exactly_the_span_processors_it_found_private_sdk_attributes(monkeypatch, pipeline,
                                                                                         added):
-    """The one test that reads the SDK's private processor tuple (tests/test_sdk_canary.py pins it). The direct
+    """The one test that reads the SDK's private processor tuple (tests/project/test_sdk_canary.py pins it). The direct
     pipeline adds only the flush processor; the SDK pipeline its metrics processor too."""
     monkeypatch.setenv(config.PIPELINE, pipeline)
     telemetry = Telemetry()

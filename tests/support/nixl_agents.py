@@ -20,12 +20,13 @@ import traceback
 
 from support import netns
 from support.parts import require_part
+from support.paths import TESTS
 
 # These tests' agents pause 100 us between idle progress polls, as the test deployments' do (tests/nixl_pacing/
 # says why; a busy-polling progress thread per agent, three agents per test, take both cores from the calls the
 # tests time): in the child that runs a test module's scenarios and in the receivers it spawns (each imports the
 # test module, and with it this one, before it makes an agent).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nixl_pacing"))
+sys.path.insert(0, os.path.join(TESTS, "nixl_pacing"))
 import kvt_test_nixl_pacing  # noqa: E402
 
 kvt_test_nixl_pacing.activate()
@@ -37,9 +38,11 @@ def require_nixl() -> None:
 
 
 def run_apart(script: str, out_path: str, env: dict, timeout_s: float, private_net: bool = False) -> dict:
-    """Run `python script out_path` (in a private network namespace if asked) and return the JSON it wrote."""
+    """Run `python script out_path` (in a private network namespace if asked) and return the JSON it wrote. The
+    tests folder goes first on its PYTHONPATH: the script, a test module in a folder of its own, imports support/."""
     require_nixl()
     argv = [sys.executable, os.path.abspath(script), out_path]
+    env = netns.with_pythonpath(env, TESTS)
     if private_net:
         netns.require_tools()
         done = netns.run(argv, env, timeout_s, own_user=True)

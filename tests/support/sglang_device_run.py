@@ -24,7 +24,7 @@ import time
 import traceback
 from types import SimpleNamespace
 
-import sglang_harness as harness
+from support import sglang_harness as harness
 
 HOST = harness.HOST
 DEFAULTS = dict(harness.DEFAULTS, chunks=[16, 16, 16], kernel_s=0.05, overlap=True, timeout_s=90.0)
@@ -79,11 +79,11 @@ def prefill_main(cfg, events, go, stop, rank=0) -> None:
         harness._process_env(cfg)
         import numpy as np
         from sglang.srt.managers.scheduler import Scheduler
-        from support.standin_cuda import StandInCuda
-        from support.telemetry import dropped_by_reason
 
         from otel_kvtransfer.recording import device_clock
         from otel_kvtransfer.recording.clock import now_ns
+        from support.standin_cuda import StandInCuda
+        from support.telemetry import dropped_by_reason
 
         Scheduler.run_batch = _stand_in_run_batch  # before instrumenting: our wrapper goes around it
         device = StandInCuda()

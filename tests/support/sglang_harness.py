@@ -15,8 +15,8 @@ Instrumentation per process, chosen by the scenario's "instrument":
           OTEL_* environment says (the test reads the console exporter's JSON on stdout).
 - "none": no instrumentation (a baseline).
 
-`python tests/sglang_harness.py '<scenario json>'` runs one scenario and prints `HARNESS_RESULT <json>`, so a test
-can run it under `opentelemetry-instrument`.
+`python tests/support/sglang_harness.py '<scenario json>'` runs one scenario and prints `HARNESS_RESULT <json>`, so a
+test can run it under `opentelemetry-instrument`.
 """
 
 from __future__ import annotations

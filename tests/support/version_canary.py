@@ -7,7 +7,7 @@ fetches its wheel (never installed, never imported by the canary; no CUDA stack 
 unpacked into a cache outside the clone, keyed by version, and the wheel is deleted; the targets are checked on the
 source with `otel_kvtransfer.wiring.targets.missing_in_source` (ast). vLLM's targets are the ones its gate checks at
 run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines' are declared below and kept in step
-with their patch functions by tests/test_version_canary.py. Mooncake's engine is a compiled extension: its
+with their patch functions by tests/project/test_version_canary.py. Mooncake's engine is a compiled extension: its
 method names are looked up in the binary's string table (pybind11 keeps them there).
 
 Every published build of each engine is read, its newest release each (the build names are the engine modules'
@@ -18,7 +18,7 @@ range is said so in its line and is no failure: `instruments-any` asks for the r
 never switches the instrumentation on (mooncake-transfer-engine-musa's only release, 0.0.0.1, is a placeholder that
 installs no `mooncake` package at all: its line says it holds no engine).
 
-    python tests/version_canary.py [--only NAME ...] [--version NAME==X.Y.Z ...]
+    python tests/support/version_canary.py [--only NAME ...] [--version NAME==X.Y.Z ...]
 
 One line per library; exit 1 when a required target is missing. A registry that cannot be reached is said in
 one line and fails only under CI=true. Cache: $KVT_CANARY_CACHE, default
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the checkout: its package is the one checked
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

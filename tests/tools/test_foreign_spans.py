@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from test_spanfile_reader import T0, otlp_request, span_record, synthetic_records, write_jsonl
+from support.span_files import T0, otlp_request, span_record, synthetic_records, write_jsonl
 
 import otel_kvtransfer
 from otel_kvtransfer import semconv as sc

@@ -1,6 +1,6 @@
 """`otel-kvtransfer summarize --links`: the fit itself on known lines, and the command on a span file of real
-Mooncake sends of known shapes over a rate-limited link and a plain one (tests/_observability_links.py, in a user +
-network namespace of its own: Mooncake binds all interfaces), whose fitted bandwidth must be the link's own rate."""
+Mooncake sends of known shapes over a rate-limited link and a plain one (tests/support/observability/links.py, in a user
++ network namespace of its own: Mooncake binds all interfaces), whose fitted bandwidth must be the link's own rate."""
 
 import json
 import os
@@ -10,12 +10,13 @@ import sys
 import tempfile
 
 import pytest
-from _observability_parts import ROOT, mooncake_available, run_namespace_script, veth_namespaces_work
+from support.observability.parts import mooncake_available, run_namespace_script, veth_namespaces_work
 from support.parts import require_part
+from support.paths import TESTS
 
 from otel_kvtransfer.tools.links import fit
 
-SCRIPT = os.path.join(ROOT, "tests", "_observability_links.py")
+SCRIPT = os.path.join(TESTS, "support", "observability", "links.py")
 
 
 # --- the fit -----------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tracemalloc
 
-from test_spanfile_reader import T0, span_record, write_otlp
+from support.span_files import T0, span_record, write_otlp
 
 import otel_kvtransfer
 from otel_kvtransfer import semconv as sc

@@ -7,7 +7,7 @@ import json
 import numbers
 
 import pytest
-from test_spanfile_reader import demo_span_file, synthetic_records, write_jsonl
+from support.span_files import demo_span_file, synthetic_records, write_jsonl
 from test_timeline import overlapping_sends
 
 from otel_kvtransfer import semconv as sc

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_spanfile_reader import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
+from support.span_files import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.cli import main as cli_main

@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from support.parts import require_part
-from test_spanfile_reader import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
+from support.span_files import demo_span_file, span_record, synthetic_records, write_jsonl, write_otlp
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.cli import main as cli_main

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from test_spanfile_reader import otlp_request, synthetic_records, write_otlp
+from support.paths import ROOT as REPO
+from support.span_files import otlp_request, synthetic_records, write_otlp
 from test_tools_sizes import T0, _span, _write_batches
 
 from otel_kvtransfer.building import aggregate
@@ -17,8 +18,6 @@ from otel_kvtransfer.cli import main as cli_main
 from otel_kvtransfer.tools import source as source_module
 from otel_kvtransfer.tools import spanfile
 from otel_kvtransfer.tools.requests import RequestSet
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args, stdin=None, shell=None, cwd=None, umask=None):

@@ -4,8 +4,8 @@ The generator writes OTLP-JSON as `OtlpJsonFileSpanExporter` does (one export re
 straight from text templates, so files of 10^6 spans take seconds to make. Its requests have known figures, which
 the tests check at small scale; the measurements in docs/tools.md come from the same generator:
 
-    python tests/test_tools_sizes.py requests FILE --requests 100000      # 10^6 spans (10 a request)
-    python tests/test_tools_sizes.py overlap FILE --sends 5000            # one request, 5,000 overlapping sends
+    python tests/tools/test_tools_sizes.py requests FILE --requests 100000      # 10^6 spans (10 a request)
+    python tests/tools/test_tools_sizes.py overlap FILE --sends 5000            # one request, 5,000 overlapping sends
 """
 
 import argparse

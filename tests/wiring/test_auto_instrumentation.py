@@ -8,10 +8,11 @@ import sys
 
 from support.console import console_json_objects
 from support.parts import mooncake_importable, require_part
+from support.paths import APPS, ROOT
 
 from otel_kvtransfer import semconv
 
-APP = os.path.join(os.path.dirname(__file__), "apps", "auto_app.py")
+APP = os.path.join(APPS, "auto_app.py")
 
 
 def _run(extra_env):
@@ -26,8 +27,7 @@ def _run(extra_env):
         "OTEL_LOGS_EXPORTER": "none",
         "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,process",  # process.pid tells the processes apart
         "MC_FORCE_TCP": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(APP)) + "/..",
-                                                  env.get("PYTHONPATH", "")] if p),
+        "PYTHONPATH": os.pathsep.join(p for p in [ROOT, env.get("PYTHONPATH", "")] if p),
     })
     env.update(extra_env)
     result = subprocess.run([instrument, sys.executable, APP], env=env, capture_output=True, text=True,

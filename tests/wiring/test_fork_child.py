@@ -61,7 +61,7 @@ def engine_process(out_path: str) -> None:
 
 def _run(tmp_path, builder: str):
     _, outcome, spans_path = instrumented_app.run(
-        tmp_path, "test_fork_child", "engine_process", builder, timeout_s=300,
+        tmp_path, __file__, "engine_process", builder, timeout_s=300,
         env={"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"})
     assert outcome["exitcode"] == 0 and outcome["arrived"], outcome
     # The engine process waits for its helpers at exit, not for its child's: the child's helper may still write.

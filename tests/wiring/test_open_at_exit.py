@@ -59,7 +59,7 @@ def engine_process(out_path: str) -> None:
 @pytest.mark.parametrize("builder", ["thread", "process"])
 def test_requests_open_at_exit_end_as_ended_by_the_exit_with_their_sends(tmp_path, builder):
     _, outcome, spans_path = instrumented_app.run(
-        tmp_path, "test_open_at_exit", "engine_process", builder, timeout_s=300,
+        tmp_path, __file__, "engine_process", builder, timeout_s=300,
         env={"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"})
     assert outcome["arrived"], outcome
     # The engine waits for its helper at exit at most a few seconds: the helper may still be writing.

@@ -4,7 +4,8 @@ process, through the logging configuration the engine set up, or straight to std
 Each test runs a short script in its own interpreter (the line is once per process) with the real instrumentor,
 an SDK TracerProvider and sglang installed, as in the engines' processes; what a framework learns from its KV
 manager is handed over through `startup.role_known`, the call sglang's and vLLM's hooks make (their real managers
-make it in tests/test_ranks.py and on the real servers in test_sglang_shapes.py / test_vllm_serving.py).
+make it in tests/frameworks/sglang/test_ranks.py and on the real servers in test_sglang_shapes.py /
+test_vllm_serving.py).
 """
 
 import os
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT
 
 PRELUDE = """
 import logging, sys

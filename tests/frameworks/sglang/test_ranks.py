@@ -1,4 +1,4 @@
-"""Ranks on sglang 0.5.23's real PD classes (tests/sglang_harness.py: sglang's Mooncake managers in spawned
+"""Ranks on sglang 0.5.23's real PD classes (tests/support/sglang_harness.py: sglang's Mooncake managers in spawned
 processes, real Mooncake TCP on 127.0.0.1, no servers): one prefill rank fanning the same MLA KV out to two decode
 ranks, whose metadata reaches the prefill in the order [rank 1, rank 0] (the harness holds rank 0 back until the
 prefill has rank 1's), so registration order and rank order disagree.
@@ -7,7 +7,7 @@ Asserted: every span kind carries the engine's own `kv_transfer.tp_rank`; every 
 `kv_transfer.peer_rank`, and `kv_transfer.destination_index` is the position of that rank among the request's
 destinations ordered by rank (not sglang's registration order); each receive's expected bytes are what reached it;
 each harness process prints one start-up line naming its role and rank. The scenario runs once, as a subprocess
-(python tests/sglang_harness.py), so its processes' stderr, where the start-up lines go, is read too. The other
+(python tests/support/sglang_harness.py), so its processes' stderr, where the start-up lines go, is read too. The other
 shapes (prefill TP2 -> decode TP1 and TP2, MLA -> decode TP2, TP1 -> TP2 head slices) run on real servers in
 test_sglang_shapes.py; registration order cannot be forced there, so it is held back here.
 """
@@ -20,12 +20,11 @@ import sys
 
 import pytest
 from support.parts import require_part
+from support.paths import ROOT, TESTS
 
 from otel_kvtransfer import semconv as sc
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-HARNESS = os.path.join(HERE, "sglang_harness.py")
+HARNESS = os.path.join(TESTS, "support", "sglang_harness.py")
 # timeout_s bounds each process's wait for its peers (imports of sglang included): generous, as it only ends a
 # hung run, and a loaded 2-core CI machine takes minutes where a quiet one takes seconds.
 SCENARIO = {"mla": True, "decodes": 2, "chunks": [16, 16], "register_order": [1, 0], "timeout_s": 300.0}
@@ -35,9 +34,9 @@ RUN_TIMEOUT_S = 900  # two sglang imports in spawned processes take minutes on a
 def _run(scenario, prefills=1, decodes=1):
     ok = importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("mooncake") is not None
     require_part(ok, "sglang 0.5.23 and mooncake-transfer-engine-non-cuda")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (TESTS, ROOT, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, HARNESS, json.dumps(scenario)], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, cwd=HERE, env=env, check=False)
+                          timeout=RUN_TIMEOUT_S, cwd=TESTS, env=env, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("HARNESS_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len("HARNESS_RESULT "):])

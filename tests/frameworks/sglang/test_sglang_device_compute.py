@@ -25,7 +25,7 @@ KERNEL_S = 0.05
 def _run(folder, **cfg):
     ok = importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("mooncake") is not None
     require_part(ok, "sglang 0.5.23 and mooncake-transfer-engine-non-cuda")
-    import sglang_device_run
+    from support import sglang_device_run
 
     result = sglang_device_run.run(str(folder), kernel_s=KERNEL_S, **cfg)
     for prefill in result["prefills"]:

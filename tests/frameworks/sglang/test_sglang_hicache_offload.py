@@ -16,9 +16,9 @@ import tempfile
 import pytest
 from support import netns
 from support.parts import mooncake_importable, require_part
+from support.paths import APPS, ROOT, TESTS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-APP = os.path.join(HERE, "apps", "sglang_hicache_app.py")
+APP = os.path.join(APPS, "sglang_hicache_app.py")
 MIB = 1 << 20
 
 
@@ -31,7 +31,7 @@ def _run() -> dict:
     netns.require_tools()
     storage = tempfile.mkdtemp(prefix="kvt-hicache-")
     env = netns.with_pythonpath({k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "UCX_"))},
-                                os.path.dirname(HERE), HERE)
+                                ROOT, TESTS)
     env.update({"MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR", "SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX"})
     try:
         done = netns.run([sys.executable, APP, storage], env, timeout_s=300)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from support.console import console_json_objects
 from support.parts import require_part
+from support.paths import ROOT, TESTS
 
 from otel_kvtransfer import semconv as sc
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+HARNESS = Path(TESTS) / "support" / "sglang_harness.py"
 
 
 def _require_sglang():
@@ -35,7 +35,7 @@ def _env(**extra):
         OTEL_METRICS_EXPORTER="none",
         OTEL_LOGS_EXPORTER="none",
         OTEL_SERVICE_NAME="sglang-harness",
-        PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([TESTS, ROOT, env.get("PYTHONPATH", "")]),
     )
     env.update(extra)
     return env
@@ -47,8 +47,8 @@ def _console_spans(stdout: str):
 
 
 def _harness(argv_prefix, scenario, env):
-    cmd = list(argv_prefix) + [str(HERE / "sglang_harness.py"), json.dumps(scenario)]
-    proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=900)
+    cmd = list(argv_prefix) + [str(HARNESS), json.dumps(scenario)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HARNESS_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1][len("HARNESS_RESULT "):])

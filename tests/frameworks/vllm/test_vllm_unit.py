@@ -3,7 +3,7 @@ itself: test_vllm_versions.py).
 
 These run in the main project venv, where vLLM is not installed: the gate is driven through
 `installed_version` (the distribution lookup), and the patches are post-import hooks, so nothing of vLLM is
-imported. The real connectors are exercised by tests/test_vllm_serving.py.
+imported. The real connectors are exercised by tests/deployments/test_vllm_serving.py.
 """
 
 import logging

@@ -1,12 +1,12 @@
 """A scrape endpoint that exposes an SDK MeterProvider's metrics the way the Collector's `prometheus` exporter does.
 
 Why not opentelemetry-exporter-prometheus: its metric *names* are the same as the Collector's for every metric
-of this package (tests/test_prometheus_dashboard.py checks that), but it exposes no exemplars and keeps
+of this package (tests/deployments/test_prometheus_dashboard.py checks that), but it exposes no exemplars and keeps
 `service.name` / `service.instance.id` in `target_info` only, while the Collector's exporter (with
 `enable_open_metrics: true`, as in collector/agent.yaml) puts exemplars (trace_id, span_id) on the buckets and
 sets the `job` / `instance` labels from those resource attributes. The dashboard relies on both, so this
 endpoint reproduces the Collector's exposition (exporter/prometheusexporter/collector.go in
-opentelemetry-collector-contrib): names and labels through `_observability_promnames`, cumulative buckets, one
+opentelemetry-collector-contrib): names and labels through `promnames`, cumulative buckets, one
 exemplar per bucket, `otel_scope_*` labels, `target_info`, OpenMetrics text.
 """
 
@@ -14,8 +14,9 @@ import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from _observability_promnames import COUNTER, GAUGE, HISTOGRAM, job_and_instance, label_name, metric_name
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
+
+from support.observability.promnames import COUNTER, GAUGE, HISTOGRAM, job_and_instance, label_name, metric_name
 
 CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -1,9 +1,9 @@
 """Real Mooncake sends of known shapes over two links, written to a span file for the link model. Run by
-tests/test_link_model.py (never imported by pytest):
+tests/tools/test_link_model.py (never imported by pytest):
 
-    unshare -rn python tests/_observability_links.py --outer-netns NETNS --out DIR
+    unshare -rn python tests/support/observability/links.py --outer-netns NETNS --out DIR
 
-The namespaces, veth links and receivers are those of tests/_observability_peers.py (its receiver mode, its
+The namespaces, veth links and receivers are those of tests/support/observability/peers.py (its receiver mode, its
 helpers): a slow peer behind a `tc` token bucket and a fast one without. Each link's own rate is the median of
 plain, uninstrumented 4 MiB writes before and after the instrumented sends (as the machine was around them). The
 sends, instrumented, with the span file exporter writing DIR/spans.jsonl:
@@ -23,14 +23,14 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for _path in (ROOT, HERE):
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `support` is in it
+ROOT = os.path.dirname(TESTS)
+for _path in (ROOT, TESTS):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
 SLOW_RATE = "50mbit"  # 6.25 MB/s
-BUFFER = 4 << 20  # each receiver's registered buffer (tests/_observability_peers.py)
+BUFFER = 4 << 20  # each receiver's registered buffer (tests/support/observability/peers.py)
 SLOW_SIZES = (128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20)
 FAST_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 FAST_SPLITS = (16, 256)  # 1 MiB in this many descriptors
@@ -70,17 +70,17 @@ def _request(engine, session: str, key: str, source, remote: int, blocks) -> int
 
 def run(args) -> dict:
     import numpy as np
-    from _observability_parts import mooncake_tcp_engine
-    from _observability_peers import _ip, _start_receiver, _stop
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from otel_kvtransfer import KVTransferInstrumentor
     from otel_kvtransfer.building.file_exporter import OtlpJsonFileSpanExporter
+    from support.observability.parts import mooncake_tcp_engine
+    from support.observability.peers import _ip, _start_receiver, _stop
 
     _ip("link", "set", "lo", "up")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     receivers, provider = [], None
     try:
         for index, (role, rate) in enumerate((("fast", None), ("slow", SLOW_RATE))):
@@ -140,7 +140,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from _observability_peers import answer
+    from support.observability.peers import answer
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--outer-netns", required=True)

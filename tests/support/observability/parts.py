@@ -15,7 +15,8 @@ import time
 import urllib.parse
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT, TESTS
+
 CACHE = os.environ.get("OTEL_KVT_CACHE") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "otel-kvtransfer")
 NODE_DIR = os.path.join(CACHE, "node")
@@ -66,7 +67,7 @@ def veth_namespaces_work() -> bool:
 def run_namespace_script(script: str, args: list, timeout_s: float) -> dict:
     """`unshare -rn python script --outer-netns <ours> *args` in its own process group (a run past the bound ends
     it and what it started), and the JSON of its RESULT line; its ERROR line, or none, fails the test."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     proc = start(["unshare", "-rn", sys.executable, script, "--outer-netns", os.readlink("/proc/self/ns/net"),
                   *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:

@@ -1,8 +1,9 @@
 """Two real Mooncake receivers, one behind a rate-limited link; a real Prometheus scrapes the sender's per-peer
-throughput and busy time and evaluates dashboards/alerts.yaml over them. Run by tests/test_peer_alert.py (never
-imported by pytest):
+throughput and busy time and evaluates dashboards/alerts.yaml over them. Run by tests/deployments/test_peer_alert.py
+(never imported by pytest):
 
-    unshare -rn python tests/_observability_peers.py --outer-netns NETNS --prometheus BIN --rules ALERTS --workdir DIR
+    unshare -rn python tests/support/observability/peers.py --outer-netns NETNS --prometheus BIN --rules ALERTS
+    --workdir DIR
 
 `unshare -rn` gives this process a user namespace in which it is root and a network namespace of its own; it refuses
 to run in the namespace named by --outer-netns (the caller's), so it never touches a real network. In it: loopback
@@ -28,9 +29,9 @@ import threading
 import time
 from datetime import datetime
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for _path in (ROOT, HERE):
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `support` is in it
+ROOT = os.path.dirname(TESTS)
+for _path in (ROOT, TESTS):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -59,7 +60,8 @@ def _ip(*args) -> None:
 def receiver(args) -> int:
     """A decode engine in its own network namespace: waits for its veth end, brings it up, registers a buffer."""
     import numpy as np
-    from _observability_parts import mooncake_tcp_engine
+
+    from support.observability.parts import mooncake_tcp_engine
 
     ready, _, _ = select.select([sys.stdin], [], [], 30)
     if not ready or sys.stdin.readline().strip() != "go":
@@ -99,7 +101,7 @@ def _stop(proc) -> None:
 
 def _start_receiver(index: int, rate, env) -> tuple:
     """A receiver behind veth kvt<index> (rate-limited when `rate`); (process, address, READY payload)."""
-    from _observability_parts import read_line_with_prefix, wait_until
+    from support.observability.parts import read_line_with_prefix, wait_until
 
     ours, address = _netns(), f"10.231.{index + 1}.2"
     proc = _start(["unshare", "-n", sys.executable, os.path.abspath(__file__), "receiver", "--address", address],
@@ -126,7 +128,7 @@ def _start_receiver(index: int, rate, env) -> tuple:
 
 
 def _prometheus(args, metrics_port: int):
-    from _observability_parts import free_port, http_json, wait_until
+    from support.observability.parts import free_port, http_json, wait_until
 
     port = free_port()
     config = os.path.join(args.workdir, "prometheus.yml")
@@ -146,7 +148,7 @@ def _prometheus(args, metrics_port: int):
 
 
 def _query(base: str, expr: str) -> list:
-    from _observability_parts import http_json
+    from support.observability.parts import http_json
 
     return [({k: v for k, v in s["metric"].items()}, float(s["value"][1]))
             for s in http_json(f"{base}/api/v1/query", {"query": expr})["data"]["result"]]
@@ -190,8 +192,6 @@ def _union_s(intervals) -> float:
 
 def run(args) -> dict:
     import numpy as np
-    from _observability_exposition import ScrapeEndpoint
-    from _observability_parts import http_json, mooncake_tcp_engine, wait_until
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
@@ -200,9 +200,11 @@ def run(args) -> dict:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from otel_kvtransfer import KVTransferInstrumentor
+    from support.observability.exposition import ScrapeEndpoint
+    from support.observability.parts import http_json, mooncake_tcp_engine, wait_until
 
     _ip("link", "set", "lo", "up")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     receivers, prometheus, log, endpoint = [], None, None, None
     resource = Resource.create({"service.name": SERVICE, "service.instance.id": INSTANCE})
     tracer_provider = TracerProvider(resource=resource)

@@ -1,13 +1,14 @@
 """A real KV transfer workload for the observability tests: two Mooncake engines on 127.0.0.1, instrumented.
 
-Run as a script by tests/test_prometheus_dashboard.py and tests/test_trace_store.py (never imported by pytest):
+Run as a script by tests/deployments/test_prometheus_dashboard.py and tests/deployments/test_trace_store.py (never
+imported by pytest):
 
-    python tests/_observability_workload.py metrics --seconds 6 --linger 60
+    python tests/support/observability/workload.py metrics --seconds 6 --linger 60
         prefill engine (this process) pushes rooms to a decode engine (a spawned process) for ~6 s; each process
         serves the package's metrics (prefill on --metrics-port, decode on --decode-metrics-port) at
-        127.0.0.1:<port>/metrics in the Collector's exposition (_observability_exposition) until stdin closes or
+        127.0.0.1:<port>/metrics in the Collector's exposition (`exposition`) until stdin closes or
         --linger seconds pass.
-    python tests/_observability_workload.py traces --protocol grpc --endpoint 127.0.0.1:4317 --project p
+    python tests/support/observability/workload.py traces --protocol grpc --endpoint 127.0.0.1:4317 --project p
         a few rooms; both engines export their spans over OTLP (gRPC or HTTP/protobuf) to that endpoint.
 
 Protocol on stdout: one line `READY {json}` when serving / about to run, one line `DONE {json}` with a summary.
@@ -37,13 +38,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from time import time_ns
 
-from _observability_parts import mooncake_tcp_engine
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for path in (ROOT, HERE):
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `support` is in it
+ROOT = os.path.dirname(TESTS)
+for path in (ROOT, TESTS):
     if path not in sys.path:
         sys.path.insert(0, path)
+
+from support.observability.parts import mooncake_tcp_engine
 
 LOOPBACK = "127.0.0.1"
 CHUNK_BYTES = 4 << 20
@@ -100,7 +101,7 @@ def _decode_main(conn, args_dict):
 
     endpoint = None
     if reader is not None:
-        from _observability_exposition import ScrapeEndpoint
+        from support.observability.exposition import ScrapeEndpoint
 
         endpoint = ScrapeEndpoint(reader, port=args.decode_metrics_port)
     engine = mooncake_tcp_engine(LOOPBACK)
@@ -155,7 +156,7 @@ def run(args) -> dict:
 
     endpoint = None
     if args.mode == "metrics":
-        from _observability_exposition import ScrapeEndpoint
+        from support.observability.exposition import ScrapeEndpoint
 
         endpoint = ScrapeEndpoint(reader, port=args.metrics_port)
 
