@@ -1,8 +1,8 @@
 """The backends the package knows, by module name: a new transfer engine is one module in `engines/` and a line in
 ENGINES, a new serving framework one package in `frameworks/` and a line in FRAMEWORKS. Loaded by name, so the
 code that loads them (the instrumentor, the builder process) depends on none of them. Each engine module satisfies
-`recording.patching.Engine`, each framework package `recording.patching.Framework` (tests/test_backend_contract.py
-holds every one listed here to that contract on the real libraries).
+`recording.patching.Engine`, each framework package `recording.patching.Framework`
+(tests/project/test_backend_contract.py holds every one listed here to that contract on the real libraries).
 """
 
 import importlib

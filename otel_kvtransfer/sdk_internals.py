@@ -1,8 +1,8 @@
 """Every private name of OpenTelemetry (API, SDK, OTLP exporters) that this package reads, behind one door.
 
 None of these is public API. Each is read defensively here: a name an OpenTelemetry release renamed turns off
-the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/test_sdk_canary.py runs
-every function and constant below against the installed releases, and tests/test_layout.py keeps these names out
+the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/project/test_sdk_canary.py runs
+every function and constant below against the installed releases, and tests/project/test_layout.py keeps these names out
 of every other module, so a new OpenTelemetry release is this one file to read.
 """
 
