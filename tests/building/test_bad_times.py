@@ -20,8 +20,6 @@ import time
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from support import otlp
@@ -115,10 +113,9 @@ def _key(span_attributes):
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 @pytest.mark.parametrize("pipeline", ["direct", "sdk"])
 def test_one_request_with_bad_times_among_300_is_counted_and_loses_no_other_span(pipeline, transport, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, meter):
     monkeypatch.setenv(config.PIPELINE, pipeline)
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
+    meter_provider, reader = meter
     provider = TracerProvider()
     context, exporter, received = _receiver(transport)
     instrumentor = KVTransferInstrumentor()
@@ -170,9 +167,8 @@ def _records():
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
 @pytest.mark.parametrize("pipeline", ["direct", "sdk"])
-def test_a_span_out_of_range_in_an_export_batch_costs_itself_alone(pipeline, transport, tmp_path):
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
+def test_a_span_out_of_range_in_an_export_batch_costs_itself_alone(pipeline, transport, tmp_path, meter):
+    meter_provider, reader = meter
     provider = TracerProvider(id_generator=Sequential())
     context, exporter, received = _receiver(transport)
     path = tmp_path / "spans.jsonl"

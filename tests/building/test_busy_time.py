@@ -4,8 +4,6 @@ order the sends end in, so the counter's total is the union's length (and its ra
 import random
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
@@ -88,16 +86,16 @@ def _busy_points(reader) -> dict:
     return found
 
 
-def _direct(reader):
+def _direct(meter_provider):
     tables = KVMetrics()
-    assert tables.attach(MeterProvider(metric_readers=[reader]))
+    assert tables.attach(meter_provider)
     metrics = RecordMetrics(tables)
     for port, start, end in SENDS:
         metrics.send(_send_attrs(port, start, end), start, end, 2 << 20, 1, None, None)
 
 
-def _sdk(reader):
-    processor = KVTransferMetricsProcessor(MeterProvider(metric_readers=[reader]))
+def _sdk(meter_provider):
+    processor = KVTransferMetricsProcessor(meter_provider)
     for i, (port, start, end) in enumerate(SENDS):
         processor.on_end(ReadableSpan(
             name=semconv.SPAN_SEND, context=SpanContext(0xABC, i + 1, False), kind=SpanKind.CLIENT,
@@ -106,9 +104,9 @@ def _sdk(reader):
 
 
 @pytest.mark.parametrize("pipeline", [_direct, _sdk], ids=["direct", "sdk"])
-def test_per_peer_and_per_process_busy_time_in_both_pipelines(pipeline):
-    reader = InMemoryMetricReader()
-    pipeline(reader)
+def test_per_peer_and_per_process_busy_time_in_both_pipelines(pipeline, meter):
+    meter_provider, reader = meter
+    pipeline(meter_provider)
     peer = lambda port: ((semconv.SERVER_ADDRESS, "127.0.0.1"), (semconv.SERVER_PORT, port))  # noqa: E731
     process = ((semconv.BACKEND, "eng"), (semconv.ROLE, semconv.ROLE_PREFILL))
     assert {key: value[:3] for key, value in _busy_points(reader).items()} == {

@@ -10,11 +10,10 @@ No engine: the rule itself, and both pipelines' metrics (our own tables, and the
 import random
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+from support.telemetry import in_memory_metrics
 from test_busy_time import _union_length
 
 from otel_kvtransfer import semconv
@@ -59,9 +58,9 @@ def _attrs(port, nbytes=2 << 20):
 
 
 def _direct(sends, max_peers):
-    reader = InMemoryMetricReader()
+    provider, reader = in_memory_metrics()
     tables = KVMetrics()
-    assert tables.attach(MeterProvider(metric_readers=[reader]))
+    assert tables.attach(provider)
     metrics = RecordMetrics(tables, max_peers=max_peers)
     for port, start, end in sends:
         metrics.send(_attrs(port), start, end, 2 << 20, 1, None, None)
@@ -69,8 +68,8 @@ def _direct(sends, max_peers):
 
 
 def _sdk(sends, max_peers):
-    reader = InMemoryMetricReader()
-    processor = KVTransferMetricsProcessor(MeterProvider(metric_readers=[reader]), max_peers=max_peers)
+    provider, reader = in_memory_metrics()
+    processor = KVTransferMetricsProcessor(provider, max_peers=max_peers)
     scope = InstrumentationScope(semconv.INSTRUMENTATION_NAME, "0")
     for i, (port, start, end) in enumerate(sends):
         processor.on_end(ReadableSpan(

@@ -14,12 +14,11 @@ import pytest
 from google.protobuf.message import DecodeError
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support import otlp
+from support.telemetry import in_memory_metrics
 from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
 from test_span_encoding import Sequential
 
@@ -72,7 +71,7 @@ def _build(pipeline, processor, recs, limits=None):
     """Feed `recs` to a real builder on `pipeline` whose provider ends spans into `processor`."""
     provider = TracerProvider(id_generator=Sequential(), span_limits=limits)
     provider.add_span_processor(processor)
-    attachment = Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), pipeline)
+    attachment = Attachment(in_memory_metrics()[0], pipeline)
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
     drops = []
     builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES),

@@ -17,11 +17,9 @@ import sys
 import threading
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from support.telemetry import dropped_by_reason, metric_points
+from support.telemetry import dropped_by_reason, in_memory_metrics, metric_points
 from support.waiting import exited
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
@@ -57,8 +55,7 @@ class _Slow:
                                         schedule_delay_millis=5)
         self.provider = TracerProvider(shutdown_on_exit=False)
         self.provider.add_span_processor(self.batch)
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.meter_provider, self.reader = in_memory_metrics(shutdown_on_exit=False)
         self.instrumentor = KVTransferInstrumentor()
         self.instrumentor.instrument(tracer_provider=self.provider, meter_provider=self.meter_provider)
 

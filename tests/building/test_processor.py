@@ -5,12 +5,10 @@ instrumentation scope); the points come out of a real MeterProvider through an I
 """
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from support.telemetry import metric_points
+from support.telemetry import in_memory_metrics, metric_points
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.processor import KVTransferMetricsProcessor
@@ -30,8 +28,8 @@ PROCESS = {semconv.BACKEND: "eng", semconv.ROLE: semconv.ROLE_PREFILL}
 
 class Setup:
     def __init__(self):
-        self.reader = InMemoryMetricReader()
-        self.processor = KVTransferMetricsProcessor(MeterProvider(metric_readers=[self.reader]))
+        provider, self.reader = in_memory_metrics()
+        self.processor = KVTransferMetricsProcessor(provider)
         self._next_id = 1
 
     def end(self, name, attributes, start=1_000, end=3_000, error=None, scope=OURS, sampled=True):

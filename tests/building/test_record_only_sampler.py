@@ -9,13 +9,11 @@ hand them (`integration.deliver`, no engine).
 """
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
-from support.telemetry import metric_points
+from support.telemetry import in_memory_metrics, metric_points
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -53,12 +51,13 @@ def _call(nbytes):
 @pytest.mark.parametrize("pipeline", ["direct", "sdk"])
 def test_recorded_unsampled_spans_reach_every_processor_and_no_exporter(pipeline, monkeypatch):
     monkeypatch.setenv(config.PIPELINE, pipeline)
-    exporter, seen, reader = InMemorySpanExporter(), Seen(), InMemoryMetricReader()
+    exporter, seen = InMemorySpanExporter(), Seen()
+    meter_provider, reader = in_memory_metrics()
     provider = TracerProvider(sampler=RecordOnly())
     provider.add_span_processor(BatchSpanProcessor(exporter))
     provider.add_span_processor(seen)
     instrumentor = KVTransferInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[reader]))
+    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
     try:
         for key in range(REQUESTS):
             start = now_ns()

@@ -8,13 +8,11 @@ the instrumentor and its recorder thread; engine calls handed over as engine mod
 """
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
-from support.telemetry import metric_points
+from support.telemetry import in_memory_metrics, metric_points
 from test_span_encoding import Sequential
 
 from otel_kvtransfer import KVTransferInstrumentor, config, semconv
@@ -42,8 +40,8 @@ def _points(reader, name) -> dict:
 def _run(pipeline, monkeypatch, sampler=None, ids=None):
     monkeypatch.setenv(config.PIPELINE, pipeline)
     monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
-    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
+    exporter = InMemorySpanExporter()
+    meter_provider, reader = in_memory_metrics()
     provider = TracerProvider(meter_provider=meter_provider, id_generator=ids,
                               **({"sampler": sampler} if sampler else {}))
     provider.add_span_processor(BatchSpanProcessor(exporter))

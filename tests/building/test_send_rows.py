@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, AlwaysOnExemplarFilter
 from opentelemetry.trace import SpanContext, TraceFlags
+from support.telemetry import in_memory_metrics
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import metric_rules as rules
@@ -52,10 +52,9 @@ def _sends(count, seed):
 
 
 def _reader(exemplar_filter=None):
-    reader = InMemoryMetricReader()
-    options = {} if exemplar_filter is None else {"exemplar_filter": exemplar_filter}
+    provider, reader = in_memory_metrics(**({} if exemplar_filter is None else {"exemplar_filter": exemplar_filter}))
     tables = KVMetrics()
-    assert tables.attach(MeterProvider(metric_readers=[reader], **options))
+    assert tables.attach(provider)
     return tables, reader
 
 

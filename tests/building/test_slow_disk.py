@@ -19,13 +19,11 @@ import subprocess
 import sys
 import threading
 
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 from support.parts import require_part
 from support.paths import ROOT as REPO
-from support.telemetry import dropped_by_reason
+from support.telemetry import dropped_by_reason, in_memory_metrics
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
@@ -64,9 +62,8 @@ class _GatedDisk:
 
 
 def _exporter(path):
-    reader = InMemoryMetricReader()
-    exporter = fe.OtlpJsonFileSpanExporter(str(path), meter_provider=MeterProvider(metric_readers=[reader]),
-                                           write_timeout_s=0.3)
+    provider, reader = in_memory_metrics()
+    exporter = fe.OtlpJsonFileSpanExporter(str(path), meter_provider=provider, write_timeout_s=0.3)
     return exporter, reader
 
 

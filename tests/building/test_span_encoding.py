@@ -15,8 +15,6 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -24,6 +22,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState, set_span_in_context
 from support import otlp
+from support.telemetry import in_memory_metrics
 from test_builder import begin_peer, begin_request, call, compute, end_peer, end_request, info, send
 
 from otel_kvtransfer import config, registry, semconv
@@ -79,8 +78,7 @@ def _run(pipeline, sampler=None, ids=None):
     exporter = InMemorySpanExporter()
     provider = TracerProvider(id_generator=ids or Sequential(), **({"sampler": sampler} if sampler else {}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meters = MeterProvider(metric_readers=[reader])
+    meters, reader = in_memory_metrics()
     attachment = Attachment(meters, pipeline)
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
     builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES),
@@ -279,7 +277,7 @@ def test_a_full_export_queue_holds_the_builder_instead_of_losing_spans():
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=64, max_export_batch_size=16,
                                                    schedule_delay_millis=60_000))
-    attachment = Attachment(MeterProvider(metric_readers=[InMemoryMetricReader()]), "direct")
+    attachment = Attachment(in_memory_metrics()[0], "direct")
     attachment.attach(provider.get_tracer(semconv.INSTRUMENTATION_NAME, "0.1.0"), provider, flush_first=False)
     drops = []
     builder = new_builder(attachment, config.Settings(), registry.load(registry.ENGINES),

@@ -13,12 +13,10 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 from support.paths import ROOT as REPO
-from support.telemetry import dropped_by_reason
+from support.telemetry import dropped_by_reason, in_memory_metrics
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import file_exporter as fe
@@ -44,9 +42,8 @@ class _Counted:
     """An exporter with its own meter provider, reading back kv_transfer.instrumentation.dropped by reason."""
 
     def __init__(self, path, **kwargs):
-        self.reader = InMemoryMetricReader()
-        self.exporter = fe.OtlpJsonFileSpanExporter(str(path), meter_provider=MeterProvider(
-            metric_readers=[self.reader]), **kwargs)
+        provider, self.reader = in_memory_metrics()
+        self.exporter = fe.OtlpJsonFileSpanExporter(str(path), meter_provider=provider, **kwargs)
 
     def dropped(self) -> dict:
         return dropped_by_reason(self.reader)

@@ -28,6 +28,7 @@ from support import netns
 from support.instrumented_app import spans_when
 from support.parts import require_part
 from support.paths import APPS, ROOT, TESTS
+from support.telemetry import in_memory_metrics
 from support.waiting import wait_until
 
 from otel_kvtransfer import semconv
@@ -210,8 +211,6 @@ def test_a_call_queued_on_a_cuda_stream_is_a_send_of_no_duration(mc14):
     import time
 
     from mooncake.engine import TransferEngine
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -230,8 +229,7 @@ def test_a_call_queued_on_a_cuda_stream_is_a_send_of_no_duration(mc14):
     try:
         for name in names:
             setattr(TransferEngine, name, queued)
-        instrumentor.instrument(tracer_provider=provider,
-                                meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
+        instrumentor.instrument(tracer_provider=provider, meter_provider=in_memory_metrics()[0])
         engine = object()  # never initialised: nothing binds, nothing is sent
         before = time.monotonic_ns()
         assert TransferEngine.transfer_write_on_cuda(engine, "127.0.0.1:7", 1, 2, 4096) is None

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import (
 )
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
 from support.paths import ROOT
+from support.telemetry import in_memory_metrics
 
 from otel_kvtransfer import sdk_internals
 
@@ -207,11 +208,10 @@ def test_the_otlp_exporters_encode_through_their_module_encode_spans():
 def test_meter_provider_readers_and_their_collect_callback():
     """KVMetrics wraps each reader's `_collect` (set by the MeterProvider) and reads the provider's readers,
     resource and exemplar filter; the reader's collect() must go through `_collect`."""
-    from opentelemetry.sdk.metrics import Counter, MeterProvider
-    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+    from opentelemetry.sdk.metrics import Counter
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
 
-    reader = InMemoryMetricReader(preferred_temporality={Counter: AggregationTemporality.DELTA})
-    provider = MeterProvider(metric_readers=[reader])
+    provider, reader = in_memory_metrics(temporality={Counter: AggregationTemporality.DELTA})
     assert list(sdk_internals.metric_readers(provider)) == [reader]
     assert sdk_internals.meter_config(provider).resource is not None
     assert hasattr(sdk_internals.meter_config(provider), "exemplar_filter")

@@ -15,13 +15,11 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from support.telemetry import dropped_by_reason, metric_points, transfers_in_metrics
+from support.telemetry import dropped_by_reason, in_memory_metrics, metric_points, transfers_in_metrics
 from support.waiting import exited, wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, config, sdk_internals, semconv
@@ -37,8 +35,7 @@ class _Setup:
         self.tracer_provider = TracerProvider(shutdown_on_exit=False)
         for processor in processors:
             self.tracer_provider.add_span_processor(processor)
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.meter_provider, self.reader = in_memory_metrics(shutdown_on_exit=False)
         self.instrumentor = KVTransferInstrumentor()
         self.instrumentor.instrument(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider)
 

@@ -12,13 +12,11 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
-from support.telemetry import Telemetry, dropped_by_reason, metric_points
+from support.telemetry import Telemetry, dropped_by_reason, in_memory_metrics, metric_points
 
 from otel_kvtransfer import KVTransferInstrumentor, RecordUnsampledSampler, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -62,9 +60,9 @@ def test_a_drain_blocked_by_a_hung_exporter_gives_up_in_time_and_loses_nothing(m
     exporter = _Hanging()
     provider = TracerProvider(shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
+    meter_provider, reader = in_memory_metrics()
     instrumentor = KVTransferInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[reader]))
+    instrumentor.instrument(tracer_provider=provider, meter_provider=meter_provider)
     try:
         kvt.deliver(CALL)
         stuck = threading.Thread(target=RECORDER.drain)

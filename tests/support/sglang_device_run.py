@@ -25,6 +25,7 @@ import traceback
 from types import SimpleNamespace
 
 from support import sglang_harness as harness
+from support.telemetry import in_memory_metrics
 
 HOST = harness.HOST
 DEFAULTS = dict(harness.DEFAULTS, chunks=[16, 16, 16], kernel_s=0.05, overlap=True, timeout_s=90.0)
@@ -47,8 +48,6 @@ def _stand_in_run_batch(self, batch):
 
 
 def _instrument(cfg, rank):
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -61,8 +60,8 @@ def _instrument(cfg, rank):
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))
     provider.add_span_processor(SimpleSpanProcessor(OtlpJsonFileSpanExporter(cfg["span_files"][rank])))
-    reader = InMemoryMetricReader()
-    KVTransferInstrumentor().instrument(tracer_provider=provider, meter_provider=MeterProvider(metric_readers=[reader]))
+    meter_provider, reader = in_memory_metrics()
+    KVTransferInstrumentor().instrument(tracer_provider=provider, meter_provider=meter_provider)
 
     def collect():
         harness._flush()

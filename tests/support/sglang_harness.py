@@ -33,6 +33,10 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:  # run as a program: support/ importable here and in the processes it spawns
+    sys.path.insert(0, TESTS)
+
 HOST = "127.0.0.1"
 
 # Small, fast defaults: 4 layers, 96 pages of 32 KiB per buffer -> 3 MiB per buffer.
@@ -240,9 +244,10 @@ def _setup_instrumentation(cfg):
     from opentelemetry.test.test_base import TestBase
 
     from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
+    from support.telemetry import in_memory_metrics
 
     provider, exporter = TestBase.create_tracer_provider()  # spans into memory through a SimpleSpanProcessor
-    meters, reader = TestBase.create_meter_provider()
+    meters, reader = in_memory_metrics()
     instrumentor = KVTransferInstrumentor()
     instrumentor.instrument(tracer_provider=provider, meter_provider=meters)
 

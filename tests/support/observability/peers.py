@@ -192,8 +192,6 @@ def _union_s(intervals) -> float:
 
 def run(args) -> dict:
     import numpy as np
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -202,6 +200,7 @@ def run(args) -> dict:
     from otel_kvtransfer import KVTransferInstrumentor
     from support.observability.exposition import ScrapeEndpoint
     from support.observability.parts import http_json, mooncake_tcp_engine, wait_until
+    from support.telemetry import in_memory_metrics
 
     _ip("link", "set", "lo", "up")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
@@ -210,8 +209,7 @@ def run(args) -> dict:
     tracer_provider = TracerProvider(resource=resource)
     spans = InMemorySpanExporter()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+    meter_provider, reader = in_memory_metrics(resource=resource)
     try:
         for index, (role, rate) in enumerate((("fast", None), ("slow", SLOW_RATE))):
             proc, address, ready = _start_receiver(index, rate, env)
