@@ -26,6 +26,7 @@ import pytest
 from support import sglang_runs
 from support.parts import IN_CI, require_part
 from support.sglang_runs import COMPUTE, REQUEST, SEND, Run
+from support.waiting import wait_until
 
 PROJECT = "kvt-sglang-serving"
 
@@ -264,10 +265,6 @@ def test_the_decodes_bootstrap_is_set_up_once_in_the_first_requests_trace(main_r
         assert attrs["kv_transfer.tp_rank"] == 0
     # Counted where Prometheus scrapes the decode: three set-up calls, all ok.
     expr = 'sum by (kv_transfer_framework, kv_transfer_connect_outcome) (kv_transfer_connect_duration_seconds_count)'
-    deadline = time.monotonic() + 60
-    while True:
-        got = _prom_value(main_run, expr)
-        if got or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    got = wait_until(lambda: _prom_value(main_run, expr), 60, "the decode's set-up calls in Prometheus",
+                     interval_s=1)
     assert got == {(("kv_transfer_connect_outcome", "ok"), ("kv_transfer_framework", "sglang")): 3.0}

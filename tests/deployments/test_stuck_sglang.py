@@ -32,6 +32,7 @@ import time
 import pytest
 from support import sglang_runs
 from support.console import console_json_objects, console_points
+from support.waiting import wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2
@@ -70,17 +71,6 @@ class _Tail:
         end = data.rfind(b"\n") + 1
         self.offset += end
         return data[:end].decode("utf-8", "replace")
-
-
-def _wait(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def _scheduler_pids(deployment) -> list:
@@ -175,7 +165,7 @@ def frozen_run(tmp_path_factory):
             return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
                        for a, v in console_points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
 
-        _wait(request_open, 300, "the prefill's request span to open")
+        wait_until(request_open, 300, "the prefill's request span to open")
         frozen = _scheduler_pids(deployment)
         assert frozen, "no decode scheduler process found"
         _signal_all(frozen, signal.SIGSTOP)
@@ -188,7 +178,7 @@ def frozen_run(tmp_path_factory):
             return seen["send"] and seen["request"]
 
         try:
-            _wait(reported, FROZEN_MAX_S, "the prefill's stuck lines")
+            wait_until(reported, FROZEN_MAX_S, "the prefill's stuck lines")
         except AssertionError as exc:
             if _request_span(deployment.span_file("prefill")) is not None:  # the prompt was computed faster
                 raise AssertionError(f"{exc}: the prefill's request had ended, its KV sent before the decode was "
@@ -204,7 +194,7 @@ def frozen_run(tmp_path_factory):
                     if a.get("kv_transfer.inflight.kind") == "send"]
             return {"send", "request"} <= kinds and bool(ages) and max(ages) >= STUCK_S
 
-        _wait(exported, FROZEN_MAX_S, "a metric export showing the stuck counters")
+        wait_until(exported, FROZEN_MAX_S, "a metric export showing the stuck counters")
         tail.read()
         with open(log, "rb") as handle:
             whole = handle.read(tail.offset)
@@ -216,8 +206,8 @@ def frozen_run(tmp_path_factory):
         frozen = []
         client.join(600)
         run["answer"] = answer
-        run["request"] = _wait(lambda: _request_span(deployment.span_file("prefill")), 60,
-                               "the request span in the prefill's span file")
+        run["request"] = wait_until(lambda: _request_span(deployment.span_file("prefill")), 60,
+                                    "the request span in the prefill's span file")
         run["log"] = _read(log)
         run["total_s"] = time.monotonic() - run["started"]
         run["deployment"] = deployment
@@ -265,21 +255,21 @@ def aborted_run(frozen_run):
 
     try:
         client.start()
-        _wait(request_open, 300, "the second request's span to open")
+        wait_until(request_open, 300, "the second request's span to open")
         frozen = _scheduler_pids(deployment)
         _signal_all(frozen, signal.SIGSTOP)
         seen["text"] = ""  # a send reported from here on hangs on the frozen decode
-        run["room"] = _wait(send_stuck, FROZEN_MAX_S, "the second request's send to hang").group(1)
+        run["room"] = wait_until(send_stuck, FROZEN_MAX_S, "the second request's send to hang").group(1)
         prefill, decode = deployment.servers["prefill"], deployment.servers["decode"]
         abort = json.dumps({"rid": request["rid"]})
         run["abort_status"] = deployment.client("post", f"{prefill.url}/abort_request", abort)["status"]
-        run["request"] = _wait(lambda: _request_span(deployment.span_file("prefill"), request["rid"]), 60,
-                               "the aborted request's span in the prefill's span file")
+        run["request"] = wait_until(lambda: _request_span(deployment.span_file("prefill"), request["rid"]), 60,
+                                    "the aborted request's span in the prefill's span file")
         run["send_open_at_abort"] = not _room_sends(deployment.span_file("prefill"), run["room"])
         _signal_all(frozen, signal.SIGCONT)
         frozen = []
-        run["sends"] = _wait(lambda: _room_sends(deployment.span_file("prefill"), run["room"], KV_PAYLOAD), 120,
-                             "the aborted request's KV send to complete")
+        run["sends"] = wait_until(lambda: _room_sends(deployment.span_file("prefill"), run["room"], KV_PAYLOAD), 120,
+                                  "the aborted request's KV send to complete")
         # The decode learns of the abort from the prefill, or not: abort it there too, so the client's request
         # ends whatever the decode made of it.
         deployment.client("post", f"{decode.url}/abort_request", abort)
@@ -292,7 +282,7 @@ def aborted_run(frozen_run):
             return _late_lines(run["log"], run["room"]) and console_points(
                 console_json_objects(run["log"]), "kv_transfer.late_completions")
 
-        _wait(reported, 60, "the late send's WARNING line and its count")
+        wait_until(reported, 60, "the late send's WARNING line and its count")
         run["kv_bytes"], run["span_file"] = frozen_run["kv_bytes"], deployment.span_file("prefill")
         yield run
     finally:

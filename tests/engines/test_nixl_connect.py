@@ -8,12 +8,12 @@ The agents live in one child process (tests/support/nixl_agents.py says why): th
 
 import os
 import sys
-import time
 
 import pytest
 from support import nixl_agents
 from support.logs import warnings_logged
 from support.nixl_agents import Initiator, result_of, spans_named
+from support.waiting import wait_until
 
 SIZE, BLOCK = 1 << 20, 1 << 16
 STUCK_S = 1.0
@@ -53,9 +53,8 @@ def _scenario(receiver, tel) -> dict:
             out["bad_metadata"] = type(exc).__qualname__
         # A metadata fetch from a port nobody listens on: never found, open until the scan reports it stuck.
         init.agent.fetch_remote_metadata("kvt-nobody", "127.0.0.1", _closed_port())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any("connect open for" in line for line in warnings):
-            time.sleep(0.05)
+        wait_until(lambda: any("connect open for" in line for line in warnings), 30,
+                   "the stuck line of the metadata fetch")
         out["found_nobody"] = init.agent.check_remote_metadata("kvt-nobody")
         metrics = tel.metrics()
         out["stuck"] = [{"attributes": dict(p.attributes), "value": p.value}

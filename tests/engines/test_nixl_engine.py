@@ -18,6 +18,7 @@ import time
 import pytest
 from support import nixl_agents
 from support.nixl_agents import Initiator, result_of, spans_named
+from support.waiting import wait_until
 
 BLOCK = 64 << 10
 BLOCKS = 16
@@ -75,11 +76,7 @@ def prepped_write(receiver, _originals):
         init.agent.release_xfer_handle(handle)
         arrived = all(receiver.digest(i * BLOCK, BLOCK) == _digest(init.buffer[i * BLOCK:(i + 1) * BLOCK])
                       for i in chosen)
-        deadline = time.monotonic() + 10
-        notes = receiver.notifications()
-        while not notes and time.monotonic() < deadline:
-            time.sleep(0.05)
-            notes = receiver.notifications()
+        notes = wait_until(receiver.notifications, 10, "the notification at the receiver")
         return dict(_seen(tel), state=state, arrived=arrived, notes=notes, chosen=len(chosen),
                     peer=receiver.session)
     finally:

@@ -12,10 +12,10 @@ between anchors).
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from support.standin_cuda import StandInCuda
+from support.waiting import wait_until
 
 from otel_kvtransfer import integration
 from otel_kvtransfer import semconv as sc
@@ -48,12 +48,7 @@ def _compute_spans(telemetry, key):
     return [s for s in telemetry.spans(sc.SPAN_COMPUTE) if s.attributes[sc.REQUEST_KEY] == str(key)]
 
 
-def _wait_for(condition, bound_s=20.0):
-    """Until condition() (a state the code under test reaches by itself); the bound only ends a failing test."""
-    deadline = time.monotonic() + bound_s
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.01)
+BOUND_S = 20.0  # the waits below are for states the code under test reaches by itself: it only ends a failing test
 
 
 def test_a_launch_is_timed_when_its_work_ran_not_when_it_was_enqueued(telemetry, stand_in):
@@ -119,7 +114,7 @@ def test_a_request_that_ends_gets_its_compute_first_without_waiting_for_the_reso
     truth_end = device.Event(enable_timing=True)
     truth_end.record(stream)
     truth_end.synchronize()
-    _wait_for(lambda: clock.stats()["anchors"] >= 1)
+    wait_until(lambda: clock.stats()["anchors"] >= 1, BOUND_S, "the device clock's first anchor", interval_s=0.01)
     integration.end_request(3)
 
     (span,) = _compute_spans(telemetry, 3)
@@ -160,7 +155,8 @@ def test_a_device_that_never_finishes_never_holds_the_engine_thread(telemetry, s
     launch_start, launch_end = done["launch"]
     assert launch_start <= span.start_time <= span.end_time <= launch_end
     # Request 5 is still open: past give_up_s the resolver lets the events go and keeps the host times.
-    _wait_for(lambda: telemetry.dropped().get(device_clock.UNRESOLVED) == 2)
+    wait_until(lambda: telemetry.dropped().get(device_clock.UNRESOLVED) == 2, BOUND_S, "2 unresolved drops",
+               interval_s=0.01)
     integration.end_request(5)
     (span,) = _compute_spans(telemetry, 5)
     assert span.attributes[sc.COMPUTE_CLOCK] == sc.CLOCK_HOST
@@ -183,7 +179,7 @@ def test_brackets_beyond_the_table_keep_their_host_times_and_are_counted(telemet
     truth_end = device.Event(enable_timing=True)
     truth_end.record(stream)
     truth_end.synchronize()
-    _wait_for(lambda: clock.stats()["anchors"] >= 1)
+    wait_until(lambda: clock.stats()["anchors"] >= 1, BOUND_S, "the device clock's first anchor", interval_s=0.01)
     for key in (6, 7):
         integration.end_request(key)
     (six,), (seven,) = _compute_spans(telemetry, 6), _compute_spans(telemetry, 7)

@@ -290,9 +290,7 @@ def test_hung_exporter_on_the_builder_thread_fills_the_queue_and_counts_drops(mo
             assert RECORDER.pending() <= capacity
         assert RECORDER.pending() == capacity
         exporter.release.set()
-        deadline = time.monotonic() + 10
-        while RECORDER.pending() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not RECORDER.pending(), 10, "the recorder's queue to empty", interval_s=0.01)
         dropped = setup.dropped()
         assert len(exporter.exported) == 1 + capacity
         assert dropped == {"queue_full": 2000 - capacity}
@@ -473,12 +471,14 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
             start = time.time_ns()
             instrumentor.instrument(tracer_provider=tracer_provider)
             switches.append((start, time.time_ns()))
-            _wait_for(lambda n=before: len(rcs) >= n + 8)  # some calls run while instrumented
+            wait_until(lambda n=before: len(rcs) >= n + 8, 30, "8 calls while instrumented",
+                       interval_s=0.001)  # some calls run while instrumented
             before = len(rcs)
             start = time.time_ns()
             instrumentor.uninstrument()
             switches.append((start, time.time_ns()))
-            _wait_for(lambda n=before: len(rcs) >= n + 8)  # and some while not
+            wait_until(lambda n=before: len(rcs) >= n + 8, 30, "8 calls while not instrumented",
+                       interval_s=0.001)  # and some while not
     finally:
         stop.set()
         for thread in threads:
@@ -493,13 +493,6 @@ def test_instrument_and_uninstrument_while_threads_transfer(engine, receiver):
     assert {s.attributes[semconv.BYTES] for s in spans} <= {300 + t for t in range(4)}  # each one whole
     assert all(s.attributes[semconv.ENGINE_CALLS] == 1 for s in spans)
     tracer_provider.shutdown()
-
-
-def _wait_for(condition, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert condition()
 
 
 # --- bounded memory -------------------------------------------------------------------------------------------
@@ -564,7 +557,8 @@ def test_ten_thousand_rooms_that_never_conclude_are_all_evicted_and_counted(monk
     try:
         for room in range(10_000):
             kvt.begin_request(room, backend=BACKEND)
-        _wait_for(lambda: len(exporter.get_finished_spans()) == 10_000, timeout_s=120)
+        wait_until(lambda: len(exporter.get_finished_spans()) == 10_000, 120, "10,000 evicted request spans",
+                   interval_s=0.001)
         spans = exporter.get_finished_spans()
         assert sorted(int(s.attributes[semconv.REQUEST_KEY]) for s in spans) == list(range(10_000))
         assert all(s.attributes[semconv.EVICTED] is True for s in spans)

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 from support.telemetry import Telemetry, dropped_by_reason, in_memory_metrics, metric_points
+from support.waiting import wait_until
 
 from otel_kvtransfer import KVTransferInstrumentor, RecordUnsampledSampler, config, semconv
 from otel_kvtransfer import integration as kvt
@@ -91,9 +92,8 @@ def test_the_background_thread_delivers_without_any_flush(monkeypatch):
     try:
         for _ in range(20):
             kvt.deliver(CALL)
-        deadline = time.monotonic() + 30
-        while len(telemetry.exporter.get_finished_spans()) < 20 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(telemetry.exporter.get_finished_spans()) >= 20, 30,
+                   "20 spans from the recorder's thread", interval_s=0.01)
         assert len(telemetry.exporter.get_finished_spans()) == 20
     finally:
         telemetry.uninstrument()

@@ -2,13 +2,13 @@
 rooms that never conclude are evicted and counted, uninstrument restores the engine exactly."""
 
 import os
-import time
 
 import pytest
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
 from support.telemetry import Telemetry
+from support.waiting import wait_until
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
@@ -61,9 +61,8 @@ def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):
     try:
         kvt.begin_request(91, backend="test")
         kvt.begin_receive(92, backend="test")
-        deadline = time.monotonic() + 10
-        while len(telemetry.exporter.get_finished_spans()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(telemetry.exporter.get_finished_spans()) >= 2, 10, "both evicted spans",
+                   interval_s=0.02)
         spans = {s.name: s for s in telemetry.spans()}
         assert set(spans) == {semconv.SPAN_REQUEST, semconv.SPAN_RECEIVE}
         for span in spans.values():
