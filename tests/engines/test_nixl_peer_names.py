@@ -49,7 +49,6 @@ def _scenario() -> dict:
     from support.telemetry import Telemetry
 
     from otel_kvtransfer import integration as kvt
-    from otel_kvtransfer.demo import nixl_loopback
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
@@ -58,9 +57,8 @@ def _scenario() -> dict:
     tel = Telemetry().instrument()
     try:
         metadata, address = ours.recv()
-        nixl_loopback._peers[PEER_NAME] = metadata  # what Initiator connects with, by the peer's name
         peer = SimpleNamespace(session=PEER_NAME, base_address=address, pid=process.pid)
-        init = Initiator(peer, SIZE, BLOCK, name="kvt-names")
+        init = Initiator(peer, SIZE, BLOCK, name="kvt-names", metadata=metadata)
         out = {"peer": init.peer.decode() if isinstance(init.peer, bytes) else init.peer,
                "connected": init.write_all()}
         with warnings_logged() as lines:

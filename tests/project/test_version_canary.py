@@ -31,8 +31,8 @@ def test_sglang_targets_are_what_its_patches_wrap():
     from otel_kvtransfer.frameworks import sglang
     from otel_kvtransfer.frameworks.sglang.common import patcher
 
-    for key in sglang._patches():
-        importlib.import_module(key.split("#", 1)[0])
+    for module in sglang.modules():
+        importlib.import_module(module)
     was_on = sglang.HOOKS.on
     sglang.instrument()
     try:

@@ -140,9 +140,9 @@ def frozen(receiver):
 
 class Initiator:
     """A NIXL agent with a registered source buffer of `size` bytes in blocks of `block`, connected to
-    `receiver`."""
+    `receiver` (a loopback Receiver, or a peer of the test's own whose agent `metadata` it is given)."""
 
-    def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test"):
+    def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test", metadata=None):
         import nixl._api as api
         import numpy as np
 
@@ -153,7 +153,7 @@ class Initiator:
                                     api.nixl_agent_config(backends=["UCX"]))
         self.buffer = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8) if buffer is None else buffer
         self.agent.register_memory(self.agent.get_reg_descs([(self.buffer.ctypes.data, size, 0, "")], "DRAM"))
-        self.peer = self.agent.add_remote_agent(_peers[receiver.session])
+        self.peer = self.agent.add_remote_agent(_peers[receiver.session] if metadata is None else metadata)
 
     def local_blocks(self):
         return [(self.buffer.ctypes.data + i * self.block, self.block, 0) for i in range(self.size // self.block)]
