@@ -1,6 +1,6 @@
 """The span encoder's CPU per span: thread CPU time of `span_encoding.encode_request` over many built spans.
 
-The spans are the ones tests/test_span_encoding.py builds through the real builder on the direct path (sends,
+The spans are the ones tests/building/test_span_encoding.py builds through the real builder on the direct path (sends,
 requests, peer waits of every shape it covers), repeated; encoding them is what the OTLP exporter's thread pays
 per span. `--tree` imports the package (and that test module) from another checkout, to compare two commits:
 
@@ -28,7 +28,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.copies < 1 or args.rounds < 1:
         parser.error("--copies and --rounds must be at least 1")
-    tree = use_tree(args.tree, "tests")
+    tree = use_tree(args.tree, "tests", os.path.join("tests", "building"))  # support/, and the test's folder
     import test_span_encoding
 
     from otel_kvtransfer.building import span_encoding

@@ -2,7 +2,7 @@
 ENGINES, a new serving framework one package in `frameworks/` and a line in FRAMEWORKS. Loaded by name, so the
 code that loads them (the instrumentor, the builder process) depends on none of them. Each one declares itself in
 one frozen spec (`SPEC`: a `recording.patching.EngineSpec` or `FrameworkSpec`) and patches through one
-`wiring.activation.LazyPatcher` driven by it; tests/test_backend_contract.py holds every one listed here to that
+`wiring.activation.LazyPatcher` driven by it; tests/project/test_backend_contract.py holds every one listed here to that
 contract on the real libraries.
 """
 

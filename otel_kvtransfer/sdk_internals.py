@@ -1,7 +1,7 @@
 """Every private name of OpenTelemetry (API, SDK, OTLP exporters) that this package reads, behind one door.
 
 None of these is public API. Each is read defensively here: a name an OpenTelemetry release renamed turns off
-the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/test_sdk_canary.py runs
+the one feature that needs it (a fallback, or nothing), never raises in an engine. tests/project/test_sdk_canary.py runs
 every function and constant below against the installed releases, and parses the package to hold it to the
 allowlist at the end of this file (`PRIVATE_NAMES`): the names read here are exactly those, and no other module
 reads one of OpenTelemetry's but what `READ_ELSEWHERE` grants it. A new OpenTelemetry release is this one file to
@@ -224,7 +224,7 @@ def sdk_configurator_class():
 
 
 # --- the allowlist ------------------------------------------------------------------------------------------------
-# Every private name of OpenTelemetry the package reads. tests/test_sdk_canary.py finds them by parsing the package
+# Every private name of OpenTelemetry the package reads. tests/project/test_sdk_canary.py finds them by parsing the package
 # (attributes, getattr names, imports, and the names this module declares for others to read) and holds them here:
 # a new read is a line below first.
 PRIVATE_NAMES = frozenset({

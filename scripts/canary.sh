@@ -9,9 +9,9 @@
 # Cache: $KVT_CANARY_CACHE, default ${XDG_CACHE_HOME:-~/.cache}/otel-kvtransfer/canary/<distribution>/<version>/
 # (outside the clone; a release is fetched once). Exit 1 when a target is missing; a registry that cannot be
 # reached is one line, and a failure only under CI=true. The tests of the canary itself are
-# tests/test_version_canary.py (part of scripts/test.sh).
+# tests/project/test_version_canary.py (part of scripts/test.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$(bash "$ROOT/scripts/setup.sh" | tail -n 1)"
 cd "$ROOT"
-exec "$PY" tests/version_canary.py "$@"
+exec "$PY" tests/support/version_canary.py "$@"

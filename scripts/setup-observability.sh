@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs the real parts that the observability tests use (idempotent; safe to run again):
-#   - Debian `prometheus` (server + promtool) for tests/test_prometheus_dashboard.py
+#   - Debian `prometheus` (server + promtool) for tests/deployments/test_prometheus_dashboard.py
 #   - npm `@grafana/schema` + `typescript` (versions from dashboards/typecheck/package.json) into a cache dir
-#     outside the repo, for tests/test_dashboard_schema.py; reinstalled when that package.json changes
-#   - PyPI `arize-phoenix` in its OWN virtualenv under the same cache dir, for tests/test_trace_store.py
+#     outside the repo, for tests/project/test_dashboard_schema.py; reinstalled when that package.json changes
+#   - PyPI `arize-phoenix` in its OWN virtualenv under the same cache dir, for tests/deployments/test_trace_store.py
 #   - Debian `iproute2` (the `ip` tool that brings loopback up inside `unshare --net`), util-linux (unshare,
 #     nsenter), python3-venv where the python lacks ensurepip
 # Works as root on a fresh Debian machine. Prints the paths the tests look at.

@@ -38,23 +38,23 @@ PINS=(
   "PyYAML==6.0.4"
 )
 TESTS=(
-  tests/test_sdk_canary.py
-  tests/test_config.py
-  tests/test_aggregate_and_stitching.py
-  tests/test_recorder.py
-  tests/test_builder.py
-  tests/test_span_encoding.py
-  tests/test_processor.py
-  tests/test_integration_api.py
-  tests/test_request_spans.py
-  tests/test_metrics_from_spans.py
-  tests/test_recorder_delivery.py
-  tests/test_sampling.py
-  tests/test_file_exporter.py
-  tests/test_auto_instrumentation.py
-  tests/test_builder_process.py
-  tests/test_mooncake_engine.py
-  tests/test_faults.py
+  tests/project/test_sdk_canary.py
+  tests/project/test_config.py
+  tests/building/test_aggregate_and_stitching.py
+  tests/recording/test_recorder.py
+  tests/building/test_builder.py
+  tests/building/test_span_encoding.py
+  tests/building/test_processor.py
+  tests/recording/test_integration_api.py
+  tests/building/test_request_spans.py
+  tests/building/test_metrics_from_spans.py
+  tests/recording/test_recorder_delivery.py
+  tests/building/test_sampling.py
+  tests/building/test_file_exporter.py
+  tests/wiring/test_auto_instrumentation.py
+  tests/offloading/test_builder_process.py
+  tests/engines/test_mooncake_engine.py
+  tests/recording/test_faults.py
 )
 
 quiet_pip() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" >&2 || true; }

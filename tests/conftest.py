@@ -1,11 +1,12 @@
-"""The fixtures the tests share: instrumented in-memory telemetry, and a real Mooncake engine and receiver on
-127.0.0.1. The helpers themselves live in tests/support/ (parts, telemetry, console, ...)."""
+"""The fixtures the tests share: instrumented in-memory telemetry, a meter provider with an in-memory reader, and a
+real Mooncake engine and receiver on 127.0.0.1. The helpers themselves live in tests/support/ (parts, telemetry,
+console, ...)."""
 
 import os
 
 import pytest
 from support.parts import mooncake_importable, require_part
-from support.telemetry import Telemetry
+from support.telemetry import Telemetry, in_memory_metrics
 
 # Mooncake logs every connection at INFO; the tests only need its errors.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -16,6 +17,15 @@ def telemetry():
     t = Telemetry().instrument()
     yield t
     t.uninstrument()
+
+
+@pytest.fixture
+def meter():
+    """(MeterProvider, InMemoryMetricReader) for one test, not instrumented (support.telemetry.in_memory_metrics):
+    for a test that hands the provider to the part it checks itself. Shut down after the test."""
+    provider, reader = in_memory_metrics(shutdown_on_exit=False)
+    yield provider, reader
+    provider.shutdown()
 
 
 @pytest.fixture(scope="module")

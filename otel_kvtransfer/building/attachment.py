@@ -77,7 +77,7 @@ class Attachment:
         for processor in self._processors:
             provider.add_span_processor(processor)
         # The SDK offers no "insert first" and no "remove": reorder its tuple so draining precedes exporting
-        # (tests/test_sdk_canary.py checks these private attributes on every SDK release we allow).
+        # (tests/project/test_sdk_canary.py checks these private attributes on every SDK release we allow).
         self._replace_processors(lambda current: (flush_first,) + tuple(p for p in current if p is not flush_first))
 
     def attach_flush_only(self, provider, processor) -> None:

@@ -8,7 +8,7 @@ packed in place. `accelerate()` wraps `encode_spans` inside the OTLP/HTTP and OT
 that are in use: a batch's KVSpans are written here and merged (protobuf concatenation) into what the original
 encoder makes of the other spans, so the exporter sends one request as before, through its own transport,
 endpoint, headers, TLS, compression, timeouts and retries. Any other span, or an error here, takes the
-original encoder. tests/test_span_encoding.py decodes both encoders' output and compares them field by field.
+original encoder. tests/building/test_span_encoding.py decodes both encoders' output and compares them field by field.
 
 What the SDK's encoder drops, this one drops too: an attribute whose key or string UTF-8 cannot carry (the span
 pipelines repair such strings before a span is made: attribute_values), an integer outside int64. What it keeps

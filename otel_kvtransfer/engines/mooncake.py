@@ -104,7 +104,7 @@ CUDA_STREAM_METHODS = {
 }
 # Where a call takes `nic_hint` positionally (0.3.14; by keyword too): after `transport_hint`, which follows the
 # lengths, or the opcode (and a sync call's `notify`), a pages call's `max_batch_size`, a CUDA call's stream.
-# tests/test_mooncake_cuda13.py checks every position against the signatures of the real 0.3.14 engine.
+# tests/engines/test_mooncake_cuda13.py checks every position against the signatures of the real 0.3.14 engine.
 NIC_HINT_AT = {
     **dict.fromkeys(("transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write",
                      "batch_transfer_sync_read", "transfer_submit_write", "batch_transfer_async_write",
@@ -145,7 +145,7 @@ def _op_of(opcode) -> str:
 
 def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5, count=None) -> tuple:
     """The `records.call` of one transfer call, from its arguments (the sync wrapper inlines the common
-    positional case: tests/test_backend_contract.py checks that both build the same record). `nic_at`: where the
+    positional case: tests/project/test_backend_contract.py checks that both build the same record). `nic_at`: where the
     call takes `nic_hint`; `count(args, kwargs)`: (bytes, descriptors) of a call whose lengths are not a list.
 
     A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
@@ -396,7 +396,7 @@ def _pages_count(args, kwargs) -> tuple:
     """(bytes, descriptors) of a *_pages call. `fields` is a C-contiguous [F, 5] table of (src_base, src_stride,
     dst_base, dst_stride, length) rows and the engine makes descriptor (f, i) of `length` bytes for every field f
     and page i: pages x the fields' lengths summed, in pages x F descriptors (checked at the receiver by
-    tests/test_mooncake_cuda13.py)."""
+    tests/engines/test_mooncake_cuda13.py)."""
     pages = memoryview(args[1] if len(args) > 1 else kwargs["src_pages"]).nbytes >> 3
     table = memoryview(args[3] if len(args) > 3 else kwargs["fields"]).cast("B").cast("q")
     return pages * sum(table[4::5]), pages * (len(table) // 5)

@@ -10,7 +10,7 @@ Every backend (an engine module, a framework package) is declared by one frozen 
 with `observe_call` (`safely` for the shapes it does not fit): where an observer's own failure is caught, counted
 and logged, so the engine's call, its return value and its exception are never touched. Only an engine's
 per-transfer wrappers keep the same guard inline (`own_error`), one Python frame fewer per call.
-tests/test_backend_contract.py holds every backend in `registry` to all of it.
+tests/project/test_backend_contract.py holds every backend in `registry` to all of it.
 """
 
 import importlib

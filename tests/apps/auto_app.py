@@ -1,5 +1,5 @@
 """An application that knows nothing of OpenTelemetry: it moves bytes with Mooncake in itself and in a spawned
-child. tests/test_auto_instrumentation.py runs it under `opentelemetry-instrument`."""
+child. tests/wiring/test_auto_instrumentation.py runs it under `opentelemetry-instrument`."""
 
 import multiprocessing
 import sys

@@ -1,5 +1,5 @@
-"""An engine process in `OTEL_KVTRANSFER_BUILDER=process` mode, for tests/test_builder_process.py: real Mooncake
-writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
+"""An engine process in `OTEL_KVTRANSFER_BUILDER=process` mode, for tests/offloading/test_builder_process.py: real
+Mooncake writes to a receiver process, in steps the test names, each step's outcome printed as one JSON line.
 
     python builder_process_app.py STEP [STEP ...]
     steps: many-fds (hold ~1,100 descriptors first), send:N (N 4,096 B writes in requests of one write each),

@@ -1,4 +1,4 @@
-"""OTEL_KVTRANSFER_HELPER_SETUP for tests/test_builder_process.py: the helper's SDK writes its spans to
+"""OTEL_KVTRANSFER_HELPER_SETUP for tests/offloading/test_builder_process.py: the helper's SDK writes its spans to
 $KVT_TEST_SPAN_FILE and, when it ends, its metric totals to $KVT_TEST_METRICS_DIR/<pid>.json (with the request
 count when $KVT_TEST_COUNT_REQUESTS is set). While the file
 $KVT_TEST_HOLD exists, its span exporter hangs (a collector that does not answer)."""

@@ -1,6 +1,6 @@
 """Every write and read kind of Mooncake 0.3.14 (the CUDA 13 build), made for real to a receiver process, for
-tests/test_mooncake_cuda13.py. Runs in the 0.3.14 virtualenv (scripts/setup-mooncake-cuda13.sh), whose CUDA driver
-is a stand-in (every driver call answers CUDA_ERROR_NO_DEVICE): the engine, its TCP transport and the bytes are
+tests/engines/test_mooncake_cuda13.py. Runs in the 0.3.14 virtualenv (scripts/setup-mooncake-cuda13.sh), whose CUDA
+driver is a stand-in (every driver call answers CUDA_ERROR_NO_DEVICE): the engine, its TCP transport and the bytes are
 real; the `*_on_cuda` calls, which need a CUDA stream, fail as they would on a host without a GPU.
 
     python mooncake_cuda13_app.py MODE OUT_JSON      MODE: thread (in-memory SDK in this process, the pipeline

@@ -1,6 +1,6 @@
 """A user's script on Mooncake 0.3.14 that knows nothing of OpenTelemetry: one write call of every kind the engine
-has, to a receiver process, each of a byte count no other call moves. tests/test_mooncake_cuda13.py runs it under
-`opentelemetry-instrument` in the 0.3.14 virtualenv (only the CUDA 13 build and this package's `.[auto]`) and
+has, to a receiver process, each of a byte count no other call moves. tests/engines/test_mooncake_cuda13.py runs it
+under `opentelemetry-instrument` in the 0.3.14 virtualenv (only the CUDA 13 build and this package's `.[auto]`) and
 finds one `kv_transfer.send` per call in the span file, with its bytes.
 
     python mooncake_cuda13_user_app.py OUT_JSON

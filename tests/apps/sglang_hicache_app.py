@@ -1,5 +1,6 @@
 """SGLang HiCache's NIXL storage backend moving KV pages to and from a storage tier, instrumented, for
-tests/test_sglang_hicache_offload.py. Prints one JSON object: what moved, and the spans and metric points made.
+tests/frameworks/sglang/test_sglang_hicache_offload.py. Prints one JSON object: what moved, and the spans and metric
+points made.
 
     python sglang_hicache_app.py STORAGE_DIR
 

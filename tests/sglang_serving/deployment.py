@@ -5,10 +5,10 @@ The KV moves over Mooncake (TCP) or, with transfer_backend="nixl", over NIXL (UC
 
 By default the pair (prefill + decode, TP1) behind one router; `Server` and `Router` describe other shapes (several
 servers of a role, tensor parallelism, another model or transfer backend per server, several routers), as the
-production-shapes test runs them (tests/test_sglang_shapes.py).
+production-shapes test runs them (tests/deployments/test_sglang_shapes.py).
 
-Used by the serving tests (tests/test_sglang_serving*.py, tests/test_sglang_shapes.py, tests/test_stuck_sglang.py,
-one deployment per module) and by scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What
+Used by the serving tests (tests/deployments/test_sglang_*.py, tests/deployments/test_stuck_sglang.py, one
+deployment per module) and by scripts/sglang-pd.sh (`python tests/sglang_serving/deployment.py run ...`). What
 cannot run here has a stand-in, named as such: an import-only `sgl_kernel` and a test-only sglang plugin
 (pythonpath/ beside this file; for NIXL it also declares the KV pool DRAM, as UCX without CUDA refuses the VRAM
 sglang would register; for MLA models it routes the attention to sglang's own MLA dispatch).
@@ -30,7 +30,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the observability parts
-from _observability_parts import phoenix_binary, prometheus_binary, start, stop, stop_all, wait_until
+from support.observability.parts import phoenix_binary, prometheus_binary, start, stop, stop_all, wait_until
 
 MODEL_DIR = os.path.join(HERE, "model")
 MLA_MODEL_DIR = os.path.join(HERE, "model_mla")  # a tiny DeepSeek-V2 (MLA); its servers need the MLA stand-in

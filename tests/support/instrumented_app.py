@@ -2,7 +2,8 @@
 variables only: spans go to a span file, what the app saw goes to a JSON file the test reads back.
 
 The app is a function of a test module, `function(out_path)`, called in a fresh interpreter that the
-`opentelemetry-instrument` launcher set up, as a user's process would be.
+`opentelemetry-instrument` launcher set up, as a user's process would be. The test names its module by its file
+(`__file__`): the app imports it from the test's own folder, with support/ importable beside it.
 """
 
 import importlib.util
@@ -15,6 +16,7 @@ import time
 
 from support import netns
 from support.parts import mooncake_importable, require_part
+from support.paths import ROOT, TESTS
 
 
 def require_parts() -> None:
@@ -24,20 +26,21 @@ def require_parts() -> None:
                  "opentelemetry-instrumentation")
 
 
-def run(tmp_path, module: str, function: str, builder: str, env: dict, timeout_s: float, own_user: bool = False):
-    """Run `module.function(out_path)` under opentelemetry-instrument with `builder` and the extra `env`.
+def run(tmp_path, test_file: str, function: str, builder: str, env: dict, timeout_s: float, own_user: bool = False):
+    """Run `function(out_path)` of the test module `test_file` under opentelemetry-instrument with `builder` and
+    the extra `env`.
 
     Returns (the finished process, the JSON the app wrote, the span file's path); a failed run fails the test
     with the end of its stderr."""
-    argv, full_env, spans_path, out_path = _command(tmp_path, module, function, builder, env)
+    argv, full_env, spans_path, out_path = _command(tmp_path, test_file, function, builder, env)
     proc = netns.run(argv, full_env, timeout_s, own_user=own_user, cwd=str(tmp_path))
     return _finished(proc, out_path, spans_path)
 
 
-def start(tmp_path, module: str, function: str, builder: str, env: dict, own_user: bool = False) -> "Running":
+def start(tmp_path, test_file: str, function: str, builder: str, env: dict, own_user: bool = False) -> "Running":
     """`run`, without waiting for its end: the test reads the app's output while it runs and can tell it a line
     on its stdin (an app that waits for a condition only the test sees)."""
-    argv, full_env, spans_path, out_path = _command(tmp_path, module, function, builder, env)
+    argv, full_env, spans_path, out_path = _command(tmp_path, test_file, function, builder, env)
     return Running(argv, full_env, tmp_path, spans_path, out_path, own_user)
 
 
@@ -102,15 +105,16 @@ class Running:
             self.proc.stdin.close()
 
 
-def _command(tmp_path, module: str, function: str, builder: str, env: dict):
+def _command(tmp_path, test_file: str, function: str, builder: str, env: dict):
     require_parts()
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
     spans_path, out_path = str(tmp_path / "spans.jsonl"), str(tmp_path / "out.json")
     full_env = netns.with_pythonpath(
         {**os.environ, "OTEL_KVTRANSFER_BUILDER": builder, "OTEL_TRACES_EXPORTER": "kvtransfer_file",
          "OTEL_KVTRANSFER_SPAN_FILE": spans_path, "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none",
-         "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR", **env}, netns.ROOT)
-    script = (f"import sys; sys.path.insert(0, {netns.TESTS!r}); import {module}; "
+         "MC_FORCE_TCP": "1", "MC_LOG_LEVEL": "ERROR", **env}, ROOT)
+    folder, module = os.path.split(os.path.splitext(os.path.abspath(test_file))[0])
+    script = (f"import sys; sys.path[:0] = [{TESTS!r}, {folder!r}]; import {module}; "
               f"{module}.{function}({out_path!r})")
     return [instrument, sys.executable, "-c", script], full_env, spans_path, out_path
 

@@ -8,9 +8,6 @@ import os
 import shutil
 import subprocess
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOT = os.path.dirname(TESTS)
-
 
 def tools_available() -> bool:
     return all(shutil.which(t) for t in ("unshare", "ip"))

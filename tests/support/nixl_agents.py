@@ -20,12 +20,13 @@ import traceback
 
 from support import netns
 from support.parts import require_part
+from support.paths import TESTS
 
 # These tests' agents pause 100 us between idle progress polls, as the test deployments' do (tests/nixl_pacing/
 # says why; a busy-polling progress thread per agent, three agents per test, take both cores from the calls the
 # tests time): in the child that runs a test module's scenarios and in the receivers it spawns (each imports the
 # test module, and with it this one, before it makes an agent).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nixl_pacing"))
+sys.path.insert(0, os.path.join(TESTS, "nixl_pacing"))
 import kvt_test_nixl_pacing  # noqa: E402
 
 kvt_test_nixl_pacing.activate()
@@ -37,9 +38,11 @@ def require_nixl() -> None:
 
 
 def run_apart(script: str, out_path: str, env: dict, timeout_s: float, private_net: bool = False) -> dict:
-    """Run `python script out_path` (in a private network namespace if asked) and return the JSON it wrote."""
+    """Run `python script out_path` (in a private network namespace if asked) and return the JSON it wrote. The
+    tests folder goes first on its PYTHONPATH: the script, a test module in a folder of its own, imports support/."""
     require_nixl()
     argv = [sys.executable, os.path.abspath(script), out_path]
+    env = netns.with_pythonpath(env, TESTS)
     if private_net:
         netns.require_tools()
         done = netns.run(argv, env, timeout_s, own_user=True)
@@ -137,9 +140,9 @@ def frozen(receiver):
 
 class Initiator:
     """A NIXL agent with a registered source buffer of `size` bytes in blocks of `block`, connected to
-    `receiver`."""
+    `receiver` (a loopback Receiver, or a peer of the test's own whose agent `metadata` it is given)."""
 
-    def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test"):
+    def __init__(self, receiver, size: int, block: int, buffer=None, name: str = "kvt-test", metadata=None):
         import nixl._api as api
         import numpy as np
 
@@ -150,7 +153,7 @@ class Initiator:
                                     api.nixl_agent_config(backends=["UCX"]))
         self.buffer = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8) if buffer is None else buffer
         self.agent.register_memory(self.agent.get_reg_descs([(self.buffer.ctypes.data, size, 0, "")], "DRAM"))
-        self.peer = self.agent.add_remote_agent(_peers[receiver.session])
+        self.peer = self.agent.add_remote_agent(_peers[receiver.session] if metadata is None else metadata)
 
     def local_blocks(self):
         return [(self.buffer.ctypes.data + i * self.block, self.block, 0) for i in range(self.size // self.block)]

@@ -9,8 +9,8 @@ Its owner is the module the value comes from, as far as the source says:
 - a dotted module: what the value was imported from, also through a name assigned from it (`recorder = RECORDER`),
   a default (`def f(recorder=RECORDER)`) or a call (`Patcher(...)`: an object of a class imported from there);
 - None: the source does not say (a value passed in, or made by something not imported).
-tests/test_layout.py reads the owners that are our own modules (no private read across folders);
-tests/test_sdk_canary.py the ones that are OpenTelemetry's (only through `sdk_internals`).
+tests/project/test_layout.py reads the owners that are our own modules (no private read across folders);
+tests/project/test_sdk_canary.py the ones that are OpenTelemetry's (only through `sdk_internals`).
 """
 
 import ast

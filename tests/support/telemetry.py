@@ -11,11 +11,11 @@ class Telemetry:
 
         from otel_kvtransfer import KVTransferInstrumentor
 
-        # opentelemetry-test-utils' providers: a SimpleSpanProcessor into an in-memory exporter, an in-memory
-        # metric reader. Handed to instrument() explicitly: the global providers stay untouched.
+        # opentelemetry-test-utils' tracer provider (a SimpleSpanProcessor into an in-memory exporter) and the
+        # tests' one meter provider. Handed to instrument() explicitly: the global providers stay untouched.
         self.tracer_provider, self.exporter = TestBase.create_tracer_provider(**({"sampler": sampler} if sampler
                                                                                  else {}))
-        self.meter_provider, self.reader = TestBase.create_meter_provider()
+        self.meter_provider, self.reader = in_memory_metrics()
         self.instrumentor = KVTransferInstrumentor()
 
     def instrument(self):
@@ -39,6 +39,17 @@ class Telemetry:
         """{drop reason: count} of what the instrumentation dropped so far."""
         self.tracer_provider.force_flush()
         return dropped_by_reason(self.reader)
+
+
+def in_memory_metrics(temporality=None, **options):
+    """(MeterProvider, InMemoryMetricReader): an SDK meter provider whose one reader keeps what it collects, the one
+    way the tests make them. `options` go to the provider (shutdown_on_exit, resource, exemplar_filter, views);
+    `temporality` to the reader ({instrument class: AggregationTemporality}; cumulative when not given)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader(preferred_temporality=temporality)
+    return MeterProvider(metric_readers=[reader], **options), reader
 
 
 def metric_points(reader) -> dict:

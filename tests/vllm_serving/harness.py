@@ -14,6 +14,7 @@ import re
 import subprocess
 
 from support import netns
+from support.paths import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR = os.path.join(HERE, "pair.py")
@@ -47,7 +48,7 @@ def vllm_ready(python: str) -> bool:
 def run_pair(python: str, connector: str, out_dir: str) -> dict:
     """Run the pair end to end (servers stopped before this returns); results.json as a dict."""
     # This checkout's package first: the venv's own install of it may point at another clone.
-    env = netns.with_pythonpath(dict(os.environ), netns.ROOT)
+    env = netns.with_pythonpath(dict(os.environ), ROOT)
     with open(os.path.join(out_dir, "driver.log"), "wb") as log:
         completed = subprocess.run(netns.private_net([python, PAIR, "--connector", connector, "--out", out_dir]),
                                    env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,

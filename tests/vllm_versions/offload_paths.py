@@ -1,8 +1,8 @@
 """Drives vLLM's KV offload tier over NIXL (the OffloadingConnector's P2P tier: `NixlTransport` in
 v1/kv_offload/tiering/p2p/data/nixl.py) with this package instrumenting it, next to a KV transfer of vLLM's
-Mooncake connector, and prints what came out as one JSON object (tests/test_vllm_offload.py reads it). Run like
-connector_paths.py: the vLLM virtualenv's python, inside `unshare --net` with loopback up, the release under test
-first on sys.path.
+Mooncake connector, and prints what came out as one JSON object (tests/frameworks/vllm/test_vllm_offload.py reads it).
+Run like connector_paths.py: the vLLM virtualenv's python, inside `unshare --net` with loopback up, the release under
+test first on sys.path.
 
 Real: two of vLLM's `NixlTransport` (its agents on vLLM's NixlWrapper, its registrations, `add_remote_peer`,
 `write_blocks`, `poll`, `close`) over NIXL's UCX backend on the loopback device, each over its own block region

@@ -1,8 +1,8 @@
 """Drives vLLM's own classes that move bytes which are not KV through the Mooncake and NIXL engines (its
 encoder-cache connectors' data planes, its EPLB expert-weight mover), next to a KV transfer of its Mooncake
 connector, with this package instrumenting them, and prints what came out as one JSON object
-(tests/test_vllm_payloads.py reads it). Run like connector_paths.py: the vLLM virtualenv's python, inside
-`unshare --net` with loopback up, the release under test first on sys.path.
+(tests/frameworks/vllm/test_vllm_payloads.py reads it). Run like connector_paths.py: the vLLM virtualenv's python,
+inside `unshare --net` with loopback up, the release under test first on sys.path.
 
 Real: vLLM's `MooncakeTransfer` (ec_connector/mooncake/transfer.py: its own TransferEngine, registrations and
 `write`), `NixlDataTransport` (ec_connector/cpu/data/nixl.py: two of them, producer and consumer, on vLLM's

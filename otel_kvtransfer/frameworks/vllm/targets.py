@@ -111,5 +111,5 @@ def by_module() -> dict:
     return found
 
 
-# the KV connectors' (tests/test_vllm_connector_paths.py patches them all)
+# the KV connectors' (tests/frameworks/vllm/test_vllm_connector_paths.py patches them all)
 ALL = MOONCAKE_TARGETS + NIXL_TARGETS + NIXL_STATS_TARGETS

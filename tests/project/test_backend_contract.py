@@ -1,0 +1,440 @@
+"""The contract every backend in `registry.ENGINES` and `registry.FRAMEWORKS` keeps, on its library's real classes.
+
+(a) instrument() then uninstrument() leaves every class `__dict__` entry identical (`is`) to what it was;
+(b) instrument() twice patches once;
+(c) what the original returns reaches the caller as it is, and what it raises is the same exception object;
+(d) a failure inside a wrapper's own code is counted as a `wrapper_error` drop and never raised.
+
+(a) and (b) run on the real classes as the library defines them. For (c) and (d) each patched method is called,
+through the backend's own wrapper, around a stand-in original installed on the real class for the test: the real
+methods need a live engine (GPU memory, a peer, a scheduler loop). The call's arguments are unreadable (every
+attribute, item, length, number, text or truth value of them raises), so every observer that looks at them fails:
+each such failure must be counted and swallowed, while the stand-in's answer goes through untouched.
+
+vLLM is installed in its own virtualenv only: its case runs this same file there, with pytest.
+A new backend needs nothing here: a line in `registry.py` and it is held to the contract.
+"""
+
+import asyncio
+import gc
+import importlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import wrapt
+from support.parts import require_part
+from support.paths import ROOT
+
+from otel_kvtransfer import config, registry, semconv
+from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording.patching import Backend, EngineSpec, FrameworkSpec, is_ours, observe_call
+from otel_kvtransfer.recording.recorder import RECORDER, Sink
+
+IN_PROCESS = "KVT_CONTRACT_IN_PROCESS"  # set when this file runs inside another virtualenv
+# Backends whose library lives in another virtualenv: the test runs this file there.
+ELSEWHERE = {"otel_kvtransfer.frameworks.vllm": "vllm"}
+BACKENDS = registry.ENGINES + registry.FRAMEWORKS
+
+
+class Unreadable(Exception):
+    """What every read of a `Poison` raises: not an AttributeError, so `getattr(x, name, default)` raises it too."""
+
+
+class Poison:
+    """An argument (or instance) no observer can read."""
+
+    def _fail(self, *_args, **_kwargs):
+        raise Unreadable("unreadable argument")
+
+    __getattr__ = __len__ = __iter__ = __getitem__ = __contains__ = _fail
+    __int__ = __index__ = __float__ = __bool__ = __hash__ = __str__ = __format__ = _fail
+    __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __call__ = _fail
+
+    def __repr__(self):
+        return "<Poison>"
+
+
+class Boom(Exception):
+    """The stand-in original's own exception."""
+
+
+class StandIn:
+    """A stand-in original for `owner.attr`: answers `sentinel`, or raises `error` while `raising`."""
+
+    def __init__(self, coroutine: bool):
+        self.sentinel, self.error, self.raising, self.calls = object(), Boom("the original failed"), False, 0
+        stand_in = self
+
+        def original(*_args, **_kwargs):
+            stand_in.calls += 1
+            if stand_in.raising:
+                raise stand_in.error
+            return stand_in.sentinel
+
+        async def original_coroutine(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        self.function = original_coroutine if coroutine else original
+        self.code = original.__code__
+
+
+def _module_classes(module) -> list:
+    """The classes defined in a module, and their bases: every owner a backend may patch there."""
+    found = {}
+    for value in list(vars(module).values()):
+        if isinstance(value, type):
+            for klass in inspect.getmro(value):
+                if klass is not object:
+                    found[id(klass)] = klass
+    return list(found.values())
+
+
+def _snapshot(classes) -> dict:
+    return {klass: dict(vars(klass)) for klass in classes}
+
+
+def _changed(snapshot: dict) -> list:
+    """Entries not identical (`is`) to the snapshot's, or added or removed, as 'Class.attr'."""
+    changed = []
+    for klass, entries in snapshot.items():
+        now = vars(klass)
+        for name in set(entries) | set(now):
+            if name not in entries or name not in now or now[name] is not entries[name]:
+                changed.append(f"{klass.__qualname__}.{name}")
+    return sorted(changed)
+
+
+def _outcome(value):
+    """The call's answer; a coroutine (vLLM's async methods) is run to its answer."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+
+class Recording(Sink):
+    """The real recorder, started on its own: the backends' wrappers record (and count drops) only while it is."""
+
+    def __init__(self):
+        self.drops, self.records = {}, []
+        self.take = self.records.append
+        RECORDER.start(config.load(), self)
+
+    def count_drops(self, reason, amount):
+        self.drops[reason] = self.drops.get(reason, 0) + amount
+
+    def wrapper_errors(self) -> int:
+        RECORDER.drain()  # hands over the records and reports the drops counted so far
+        return self.drops.get("wrapper_error", 0)
+
+
+@pytest.fixture
+def recording():
+    if RECORDER.active:
+        RECORDER.stop()
+    yield Recording()
+    RECORDER.stop()
+
+
+def _load(name: str):
+    """The backend and its library's real modules, imported; skips (with why) what this virtualenv lacks."""
+    backend = importlib.import_module(name)
+    loaded = []
+    for module_name in backend.modules():
+        try:
+            loaded.append(importlib.import_module(module_name))
+        except ImportError as error:
+            require_part(False, f"{module_name}, which {name} patches ({error})")
+    return backend, loaded
+
+
+def _run_elsewhere(name: str, venv: str) -> None:
+    """This file's case for `name`, run by pytest in the virtualenv that holds the backend's library."""
+    from vllm_serving import harness
+
+    python = harness.vllm_python()
+    require_part(harness.vllm_ready(python), f"the {venv} virtualenv at {python} (run `bash scripts/setup-vllm.sh`)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
+    env.update({IN_PROCESS: "1", "PYTHONPATH": ROOT})
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", name],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backend_contract(name, recording):
+    if name in ELSEWHERE and not os.environ.get(IN_PROCESS):
+        if importlib.util.find_spec(ELSEWHERE[name]) is None:
+            _run_elsewhere(name, ELSEWHERE[name])
+            return
+    backend, modules = _load(name)
+    assert isinstance(backend, Backend)
+    assert isinstance(backend.SPEC, EngineSpec if name in registry.ENGINES else FrameworkSpec)
+    classes = [klass for module in modules for klass in _module_classes(module)]
+    before = _snapshot(classes)
+    try:
+        # (a), (b) on the real classes.
+        assert backend.instrument() is True
+        patched = backend.patcher.patched()
+        assert patched, f"{name} patched nothing in {backend.modules()}"
+        assert all(is_ours(vars(owner)[attr]) for owner, attr in patched)
+        assert {id(owner) for owner, _ in patched} <= {id(klass) for klass in classes}
+        entries = [vars(owner)[attr] for owner, attr in patched]
+        assert backend.instrument() is True
+        assert backend.patcher.patched() == patched
+        assert all(vars(owner)[attr] is entry for (owner, attr), entry in zip(patched, entries))
+        backend.uninstrument()
+        assert _changed(before) == []
+        assert backend.patcher.patched() == []
+
+        # (c), (d) through each wrapper, around a stand-in original on the real class.
+        stand_ins = {}
+        for owner, attr in patched:
+            stand_ins[(owner, attr)] = StandIn(inspect.iscoroutinefunction(before[owner][attr]))
+            setattr(owner, attr, stand_ins[(owner, attr)].function)
+        with_stand_ins = _snapshot(classes)
+        assert backend.instrument() is True
+        assert backend.patcher.patched() == patched
+        counted = []
+        for (owner, attr), stand_in in stand_ins.items():
+            wrapper = vars(owner)[attr]
+            assert is_ours(wrapper)
+            errors = recording.wrapper_errors()
+            answer = _outcome(wrapper.__get__(Poison(), owner)(*[Poison() for _ in range(6)]))
+            assert answer is stand_in.sentinel, f"{owner.__qualname__}.{attr} changed the return value"
+            stand_in.raising = True
+            with pytest.raises(Boom) as raised:
+                _outcome(wrapper.__get__(Poison(), owner)(*[Poison() for _ in range(6)]))
+            assert raised.value is stand_in.error, f"{owner.__qualname__}.{attr} replaced the exception"
+            frames = [frame.f_code for frame, _ in traceback.walk_tb(raised.value.__traceback__)]
+            assert stand_in.code in frames  # the original's own frame is still in its traceback
+            assert stand_in.calls == 2  # the original ran exactly once per call
+            if recording.wrapper_errors() > errors:
+                counted.append(f"{owner.__qualname__}.{attr}")
+        # Every observer here read the unreadable arguments inside its guard; at least one of each backend's
+        # observers ran (the others are gated on state a live engine would have, and called straight through).
+        assert counted, f"no wrapper of {name} counted its own failure"
+        backend.uninstrument()
+        assert _changed(with_stand_ins) == []
+    finally:
+        backend.uninstrument()
+        for klass, entries in before.items():  # the library's own originals back, exactly
+            for attr, entry in entries.items():
+                if vars(klass).get(attr) is not entry:
+                    setattr(klass, attr, entry)
+    assert _changed(before) == []
+
+
+def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeypatch):
+    """The Mooncake sync wrapper builds its records inline (calling `records.call` and `records.raw_call` would be
+    more Python frames per transfer): they must be what the constructors build from the same values, and what the
+    general path (keyword arguments, through `_call`) builds; the engine gets each call as it was made."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")  # the transport of engines initialised before instrument()
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    originals = {name: vars(engine_class)[name] for name in ("transfer_sync_write", "batch_transfer_sync_read")}
+    engine = object()  # the stand-in originals never touch the engine (a real one needs a peer)
+    received = []  # what each original was called with: the wrapper passes the call on as it came
+
+    def original(self, *args, **kwargs):  # a completed transfer (rc 0)
+        received.append((self, args, kwargs))
+        return 0
+
+    try:
+        for name in originals:
+            setattr(engine_class, name, original)
+        assert backend.instrument() is True
+        assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, 65536) == 0
+        assert engine_class.transfer_sync_write(engine, target_hostname="10.0.0.1:15001", buffer=4096,
+                                                peer_buffer_address=8192, length=65536) == 0
+        lengths = [1024, 2048, 4096]
+        assert engine_class.batch_transfer_sync_read(engine, "10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths) == 0
+        assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, length=65536) == 0
+        recording.wrapper_errors()
+    finally:
+        backend.uninstrument()
+        for name, entry in originals.items():
+            setattr(engine_class, name, entry)
+    assert received == [
+        (engine, ("10.0.0.1:15001", 4096, 8192, 65536), {}),
+        (engine, (), {"target_hostname": "10.0.0.1:15001", "buffer": 4096, "peer_buffer_address": 8192,
+                      "length": 65536}),
+        (engine, ("10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths), {}),
+        (engine, ("10.0.0.1:15001", 4096, 8192), {"length": 65536})]
+    assert len(recording.records) == 4
+    hot, general, batch, mixed = recording.records
+
+    def expected(record, nbytes, descriptors, op, peer):
+        assert record[records.KIND] == records.RAW_CALL and len(record) == records.RAW_CONTEXT + 1
+        call = record[records.RAW_CALL_FIELDS]
+        return records.raw_call(records.call(call[records.CALL_START], call[records.CALL_END], nbytes, descriptors,
+                                             op, peer, "tcp", 0, None, "mooncake"), record[records.RAW_CONTEXT])
+
+    assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
+    assert mixed == expected(mixed, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    assert batch[records.RAW_CALL_FIELDS][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
+    # No span was current: the record holds no context, only plain values, so the GC stops tracking it at its first
+    # collection and a queue of such records costs the later collections nothing (a batch's list keeps its own).
+    assert hot[records.RAW_CONTEXT] is None
+    gc.collect()
+    assert not gc.is_tracked(hot) and not gc.is_tracked(general) and gc.is_tracked(batch)
+
+
+def test_observe_call_shows_the_call_and_never_changes_it(recording):
+    """The helper every wrapper is built with: the observers see the call (the token passes from before to after,
+    the exception too with on_raise); a failing observer is counted, never raised; when() off means not called."""
+    error, seen, on = Boom("the call failed"), [], [True]
+
+    class Target:
+        def method(self, value):
+            if value == "raise":
+                raise error
+            return [value]
+
+    def before(instance, args, kwargs):
+        seen.append(("before", args))
+        if args[0] == "bad":
+            raise Unreadable("before")
+        return "token"
+
+    def after(instance, args, kwargs, token, result, raised):
+        seen.append(("after", token, result, raised))
+        if args[0] == "bad":
+            raise Unreadable("after")
+
+    wrapt.wrap_function_wrapper(Target, "method", observe_call("observe", before, after, when=lambda: on[0],
+                                                               on_raise=True))
+    target = Target()
+    assert target.method("ok") == ["ok"]
+    assert seen == [("before", ("ok",)), ("after", "token", ["ok"], None)]
+    seen.clear()
+    with pytest.raises(Boom) as raised:
+        target.method("raise")
+    assert raised.value is error
+    assert seen == [("before", ("raise",)), ("after", "token", None, error)]
+    seen.clear()
+    errors = recording.wrapper_errors()
+    assert target.method("bad") == ["bad"]
+    assert seen == [("before", ("bad",)), ("after", None, ["bad"], None)]
+    assert recording.wrapper_errors() == errors + 2
+    seen.clear()
+    on[0] = False
+    assert target.method("ok") == ["ok"]
+    assert seen == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_declares_its_distributions_and_supported_range(name):
+    """Its range is a PEP 440 specifier with a lower bound, and that bound is what the package's `instruments-any`
+    list (wiring/package.py, the same as pyproject.toml's extra) asks of each of its distributions: the oldest
+    release it works on is said in one way everywhere."""
+    from packaging.specifiers import SpecifierSet
+
+    from otel_kvtransfer.wiring.activation import bounds
+    from otel_kvtransfer.wiring.package import _instruments_any
+
+    backend = importlib.import_module(name)
+    lower = [spec.version for spec in SpecifierSet(backend.SUPPORTED) if spec.operator == ">="]
+    assert len(lower) == 1, backend.SUPPORTED
+    assert backend.DISTRIBUTIONS and all(isinstance(d, str) and d for d in backend.DISTRIBUTIONS)
+    for distribution in backend.DISTRIBUTIONS:
+        assert f"{distribution} >= {lower[0]}" in _instruments_any, (distribution, _instruments_any)
+    if backend.SPEC.version_gate:  # a framework: its gate enforces exactly the range it declares
+        assert (backend.HOOKS.minimum, backend.HOOKS.below) == bounds(backend.SUPPORTED)
+        assert backend.HOOKS.is_supported(lower[0])
+
+
+def test_every_instruments_any_entry_belongs_to_a_backend():
+    from otel_kvtransfer.wiring.package import _instruments_any
+
+    declared = {distribution for name in BACKENDS for distribution in importlib.import_module(name).DISTRIBUTIONS}
+    assert {entry.split(" ")[0] for entry in _instruments_any} == declared
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_is_one_spec_and_its_views(name):
+    """One frozen spec per backend says what it is and what it patches; the module-level names the package, its
+    tests and its docs use are views of it, and its one lazy patcher (`HOOKS`) is driven by it."""
+    import dataclasses
+
+    from otel_kvtransfer.wiring.activation import LazyPatcher
+
+    backend = importlib.import_module(name)
+    spec = backend.SPEC
+    assert dataclasses.is_dataclass(spec) and type(spec).__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "renamed"
+    assert isinstance(backend.HOOKS, LazyPatcher) and backend.HOOKS.spec is spec
+    assert backend.HOOKS.patcher is backend.patcher
+    assert (backend.instrument, backend.uninstrument, backend.modules) == (
+        backend.HOOKS.instrument, backend.HOOKS.uninstrument, backend.HOOKS.modules)
+    assert (backend.DISTRIBUTIONS, backend.SUPPORTED, backend.modules()) == (
+        spec.distributions, spec.supported, spec.modules)
+    assert spec.patches and all(callable(patch.apply) for patch in spec.patches)
+    if name in registry.ENGINES:
+        assert (backend.BACKEND, backend.SETUP_IN_FIRST_CALL) == (spec.name, spec.setup_in_first_call)
+        assert backend.peer_attributes is spec.peer_attributes
+        assert not spec.version_gate
+    else:
+        assert backend.FRAMEWORK == spec.name and spec.version_gate
+        assert backend.is_supported == backend.HOOKS.is_supported
+    hooked = [patch.module for patch in spec.patches]
+    if name.endswith("engines.nixl"):  # `nixl` picks its build as it is imported: patched then, in `nixl._api`
+        assert hooked == ["nixl"] and spec.modules == ("nixl._api",)
+    else:
+        assert spec.modules == tuple(dict.fromkeys(hooked))
+
+
+def test_an_engine_spec_drives_the_same_lazy_patcher(tmp_path, monkeypatch, caplog):
+    """What an engine's spec asks of the one lazy patcher, on a module of our own (named as such) imported for real:
+    nothing before its module is imported, patched the moment it is, undone with the backend's own state on
+    uninstrument; an absent library is not patched; a patch that raises is named once and leaves nothing patched."""
+    import logging
+
+    from otel_kvtransfer.recording.patching import EngineSpec, Patch, Patcher
+    from otel_kvtransfer.wiring.activation import LazyPatcher
+
+    (tmp_path / "kvt_standin_engine.py").write_text("class Engine:\n    def transfer(self):\n        return 'moved'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvt_standin_engine", raising=False)
+    patcher, seen = Patcher("stand-in"), []
+
+    def patch(module):
+        patcher.wrap(module.Engine, "transfer", observe_call("time", when=None))
+
+    def broken(module):
+        raise Unreadable("a class the release renamed")
+
+    def spec(apply, available=lambda: True):
+        return EngineSpec("standin", ("kvt-standin",), ">=1.0", (Patch("kvt_standin_engine", apply),),
+                          available=available, prepare=lambda: seen.append("prepare"),
+                          forget=lambda: seen.append("forget"))
+
+    assert LazyPatcher(spec(patch, available=lambda: False), patcher).instrument() is False
+    hooks = LazyPatcher(spec(patch), patcher)
+    try:
+        assert hooks.instrument() is True and patcher.patched() == [] and seen == ["prepare"]
+        module = importlib.import_module("kvt_standin_engine")
+        assert patcher.patched() == [(module.Engine, "transfer")] and module.Engine().transfer() == "moved"
+        hooks.uninstrument()
+        assert patcher.patched() == [] and seen == ["prepare", "forget"]
+        assert hooks.instrument() is True and patcher.patched() == [(module.Engine, "transfer")]  # imported: now
+    finally:
+        hooks.uninstrument()
+    failing = LazyPatcher(spec(broken), patcher)
+    with caplog.at_level(logging.WARNING, logger="otel_kvtransfer.wiring.activation"):
+        assert failing.instrument() is False  # the module is imported: patched at once, and that failed
+        assert failing.instrument() is False
+    said = [r.getMessage() for r in caplog.records if "lacks what its instrumentation needs" in r.getMessage()]
+    assert len(said) == 1 and "kvt_standin_engine: the patch failed" in said[0]
+    assert patcher.patched() == [] and failing.blocked

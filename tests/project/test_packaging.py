@@ -1,0 +1,310 @@
+"""The package as a user installs it: a real wheel built from this tree, installed into a throwaway virtualenv with
+nothing but its declared dependencies, then read back through importlib.metadata and the installed files.
+
+The wheel is built from a copy of the files the build reads (never in the shared tree) with the running
+interpreter's setuptools (>= 77, PEP 639), or pip's isolated build when that is older. The virtualenv holding the
+declared dependencies is cached under ~/.cache/otel-kvtransfer/packaging-venv, keyed by those requirements; the
+wheel itself is reinstalled on every run.
+"""
+
+import email
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import pytest
+from support.observability.parts import CACHE, ROOT, mooncake_available
+from support.parts import require_part
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+BUILD_INPUTS = ("pyproject.toml", "LICENSE", "docs/package-description.md", "dashboards/kv_transfer.json",
+                "dashboards/alerts.yaml", "otel_kvtransfer")
+DATA_DIR = ("share", "otel-kvtransfer", "dashboards")
+
+
+def _pyproject():
+    if tomllib is None:
+        pytest.skip("tomllib needs Python >= 3.11")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        return tomllib.load(handle)
+
+
+def _run(argv, timeout=600, **kwargs):
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+    assert result.returncode == 0, f"{' '.join(argv)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _copy_build_inputs(dest):
+    for rel in BUILD_INPUTS:
+        src = os.path.join(ROOT, rel)
+        target = os.path.join(dest, rel)
+        if os.path.isdir(src):
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(src, target)
+
+
+def _setuptools_supports_pep639() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    major = re.match(r"\d+", setuptools.__version__)
+    return bool(major) and int(major.group()) >= 77
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("src"))
+    out = str(tmp_path_factory.mktemp("wheel"))
+    _copy_build_inputs(src)
+    argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", out, src]
+    if _setuptools_supports_pep639():
+        argv.insert(4, "--no-build-isolation")  # offline and fast; otherwise pip fetches setuptools >= 77
+    _run(argv)
+    (name,) = [n for n in os.listdir(out) if n.endswith(".whl")]
+    return os.path.join(out, name)
+
+
+@pytest.fixture(scope="module")
+def wheel_metadata(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        (path,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        return email.message_from_bytes(archive.read(path))
+
+
+def _plain_requirements(metadata):
+    return sorted(r for r in metadata.get_all("Requires-Dist", []) if "extra ==" not in r)
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, wheel_metadata):
+    """A virtualenv with the declared dependencies only (cached), and the freshly built wheel (--no-deps)."""
+    requirements = _plain_requirements(wheel_metadata)
+    key = hashlib.sha256(json.dumps([sys.version, requirements]).encode()).hexdigest()[:16]
+    path = os.path.join(CACHE, "packaging-venv", key)
+    python = os.path.join(path, "bin", "python")
+    stamp = os.path.join(path, ".complete")
+    if not os.path.exists(stamp):
+        shutil.rmtree(path, ignore_errors=True)
+        _run([sys.executable, "-m", "venv", "--without-pip", path])
+        _run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", *requirements])
+        with open(stamp, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(requirements))
+        # keep only this key: older ones belong to requirements no longer declared
+        for other in os.listdir(os.path.dirname(path)):
+            if other != key:
+                shutil.rmtree(os.path.join(os.path.dirname(path), other), ignore_errors=True)
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", "--force-reinstall",
+          wheel])
+    return python
+
+
+def _in_venv(python, code):
+    """Run code in the throwaway venv (cwd outside the tree, so the installed package is what imports)."""
+    with tempfile.TemporaryDirectory() as cwd:
+        result = _run([python, "-I", "-c", code], timeout=120, cwd=cwd)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_dependencies_are_the_true_minimums_and_bounded(wheel_metadata):
+    requires = {re.split(r"[ <>=!~;]", r, maxsplit=1)[0].lower(): r for r in _plain_requirements(wheel_metadata)}
+    # api/sdk 1.27-1.29 lack explicit_bucket_boundaries_advisory; instrumentation 0.57b0-0.62b0 does not reach spawn
+    # children (0.57b0 is also the first with instruments-any); 0.63b0 pins semantic-conventions 0.63b0 and so
+    # API 1.42.0. scripts/test-minimums.sh runs the core suite at exactly these.
+    for name in ("opentelemetry-api", "opentelemetry-sdk"):
+        assert re.search(r">=\s*1\.42\.0", requires[name]) and re.search(r"<\s*2\b", requires[name]), requires[name]
+    assert re.search(r">=\s*0\.63b0", requires["opentelemetry-instrumentation"])
+    # OTLP export (grpcio, protobuf) is the user's choice: an extra, not a dependency
+    assert "opentelemetry-exporter-otlp" not in requires
+    assert not [r for r in requires if "grpc" in r]
+
+
+def test_extras(wheel_metadata):
+    extras = set(wheel_metadata.get_all("Provides-Extra", []))
+    assert {"otlp", "demo", "timeline", "auto", "instruments-any", "mooncake", "mooncake-cpu", "sglang"} <= extras
+    by_extra = {}
+    for requirement in wheel_metadata.get_all("Requires-Dist", []):
+        match = re.search(r'extra\s*==\s*"([^"]+)"', requirement)
+        if match:
+            by_extra.setdefault(match.group(1), []).append(requirement.split(";", 1)[0].strip().lower())
+    names = {extra: {re.split(r"[ <>=!~]", r, maxsplit=1)[0] for r in reqs} for extra, reqs in by_extra.items()}
+    assert "opentelemetry-exporter-otlp" in names["otlp"]
+    # the demo renders its timeline PNG (Pillow) and exports OTLP
+    assert {"pillow", "opentelemetry-exporter-otlp", "numpy"} <= names["demo"]
+    assert {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"} <= names["instruments-any"]
+
+
+def test_license_is_an_spdx_expression_with_its_file(wheel, wheel_metadata):
+    assert wheel_metadata["License-Expression"] == "Apache-2.0"
+    assert wheel_metadata.get_all("License-File") == ["LICENSE"]
+    assert not wheel_metadata.get("License")  # the deprecated free-text field
+    assert not [c for c in wheel_metadata.get_all("Classifier", []) if c.startswith("License ::")]
+    with zipfile.ZipFile(wheel) as archive:
+        (path,) = [n for n in archive.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        text = archive.read(path).decode()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000  # the full text, not a stub
+
+
+def test_classifiers_and_no_invented_urls(wheel_metadata):
+    classifiers = wheel_metadata.get_all("Classifier", [])
+    assert "Framework :: OpenTelemetry :: Instrumentations" in classifiers
+    assert any(c.startswith("Programming Language :: Python :: 3.") for c in classifiers)
+    # the project has no public homepage or repository yet: no URL rather than an invented one
+    assert not wheel_metadata.get_all("Project-URL") and not wheel_metadata.get("Home-page")
+
+
+def test_long_description_has_no_relative_links_and_no_repo_scripts(wheel_metadata):
+    assert wheel_metadata["Description-Content-Type"].startswith("text/markdown")
+    body = wheel_metadata.get_payload()
+    assert body.strip().startswith("# otel_kvtransfer")
+    targets = re.findall(r"\]\(([^)\s]+)", body) + re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", body, re.M) + \
+        re.findall(r"""(?:src|href)=["']([^"']+)""", body)
+    relative = [t for t in targets if not re.match(r"https?://", t)]
+    assert not relative, relative
+    assert "scripts/" not in body and "bash scripts" not in body  # a PyPI reader has no checkout
+
+
+def test_entry_points_are_declared_as_in_pyproject(venv):
+    project = _pyproject()["project"]
+    expected = {group: dict(points) for group, points in project["entry-points"].items()}
+    expected["console_scripts"] = dict(project["scripts"])
+    installed = _in_venv(venv, (
+        "import json, importlib.metadata as m\n"
+        "eps = m.distribution('otel_kvtransfer').entry_points\n"
+        "print(json.dumps({g: {e.name: e.value for e in eps if e.group == g} for g in {e.group for e in eps}}))"))
+    assert installed == expected
+    for group in ("opentelemetry_instrumentor", "opentelemetry_traces_exporter", "sglang.srt.plugins",
+                  "vllm.general_plugins", "console_scripts"):
+        assert installed.get(group), group
+
+
+def test_entry_points_load_with_only_the_declared_dependencies(venv):
+    """Every entry point's target imports in a venv holding nothing but the declared dependencies (no sglang,
+    vLLM, Mooncake, grpcio): a hidden import of an optional package would break `opentelemetry-instrument`."""
+    loaded = _in_venv(venv, (
+        "import json, importlib.metadata as m\n"
+        "out = {}\n"
+        "for e in m.distribution('otel_kvtransfer').entry_points:\n"
+        "    try:\n"
+        "        out[e.group + ':' + e.name] = callable(e.load())\n"
+        "    except Exception as exc:\n"
+        "        out[e.group + ':' + e.name] = f'{type(exc).__name__}: {exc}'\n"
+        "print(json.dumps(out))"))
+    assert loaded and all(v is True for v in loaded.values()), loaded
+
+
+def test_dashboard_and_alert_rules_ship_in_the_wheel(wheel, venv):
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    shipped = [n for n in names if "/data/" + "/".join(DATA_DIR) + "/" in n]
+    assert sorted(os.path.basename(n) for n in shipped) == ["alerts.yaml", "kv_transfer.json"]
+    data = _in_venv(venv, "import json, sysconfig; print(json.dumps(sysconfig.get_path('data')))")
+    for name in ("kv_transfer.json", "alerts.yaml"):
+        with open(os.path.join(data, *DATA_DIR, name), "rb") as installed, \
+                open(os.path.join(ROOT, "dashboards", name), "rb") as source:
+            assert installed.read() == source.read(), name
+
+
+def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):
+    """opentelemetry-instrument skips the instrumentor when none of `instruments-any` is installed (this venv has
+    no engine), and `otel_kvtransfer.wiring.package._instruments_any` says the same as the extra."""
+    declared = sorted(r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])
+                      if re.search(r'extra\s*==\s*"instruments-any"', r))
+    result = _in_venv(venv, (
+        "import json, importlib.metadata as m\n"
+        "from opentelemetry.instrumentation.dependencies import get_dist_dependency_conflicts\n"
+        "from otel_kvtransfer.wiring import package\n"
+        "conflict = get_dist_dependency_conflicts(m.distribution('otel_kvtransfer'))\n"
+        "print(json.dumps({'conflict': str(conflict) if conflict else None,\n"
+        "                  'required_any': sorted(getattr(conflict, 'required_any', None) or []),\n"
+        "                  'instruments': list(package._instruments),\n"
+        "                  'instruments_any': sorted(getattr(package, '_instruments_any', ()))}))"))
+    assert result["instruments"] == []
+    from packaging.requirements import Requirement
+
+    def normalise(requirements):
+        return sorted((Requirement(r).name.lower(), str(Requirement(r).specifier)) for r in requirements)
+
+    assert normalise(result["instruments_any"]) == normalise(declared)
+    assert result["conflict"] and normalise(result["required_any"]) == normalise(declared)
+
+
+def test_instruments_any_is_satisfied_where_an_engine_is_installed(wheel_metadata):
+    """The other side, in the project's own environment: the Mooncake CPU wheel installed there satisfies it."""
+    from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
+
+    require_part(mooncake_available(), "the Mooncake engine (bash scripts/setup.sh)")
+    declared = [r.split(";", 1)[0].strip() for r in wheel_metadata.get_all("Requires-Dist", [])
+                if re.search(r'extra\s*==\s*"instruments-any"', r)]
+    assert get_dependency_conflicts([], declared) is None
+
+
+# --- docs/faults.md says what the fault tests show ---------------------------------------------------------------
+
+FAULTS_DOC = os.path.join(ROOT, "docs", "faults.md")
+
+
+def _fault_rows():
+    with open(FAULTS_DOC, encoding="utf-8") as handle:
+        return [line for line in handle if line.startswith("| ") and not line.startswith("| fault")
+                and not line.startswith("|---")]
+
+
+FAULTS_TESTS = "tests/recording/test_faults.py"  # where a row's bare test name is
+
+
+def test_faults_doc_names_only_tests_that_exist():
+    """Every test file a row names exists (named from the checkout's root), and every test it names exists in the
+    file it names (a bare name is in FAULTS_TESTS)."""
+    rows = _fault_rows()
+    assert len(rows) >= 20
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        for ref in re.findall(r"`([^`]+)`", cells[-1]):
+            if ref.startswith("tests/") and ref.endswith(".py"):
+                assert os.path.isfile(os.path.join(ROOT, ref)), ref
+                continue
+            path, _, name = ref.rpartition("::") if "::" in ref else (FAULTS_TESTS, "", ref)
+            if path.startswith("bench/") or not name.startswith("test_") or name.endswith(".py"):
+                continue
+            assert path.startswith("tests/"), f"{ref}: name a test by its path from the checkout's root"
+            with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
+                source = handle.read()
+            assert re.search(rf"^def {re.escape(name.split('[', 1)[0])}\(", source, re.M), (path, name)
+
+
+def test_faults_doc_claims_no_timing_the_tests_do_not_assert():
+    """Timing is never a pass/fail criterion in tests: a row that speaks of speed must say it is not asserted."""
+    for row in _fault_rows():
+        if "bench/" in row:
+            continue
+        if re.search(r"slowed|full speed|per-call time|speed", row, re.I):
+            assert re.search(r"not asserted", row, re.I), row[:120]
+
+
+def test_faults_doc_poisoned_span_row_matches_the_test():
+    """The test exports ten spans of 10..19 bytes with one processor raising: the doc must not say nine."""
+    with open(os.path.join(ROOT, FAULTS_TESTS), encoding="utf-8") as handle:
+        source = handle.read()
+    body = source[source.index("def test_one_poisoned_span_loses_only_itself"):]
+    body = body[:body.index("\ndef ", 1)]
+    exported = re.search(r"== list\(range\((\d+), (\d+)\)\)", body)
+    assert exported, "the poisoned-span test no longer asserts the exported spans: update docs/faults.md"
+    count = int(exported.group(2)) - int(exported.group(1))
+    (row,) = [r for r in _fault_rows() if "test_one_poisoned_span_loses_only_itself" in r]
+    words = {9: "nine", 10: "ten"}
+    assert words.get(count, str(count)) in row and "nine" not in row.replace(words.get(count, ""), "")

@@ -1,0 +1,344 @@
+"""The release canary: the newest release of each instrumented library, from the package registry, checked
+against what the wrappers patch and read, statically: the next release that breaks a wrapper fails the day it is
+published, long before anyone runs it.
+
+For each library: `pip index versions` names the newest release; `pip download --no-deps --only-binary=:all:`
+fetches its wheel (never installed, never imported by the canary; no CUDA stack comes along); its Python files are
+unpacked into a cache outside the clone, keyed by version, and the wheel is deleted; the targets are checked on the
+source with `otel_kvtransfer.wiring.targets.missing_in_source` (ast). vLLM's targets are the ones its gate checks at
+run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines' are declared below and kept in step
+with their patch functions by tests/project/test_version_canary.py. Mooncake's engine is a compiled extension: its
+method names are looked up in the binary's string table (pybind11 keeps them there).
+
+Every published build of each engine is read, its newest release each (the build names are the engine modules'
+DISTRIBUTIONS): Mooncake's nine (CUDA 12, CPU, CUDA 13, three EFA, ROCm, NPU, MUSA), each wheel's own compiled
+engine; NIXL's three (`nixl` chooses a build at import time: its code is the `nixl-cu12` release of the same number;
+`nixl-cu12` and `nixl-cu13` are read as they are). A build whose newest release lies below the engine's supported
+range is said so in its line and is no failure: `instruments-any` asks for the range's minimum, so such a release
+never switches the instrumentation on (mooncake-transfer-engine-musa's only release, 0.0.0.1, is a placeholder that
+installs no `mooncake` package at all: its line says it holds no engine).
+
+    python tests/support/version_canary.py [--only NAME ...] [--version NAME==X.Y.Z ...]
+
+One line per library; exit 1 when a required target is missing. A registry that cannot be reached is said in
+one line and fails only under CI=true. Cache: $KVT_CANARY_CACHE, default
+${XDG_CACHE_HOME:-~/.cache}/otel-kvtransfer/canary/<distribution>/<version>/.
+"""
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the checkout: its package is the one checked
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from packaging.version import InvalidVersion, Version
+
+from otel_kvtransfer.engines import mooncake as mooncake_engine
+from otel_kvtransfer.engines import nixl as nixl_engine
+from otel_kvtransfer.wiring.targets import Target, missing_in_source
+
+PIP_TIMEOUT_S = 60  # per pip command (the biggest wheel, vLLM's, is ~340 MB)
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]{0,40}$")
+_MAX_SOURCE = 8 << 20  # bytes of one source file read for the check
+
+_SG = "sglang.srt.disaggregation"
+SGLANG_TARGETS = [
+    Target(f"{_SG}.common.conn", "CommonKVManager", "update_status"),
+    Target(f"{_SG}.common.conn", "CommonKVManager", "conclude_transfer"),
+    Target(f"{_SG}.common.conn", "CommonKVSender", "__init__"),
+    Target(f"{_SG}.common.conn", "CommonKVSender", "clear"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "__init__"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "send_metadata"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "poll"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "abort"),
+    Target(f"{_SG}.common.conn", "CommonKVManager", "try_ensure_parallel_info"),  # the decode's set-up steps
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "_get_bootstrap_info_from_server"),
+    Target(f"{_SG}.common.conn", "CommonKVReceiver", "_register_kv_args"),
+    Target(f"{_SG}.common.utils", "FastQueue", "put"),
+    Target(f"{_SG}.common.utils", "FastQueue", "get"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "__init__"),  # its rank: the start-up line
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache_slice"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_kvcache_dcp"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "_do_staging_transfer"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "maybe_send_extra"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_aux"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "add_transfer_request"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVManager", "send_aux_data_to_endpoint"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "__init__"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache_slice"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache_mixed"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_kvcache_dcp"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "_do_staging_transfer"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "maybe_send_extra"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "send_aux"),
+    Target(f"{_SG}.nixl.conn", "NixlKVManager", "add_transfer_request"),
+    # classes the sglang package registers by role (not wrapped: their presence is what it needs)
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVSender"),
+    Target(f"{_SG}.mooncake.conn", "MooncakeKVReceiver"),
+    Target(f"{_SG}.nixl.conn", "NixlKVSender"),
+    Target(f"{_SG}.nixl.conn", "NixlKVReceiver"),
+    Target(f"{_SG}.prefill", "SchedulerDisaggregationPrefillMixin", "maybe_send_cached_prefix_chunk"),
+    Target(f"{_SG}.prefill", "PrefillBootstrapQueue", "create_sender"),
+    Target(f"{_SG}.decode", "DecodePreallocQueue", "_create_receiver_and_enqueue"),
+    Target(f"{_SG}.decode", "DecodePreallocQueue", "_ensure_prefill_info"),
+    # the decode's KV checksum (integrity.py): is it on, the digest taken, the verdict, a mismatch
+    Target(f"{_SG}.decode", "DecodePreallocQueue", "__init__"),
+    Target(f"{_SG}.decode", "DecodeTransferQueue", "_commit_transfer_to_req"),
+    Target(f"{_SG}.decode", "SchedulerDisaggregationDecodeMixin", "_verify_kv_checksums"),
+    Target(f"{_SG}.decode", "SchedulerDisaggregationDecodeMixin", "_handle_kv_checksum_mismatch"),
+    Target("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl", "_xfer_and_wait"),  # HiCache's offload
+    Target("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
+]
+
+_NX = "nixl._api"
+NIXL_TARGETS = [
+    Target(_NX, "nixl_agent", "prep_xfer_dlist", ("agent_name", "xfer_list")),
+    Target(_NX, "nixl_agent", "make_prepped_xfer", ("operation", "local_xfer_side", "local_indices",
+                                                    "remote_xfer_side", "remote_indices", "notif_msg")),
+    Target(_NX, "nixl_agent", "initialize_xfer", ("operation", "local_descs", "remote_descs", "remote_agent",
+                                                  "notif_msg")),
+    Target(_NX, "nixl_agent", "transfer", ("handle",)),
+    Target(_NX, "nixl_agent", "check_xfer_state", ("handle",)),
+    Target(_NX, "nixl_xfer_handle", "release", (), ("_agent", "_handle")),
+    Target(_NX, "nixl_prepped_dlist_handle", "release", (), ("_agent", "_handle")),
+]
+
+# Mooncake's TransferEngine methods the engine module replaces (a compiled class: names only). Required: what every
+# 0.3 release has; optional: the rest of what the engine module times where a build has it (0.3.14's arrays, pages
+# and scatter calls, the CUDA builds' *_on_cuda calls), taken from the module so the two cannot drift apart.
+MOONCAKE_METHODS = ("initialize", "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write",
+                    "batch_transfer_sync_read", "batch_transfer_async_write", "batch_transfer_async_read",
+                    "transfer_check_status", "get_batch_transfer_status", "register_memory")
+MOONCAKE_OPTIONAL = ("initialize_ext", "transfer_sync", "batch_transfer_sync", "transfer_submit_write",
+                     "batch_transfer_async", "batch_register_memory", "batch_unregister_memory",
+                     *sorted(mooncake_engine.timed_calls() - {"initialize_ext", "transfer_sync", "batch_transfer_sync",
+                                                              "transfer_submit_write", "batch_transfer_async",
+                                                              *MOONCAKE_METHODS}))
+
+
+def _vllm_targets() -> List[Target]:
+    from otel_kvtransfer.frameworks.vllm import targets
+
+    return targets.ALL + targets.PAYLOAD_TARGETS  # the KV connectors', then the traffic that is not KV (optional)
+
+
+@dataclass
+class Library:
+    name: str  # the distribution the registry is asked about
+    code: str  # the distribution whose wheel holds the code (the same release when it is published)
+    targets: Callable[[], List[Target]] = list
+    aliases: Dict[str, str] = field(default_factory=dict)  # module prefix -> where its code lives
+    binary: Optional[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = None  # (file pattern, required, optional)
+    supported: Optional[str] = None  # an engine's supported range: a newest release below it is not checked
+
+
+def _nixl_build(name: str) -> Library:
+    """`nixl-cuXY` holds its code as the module `nixl_cuXY` (nixl._api is nixl_cuXY._api there); the plain `nixl`
+    only chooses a build at import time, and is checked through `nixl-cu12`'s code of its release."""
+    code = "nixl-cu12" if name == "nixl" else name
+    return Library(name, code, lambda: NIXL_TARGETS, aliases={"nixl._api": code.replace("-", "_") + "._api"},
+                   supported=nixl_engine.SUPPORTED)
+
+
+LIBRARIES = {
+    "vllm": Library("vllm", "vllm", _vllm_targets),
+    "sglang": Library("sglang", "sglang", lambda: SGLANG_TARGETS),
+    **{name: Library(name, name, binary=(r"^mooncake/engine[^/]*\.so$", MOONCAKE_METHODS, MOONCAKE_OPTIONAL),
+                     supported=mooncake_engine.SUPPORTED) for name in mooncake_engine.DISTRIBUTIONS},
+    **{name: _nixl_build(name) for name in nixl_engine.DISTRIBUTIONS},
+}
+
+
+def below_supported(library: Library, version: str) -> bool:
+    """The release lies below the engine's supported range: `instruments-any` (its minimum) never switches the
+    instrumentation on for it."""
+    if not library.supported:
+        return False
+    minimum = [part.strip()[2:].strip() for part in library.supported.split(",") if part.strip().startswith(">=")]
+    try:
+        return bool(minimum) and Version(version) < Version(minimum[0])
+    except InvalidVersion:
+        return False
+
+
+class RegistryUnreachable(Exception):
+    pass
+
+
+def cache_root() -> str:
+    explicit = os.environ.get("KVT_CANARY_CACHE")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "otel-kvtransfer", "canary")
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--timeout", "20",
+               "--retries", "1"]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S * 10, check=False)
+    except subprocess.TimeoutExpired as error:
+        raise RegistryUnreachable(f"pip {args[0]} took longer than {PIP_TIMEOUT_S * 10} s") from error
+
+
+def releases(distribution: str) -> List[str]:
+    """The releases on the registry, newest first (`pip index versions`, the ordinary client)."""
+    done = _pip("index", "versions", distribution)
+    found = re.search(r"^Available versions: (.+)$", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or not found:
+        last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+        raise RegistryUnreachable(f"no release list for {distribution}: {last}")
+    return [v.strip() for v in found.group(1).split(",") if _VERSION.match(v.strip())][:1000]
+
+
+def resolve(library: "Library", version: Optional[str]) -> Tuple[str, str, str]:
+    """(release, release of the wheel that holds the code, a note when they differ)."""
+    version = version or releases(library.name)[0]
+    if library.code == library.name:
+        return version, version, ""
+    published = releases(library.code)
+    if version in published:
+        return version, version, ""
+    return version, published[0], (f"; {library.name} {version} needs {library.code} {version}, which the registry "
+                                   f"does not have: checked {library.code} {published[0]}")
+
+
+def source_dir(library: Library, version: str) -> str:
+    """The release's unpacked code (downloaded once per version; the wheel itself is not kept)."""
+    if not _VERSION.match(version):
+        raise ValueError(f"not a version: {version[:60]!r}")
+    home = os.path.join(cache_root(), library.code, version)
+    src = os.path.join(home, "src")
+    if os.path.exists(os.path.join(src, ".complete")):
+        return src
+    shutil.rmtree(home, ignore_errors=True)
+    os.makedirs(src)
+    wheels = os.path.join(home, "wheels")
+    done = _pip("download", "--no-deps", "--only-binary=:all:", "--no-cache-dir", "-d", wheels,
+                f"{library.code}=={version}")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+        raise RegistryUnreachable(f"could not download {library.code}=={version}: {last}")
+    pattern = re.compile(library.binary[0]) if library.binary else None
+    for name in sorted(os.listdir(wheels)):
+        with zipfile.ZipFile(os.path.join(wheels, name)) as wheel:
+            for member in wheel.namelist():
+                # Python code, its data files (small), the version metadata: the tree imports where it can
+                keep = (member.endswith((".py", ".json")) or member.endswith(".dist-info/METADATA")
+                        or (pattern is not None and pattern.match(member)))
+                if keep and ".." not in member.split("/") and not member.startswith("/"):
+                    wheel.extract(member, src)
+    shutil.rmtree(wheels, ignore_errors=True)
+    with open(os.path.join(src, ".complete"), "w", encoding="utf-8") as marker:
+        marker.write(version + "\n")
+    return src
+
+
+def tree_reader(src: str, aliases: Dict[str, str]) -> Callable[[str], Optional[ast.Module]]:
+    cache: Dict[str, Optional[ast.Module]] = {}
+
+    def tree_of(module: str) -> Optional[ast.Module]:
+        for prefix, real in aliases.items():
+            if module == prefix or module.startswith(prefix + "."):
+                module = real + module[len(prefix):]
+        if module not in cache:
+            cache[module] = None
+            base = os.path.join(src, *module.split("."))
+            for path in (base + ".py", os.path.join(base, "__init__.py")):
+                if os.path.isfile(path) and os.path.getsize(path) <= _MAX_SOURCE:
+                    with open(path, encoding="utf-8", errors="replace") as handle:
+                        cache[module] = ast.parse(handle.read(), filename=path)
+                    break
+        return cache[module]
+
+    return tree_of
+
+
+def _binary_names(src: str, pattern: str, names: Tuple[str, ...]) -> List[str]:
+    """Names absent from every matching binary's bytes (a pybind11 method name is a NUL-ended string there)."""
+    blobs = []
+    for folder, _, files in os.walk(src):
+        for name in files:
+            relative = os.path.relpath(os.path.join(folder, name), src).replace(os.sep, "/")
+            if re.match(pattern, relative):
+                with open(os.path.join(folder, name), "rb") as handle:
+                    blobs.append(handle.read())
+    if not blobs:
+        return [f"{pattern} (no engine binary in the wheel)"]
+    # The linker merges a string into the tail of a longer one ("transfer_sync_write" lives inside
+    # "batch_transfer_sync_write"), so only the name's end is certain: a removed name that is the tail of a kept
+    # one goes unnoticed here.
+    return [n for n in names if not any(n.encode() + b"\0" in blob for blob in blobs)]
+
+
+def check(library: Library, version: str) -> Tuple[List[str], List[str]]:
+    """(required pieces missing, optional pieces missing) of `library` at `version`."""
+    src = source_dir(library, version)
+    if library.binary:
+        _, required, optional = library.binary
+        return _binary_names(src, library.binary[0], required), _binary_names(src, library.binary[0], optional)
+    targets = library.targets()
+    tree_of = tree_reader(src, library.aliases)
+    return (missing_in_source(tree_of, [t for t in targets if not t.optional]),
+            missing_in_source(tree_of, [t for t in targets if t.optional]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--only", action="append", choices=sorted(LIBRARIES), help="check only these libraries")
+    parser.add_argument("--version", action="append", default=[], metavar="NAME==X.Y.Z",
+                        help="check this release instead of the newest")
+    options = parser.parse_args(argv)
+    pinned = {}
+    for item in options.version:
+        name, _, version = item.partition("==")
+        if name not in LIBRARIES or not _VERSION.match(version):
+            print(f"canary: --version wants NAME==X.Y.Z with NAME one of {', '.join(LIBRARIES)}", file=sys.stderr)
+            return 2
+        pinned[name] = version
+    in_ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    failed = unreachable = False
+    for name in options.only or list(LIBRARIES):
+        library = LIBRARIES[name]
+        try:
+            version, code_version, note = resolve(library, pinned.get(name))
+            absent, newer_absent = check(library, code_version)
+        except RegistryUnreachable as error:
+            unreachable = True
+            print(f"canary: {name}: the package registry cannot be reached ({error})"
+                  + ("" if in_ci else "; not a failure outside CI"))
+            continue
+        except (OSError, zipfile.BadZipFile, SyntaxError, ValueError) as error:
+            failed = True
+            print(f"canary: {name}: could not read its release ({type(error).__name__}: {str(error)[:200]})")
+            continue
+        if below_supported(library, version):
+            held = "holds no engine" if any("no engine binary" in a for a in absent) else (
+                "lacks " + ", ".join(absent[:6]) if absent else "has every patch target")
+            print(f"canary: {name} {version}: below the supported range ({library.supported}): never instrumented; "
+                  f"its wheel {held}{note}")
+        elif absent:
+            failed = True
+            print(f"canary: {name} {version}: FAILED, a wrapper's target is missing: {', '.join(absent[:12])}{note}")
+        else:
+            if newer_absent:
+                note += f"; paths it lacks (optional): {', '.join(newer_absent[:6])}"
+            print(f"canary: {name} {version}: every patch target present{note}")
+    return 1 if failed or (unreachable and in_ci) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
