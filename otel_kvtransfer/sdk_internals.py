@@ -224,9 +224,9 @@ def sdk_configurator_class():
 
 
 # --- the allowlist ------------------------------------------------------------------------------------------------
-# Every private name of OpenTelemetry the package reads. tests/project/test_sdk_canary.py finds them by parsing the package
-# (attributes, getattr names, imports, and the names this module declares for others to read) and holds them here:
-# a new read is a line below first.
+# Every private name of OpenTelemetry the package reads. tests/project/test_sdk_canary.py finds them by parsing the
+# package (attributes, getattr names, imports, and the names this module declares for others to read) and holds
+# them here: a new read is a line below first.
 PRIVATE_NAMES = frozenset({
     # the API's context and the instrumentation utilities
     "_SUPPRESS_INSTRUMENTATION_KEY", "_SUPPRESS_INSTRUMENTATION_KEY_PLAIN", "_RUNTIME_CONTEXT", "_current_context",
