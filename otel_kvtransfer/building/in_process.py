@@ -12,7 +12,7 @@ from opentelemetry import trace
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.attachment import Attachment
 from otel_kvtransfer.building.builder import SpanBuilder
-from otel_kvtransfer.recording.recorder import Sink
+from otel_kvtransfer.recording.sink import Sink
 from otel_kvtransfer.version import __version__
 
 

@@ -255,8 +255,8 @@ def _sync(original, op, batch, nic_at=5):
             elif recorder.active:  # as integration.deliver, with the context already fetched
                 rec = (RAW_CALL, start, end, lengths, descriptors, op, target_hostname, transport, rc, error, BACKEND,
                        extra, ctx or None)
-                queue = recorder._queue
-                if len(queue) < recorder._capacity and not recorder._idle:
+                queue = recorder.queue
+                if len(queue) < recorder.capacity and not recorder.idle:
                     queue.append(rec)  # Recorder.record's common case, inline (see there)
                 else:
                     recorder.record(rec)

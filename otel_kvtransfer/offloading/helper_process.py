@@ -33,7 +33,7 @@ from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_bu
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
 from otel_kvtransfer.offloading import lifecycle, wire
 from otel_kvtransfer.offloading.link import DROP_REASON
-from otel_kvtransfer.recording.recorder import log_own_error
+from otel_kvtransfer.recording.sink import log_own_error
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger("otel_kvtransfer.offloading.helper_process")  # run as __main__

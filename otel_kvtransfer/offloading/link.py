@@ -39,7 +39,7 @@ from otel_kvtransfer.offloading import wire
 from otel_kvtransfer.offloading.channel import GONE, READ_SIZE, Channel, ready
 from otel_kvtransfer.offloading.ledger import Ledger
 from otel_kvtransfer.offloading.lifecycle import START_TRIES, HelperProcess
-from otel_kvtransfer.recording.recorder import Sink, log_own_error
+from otel_kvtransfer.recording.sink import Sink, log_own_error
 
 _logger = logging.getLogger(__name__)
 
