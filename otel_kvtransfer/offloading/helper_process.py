@@ -32,7 +32,7 @@ from otel_kvtransfer import config, registry, semconv
 from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
 from otel_kvtransfer.offloading import lifecycle, wire
-from otel_kvtransfer.offloading.link import DROP_REASON
+from otel_kvtransfer.offloading.link_drops import DROP_REASON
 from otel_kvtransfer.recording.sink import log_own_error
 from otel_kvtransfer.version import __version__
 
