@@ -65,10 +65,11 @@ class KVTransferInstrumentor(BaseInstrumentor):
         self._sink, self._link, self._end_open, self._backends, self._finalizer = None, None, None, (), None
         if os.environ.get(lifecycle.HELPER_ENV):
             return  # this is the builder process itself: it builds, it has nothing to patch
-        given = _Given(kwargs.get("tracer_provider") or trace.get_tracer_provider(),
-                       kwargs.get("meter_provider") or metrics.get_meter_provider(), kwargs.get("meter_provider"),
-                       kwargs.get("tracer_provider") is not None, config.load(),
-                       registry.load(registry.ENGINES), registry.load(registry.FRAMEWORKS))
+        given = _Given(tracer_provider=kwargs.get("tracer_provider") or trace.get_tracer_provider(),
+                       meter_provider=kwargs.get("meter_provider") or metrics.get_meter_provider(),
+                       meter_provider_given=kwargs.get("meter_provider"),
+                       tracer_provider_given=kwargs.get("tracer_provider") is not None, settings=config.load(),
+                       engines=registry.load(registry.ENGINES), frameworks=registry.load(registry.FRAMEWORKS))
         self._attach_builder(given)
         self._start_recording(given)
         self._patch_backends(given)
