@@ -6,7 +6,7 @@ other sends of its request to the same peer and destination (its shape), made on
 cache the caller keeps (the builder keeps one per open request, and one for raw engine calls).
 """
 
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.aggregate import NS_PER_S
@@ -22,21 +22,28 @@ PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semco
 _PER_SEND_EXTRA = (semconv.END_UNCERTAINTY_S, semconv.POST_S)
 
 
-class SendFigures(NamedTuple):
+class SendFigures:
     """One send, measured: the interval over all its engine calls (or the scope's own times when it failed before
     making one), its bytes and descriptors, its outcome, and its first call (the engine, op, peer and transport
     its attributes name). Bytes may be negative (an engine asked to move a negative length): the builder decides
     what that means. Bytes are a Python int (a batch's lengths may be an array's integers), the error type a
-    valid string (attribute_values)."""
+    valid string (attribute_values). Slotted: one is made per send on the builder's thread, and read there."""
 
-    start: int
-    end: int
-    nbytes: int
-    descriptors: int
-    calls: int  # engine calls
-    failure: Optional[str]  # error.type, or None
-    return_code: object  # the engine's code of a failed send, or None
-    first: Optional[tuple]  # its first engine call (records.CALL_*), or None when it made none
+    __slots__ = ("start", "end", "nbytes", "descriptors", "calls", "failure", "return_code", "first")
+
+    def __init__(self, start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
+                 return_code, first: Optional[tuple]):
+        self.start = start
+        self.end = end
+        self.nbytes = nbytes
+        self.descriptors = descriptors
+        self.calls = calls  # engine calls
+        self.failure = failure  # error.type, or None
+        self.return_code = return_code  # the engine's code of a failed send, or None
+        self.first = first  # its first engine call (records.CALL_*), or None when it made none
+
+    def __repr__(self) -> str:
+        return "SendFigures(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
 
 def measure(rec: tuple) -> SendFigures:
@@ -85,20 +92,21 @@ def attributes(figures: SendFigures, info: Optional[tuple], labels: Optional[dic
                peer_parsers: Dict[str, Callable[[object], dict]]) -> SendAttributes:
     """The send span's attributes: its own `dynamic` entries first, then its shape's `static` dict from `cache`
     (made and stored there on a miss). `info` and `labels` (its request's) are None for a raw engine call."""
-    start, end, nbytes, descriptors, calls, failure, return_code, first = figures
     attrs = SendAttributes()
-    attrs[semconv.BYTES] = nbytes
-    attrs[semconv.DESCRIPTOR_COUNT] = descriptors
-    attrs[semconv.ENGINE_CALLS] = calls
-    duration = end - start
+    attrs[semconv.BYTES] = nbytes = figures.nbytes
+    attrs[semconv.DESCRIPTOR_COUNT] = figures.descriptors
+    attrs[semconv.ENGINE_CALLS] = figures.calls
+    duration = figures.end - figures.start
     if duration > 0:  # aggregate.throughput, inline; a send of no measurable duration has no speed (none set)
         attrs[semconv.THROUGHPUT] = nbytes * NS_PER_S / duration
     if info is not None:
         attrs[semconv.CHUNK_INDEX] = info[r.INFO_CHUNK]
+    failure = figures.failure
     if failure:
         attrs[semconv.ERROR_TYPE] = failure
-        if return_code is not None:
-            attrs[semconv.RETURN_CODE] = return_code
+        if figures.return_code is not None:
+            attrs[semconv.RETURN_CODE] = figures.return_code
+    first = figures.first
     extra = first[r.CALL_EXTRA] if first is not None else None
     if extra and (semconv.POST_S in extra or semconv.END_UNCERTAINTY_S in extra):
         for name in _PER_SEND_EXTRA:

@@ -41,13 +41,16 @@ class SendSpans(BuilderPart):
         figures = measure_call(rec[r.RAW_CALL_FIELDS], None)
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:  # no engine measures that: bad input to deliver()
             return self._on_drop("api_error", 1)
-        self._raw_send(self._checked(figures), rec[r.RAW_CONTEXT])
+        self._check(figures)
+        attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
+        context = rec[r.RAW_CONTEXT]  # None when no span was current at the call (the common case)
+        self._send_span(span_context_of(context) if context is not None else None, attrs, figures)
 
     def send(self, rec, now) -> None:
         figures = measure(rec)
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:
             return self._on_drop("api_error", 1)
-        figures = self._checked(figures)
+        self._check(figures)
         info = rec[r.SEND_INFO]
         if info is None:
             return self._raw_send(figures, rec[r.SEND_CONTEXT])
@@ -67,18 +70,15 @@ class SendSpans(BuilderPart):
         attrs = attributes(figures, info, state.labels, state.statics, self._peer_parsers)
         self._send_span(state.parent, attrs, figures)
 
-    def _checked(self, figures: SendFigures) -> SendFigures:
+    def _check(self, figures: SendFigures) -> None:
         """The first call of a backend marked as such, and negative lengths counted and clamped: an engine asked
         to move a negative length moved no such bytes."""
         first = figures.first
         if first is not None and first[r.CALL_BACKEND] in self._first_backends:
-            marked = self._mark_first(first)
-            if marked is not first:
-                figures = figures._replace(first=marked)
+            figures.first = self._mark_first(first)
         if figures.nbytes < 0 or figures.descriptors < 0:
             self._on_drop("invalid_length", 1)
-            figures = figures._replace(nbytes=max(figures.nbytes, 0), descriptors=max(figures.descriptors, 0))
-        return figures
+            figures.nbytes, figures.descriptors = max(figures.nbytes, 0), max(figures.descriptors, 0)
 
     def _raw_send(self, figures: SendFigures, context) -> None:
         """A send outside any transfer scope: under the context current at its engine call."""
@@ -86,10 +86,10 @@ class SendSpans(BuilderPart):
         self._send_span(span_context_of(context), attrs, figures)
 
     def _send_span(self, parent, attrs, figures: SendFigures) -> None:
-        start, end, nbytes, descriptors, _, failure, _, _ = figures
+        start, end, failure = figures.start, figures.end, figures.failure
         status = Status(StatusCode.ERROR, failure) if failure else OK
         span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
-        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
+        self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)
 
     def _ended_request_send(self, figures: SendFigures, info, key, ended) -> None:
         """A send of a request that already concluded: under that request's span, late if it ended after it."""
@@ -97,7 +97,7 @@ class SendSpans(BuilderPart):
         late_s = late.late_by_s(ended, figures.end)
         if late_s is None:  # it ended in time, its record only came after the request's end
             return self._send_span(ended.parent, attrs, figures)
-        start, end, nbytes, descriptors, _, failure, _, first = figures
+        start, end, failure, first = figures.start, figures.end, figures.failure, figures.first
         span = self._spans.open(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start)
         span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, end)
         if failure:
@@ -106,4 +106,4 @@ class SendSpans(BuilderPart):
         self._spans.close(span, end)
         self._metrics.late(attrs, span_context)
         self._late_lines.send(ended, key, attrs.get(semconv.BACKEND), first[r.CALL_PEER] if first else None, late_s)
-        self._metrics.send(attrs, start, end, nbytes, descriptors, failure, span_context)
+        self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)
