@@ -445,7 +445,9 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
             b.call_8b()
         b.transfers_on += n
         queued = RECORDER.pending()
-        unpickle_ns = _unpickle_ns(list(RECORDER._queue)) if b.where == "process" else None
+        # (compare_trees.py measures older checkouts too, whose recorder's queue was private)
+        queue = RECORDER.queue if hasattr(RECORDER, "queue") else RECORDER._queue
+        unpickle_ns = _unpickle_ns(list(queue)) if b.where == "process" else None
         received = b.otlp.counts()["spans"].get(SEND, 0)
         helper_pid = b.helper_pid()
         before, threads_before = b.snapshot(), _python_threads_ns()

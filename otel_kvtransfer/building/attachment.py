@@ -1,6 +1,6 @@
 """What the builder builds with, attached to an SDK: the span path (direct or through the SDK tracer), the metric
-tables or processor, and the builder assembled from them. The engine process (instrument()) and the builder
-process (helper_process) assemble it the same way, here.
+tables or processor, and the span builder made on them (`new_builder`). `in_process.assemble` puts them
+together, the one way for the engine process (instrument()) and the builder process (helper_process).
 """
 
 import logging

@@ -1,5 +1,6 @@
-"""The builder in this process, as the recorder's thread drives it (a `recorder.Sink`): the thread builder, and
-the builder process's fallback once no helper can start.
+"""The builder in this process, as the recorder's thread drives it (a `sink.Sink`), and `assemble`, the one place
+it is put together: for the thread builder (instrument()), for the builder process's fallback once no helper can
+start (`link.HelperLink`), and in the builder process itself (`helper_process`).
 
 When instrument() ran before any SDK TracerProvider was set globally (a plugin loaded early), each tick looks for
 the real provider and, once there, attaches exactly as instrument() does with a provider at hand.
@@ -9,11 +10,32 @@ from typing import Callable, Optional
 
 from opentelemetry import trace
 
-from otel_kvtransfer import semconv
-from otel_kvtransfer.building.attachment import Attachment
+from otel_kvtransfer import config, semconv
+from otel_kvtransfer.building.attachment import Attachment, new_builder
 from otel_kvtransfer.building.builder import SpanBuilder
-from otel_kvtransfer.recording.recorder import Sink
+from otel_kvtransfer.building.sdk_spans import SdkSpans
+from otel_kvtransfer.recording.sink import Sink
 from otel_kvtransfer.version import __version__
+
+
+def assemble(settings: config.Settings, engines, tracer_provider, meter_provider=None, *,
+             on_drop: Callable[[str, int], None], count_drops: Optional[Callable[[str, int], None]] = None,
+             builder_process: bool = False) -> "InProcessSink":
+    """The span builder on `tracer_provider` (the span path, the metric tables or processor) and `meter_provider`
+    (None: the global one, read as it appears), with the settings' bounds and each engine's peer parser.
+    `on_drop(reason, n)`: what the builder drops; `count_drops`: where the recorder's drops are counted (None: the
+    caller counts them). In the engine process a flush of the provider drains the recorder first, and a provider
+    not there yet (no SDK TracerProvider set) is attached to once it is; the builder process reads its records
+    from a socket and has its SDK already (`builder_process`)."""
+    tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
+    attachment = Attachment(meter_provider, settings.pipeline, settings.max_peers)
+    waiting_for_sdk = not builder_process and isinstance(tracer_provider, trace.ProxyTracerProvider)
+    if waiting_for_sdk:
+        attachment.spans = SdkSpans(tracer)  # the proxy's no-op spans until an SDK appears
+    else:
+        attachment.attach(tracer, tracer_provider, flush_first=not builder_process)
+    builder = new_builder(attachment, settings, engines, on_drop=on_drop, meter_provider=meter_provider)
+    return InProcessSink(builder, attachment, count_drops, waiting_for_sdk)
 
 
 class InProcessSink(Sink):

@@ -1,9 +1,9 @@
 """A send's figures and span attributes, computed from its SEND (or RAW_CALL) record: pure functions, no open state.
 
-`measure` merges a send's engine calls into one interval, its bytes and its outcome; `attributes` makes the
-span's attribute dict: what varies per send first, then the part the send shares with the other sends of its
-request to the same peer and destination (its shape), made once per shape and reused from a cache the caller
-keeps (the builder keeps one per open request, and one for raw engine calls).
+`measure` merges a send's engine calls into one interval, its bytes and its outcome (`SendFigures`); `attributes`
+makes the span's attribute dict from them: what varies per send first, then the part the send shares with the
+other sends of its request to the same peer and destination (its shape), made once per shape and reused from a
+cache the caller keeps (the builder keeps one per open request, and one for raw engine calls).
 """
 
 from typing import Callable, Dict, Optional
@@ -22,19 +22,38 @@ PER_SEND = (semconv.BYTES, semconv.DESCRIPTOR_COUNT, semconv.ENGINE_CALLS, semco
 _PER_SEND_EXTRA = (semconv.END_UNCERTAINTY_S, semconv.POST_S)
 
 
-def measure(rec: tuple) -> tuple:
-    """(start_ns, end_ns, bytes, descriptors, error_type or None, return_code or None, first call or None).
+class SendFigures:
+    """One send, measured: the interval over all its engine calls (or the scope's own times when it failed before
+    making one), its bytes and descriptors, its outcome, and its first call (the engine, op, peer and transport
+    its attributes name). Bytes may be negative (an engine asked to move a negative length): the builder decides
+    what that means. Bytes are a Python int (a batch's lengths may be an array's integers), the error type a
+    valid string (attribute_values). Slotted: one is made per send on the builder's thread, and read there."""
 
-    The interval spans all the send's engine calls (or the scope's own times when it failed before making
-    one); the first failing call names the failure unless the scope set its own. Bytes may come out negative
-    (an engine asked to move a negative length): the caller decides what that means. Bytes are a Python int (a
-    batch's lengths may be an array's integers), the error type a valid string (attribute_values)."""
+    __slots__ = ("start", "end", "nbytes", "descriptors", "calls", "failure", "return_code", "first")
+
+    def __init__(self, start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
+                 return_code, first: Optional[tuple]):
+        self.start = start
+        self.end = end
+        self.nbytes = nbytes
+        self.descriptors = descriptors
+        self.calls = calls  # engine calls
+        self.failure = failure  # error.type, or None
+        self.return_code = return_code  # the engine's code of a failed send, or None
+        self.first = first  # its first engine call (records.CALL_*), or None when it made none
+
+    def __repr__(self) -> str:
+        return "SendFigures(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
+
+
+def measure(rec: tuple) -> SendFigures:
+    """A SEND record's figures: the first failing call names the failure unless the scope set its own."""
     calls, failure, return_code = rec[r.SEND_CALLS], rec[r.SEND_ERROR], None
     if len(calls) == 1:  # the common case, without the loops
         return measure_call(calls[0], failure)
     if not calls:  # a scope that failed before any engine call: its own time, taken on the engine thread
         start, end = rec[r.SEND_SCOPE_TIMES]
-        return start, end, 0, 0, failure and _valid_failure(failure, None)[0], None, None
+        return SendFigures(start, end, 0, 0, 0, failure and _valid_failure(failure, None)[0], None, None)
     nbytes = descriptors = 0
     for call in calls:
         moved = call[r.CALL_BYTES]
@@ -46,20 +65,21 @@ def measure(rec: tuple) -> tuple:
             break
     if failure is not None:
         failure, return_code = _valid_failure(failure, return_code)
-    return (min(c[r.CALL_START] for c in calls), max(c[r.CALL_END] for c in calls), nbytes, descriptors, failure,
-            return_code, calls[0])
+    return SendFigures(min(c[r.CALL_START] for c in calls), max(c[r.CALL_END] for c in calls), nbytes, descriptors,
+                       len(calls), failure, return_code, calls[0])
 
 
-def measure_call(call: tuple, failure: Optional[str]) -> tuple:
-    """`measure` of a send made of the one engine call `call` (a raw call's, or a scope's only one); `failure` the
-    scope's own error type, or None."""
+def measure_call(call: tuple, failure: Optional[str]) -> SendFigures:
+    """The figures of a send made of the one engine call `call` (a raw call's, or a scope's only one); `failure`
+    the scope's own error type, or None."""
     moved, return_code = call[r.CALL_BYTES], None
     nbytes = moved if type(moved) is int else int(sum(moved))
     if call[r.CALL_ERROR] is not None:
         failure, return_code = failure or call[r.CALL_ERROR], call[r.CALL_RETURN_CODE]
     if failure is not None:
         failure, return_code = _valid_failure(failure, return_code)
-    return call[r.CALL_START], call[r.CALL_END], nbytes, call[r.CALL_DESCRIPTORS], failure, return_code, call
+    return SendFigures(call[r.CALL_START], call[r.CALL_END], nbytes, call[r.CALL_DESCRIPTORS], 1, failure,
+                       return_code, call)
 
 
 def _valid_failure(failure, return_code) -> tuple:
@@ -68,24 +88,25 @@ def _valid_failure(failure, return_code) -> tuple:
     return (repaired_text(failure) if type(failure) is str else str(failure)), repaired_value(return_code)
 
 
-def attributes(start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
-               return_code, first: Optional[tuple], info: Optional[tuple], labels: Optional[dict], cache: dict,
+def attributes(figures: SendFigures, info: Optional[tuple], labels: Optional[dict], cache: dict,
                peer_parsers: Dict[str, Callable[[object], dict]]) -> SendAttributes:
     """The send span's attributes: its own `dynamic` entries first, then its shape's `static` dict from `cache`
     (made and stored there on a miss). `info` and `labels` (its request's) are None for a raw engine call."""
     attrs = SendAttributes()
-    attrs[semconv.BYTES] = nbytes
-    attrs[semconv.DESCRIPTOR_COUNT] = descriptors
-    attrs[semconv.ENGINE_CALLS] = calls
-    duration = end - start
+    attrs[semconv.BYTES] = nbytes = figures.nbytes
+    attrs[semconv.DESCRIPTOR_COUNT] = figures.descriptors
+    attrs[semconv.ENGINE_CALLS] = figures.calls
+    duration = figures.end - figures.start
     if duration > 0:  # aggregate.throughput, inline; a send of no measurable duration has no speed (none set)
         attrs[semconv.THROUGHPUT] = nbytes * NS_PER_S / duration
     if info is not None:
         attrs[semconv.CHUNK_INDEX] = info[r.INFO_CHUNK]
+    failure = figures.failure
     if failure:
         attrs[semconv.ERROR_TYPE] = failure
-        if return_code is not None:
-            attrs[semconv.RETURN_CODE] = return_code
+        if figures.return_code is not None:
+            attrs[semconv.RETURN_CODE] = figures.return_code
+    first = figures.first
     extra = first[r.CALL_EXTRA] if first is not None else None
     if extra and (semconv.POST_S in extra or semconv.END_UNCERTAINTY_S in extra):
         for name in _PER_SEND_EXTRA:

@@ -232,14 +232,19 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     if status is UNSET_STATUS or (status.status_code is StatusCode.UNSET and not status.description):
         append(_STATUS_UNSET)
     else:
-        body = b""
-        if status.description:
-            body += _field(b"\x12", status.description.encode("utf-8"))
-        if status.status_code.value:
-            body += b"\x18" + _varint(status.status_code.value)
-        append(_field(b"\x7a", body))
+        append(_status_field(status))
     append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
     return b"".join(parts)
+
+
+def _status_field(status) -> bytes:
+    """The Status field of a span whose status was set (a failed send's: its description and code)."""
+    body = b""
+    if status.description:
+        body += _field(b"\x12", status.description.encode("utf-8"))
+    if status.status_code.value:
+        body += b"\x18" + _varint(status.status_code.value)
+    return _field(b"\x7a", body)
 
 
 # What a span's own fields raise when they are outside what OTLP carries (a time or an id outside fixed64, a time

@@ -23,7 +23,7 @@ import weakref
 from time import monotonic_ns
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import clock, inflight, integration, untimed
+from otel_kvtransfer.recording import clock, inflight, integration, records, untimed
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
@@ -46,7 +46,6 @@ from otel_kvtransfer.recording.records import (
     CALL_PEER,
     CALL_PROTOCOL,
     RAW_CALL,
-    raw_call,
 )
 from otel_kvtransfer.wiring.activation import LazyPatcher
 
@@ -144,9 +143,9 @@ def _op_of(opcode) -> str:
 
 
 def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5, count=None) -> tuple:
-    """The `records.call` of one transfer call, from its arguments (the sync wrapper inlines the common
-    positional case: tests/project/test_backend_contract.py checks that both build the same record). `nic_at`: where the
-    call takes `nic_hint`; `count(args, kwargs)`: (bytes, descriptors) of a call whose lengths are not a list.
+    """The `records.call` of one transfer call, from its arguments (the sync wrapper's common call writes the same
+    record inline: see `_sync`). `nic_at`: where the call takes `nic_hint`; `count(args, kwargs)`: (bytes,
+    descriptors) of a call whose lengths are not a list.
 
     A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
     engine copies that list into its own request and keeps no reference, and sglang and vLLM build a fresh list
@@ -173,8 +172,7 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5,
     hint = args[nic_at] if len(args) > nic_at else kwargs.get("nic_hint") if kwargs else None
     if hint:
         extra = _hinted.get(hint) or _hint_extra(hint)
-    # records.call(...), inline: this runs for every async submission too.
-    return (start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, extra)
+    return records.call(start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, extra)
 
 
 def _hint_extra(hint) -> dict:
@@ -189,18 +187,19 @@ def _hint_extra(hint) -> dict:
 _UNSET = object()  # an argument the caller did not pass
 
 
+# The sync wrapper. The common call (four positional arguments, the op known from the method: how sglang and vLLM
+# call it) takes them as positional-only parameters and passes them on as they came, parsed and handed over
+# inline, with no further Python frame: packing and unpacking *args and **kwargs made a tuple and a dict per call,
+# both ways, a quarter of the wrapper's cost (wrapper_floor.py in bench/). Everything it uses is a local of its
+# closure. Its records are `records.call` and `records.raw_call` written out (a call to either would be one more
+# Python frame per transfer), as the recorder's contract lets it hand one over (`Recorder.queue`):
+# tests/project/test_backend_contract.py checks that each is what those constructors build. Any other call
+# (keywords, more or fewer arguments, an opcode to read) goes to `_general`'s wrapper with the very arguments it was
+# given.
 def _sync(original, op, batch, nic_at=5):
-    # Everything the hot path uses is a local of this closure. The common call (four positional arguments, the op
-    # known from the method: how sglang and vLLM call it) takes them as positional-only parameters and passes them
-    # on as they came, parsed and handed over inline, with no further Python frame: packing and unpacking *args
-    # and **kwargs made a tuple and a dict per call, both ways, a quarter of the wrapper's cost (wrapper_floor.py
-    # in bench/). Any other call (keywords, more or fewer arguments, an opcode to read) goes to `general` with the
-    # very arguments it was given.
-    recorder, context = RECORDER, current_context
-    thread = integration.THREAD  # its .scope: this thread's transfer scope
+    recorder, context, thread, base, unset = RECORDER, current_context, integration.THREAD, clock.BASE, _UNSET
     engines, state, suppress, suppress_plain = _engines, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
-    base = clock.BASE  # times are monotonic_ns() + base: clock.now_ns(), inline
-    unset = _UNSET
+    general = _general(original, op, batch, nic_at)  # any other call
 
     def transfer(self, target_hostname=unset, buffer=unset, peer_buffer_address=unset, length=unset, /, *rest,
                  **kwargs):
@@ -213,42 +212,46 @@ def _sync(original, op, batch, nic_at=5):
         if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
             return original(self, target_hostname, buffer, peer_buffer_address, length)
         scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
-        start = monotonic_ns() + base
+        start = monotonic_ns() + base  # clock.now_ns(), inline
         try:
             rc = original(self, target_hostname, buffer, peer_buffer_address, length)
         except BaseException as exc:
-            safely("record a failed Mooncake call", _deliver, self,
-                   (target_hostname, buffer, peer_buffer_address, length), {}, op, batch, start, None,
-                   type(exc).__qualname__, ctx, nic_at)
+            safely("record a failed Mooncake call", _deliver, self, (target_hostname, buffer, peer_buffer_address,
+                   length), {}, op, batch, start, None, type(exc).__qualname__, ctx, nic_at)
             raise
         end = monotonic_ns() + base
         try:
-            error = None if rc == 0 else "transfer_failed"
-            lengths = length
+            error, lengths = None if rc == 0 else "transfer_failed", length
             if batch:
                 descriptors = len(lengths)
                 if type(lengths) is not list:  # see _call
                     lengths = sum(lengths)
             else:
                 lengths, descriptors = int(lengths), 1
-            # The engine's transport and its one device (kv_transfer.nic) or None, in one lookup.
-            transport, extra = engines.get(id(self), state["fallback"])
-            # records.call(...) and records.raw_call(...), inline: a call to either would be one more Python frame
-            # per transfer, and a raw call is one tuple, not a call tuple inside a send record.
-            if scope is not None:
+            transport, extra = engines.get(id(self), state["fallback"])  # and its one device (kv_transfer.nic)
+            if scope is not None:  # records.call(...), written out
                 scope.calls.append((start, end, lengths, descriptors, op, target_hostname, transport, rc, error,
                                     BACKEND, extra))
-            elif recorder.active:  # as integration.deliver, with the context already fetched
+            elif recorder.active:  # records.raw_call(records.call(...), ctx), written out; as integration.deliver
                 rec = (RAW_CALL, start, end, lengths, descriptors, op, target_hostname, transport, rc, error, BACKEND,
                        extra, ctx or None)
-                queue = recorder._queue
-                if len(queue) < recorder._capacity and not recorder._idle:
-                    queue.append(rec)  # Recorder.record's common case, inline (see there)
+                queue = recorder.queue
+                if len(queue) < recorder.capacity and not recorder.idle:
+                    queue.append(rec)  # Recorder.record's common case, as its contract allows
                 else:
                     recorder.record(rec)
         except Exception:
             own_error("record a Mooncake call")
         return rc
+
+    inflight.register_wrapper(transfer.__code__, _in_progress)
+    return transfer
+
+
+def _general(original, op, batch, nic_at):
+    """The sync wrapper for any call but the common one: its arguments parsed by `_call`."""
+    recorder, context, thread, base = RECORDER, current_context, integration.THREAD, clock.BASE
+    suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
     def general(self, args, kwargs):
         if not recorder.active:
@@ -271,14 +274,13 @@ def _sync(original, op, batch, nic_at=5):
             if scope is not None:
                 scope.calls.append(call)
             elif recorder.active:
-                recorder.record(raw_call(call, ctx))
+                recorder.record(records.raw_call(call, ctx))
         except Exception:
             own_error("record a Mooncake call")
         return rc
 
-    inflight.register_wrapper(transfer.__code__, _in_progress)
     inflight.register_wrapper(general.__code__, _in_progress)
-    return transfer
+    return general
 
 
 def _in_progress(frame_locals):
@@ -430,7 +432,7 @@ def _emit(scope, context, call) -> None:
     if scope is not None:
         scope.calls.append(call)
     elif RECORDER.active:
-        RECORDER.record(raw_call(call, context))
+        RECORDER.record(records.raw_call(call, context))
 
 
 def _counted(original, op, count, nic_at):

@@ -5,7 +5,8 @@ in a session of its own (a terminal's Ctrl-C or a service manager's group signal
 does not reach it), with the working directory kept off its import path (a stray `select.py` there is not
 imported). It sets up the SDK as the engine's would be (the opentelemetry_configurator entry point reading
 OTEL_*, or the function named by OTEL_KVTRANSFER_HELPER_SETUP), attaches the same sampler wrapper and metrics
-processor the in-process mode attaches, and feeds every record it reads to a `SpanBuilder`.
+processor the in-process mode attaches (`in_process.assemble`, as the engine's thread builder is put together),
+and feeds every record it reads to it.
 
 Its standard input is one end of a socket pair: `wire` frames come in, acknowledgements go back. Each frame is
 acknowledged once handled; a flush runs on a thread of its own and is acknowledged again when done, so a
@@ -28,13 +29,13 @@ import time
 
 from opentelemetry import metrics, trace
 
-from otel_kvtransfer import config, registry, semconv
-from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder
+from otel_kvtransfer import config, registry
+from otel_kvtransfer.building import in_process
+from otel_kvtransfer.building.attachment import drop_counter
 from otel_kvtransfer.building.sdk_setup import configure_sdk_if_absent
 from otel_kvtransfer.offloading import lifecycle, wire
-from otel_kvtransfer.offloading.link import DROP_REASON
-from otel_kvtransfer.recording.recorder import log_own_error
-from otel_kvtransfer.version import __version__
+from otel_kvtransfer.offloading.link_drops import DROP_REASON
+from otel_kvtransfer.recording.sink import log_own_error
 
 _logger = logging.getLogger("otel_kvtransfer.offloading.helper_process")  # run as __main__
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -129,12 +130,10 @@ class Helper:
         self.settings = config.load()
         self.tracer_provider = trace.get_tracer_provider()
         self.meter_provider = metrics.get_meter_provider()
-        tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, self.tracer_provider)
-        self._attachment = Attachment(self.meter_provider, self.settings.pipeline, self.settings.max_peers)
-        self._attachment.attach(tracer, self.tracer_provider, flush_first=False)
         self.drop = drop_counter(self.meter_provider)  # drop(reason, count)
-        self.builder = new_builder(self._attachment, self.settings, registry.load(registry.ENGINES), on_drop=self.drop,
-                                   meter_provider=self.meter_provider)
+        # The builder as the engine process's thread builder is put together, on this process's SDK.
+        self.builder = in_process.assemble(self.settings, registry.load(registry.ENGINES), self.tracer_provider,
+                                           self.meter_provider, on_drop=self.drop, builder_process=True)
         self.flusher = _Flusher((self.tracer_provider, self.meter_provider), acks)
         self._unknown_logged = False
 
@@ -145,7 +144,7 @@ class Helper:
             batch = frame[1]
             if unknown:
                 batch = self._plain(batch, unknown)
-            handle = self.builder.handle
+            handle = self.builder.take
             for rec in batch:
                 try:
                     handle(rec)
@@ -184,7 +183,7 @@ class Helper:
                 self.builder.release_held()
                 self.flusher.request()
             if time.monotonic() >= next_tick:
-                self.builder.evict_stale()
+                self.builder.tick()
                 next_tick = time.monotonic() + (interval if framed else idle_interval)
                 framed = False
 

@@ -7,17 +7,9 @@ launch and `end` after it, on the engine's thread (a few event records and one a
 query). A thread of this module's own, the resolver, turns each bracket into a compute record once its events
 have completed, which it learns by non-blocking queries every `poll_s`.
 
-Device time onto the records' clock (clock.py): the resolver records an *anchor* event on a stream of its own that
-holds no other work, reading the records' clock just before the record and again when a query first sees it
-complete. The anchor's host time is the middle of that window, and an anchor is kept only when the window is at
-most ANCHOR_WINDOW_NS, so its host time is right to half of that (25 us). An event's host time is its anchor's
-plus the device's elapsed time between the two (`elapsed_time`). Both ends of one interval go through the same
-anchor, the one nearest its end, so a duration is exactly the device's. Device and host clocks drift apart
-slowly: while brackets are pending the resolver anchors again every MAX_ANCHOR_INTERVAL_S at the latest (every
-MIN_ANCHOR_INTERVAL_S until it has measured the drift), and sooner when the drift rate it measures between its
-anchors would make the drift reach DRIFT_BUDGET_NS (25 us) in between; with the anchor's own 25 us, an event's
-host time stays within 50 us of the truth. A launch after an idle spell wakes the resolver, which anchors at
-once.
+Device time onto the records' clock (clock.py) goes through anchors, timing events whose host time is known to
+25 us, taken again as the clocks drift (`device_anchors`): an event's host time stays within 50 us of the truth. A
+launch after an idle spell wakes the resolver, which anchors at once.
 
 Nothing is lost silently, and nothing of a request comes after its end (after its end record a compute record
 makes no span): `settle(key)`, called when a request ends (integration.end_request), records at once what is
@@ -37,12 +29,12 @@ import os
 import sys
 import threading
 from collections import deque
-from time import monotonic
 from typing import Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.clock import now_ns
+from otel_kvtransfer.recording.device_anchors import Anchors
 from otel_kvtransfer.recording.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
@@ -52,43 +44,8 @@ POLL_S = 0.005  # how often the resolver queries pending brackets (each pass: on
 IDLE_WAIT_S = 1.0  # how long the resolver sleeps with nothing pending (a bracket wakes it at once)
 GIVE_UP_S = 60.0  # a bracket whose events have not completed by then keeps its host times (counted)
 MAX_PENDING = 4096  # brackets waiting for their events; beyond it a bracket keeps its host times (counted)
-ANCHOR_WINDOW_NS = 50_000  # an anchor's record-to-seen window: its host time is right to half of this
-ANCHOR_TRIES = 8  # records per anchoring before giving up until the next pass
-DRIFT_BUDGET_NS = 25_000  # device/host drift allowed between anchors
-MAX_ANCHOR_INTERVAL_S = 1.0
-MIN_ANCHOR_INTERVAL_S = 0.05
-DRIFT_BASELINE_S = 0.5  # the shortest span of anchors a drift rate is measured over (less: too noisy)
-KEPT_ANCHORS = 64  # per device: the nearest of them converts a bracket
 FULL = "device_compute_full"
 UNRESOLVED = "device_compute_unresolved"
-
-
-class _Anchor:
-    __slots__ = ("event", "host_ns", "window_ns")
-
-    def __init__(self, event, host_ns: int, window_ns: int):
-        self.event = event
-        self.host_ns = host_ns
-        self.window_ns = window_ns
-
-
-class _Anchors:
-    """One device's anchors: a stream of their own, the last KEPT_ANCHORS, the drift rate measured over them."""
-
-    __slots__ = ("stream", "kept", "rate", "due_s")
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.kept: deque = deque(maxlen=KEPT_ANCHORS)
-        self.rate = None  # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
-        self.due_s = 0.0  # time.monotonic() by which the next anchor is due while brackets are pending
-
-    def nearest(self, host_ns: int) -> Optional[_Anchor]:
-        best = None
-        for anchor in self.kept:
-            if best is None or abs(anchor.host_ns - host_ns) < abs(best.host_ns - host_ns):
-                best = anchor
-        return best
 
 
 class _Bracket:
@@ -126,14 +83,13 @@ class DeviceClock:
         self._incoming: deque = deque()  # brackets from engine threads (append is atomic: no lock there)
         self._pending: dict = {}  # id -> _Bracket, oldest first
         self._by_key: dict = {}  # key -> {id of a pending bracket serving it}
-        self._anchors: dict = {}  # device index -> _Anchors
         self._lock = threading.Lock()  # the pending table, and every record made from it
+        self._anchors = Anchors(device, self._lock)
         self._wake = threading.Event()
         self._idle = False
         self._stopping = False
         self._thread = None
-        self._counts = {"device": 0, "host": 0, "anchors": 0, "anchors_refused": 0}
-        self._windows: deque = deque(maxlen=1024)
+        self._counts = {"device": 0, "host": 0}
 
     # --- engine thread ---------------------------------------------------------------------------------------
     def current_stream(self):
@@ -244,7 +200,7 @@ class DeviceClock:
             self._absorb()
             devices = {b.device for b in self._pending.values()}
         for device in devices:
-            self._anchor_if_due(device)
+            self._anchors.anchor_if_due(device)
         with self._lock:
             self._absorb()
             self._resolve(now_ns())
@@ -283,113 +239,24 @@ class DeviceClock:
         return all(event.query() for event in bracket.ends)
 
     def _device_times(self, bracket) -> Optional[tuple]:
-        """(start, end) on the records' clock through the anchor nearest the bracket's end (found through the one
-        nearest its launch); both ends through one anchor, so the duration is the device's. None without an
-        anchor."""
-        anchors = self._anchors.get(bracket.device)
-        anchor = anchors.nearest(bracket.host_start) if anchors is not None else None
-        if anchor is None:
-            return None
+        """(start, end) on the records' clock (`device_anchors`); None without an anchor, or events unread."""
         try:
-            end = self._through(anchor, bracket.ends)
-            nearer = anchors.nearest(end)
-            if nearer is not anchor:
-                anchor, end = nearer, self._through(nearer, bracket.ends)
-            # The forward can start once every stream it uses got there; it has ended once every one has.
-            start = self._through(anchor, bracket.starts)
+            return self._anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
         except Exception:
             RECORDER.drop("wrapper_error")
             _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
             return None
-        return start, max(end, start)
-
-    @staticmethod
-    def _through(anchor: _Anchor, events) -> int:
-        """The latest of `events` on the records' clock: the anchor's host time + the device's elapsed time."""
-        base, event = anchor.host_ns, anchor.event
-        return max(base + round(event.elapsed_time(e) * 1e6) for e in events)
 
     def _record(self, keys, start: int, end: int, chunk, clock: str) -> None:
         self._counts["device" if clock == semconv.CLOCK_DEVICE else "host"] += len(keys)
         if RECORDER.active:
             RECORDER.record(records.compute(tuple(keys), start, end, chunk, clock))
 
-    # --- anchors -----------------------------------------------------------------------------------------------
-    def _anchors_of(self, device) -> _Anchors:
-        anchors = self._anchors.get(device)
-        if anchors is None:
-            stream = self.device.Stream() if device is None else self.device.Stream(device=device)
-            anchors = self._anchors[device] = _Anchors(stream)
-        return anchors
-
-    def _anchor_if_due(self, device) -> None:
-        with self._lock:
-            anchors = self._anchors_of(device)
-        if monotonic() < anchors.due_s:
-            return
-        anchor = self._take_anchor(anchors.stream)  # outside the lock: settle() never waits for a spin
-        with self._lock:
-            if anchor is None:  # again soon; brackets wait (or keep their host times past GIVE_UP_S)
-                anchors.due_s = monotonic() + MIN_ANCHOR_INTERVAL_S
-                return
-            self._measure_drift(anchors, anchor)
-            anchors.kept.append(anchor)
-            # Until a drift rate is measured (anchors DRIFT_BASELINE_S apart), anchor as often as allowed.
-            interval = MIN_ANCHOR_INTERVAL_S if anchors.rate is None else MAX_ANCHOR_INTERVAL_S
-            if anchors.rate:
-                interval = min(max(DRIFT_BUDGET_NS / 1e9 / abs(anchors.rate), MIN_ANCHOR_INTERVAL_S), interval)
-            anchors.due_s = monotonic() + interval
-
-    def _take_anchor(self, stream) -> Optional[_Anchor]:
-        best = None
-        for _ in range(ANCHOR_TRIES):
-            event = self.device.Event(enable_timing=True)
-            before = now_ns()
-            event.record(stream)
-            seen = None
-            while True:  # a record on an idle stream completes within microseconds: spin, bounded
-                if event.query():
-                    seen = now_ns()
-                    break
-                if now_ns() - before > ANCHOR_WINDOW_NS:
-                    break
-            if seen is not None and seen - before <= ANCHOR_WINDOW_NS:
-                if best is None or seen - before < best.window_ns:
-                    best = _Anchor(event, (before + seen) // 2, seen - before)
-                if best.window_ns <= ANCHOR_WINDOW_NS // 4:
-                    break
-        if best is None:
-            self._counts["anchors_refused"] += 1
-            return None
-        self._counts["anchors"] += 1
-        self._windows.append(best.window_ns)
-        return best
-
-    @staticmethod
-    def _measure_drift(anchors: _Anchors, anchor: _Anchor) -> None:
-        if not anchors.kept:
-            return
-        base = anchors.kept[0]
-        host_ns = anchor.host_ns - base.host_ns
-        if host_ns < DRIFT_BASELINE_S * 1e9:
-            return
-        device_ns = base.event.elapsed_time(anchor.event) * 1e6
-        if device_ns > 0:
-            anchors.rate = (host_ns - device_ns) / device_ns
-
     # --- life --------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """What the clock did: records on each clock, anchors taken and refused, their windows, the drift rate."""
-        windows = sorted(self._windows)
-        rates = [a.rate for a in self._anchors.values() if a.rate is not None]
-        return {
-            "compute_records_device": self._counts["device"], "compute_records_host": self._counts["host"],
-            "anchors": self._counts["anchors"], "anchorings_refused": self._counts["anchors_refused"],
-            "anchor_window_median_ns": windows[len(windows) // 2] if windows else None,
-            "anchor_window_max_ns": windows[-1] if windows else None,
-            "drift_ppm": [-rate * 1e6 for rate in rates],  # how much faster the device's clock runs than the host's
-            "pending": len(self._pending) + len(self._incoming),
-        }
+        return {"compute_records_device": self._counts["device"], "compute_records_host": self._counts["host"],
+                **self._anchors.stats(), "pending": len(self._pending) + len(self._incoming)}
 
     def close(self) -> None:
         """Stop the resolver; what is pending is recorded now (device times where complete, else host, counted)."""

@@ -240,16 +240,16 @@ def _leave(scope, thread, entry, exc_type) -> None:
             return
         recs = scope._records(scope.calls, scope.error_type, (scope._entered_ns, now_ns())) \
             if RECORDER.active else []
-        queue = RECORDER._queue
-        room = RECORDER._capacity - len(queue)
+        queue = RECORDER.queue
+        room = RECORDER.capacity - len(queue)
         if len(recs) > room:
             RECORDER.drop("queue_full", len(recs) - max(room, 0))
             recs = recs[:max(room, 0)]
         scope.calls, scope.error_type = [], None  # taken: from here to the append below, nothing that runs a
         queue.extend(recs)  # signal handler (one C call: the hand-off Recorder.record makes)
-    if recs and RECORDER._idle:  # the recorder's thread sleeps long: wake it, as Recorder.record does
-        RECORDER._idle = False
-        RECORDER._wake.set()
+    if recs and RECORDER.idle:  # the recorder's thread sleeps long: wake it, as Recorder.record does
+        RECORDER.idle = False
+        RECORDER.wake.set()
 
 
 class TransferScope:

@@ -51,7 +51,10 @@ def info(key, chunk, payload, destination, replica, is_last, early, attributes) 
     return (key, chunk, payload, destination, replica, is_last, early, attributes)
 
 
-# One engine call, as an engine wrapper times it.
+# One engine call, as an engine wrapper times it. `call` below is the one definition of its shape, and
+# `raw_call` of a call made outside any transfer scope. An engine's hot path may write either out instead of
+# calling it (a call is one more Python frame per transfer: engines/mooncake.py's sync wrapper does);
+# tests/project/test_backend_contract.py checks that what it writes is what these build.
 CALL_START = 0  # clock.now_ns(): every time in a record is on the records' clock (clock.py)
 CALL_END = 1
 CALL_BYTES = 2  # an int, or the list of lengths the engine was given (summed on the builder thread)

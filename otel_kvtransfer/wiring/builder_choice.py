@@ -9,21 +9,15 @@ that made its providers in code (its own processors, an in-memory exporter), or 
 `instrument()`, keeps building in process, where its own processors see the spans. OTEL_KVTRANSFER_BUILDER=
 process or thread decides instead (with OTEL_KVTRANSFER_HELPER_SETUP naming how a helper sets up its SDK).
 A helper that can never start (its interpreter gone) is not waited for: after the link's bounded tries, this
-process builds in process after all (`InProcessFallback`), as if it had chosen the thread builder.
+process builds in process after all, assembled as the thread builder is (`in_process.assemble`).
 """
 
 import logging
 import os
 from importlib.metadata import entry_points
 
-from opentelemetry import trace
-
-from otel_kvtransfer import config, sdk_internals, semconv
-from otel_kvtransfer.building.attachment import Attachment, new_builder
-from otel_kvtransfer.building.in_process import InProcessSink
+from otel_kvtransfer import config, sdk_internals
 from otel_kvtransfer.offloading import lifecycle
-from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
 
@@ -88,24 +82,3 @@ def sdk_from_environment(tracer_provider, meter_provider) -> bool:
         if type(reader).__name__ != "PeriodicExportingMetricReader" or type(exporter) not in metric_exporters:
             return False
     return True
-
-
-class InProcessFallback:
-    """`link.HelperLink`'s fallback: called once no helper could start, it assembles the in-process builder on
-    this process's SDK as instrument() does for the thread builder (drain-first processor, metrics, the span
-    path) and returns the sink the link builds with from then on. Until then it holds only what it was given."""
-
-    def __init__(self, settings: config.Settings, tracer_provider, meter_provider, engines):
-        self._settings = settings
-        self._tracer_provider = tracer_provider
-        self._meter_provider = meter_provider
-        self._engines = engines
-
-    def __call__(self) -> InProcessSink:
-        provider = self._tracer_provider
-        tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, provider)
-        attachment = Attachment(self._meter_provider, self._settings.pipeline, self._settings.max_peers)
-        attachment.attach(tracer, provider)
-        builder = new_builder(attachment, self._settings, self._engines, on_drop=RECORDER.drop,
-                              meter_provider=self._meter_provider)
-        return InProcessSink(builder, attachment)

@@ -3,22 +3,19 @@
     from otel_kvtransfer import KVTransferInstrumentor
     KVTransferInstrumentor().instrument(tracer_provider=tp, meter_provider=mp)
 
-instrument() and uninstrument() mirror each other step for step:
-1. the direct pipeline (the default): the builder gets `DirectSpans` for the package's SDK tracer, the
-   MeterProvider's readers get the metric tables (`kvmetrics`; they outlive uninstrument(), as SDK instruments
-   do), and the OTLP exporters' `encode_spans` our fixed-shape encoder (`span_encoding`) / the encoder is
-   restored. With OTEL_KVTRANSFER_PIPELINE=sdk instead: the package's tracer gets `RecordUnsampledSampler`
-   (metrics count what sampling leaves out) and the provider `KVTransferMetricsProcessor` / both are detached;
-2. the SDK TracerProvider gets `FlushFirstSpanProcessor` in front (flush and shutdown deliver every recorded
-   transfer) / it is detached;
-3. the recorder's thread starts with a fresh `SpanBuilder` / is drained (bounded), stopped and joined, and the
-   spans the builder still holds open are ended as evicted and counted;
-4. every registered engine module and framework package patches what is importable / undoes every patch.
-When instrument() runs before any SDK TracerProvider exists (a plugin loaded early), steps 1-2 happen on the
-recorder's thread as soon as one is set. When a helper process builds (`builder_choice`: OTEL_KVTRANSFER_BUILDER,
-`auto` by default), steps 1-3's builder and metrics live there (`offloading/`): this process's
-recorder hands it the records, and its TracerProvider gets `HelperFlushProcessor` only; uninstrument() closes the
-helper.
+instrument() takes four named steps and uninstrument() their mirrors, in the reverse order:
+- `_attach_builder` / `_detach_builder`: where spans are built (`builder_choice`: OTEL_KVTRANSFER_BUILDER, `auto`
+  by default). In a helper process (`offloading/`): this process's recorder hands it the records, and its
+  TracerProvider gets `HelperFlushProcessor` only. Else in this process, put together by `in_process.assemble`
+  (the direct pipeline's `DirectSpans`, metric tables and OTLP encoder, or the SDK pipeline's sampler and
+  processor; `FlushFirstSpanProcessor` in front of the provider's processors), attached to the SDK as soon as
+  there is one. / What is still open is ended as evicted and counted, the helper closed, what was attached to the
+  SDK detached (the metric tables outlive it, as SDK instruments do);
+- `_start_recording` / `_stop_recording`: the recorder's thread starts delivering to that builder / is drained
+  (bounded), stopped and joined;
+- `_patch_backends` / `_unpatch_backends`: every registered engine module and framework package patches what is
+  importable, and the start-up line is printed / every patch is undone, the line withdrawn;
+- `_flush_at_child_exit` / `_stop_flushing_at_child_exit`: a multiprocessing child flushes on its way out.
 
 Backends are a registry: a new transfer engine is one module in `engines/` and a line in ENGINES, a new serving
 framework one package in `frameworks/` and a line in FRAMEWORKS.
@@ -29,15 +26,14 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
-from typing import Collection
+from typing import Collection, NamedTuple
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_kvtransfer import config, registry, semconv
-from otel_kvtransfer.building.attachment import Attachment, drop_counter, new_builder, untimed_counter
-from otel_kvtransfer.building.in_process import InProcessSink
-from otel_kvtransfer.building.sdk_spans import SdkSpans
+from otel_kvtransfer import config, registry
+from otel_kvtransfer.building import in_process
+from otel_kvtransfer.building.attachment import Attachment, drop_counter, untimed_counter
 from otel_kvtransfer.offloading import lifecycle
 from otel_kvtransfer.offloading.link import HelperFlushProcessor, HelperLink, register_exit, unregister_exit
 from otel_kvtransfer.recording import inflight, untimed
@@ -49,97 +45,65 @@ from otel_kvtransfer.wiring.package import _instruments
 _logger = logging.getLogger(__name__)
 
 
+class _Given(NamedTuple):
+    """What instrument() works with."""
+
+    tracer_provider: object  # the one given, or the global one
+    meter_provider: object  # the one given, or the global one
+    meter_provider_given: object  # or None: the builder reads the global one as it appears
+    tracer_provider_given: bool
+    settings: config.Settings
+    engines: list
+    frameworks: list
+
+
 class KVTransferInstrumentor(BaseInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
     def _instrument(self, **kwargs):
-        self._backends, self._finalizer, self._link = (), None, None
-        self._attachment, self._end_open = Attachment(None), lambda: None
+        self._sink, self._link, self._end_open, self._backends, self._finalizer = None, None, None, (), None
         if os.environ.get(lifecycle.HELPER_ENV):
             return  # this is the builder process itself: it builds, it has nothing to patch
-        tracer_provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
-        meter_provider = kwargs.get("meter_provider") or metrics.get_meter_provider()
-        settings = config.load()
-        engines, frameworks = registry.load(registry.ENGINES), registry.load(registry.FRAMEWORKS)
-        if builder_choice.choose(settings, tracer_provider, meter_provider,
-                                 provider_given=kwargs.get("tracer_provider") is not None) == "process":
-            # The helper starts with the first records (none, no helper); drops no helper can carry are counted
-            # in instrument()'s own MeterProvider.
-            self._link = HelperLink(count_dropped=drop_counter(meter_provider), fallback=builder_choice.
-                                    InProcessFallback(settings, tracer_provider, meter_provider, engines))
-        if self._link is not None:
-            self._instrument_offloaded(settings, tracer_provider, engines, frameworks, meter_provider)
-            return
-
-        # 1-2. Sampler and processors (now, or once an SDK appears).
-        tracer = trace.get_tracer(semconv.INSTRUMENTATION_NAME, __version__, tracer_provider)
-        self._attachment = Attachment(kwargs.get("meter_provider"), settings.pipeline, settings.max_peers)
-        waiting_for_sdk = isinstance(tracer_provider, trace.ProxyTracerProvider)
-        if not waiting_for_sdk:
-            self._attachment.attach(tracer, tracer_provider)
-        else:
-            self._attachment.spans = SdkSpans(tracer)  # the proxy's no-op spans until an SDK appears
-
-        # 3. The recorder's thread and a fresh builder.
-        count_dropped = drop_counter(meter_provider)
-        builder = new_builder(self._attachment, settings, engines, on_drop=RECORDER.drop,
-                              meter_provider=kwargs.get("meter_provider"))
-        sink = InProcessSink(builder, self._attachment, count_dropped, waiting_for_sdk)
-        RECORDER.watcher = inflight.Watcher(settings.stuck_s)
-        RECORDER.start(settings, sink)
-        self._end_open = lambda: sink.end_all(count_dropped)
-
-        self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
-
-    def _instrument_offloaded(self, settings, tracer_provider, engines, frameworks, meter_provider):
-        """OTEL_KVTRANSFER_BUILDER=process: records go to the helper; this process builds nothing."""
-        link = self._link
-        # Close the link after the recorder's exit drain: registered first, so atexit runs it after.
-        register_exit(link)
-        self._attachment.attach_flush_only(tracer_provider, HelperFlushProcessor(RECORDER, link))
-        RECORDER.watcher = inflight.Watcher(settings.stuck_s)
-        RECORDER.start(settings, link)
-        self._end_open = link.end_open
-        self._patch_and_finalize(engines + frameworks, tracer_provider, meter_provider)
-
-    def _patch_and_finalize(self, backends, tracer_provider, meter_provider):
-        # 4. Engines, then frameworks (which build on them); an engine call neither timed nor known to move no
-        # bytes is counted in this process's MeterProvider.
-        untimed.count_with(untimed_counter(meter_provider))
-        self._backends = backends
-        patched = {}
-        for backend in self._backends:
-            try:
-                patched[backend.__name__] = bool(backend.instrument())
-            except Exception:
-                _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
-        _announce(backends, patched, "process" if self._link is not None else "thread", tracer_provider,
-                  meter_provider)
-
-        # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out. A
-        # child forked from this process inherits the instrumentation without running this: the recorder's
-        # after-fork hook calls child_exit there, with the providers given here.
-        RECORDER.child_exit = functools.partial(_flush_providers, tracer_provider, meter_provider, self._link)
-        if multiprocessing.parent_process() is not None:
-            self._finalizer = multiprocessing.util.Finalize(
-                None, _flush_providers, args=(tracer_provider, meter_provider, self._link), exitpriority=100)
+        given = _Given(tracer_provider=kwargs.get("tracer_provider") or trace.get_tracer_provider(),
+                       meter_provider=kwargs.get("meter_provider") or metrics.get_meter_provider(),
+                       meter_provider_given=kwargs.get("meter_provider"),
+                       tracer_provider_given=kwargs.get("tracer_provider") is not None, settings=config.load(),
+                       engines=registry.load(registry.ENGINES), frameworks=registry.load(registry.FRAMEWORKS))
+        self._attach_builder(given)
+        self._start_recording(given)
+        self._patch_backends(given)
+        self._flush_at_child_exit(given)
 
     def _uninstrument(self, **kwargs):
-        RECORDER.child_exit = None
-        startup.withdraw()
-        if self._finalizer is not None:
-            self._finalizer.cancel()
-        # 4.
-        for backend in reversed(self._backends):
-            try:
-                backend.uninstrument()
-            except Exception:
-                _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
-        untimed.count_with(None)
-        # 3.
-        RECORDER.stop()
-        RECORDER.watcher = None
+        self._stop_flushing_at_child_exit()
+        self._unpatch_backends()
+        self._stop_recording()
+        self._detach_builder()
+
+    # --- where spans are built ---------------------------------------------------------------------------------
+    def _attach_builder(self, given: _Given) -> None:
+        settings, tracer_provider = given.settings, given.tracer_provider
+        # Drops no builder can count (the recorder's, a helper's that never came) go to this MeterProvider.
+        count_dropped = drop_counter(given.meter_provider)
+        assemble = functools.partial(in_process.assemble, settings, given.engines, tracer_provider,
+                                     given.meter_provider_given, on_drop=RECORDER.drop)
+        if builder_choice.choose(settings, tracer_provider, given.meter_provider,
+                                 provider_given=given.tracer_provider_given) == "process":
+            # The helper starts with the first records (none, no helper); if none can ever start, the link builds
+            # here after all, assembled as the thread builder is.
+            self._link = self._sink = HelperLink(count_dropped=count_dropped, fallback=assemble)
+            register_exit(self._link)  # closed after the recorder's exit drain: registered first, atexit runs it after
+            self._flush_only = Attachment(None)
+            self._flush_only.attach_flush_only(tracer_provider, HelperFlushProcessor(RECORDER, self._link))
+            self._end_open = self._link.end_open
+        else:
+            self._sink = assemble(count_drops=count_dropped)
+            self._end_open = functools.partial(self._sink.end_all, count_dropped)
+
+    def _detach_builder(self) -> None:
+        if self._sink is None:
+            return
         try:  # what is still open would never end: end it as evicted, counted (before the processors go)
             self._end_open()
         except Exception:
@@ -147,9 +111,62 @@ class KVTransferInstrumentor(BaseInstrumentor):
         if self._link is not None:
             unregister_exit(self._link)
             self._link.close()
-            self._link = None
-        # 1-2.
-        self._attachment.detach()
+            self._flush_only.detach()
+        else:
+            self._sink.detach()
+        self._sink, self._link, self._end_open = None, None, None
+
+    # --- the recorder's thread ---------------------------------------------------------------------------------
+    def _start_recording(self, given: _Given) -> None:
+        RECORDER.watcher = inflight.Watcher(given.settings.stuck_s)
+        RECORDER.start(given.settings, self._sink)
+
+    def _stop_recording(self) -> None:
+        if self._sink is None:
+            return
+        RECORDER.stop()
+        RECORDER.watcher = None
+
+    # --- the backends ------------------------------------------------------------------------------------------
+    def _patch_backends(self, given: _Given) -> None:
+        # Engines, then frameworks (which build on them); an engine call neither timed nor known to move no bytes
+        # is counted in this process's MeterProvider.
+        untimed.count_with(untimed_counter(given.meter_provider))
+        self._backends = given.engines + given.frameworks
+        patched = {}
+        for backend in self._backends:
+            try:
+                patched[backend.__name__] = bool(backend.instrument())
+            except Exception:
+                _logger.warning("otel_kvtransfer could not instrument %s", backend.__name__, exc_info=True)
+        _announce(self._backends, patched, "process" if self._link is not None else "thread", given.tracer_provider,
+                  given.meter_provider)
+
+    def _unpatch_backends(self) -> None:
+        startup.withdraw()
+        for backend in reversed(self._backends):
+            try:
+                backend.uninstrument()
+            except Exception:
+                _logger.warning("otel_kvtransfer could not uninstrument %s", backend.__name__, exc_info=True)
+        untimed.count_with(None)
+        self._backends = ()
+
+    # --- a child's exit ----------------------------------------------------------------------------------------
+    def _flush_at_child_exit(self, given: _Given) -> None:
+        # A multiprocessing child ends with os._exit and skips atexit: flush what it recorded on its way out. A
+        # child forked from this process inherits the instrumentation without running this: the recorder's
+        # after-fork hook calls child_exit there, with the providers given here.
+        flush = (given.tracer_provider, given.meter_provider, self._link)
+        RECORDER.child_exit = functools.partial(_flush_providers, *flush)
+        if multiprocessing.parent_process() is not None:
+            self._finalizer = multiprocessing.util.Finalize(None, _flush_providers, args=flush, exitpriority=100)
+
+    def _stop_flushing_at_child_exit(self) -> None:
+        RECORDER.child_exit = None
+        if self._finalizer is not None:
+            self._finalizer.cancel()
+            self._finalizer = None
 
 
 def _announce(backends, patched, builder, tracer_provider, meter_provider) -> None:

@@ -99,9 +99,10 @@ def main(steps):
                 outcome["seconds"] = round(time.monotonic() - started, 3)
             elif name == "drain":
                 RECORDER.drain()
-                outcome["frame_waiting"] = link._channel is not None and link._channel.tail is not None
+                channel = link.connection.channel
+                outcome["frame_waiting"] = channel is not None and channel.tail is not None
             elif name == "await-acks":  # the helper has answered, and the link has not read it yet
-                answers = link._channel.sock
+                answers = link.connection.channel.sock
                 outcome["acks_waiting"] = bool(select.select([answers], [], [], 10)[0])
             elif name == "sleep":
                 time.sleep(float(arg))
@@ -128,7 +129,7 @@ def main(steps):
             elif name == "stop-helper":
                 os.kill(link.pid(), signal.SIGSTOP)
             elif name == "small-socket":  # a few thousand records fill it (the link asks for megabytes)
-                sock = link._channel.sock
+                sock = link.connection.channel.sock
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
             elif name == "cont-helper":
                 os.kill(link.pid(), signal.SIGCONT)
@@ -225,7 +226,7 @@ def _wait_gone(pid, link, timeout_s=30.0):
     """Until the helper has ended and its end of the socket is closed (the kernel may release a dead process's
     files a moment after it is a zombie): what the link sees next is a helper that is gone."""
     poller = select.poll()
-    poller.register(link._channel.sock, select.POLLHUP)
+    poller.register(link.connection.channel.sock, select.POLLHUP)
     deadline = time.monotonic() + timeout_s
     while not (_gone(pid) and any(events & select.POLLHUP for _, events in poller.poll(0))):
         if time.monotonic() > deadline:

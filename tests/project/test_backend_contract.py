@@ -31,7 +31,7 @@ from support.parts import require_part
 from support.paths import ROOT
 
 from otel_kvtransfer import config, registry, semconv
-from otel_kvtransfer.recording import records
+from otel_kvtransfer.recording import integration, records
 from otel_kvtransfer.recording.patching import Backend, EngineSpec, FrameworkSpec, is_ours, observe_call
 from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
@@ -229,9 +229,10 @@ def test_backend_contract(name, recording):
 
 
 def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeypatch):
-    """The Mooncake sync wrapper builds its records inline (calling `records.call` and `records.raw_call` would be
-    more Python frames per transfer): they must be what the constructors build from the same values, and what the
-    general path (keyword arguments, through `_call`) builds; the engine gets each call as it was made."""
+    """The Mooncake sync wrapper writes its records out (calling `records.call` and `records.raw_call` would be
+    more Python frames per transfer): inside a transfer scope and outside one, they must be what the constructors
+    build from the same values, and what the general path (keyword arguments, through `_call`) builds; the engine
+    gets each call as it was made."""
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")  # the transport of engines initialised before instrument()
     backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
@@ -254,6 +255,8 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
         lengths = [1024, 2048, 4096]
         assert engine_class.batch_transfer_sync_read(engine, "10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths) == 0
         assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, length=65536) == 0
+        with integration.transfer_scope(7):
+            assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, 65536) == 0
         recording.wrapper_errors()
     finally:
         backend.uninstrument()
@@ -264,9 +267,10 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
         (engine, (), {"target_hostname": "10.0.0.1:15001", "buffer": 4096, "peer_buffer_address": 8192,
                       "length": 65536}),
         (engine, ("10.0.0.2:15002", [1, 2, 3], [4, 5, 6], lengths), {}),
-        (engine, ("10.0.0.1:15001", 4096, 8192), {"length": 65536})]
-    assert len(recording.records) == 4
-    hot, general, batch, mixed = recording.records
+        (engine, ("10.0.0.1:15001", 4096, 8192), {"length": 65536}),
+        (engine, ("10.0.0.1:15001", 4096, 8192, 65536), {})]
+    assert len(recording.records) == 5
+    hot, general, batch, mixed, scoped = recording.records
 
     def expected(record, nbytes, descriptors, op, peer):
         assert record[records.KIND] == records.RAW_CALL and len(record) == records.RAW_CONTEXT + 1
@@ -279,6 +283,10 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
     assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
     assert mixed == expected(mixed, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert batch[records.RAW_CALL_FIELDS][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
+    assert scoped[records.KIND] == records.SEND
+    (in_scope,) = scoped[records.SEND_CALLS]
+    assert in_scope == records.call(in_scope[records.CALL_START], in_scope[records.CALL_END], 65536, 1,
+                                    semconv.OP_WRITE, "10.0.0.1:15001", "tcp", 0, None, "mooncake")
     # No span was current: the record holds no context, only plain values, so the GC stops tracking it at its first
     # collection and a queue of such records costs the later collections nothing (a batch's list keeps its own).
     assert hot[records.RAW_CONTEXT] is None

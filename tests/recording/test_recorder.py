@@ -332,11 +332,11 @@ def test_the_first_record_after_a_quiet_spell_wakes_the_sleeping_recorder():
 
     recorder = Recorder(config.Settings(flush_interval_s=0.2))
     recorder.record(("a",))
-    assert not recorder._wake.is_set()  # while records come in, the thread keeps its own pace
-    recorder._idle = True  # as the thread sets it before a sleep past the flush interval
+    assert not recorder.wake.is_set()  # while records come in, the thread keeps its own pace
+    recorder.idle = True  # as the thread sets it before a sleep past the flush interval
     recorder.record(("b",))
-    assert recorder._wake.is_set() and not recorder._idle
-    recorder._wake.clear()
+    assert recorder.wake.is_set() and not recorder.idle
+    recorder.wake.clear()
     recorder.record(("c",))
-    assert not recorder._wake.is_set()  # woken once: the records after it wait for the drain it starts
+    assert not recorder.wake.is_set()  # woken once: the records after it wait for the drain it starts
     assert recorder.pending() == 3

@@ -174,8 +174,32 @@ class _Owners:
 
     def attribute_owner(self, base: ast.AST, name: str) -> Optional[str]:
         if isinstance(base, ast.Name) and base.id in ("self", "cls"):
-            return "" if name in self.own_attributes else None  # else inherited from a class not defined here
+            if name in self.own_attributes:
+                return ""
+            return self._inherited().get(name)  # from a base class of ours defined elsewhere, or unknown (None)
         return self.owner_of(base)
+
+    def _inherited(self) -> Dict[str, str]:
+        """Attribute name -> the module of ours that defines it, for this module's classes' bases in the package
+        (one level: a base's own attributes)."""
+        if getattr(self, "_inherited_names", None) is None:
+            self._inherited_names: Dict[str, str] = {}
+            for node in ast.walk(self.tree):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                for base in node.bases:
+                    owner = self.owner_of(base)
+                    if not owner or owner.split(".")[0] != PACKAGE:
+                        continue
+                    module = owner if _is_our_module(owner, self.package_dir) else owner.rsplit(".", 1)[0]
+                    path = self.package_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+                    if not path.exists():
+                        continue
+                    tree = ast.parse(path.read_text(encoding="utf-8"))
+                    relative = module[len(PACKAGE) + 1:]
+                    for attribute in _Owners(relative, tree, self.package_dir).own_attributes:
+                        self._inherited_names.setdefault(attribute, module)
+        return self._inherited_names
 
 
 def reads(module: str, source: str, package_dir: pathlib.Path = PACKAGE_DIR) -> List[Read]:

@@ -1,0 +1,109 @@
+"""`kv_transfer.send` spans: one per actual transfer, under its request's span (a raw engine call's under the
+context current at its call), measured and given its attributes by `send_attributes`. A send of a request that
+already concluded goes under that request's span, and is late if it ended after it."""
+
+from typing import Callable, Dict
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.building import late
+from otel_kvtransfer.building.builder_part import OK, TIME_LIMIT, BuilderPart, mark_error
+from otel_kvtransfer.building.direct_spans import span_context_of
+from otel_kvtransfer.building.first_calls import FirstToPeer
+from otel_kvtransfer.building.open_spans import OpenSpans
+from otel_kvtransfer.building.request_spans import RequestSpans
+from otel_kvtransfer.building.send_attributes import SendFigures, attributes, measure, measure_call
+from otel_kvtransfer.recording import records as r
+
+
+class SendSpans(BuilderPart):
+    """`requests`: where a send of a key no request opened opens one; `ended` and `late_lines`: the concluded
+    requests and the late transfers' log lines; `peer_parsers`: backend -> function(peer) -> the span
+    attributes of that engine's peer name; `setup_in_first_call`: the backends whose first transfer to a peer
+    sets the connection up."""
+
+    def __init__(self, spans, metrics, requests: RequestSpans, open_spans: OpenSpans, ended: late.EndedRequests,
+                 late_lines: late.LateLines, peer_parsers: Dict[str, Callable[[object], dict]],
+                 setup_in_first_call, on_drop: Callable[[str, int], None]):
+        super().__init__(spans, metrics)
+        self._open_request = requests.open
+        self._touch_request = open_spans.touch_request  # read per record: bound here, no extra lookup
+        self._ended = ended
+        self._late_lines = late_lines
+        self._peer_parsers = peer_parsers
+        self._on_drop = on_drop
+        self._raw_statics = {}  # static attributes of raw engine calls, by shape
+        first_calls = FirstToPeer(setup_in_first_call)
+        self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
+
+    def raw_call(self, rec, now) -> None:
+        figures = measure_call(rec[r.RAW_CALL_FIELDS], None)
+        if not 0 <= figures.start <= figures.end < TIME_LIMIT:  # no engine measures that: bad input to deliver()
+            return self._on_drop("api_error", 1)
+        self._check(figures)
+        attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
+        context = rec[r.RAW_CONTEXT]  # None when no span was current at the call (the common case)
+        self._send_span(span_context_of(context) if context is not None else None, attrs, figures)
+
+    def send(self, rec, now) -> None:
+        figures = measure(rec)
+        if not 0 <= figures.start <= figures.end < TIME_LIMIT:
+            return self._on_drop("api_error", 1)
+        self._check(figures)
+        info = rec[r.SEND_INFO]
+        if info is None:
+            return self._raw_send(figures, rec[r.SEND_CONTEXT])
+        key = info[r.INFO_KEY]
+        state = self._touch_request(key, now)
+        if state is None:
+            ended = self._ended.get(key)
+            if ended is not None:
+                return self._ended_request_send(figures, info, key, ended)
+            first = figures.first
+            state = self._open_request(key, figures.start, now,
+                                       backend=first[r.CALL_BACKEND] if first is not None else None)
+        state.aggregate.add_send(figures.start, figures.end, figures.nbytes, info[r.INFO_REPLICA],
+                                 info[r.INFO_CHUNK])
+        if figures.failure and state.failure is None:
+            state.failure = figures.failure
+        attrs = attributes(figures, info, state.labels, state.statics, self._peer_parsers)
+        self._send_span(state.parent, attrs, figures)
+
+    def _check(self, figures: SendFigures) -> None:
+        """The first call of a backend marked as such, and negative lengths counted and clamped: an engine asked
+        to move a negative length moved no such bytes."""
+        first = figures.first
+        if first is not None and first[r.CALL_BACKEND] in self._first_backends:
+            figures.first = self._mark_first(first)
+        if figures.nbytes < 0 or figures.descriptors < 0:
+            self._on_drop("invalid_length", 1)
+            figures.nbytes, figures.descriptors = max(figures.nbytes, 0), max(figures.descriptors, 0)
+
+    def _raw_send(self, figures: SendFigures, context) -> None:
+        """A send outside any transfer scope: under the context current at its engine call."""
+        attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
+        self._send_span(span_context_of(context), attrs, figures)
+
+    def _send_span(self, parent, attrs, figures: SendFigures) -> None:
+        start, end, failure = figures.start, figures.end, figures.failure
+        status = Status(StatusCode.ERROR, failure) if failure else OK
+        span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
+        self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)
+
+    def _ended_request_send(self, figures: SendFigures, info, key, ended) -> None:
+        """A send of a request that already concluded: under that request's span, late if it ended after it."""
+        attrs = attributes(figures, info, ended.labels, self._ended.shapes(key), self._peer_parsers)
+        late_s = late.late_by_s(ended, figures.end)
+        if late_s is None:  # it ended in time, its record only came after the request's end
+            return self._send_span(ended.parent, attrs, figures)
+        start, end, failure, first = figures.start, figures.end, figures.failure, figures.first
+        span = self._spans.open(semconv.SPAN_SEND, ended.parent, SpanKind.CLIENT, attrs, start)
+        span.add_event(semconv.EVENT_LATE_COMPLETION, {semconv.AFTER_REQUEST_END_S: late_s}, end)
+        if failure:
+            mark_error(span, failure)
+        span_context = self._spans.context_of(span)
+        self._spans.close(span, end)
+        self._metrics.late(attrs, span_context)
+        self._late_lines.send(ended, key, attrs.get(semconv.BACKEND), first[r.CALL_PEER] if first else None, late_s)
+        self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)

@@ -1,0 +1,157 @@
+"""Device time onto the records' clock (clock.py), for the device clock's resolver (`device_clock`).
+
+An *anchor* is a timing event recorded on a stream of its own that holds no other work, with the records' clock
+read just before the record and again when a query first sees it complete. The anchor's host time is the middle
+of that window, and an anchor is kept only when the window is at most ANCHOR_WINDOW_NS, so its host time is right
+to half of that (25 us). An event's host time is its anchor's plus the device's elapsed time between the two
+(`elapsed_time`). Both ends of one interval go through the same anchor, the one nearest its end, so a duration is
+exactly the device's. Device and host clocks drift apart slowly: while brackets are pending the resolver anchors
+again every MAX_ANCHOR_INTERVAL_S at the latest (every MIN_ANCHOR_INTERVAL_S until it has measured the drift), and
+sooner when the drift rate measured between anchors would make the drift reach DRIFT_BUDGET_NS (25 us) in between;
+with the anchor's own 25 us, an event's host time stays within 50 us of the truth.
+"""
+
+from collections import deque
+from time import monotonic
+from typing import Optional
+
+from otel_kvtransfer.recording.clock import now_ns
+
+ANCHOR_WINDOW_NS = 50_000  # an anchor's record-to-seen window: its host time is right to half of this
+ANCHOR_TRIES = 8  # records per anchoring before giving up until the next pass
+DRIFT_BUDGET_NS = 25_000  # device/host drift allowed between anchors
+MAX_ANCHOR_INTERVAL_S = 1.0
+MIN_ANCHOR_INTERVAL_S = 0.05
+DRIFT_BASELINE_S = 0.5  # the shortest span of anchors a drift rate is measured over (less: too noisy)
+KEPT_ANCHORS = 64  # per device: the nearest of them converts a bracket
+
+
+class _Anchor:
+    __slots__ = ("event", "host_ns", "window_ns")
+
+    def __init__(self, event, host_ns: int, window_ns: int):
+        self.event = event
+        self.host_ns = host_ns
+        self.window_ns = window_ns
+
+
+class _DeviceAnchors:
+    """One device's anchors: a stream of their own, the last KEPT_ANCHORS, the drift rate measured over them."""
+
+    __slots__ = ("stream", "kept", "rate", "due_s")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.kept: deque = deque(maxlen=KEPT_ANCHORS)
+        self.rate = None  # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
+        self.due_s = 0.0  # time.monotonic() by which the next anchor is due while brackets are pending
+
+    def nearest(self, host_ns: int) -> Optional[_Anchor]:
+        best = None
+        for anchor in self.kept:
+            if best is None or abs(anchor.host_ns - host_ns) < abs(best.host_ns - host_ns):
+                best = anchor
+        return best
+
+    def keep(self, anchor: _Anchor) -> None:
+        """A new anchor, the drift measured against the oldest kept, and when the next one is due."""
+        if self.kept:
+            base = self.kept[0]
+            host_ns = anchor.host_ns - base.host_ns
+            if host_ns >= DRIFT_BASELINE_S * 1e9:
+                device_ns = base.event.elapsed_time(anchor.event) * 1e6
+                if device_ns > 0:
+                    self.rate = (host_ns - device_ns) / device_ns
+        self.kept.append(anchor)
+        # Until a drift rate is measured (anchors DRIFT_BASELINE_S apart), anchor as often as allowed.
+        interval = MIN_ANCHOR_INTERVAL_S if self.rate is None else MAX_ANCHOR_INTERVAL_S
+        if self.rate:
+            interval = min(max(DRIFT_BUDGET_NS / 1e9 / abs(self.rate), MIN_ANCHOR_INTERVAL_S), interval)
+        self.due_s = monotonic() + interval
+
+
+class Anchors:
+    """The anchors of one device module (torch.cuda, or a stand-in shaped like it), per device. `lock` is the
+    device clock's: everything here but taking an anchor runs under it."""
+
+    def __init__(self, device_module, lock):
+        self._module = device_module
+        self._lock = lock
+        self._by_device: dict = {}  # device index -> _DeviceAnchors
+        self._counts = {"anchors": 0, "refused": 0}
+        self._windows: deque = deque(maxlen=1024)
+
+    def anchor_if_due(self, device) -> None:
+        """A new anchor for `device` when one is due (the lock taken here, not held while the anchor is taken:
+        settling a request never waits for that spin)."""
+        with self._lock:
+            anchors = self._by_device.get(device)
+            if anchors is None:
+                module = self._module
+                anchors = self._by_device[device] = _DeviceAnchors(
+                    module.Stream() if device is None else module.Stream(device=device))
+        if monotonic() < anchors.due_s:
+            return
+        anchor = self._take(anchors.stream)
+        with self._lock:
+            if anchor is None:  # again soon; brackets wait (or keep their host times past their give-up time)
+                anchors.due_s = monotonic() + MIN_ANCHOR_INTERVAL_S
+            else:
+                anchors.keep(anchor)
+
+    def _take(self, stream) -> Optional[_Anchor]:
+        best = None
+        for _ in range(ANCHOR_TRIES):
+            event = self._module.Event(enable_timing=True)
+            before = now_ns()
+            event.record(stream)
+            seen = None
+            while True:  # a record on an idle stream completes within microseconds: spin, bounded
+                if event.query():
+                    seen = now_ns()
+                    break
+                if now_ns() - before > ANCHOR_WINDOW_NS:
+                    break
+            if seen is not None and seen - before <= ANCHOR_WINDOW_NS:
+                if best is None or seen - before < best.window_ns:
+                    best = _Anchor(event, (before + seen) // 2, seen - before)
+                if best.window_ns <= ANCHOR_WINDOW_NS // 4:
+                    break
+        if best is None:
+            self._counts["refused"] += 1
+            return None
+        self._counts["anchors"] += 1
+        self._windows.append(best.window_ns)
+        return best
+
+    def times(self, device, host_start: int, starts, ends) -> Optional[tuple]:
+        """(start, end) of a bracket's events on the records' clock through the anchor nearest its end (found
+        through the one nearest its launch at `host_start`); both ends through one anchor, so the duration is the
+        device's. None without an anchor. Raises what reading the events raises."""
+        anchors = self._by_device.get(device)
+        anchor = anchors.nearest(host_start) if anchors is not None else None
+        if anchor is None:
+            return None
+        end = _through(anchor, ends)
+        nearer = anchors.nearest(end)
+        if nearer is not anchor:
+            anchor, end = nearer, _through(nearer, ends)
+        # The forward can start once every stream it uses got there; it has ended once every one has.
+        start = _through(anchor, starts)
+        return start, max(end, start)
+
+    def stats(self) -> dict:
+        windows = sorted(self._windows)
+        rates = [a.rate for a in self._by_device.values() if a.rate is not None]
+        return {
+            "anchors": self._counts["anchors"], "anchorings_refused": self._counts["refused"],
+            "anchor_window_median_ns": windows[len(windows) // 2] if windows else None,
+            "anchor_window_max_ns": windows[-1] if windows else None,
+            "drift_ppm": [-rate * 1e6 for rate in rates],  # how much faster the device's clock runs than the host's
+        }
+
+
+def _through(anchor: _Anchor, events) -> int:
+    """The latest of `events` on the records' clock: the anchor's host time + the device's elapsed time."""
+    base, event = anchor.host_ns, anchor.event
+    return max(base + round(event.elapsed_time(e) * 1e6) for e in events)
