@@ -19,6 +19,7 @@ evicted span's end, a stuck item's age) are on the same clock as the records it 
 
 import os
 from time import monotonic_ns, time_ns
+from typing import SupportsInt
 
 BASE_ENV = "OTEL_KVTRANSFER_CLOCK_BASE_NS"  # set in the builder process's environment by its engine process
 STEP_NS = 1_000_000  # a change of (wall - this clock) below this is the jitter of reading two clocks, not a step
@@ -57,7 +58,7 @@ def _measure(now: int) -> int:
     return _step[0]
 
 
-def from_wall(ns) -> int:
+def from_wall(ns: SupportsInt) -> int:
     """A framework's time (from `time.time_ns()` or `now_ns()`, taken recently) on the records' clock."""
     ns = int(ns)
     now = monotonic_ns() + BASE
@@ -67,6 +68,6 @@ def from_wall(ns) -> int:
     return ns
 
 
-def environment() -> dict:
+def environment() -> dict[str, str]:
     """What a builder process needs in its environment to read this process's clock."""
     return {BASE_ENV: str(BASE)}

@@ -15,8 +15,10 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Optional
+from collections import deque
+from typing import Callable, Optional, Protocol
 
+from otel_kvtransfer.recording.records import Record
 from otel_kvtransfer.recording.sink import Sink, log_own_error
 
 _logger = logging.getLogger(__name__)
@@ -33,13 +35,24 @@ class DrainOutcome(enum.Enum):
     BUSY = "busy"  # another drain held the builder past the wait (a hung exporter): nothing was taken
 
 
+class Drained(Protocol):
+    """What the drains use of their recorder (`recorder.Recorder`)."""
+
+    queue: deque[Record]
+    sink: Optional[Sink]
+
+    def drop(self, reason: str, count: int = 1) -> None: ...
+
+    def report_drops(self) -> None: ...
+
+
 class DrainProgress:
     """The drains' accounting: what an exit drain reads to count exactly what a drain in progress left."""
 
     __slots__ = ("batch", "done", "number", "given_up_on", "abandoned", "not_ended")
 
-    def __init__(self):
-        self.batch: list = []  # records taken from the queue by the drain in progress
+    def __init__(self) -> None:
+        self.batch: list[Record] = []  # records taken from the queue by the drain in progress
         self.done = 0  # how many of them it has handled
         self.number = 0  # drains begun: the number of the one in progress
         self.given_up_on = 0  # the drain in progress an exit drain gave up on and counted the rest of
@@ -50,7 +63,7 @@ class DrainProgress:
 class Delivery:
     """The drains of one recorder (its `queue`, `sink`, `drop()` and `report_drops()`), one at a time."""
 
-    def __init__(self, recorder):
+    def __init__(self, recorder: Drained) -> None:
         self._recorder = recorder
         self._lock = threading.Lock()
         self.progress = DrainProgress()
@@ -66,7 +79,7 @@ class Delivery:
         queued, in order, ahead of what is recorded meanwhile. `flushing`: then the sink's `release_held`."""
         return self._run(timeout_s, self._requeue, flushing=flushing)
 
-    def _run(self, timeout_s: Optional[float], on_rest: Callable[[list], None], at_end: bool = False,
+    def _run(self, timeout_s: Optional[float], on_rest: Callable[[list[Record]], None], at_end: bool = False,
              flushing: bool = False) -> DrainOutcome:
         """With DEADLINE, `on_rest` got the records not delivered (under the lock: order is kept). With `at_end`,
         the sink's `end_at_exit` runs last, under the lock and the same deadline, whether or not everything was
@@ -85,7 +98,8 @@ class Delivery:
             self.deadline = NO_DEADLINE
             self._lock.release()
 
-    def _hand_over(self, sink: Sink, deadline: float, on_rest, at_end: bool, last_step) -> DrainOutcome:
+    def _hand_over(self, sink: Sink, deadline: float, on_rest: Callable[[list[Record]], None], at_end: bool,
+                   last_step: Optional[Callable[[], None]]) -> DrainOutcome:
         progress = self.progress
         progress.number += 1
         batch = self._take()
@@ -111,7 +125,7 @@ class Delivery:
         self._recorder.report_drops()
         return DrainOutcome.DELIVERED
 
-    def _take(self) -> list:
+    def _take(self) -> list[Record]:
         """Everything queued now, in order, as the batch in progress (what an exit drain counts if it hangs)."""
         queue = self._recorder.queue
         pop = queue.popleft
@@ -124,10 +138,10 @@ class Delivery:
             pass
         return batch
 
-    def _requeue(self, rest: list) -> None:
+    def _requeue(self, rest: list[Record]) -> None:
         self._recorder.queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
 
-    def _deliver(self, batch: list, sink: Sink, deadline: float) -> bool:
+    def _deliver(self, batch: list[Record], sink: Sink, deadline: float) -> bool:
         """Hand the batch to the builder: in one list (the builder process's link, whose writes are bounded), or
         record by record (the builder in this process), each failure counted. False when an exit drain gave up on
         it meanwhile, or when `deadline` came first (`progress.done` records were handled)."""
@@ -179,7 +193,7 @@ class Delivery:
         if progress.abandoned:
             timeout_s = 0  # already gave up once on the way out: don't wait again
         waited = self._export_wait_s()
-        lost = []
+        lost: list[list[Record]] = []
         progress.not_ended = 0
         outcome = self._run(timeout_s, lost.append, at_end=at_exit)
         if outcome is DrainOutcome.DELIVERED:

@@ -12,8 +12,9 @@ with the anchor's own 25 us, an event's host time stays within 50 us of the trut
 """
 
 from collections import deque
+from threading import Lock
 from time import monotonic
-from typing import Optional
+from typing import Any, Iterable, Optional, Protocol
 
 from otel_kvtransfer.recording.clock import now_ns
 
@@ -26,10 +27,33 @@ DRIFT_BASELINE_S = 0.5  # the shortest span of anchors a drift rate is measured 
 KEPT_ANCHORS = 64  # per device: the nearest of them converts a bracket
 
 
+class TimingEvent(Protocol):
+    """A device's timing event (torch.cuda.Event(enable_timing=True), or a stand-in shaped like it)."""
+
+    def record(self, stream: Any, /) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: "TimingEvent", /) -> float: ...
+
+
+class DeviceModule(Protocol):
+    """What the device clock uses of a device module: torch.cuda, or a stand-in shaped like it. Its streams are
+    passed through as they are (a stream's `device_index` is read where it has one)."""
+
+    def Event(self, *, enable_timing: bool) -> TimingEvent: ...  # torch.cuda's names, classes there
+
+    def Stream(self, device: Any = ...) -> Any: ...
+
+    def current_stream(self) -> Any: ...
+
+    def is_available(self) -> bool: ...
+
+
 class _Anchor:
     __slots__ = ("event", "host_ns", "window_ns")
 
-    def __init__(self, event, host_ns: int, window_ns: int):
+    def __init__(self, event: TimingEvent, host_ns: int, window_ns: int) -> None:
         self.event = event
         self.host_ns = host_ns
         self.window_ns = window_ns
@@ -40,10 +64,11 @@ class _DeviceAnchors:
 
     __slots__ = ("stream", "kept", "rate", "due_s")
 
-    def __init__(self, stream):
+    def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.kept: deque = deque(maxlen=KEPT_ANCHORS)
-        self.rate = None  # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
+        self.kept: deque[_Anchor] = deque(maxlen=KEPT_ANCHORS)
+        # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
+        self.rate: Optional[float] = None
         self.due_s = 0.0  # time.monotonic() by which the next anchor is due while brackets are pending
 
     def nearest(self, host_ns: int) -> Optional[_Anchor]:
@@ -74,14 +99,14 @@ class Anchors:
     """The anchors of one device module (torch.cuda, or a stand-in shaped like it), per device. `lock` is the
     device clock's: everything here but taking an anchor runs under it."""
 
-    def __init__(self, device_module, lock):
+    def __init__(self, device_module: DeviceModule, lock: Lock) -> None:
         self._module = device_module
         self._lock = lock
-        self._by_device: dict = {}  # device index -> _DeviceAnchors
+        self._by_device: dict[Optional[int], _DeviceAnchors] = {}  # device index -> its anchors
         self._counts = {"anchors": 0, "refused": 0}
-        self._windows: deque = deque(maxlen=1024)
+        self._windows: deque[int] = deque(maxlen=1024)
 
-    def anchor_if_due(self, device) -> None:
+    def anchor_if_due(self, device: Optional[int]) -> None:
         """A new anchor for `device` when one is due (the lock taken here, not held while the anchor is taken:
         settling a request never waits for that spin)."""
         with self._lock:
@@ -99,7 +124,7 @@ class Anchors:
             else:
                 anchors.keep(anchor)
 
-    def _take(self, stream) -> Optional[_Anchor]:
+    def _take(self, stream: Any) -> Optional[_Anchor]:
         best = None
         for _ in range(ANCHOR_TRIES):
             event = self._module.Event(enable_timing=True)
@@ -124,23 +149,24 @@ class Anchors:
         self._windows.append(best.window_ns)
         return best
 
-    def times(self, device, host_start: int, starts, ends) -> Optional[tuple]:
+    def times(self, device: Optional[int], host_start: int, starts: Iterable[TimingEvent],
+              ends: Iterable[TimingEvent]) -> Optional[tuple[int, int]]:
         """(start, end) of a bracket's events on the records' clock through the anchor nearest its end (found
         through the one nearest its launch at `host_start`); both ends through one anchor, so the duration is the
         device's. None without an anchor. Raises what reading the events raises."""
         anchors = self._by_device.get(device)
         anchor = anchors.nearest(host_start) if anchors is not None else None
-        if anchor is None:
+        if anchors is None or anchor is None:
             return None
         end = _through(anchor, ends)
-        nearer = anchors.nearest(end)
-        if nearer is not anchor:
+        nearer = anchors.nearest(end)  # never None: `anchor` is kept
+        if nearer is not None and nearer is not anchor:
             anchor, end = nearer, _through(nearer, ends)
         # The forward can start once every stream it uses got there; it has ended once every one has.
         start = _through(anchor, starts)
         return start, max(end, start)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         windows = sorted(self._windows)
         rates = [a.rate for a in self._by_device.values() if a.rate is not None]
         return {
@@ -151,7 +177,7 @@ class Anchors:
         }
 
 
-def _through(anchor: _Anchor, events) -> int:
+def _through(anchor: _Anchor, events: Iterable[TimingEvent]) -> int:
     """The latest of `events` on the records' clock: the anchor's host time + the device's elapsed time."""
     base, event = anchor.host_ns, anchor.event
     return max(base + round(event.elapsed_time(e) * 1e6) for e in events)

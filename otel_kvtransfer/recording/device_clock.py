@@ -29,12 +29,12 @@ import os
 import sys
 import threading
 from collections import deque
-from typing import Optional
+from typing import Any, Optional, Sequence, TypeGuard
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import records
 from otel_kvtransfer.recording.clock import now_ns
-from otel_kvtransfer.recording.device_anchors import Anchors
+from otel_kvtransfer.recording.device_anchors import Anchors, DeviceModule, TimingEvent
 from otel_kvtransfer.recording.recorder import RECORDER
 
 _logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class _Bracket:
 
     __slots__ = ("keys", "starts", "ends", "host_start", "host_end", "chunk", "device")
 
-    def __init__(self, keys, starts, ends, host_start, host_end, chunk, device):
+    def __init__(self, keys: list[records.Key], starts: tuple[TimingEvent, ...], ends: tuple[TimingEvent, ...],
+                 host_start: int, host_end: int, chunk: Optional[int], device: Optional[int]) -> None:
         self.keys = keys  # list: keys are removed as their requests settle
         self.starts = starts
         self.ends = ends
@@ -63,39 +64,43 @@ class _Bracket:
         self.device = device
 
 
-def _good_key(key) -> bool:
+# What begin() hands to end(): (host time before the launch, its start events or None, the device's index)
+_Token = tuple[int, Optional[tuple[TimingEvent, ...]], Optional[int]]
+
+
+def _good_key(key: object) -> TypeGuard[records.Key]:
     return (isinstance(key, int) and not isinstance(key, bool)) or isinstance(key, str)
 
 
-def _device_of(stream):
+def _device_of(stream: Any) -> Optional[int]:
     return getattr(stream, "device_index", None)
 
 
 class DeviceClock:
     """Compute brackets on one device module's timing events (torch.cuda, or a stand-in shaped like it)."""
 
-    def __init__(self, device, *, poll_s: float = POLL_S, give_up_s: float = GIVE_UP_S,
-                 max_pending: int = MAX_PENDING):
+    def __init__(self, device: DeviceModule, *, poll_s: float = POLL_S, give_up_s: float = GIVE_UP_S,
+                 max_pending: int = MAX_PENDING) -> None:
         self.device = device
         self._poll_s = poll_s
         self._give_up_ns = int(give_up_s * 1e9)
         self._max_pending = max_pending
-        self._incoming: deque = deque()  # brackets from engine threads (append is atomic: no lock there)
-        self._pending: dict = {}  # id -> _Bracket, oldest first
-        self._by_key: dict = {}  # key -> {id of a pending bracket serving it}
+        self._incoming: deque[_Bracket] = deque()  # brackets from engine threads (append is atomic: no lock there)
+        self._pending: dict[int, _Bracket] = {}  # id -> _Bracket, oldest first
+        self._by_key: dict[records.Key, set[int]] = {}  # key -> {id of a pending bracket serving it}
         self._lock = threading.Lock()  # the pending table, and every record made from it
         self._anchors = Anchors(device, self._lock)
         self._wake = threading.Event()
         self._idle = False
         self._stopping = False
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
         self._counts = {"device": 0, "host": 0}
 
     # --- engine thread ---------------------------------------------------------------------------------------
-    def current_stream(self):
+    def current_stream(self) -> Any:
         return self.device.current_stream()
 
-    def begin(self, streams) -> tuple:
+    def begin(self, streams: Sequence[Any]) -> _Token:
         """Before a launch: a timing event on each stream the launch uses. The token goes to `end`."""
         host = now_ns()
         try:
@@ -113,7 +118,8 @@ class DeviceClock:
             _logger.debug("otel_kvtransfer could not record a timing event", exc_info=True)
             return (host, None, None)
 
-    def end(self, token: tuple, streams, keys, chunk_index: Optional[int] = None) -> None:
+    def end(self, token: _Token, streams: Sequence[Any], keys: Sequence[Any],
+            chunk_index: Optional[int] = None) -> None:
         """After the launch: a timing event on each stream; the bracket waits for them off this thread."""
         host_start, starts, device = token
         valid = [k for k in keys if _good_key(k)]
@@ -135,7 +141,7 @@ class DeviceClock:
         host_end = now_ns()
         if not keys:
             return
-        if ends is None:  # no events: the launch's own times, as where there is no device
+        if ends is None or starts is None:  # no events: the launch's own times, as where there is no device
             self._record(keys, host_start, host_end, chunk_index, semconv.CLOCK_HOST)
             return
         if len(self._incoming) + len(self._pending) >= self._max_pending:
@@ -150,7 +156,7 @@ class DeviceClock:
             self._wake.set()
 
     # --- a request ends (any thread) ---------------------------------------------------------------------------
-    def settle(self, key) -> None:
+    def settle(self, key: records.Key) -> None:
         """Record now what is pending for `key` (its request ends): never waits for the device."""
         if not self._pending and not self._incoming:
             return
@@ -234,11 +240,11 @@ class DeviceClock:
                         del self._by_key[key]
 
     @staticmethod
-    def _complete(bracket) -> bool:
+    def _complete(bracket: _Bracket) -> bool:
         # A stream runs in order: its end event done means its start event is too.
         return all(event.query() for event in bracket.ends)
 
-    def _device_times(self, bracket) -> Optional[tuple]:
+    def _device_times(self, bracket: _Bracket) -> Optional[tuple[int, int]]:
         """(start, end) on the records' clock (`device_anchors`); None without an anchor, or events unread."""
         try:
             return self._anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
@@ -247,13 +253,13 @@ class DeviceClock:
             _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
             return None
 
-    def _record(self, keys, start: int, end: int, chunk, clock: str) -> None:
+    def _record(self, keys: Sequence[records.Key], start: int, end: int, chunk: Optional[int], clock: str) -> None:
         self._counts["device" if clock == semconv.CLOCK_DEVICE else "host"] += len(keys)
         if RECORDER.active:
             RECORDER.record(records.compute(tuple(keys), start, end, chunk, clock))
 
     # --- life --------------------------------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """What the clock did: records on each clock, anchors taken and refused, their windows, the drift rate."""
         return {"compute_records_device": self._counts["device"], "compute_records_host": self._counts["host"],
                 **self._anchors.stats(), "pending": len(self._pending) + len(self._incoming)}
@@ -272,19 +278,20 @@ class DeviceClock:
 
 # --- the process's clocks ----------------------------------------------------------------------------------------
 
-_clocks: dict = {}  # device type -> DeviceClock, or None: no such device in this process
-_stand_ins: dict = {}  # device type -> (module, options) given by use_device_module
-_live: list = []  # the clocks made, for settle()
+_clocks: dict[str, Optional[DeviceClock]] = {}  # device type -> its clock, or None: no such device in this process
+_stand_ins: dict[str, tuple[DeviceModule, dict[str, Any]]] = {}  # device type -> (module, options) given by
+# use_device_module
+_live: list[DeviceClock] = []  # the clocks made, for settle()
 
 
-def _device_type(device) -> Optional[str]:
+def _device_type(device: object) -> Optional[str]:
     if device is None:
         return None
     name = str(getattr(device, "type", device))
     return name.split(":", 1)[0].strip().lower() or None
 
 
-def _module_for(kind: str):
+def _module_for(kind: str) -> Optional[DeviceModule]:
     """torch's module for this device type, when the engine imported torch and the device is there."""
     if kind in _stand_ins:
         return _stand_ins[kind][0]
@@ -298,7 +305,7 @@ def _module_for(kind: str):
         return None
 
 
-def for_device(device) -> Optional[DeviceClock]:
+def for_device(device: object) -> Optional[DeviceClock]:
     """This process's clock for a framework's device ("cuda", "cuda:1", a torch.device); None where the forward's
     times stay the host's: a CPU forward, another device type, no torch imported by the engine, no device."""
     kind = _device_type(device)
@@ -319,7 +326,7 @@ def for_device(device) -> Optional[DeviceClock]:
     return clock
 
 
-def use_device_module(module, kind: str = "cuda", **options) -> Optional[DeviceClock]:
+def use_device_module(module: Optional[DeviceModule], kind: str = "cuda", **options: Any) -> Optional[DeviceClock]:
     """Time this process's `kind` forwards on `module` (torch.cuda-shaped: Event(enable_timing=True) with
     record(stream) / query() / elapsed_time(), Stream(device=...), current_stream(), is_available()) instead of
     torch's; `options` go to DeviceClock (poll_s, give_up_s, max_pending). None puts torch's back. The clock made
@@ -335,7 +342,7 @@ def use_device_module(module, kind: str = "cuda", **options) -> Optional[DeviceC
     return for_device(kind)
 
 
-def settle(key) -> None:
+def settle(key: records.Key) -> None:
     """A request ends: what its device brackets still hold is recorded now, before its end record."""
     for clock in _live:
         clock.settle(key)

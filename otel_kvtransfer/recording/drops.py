@@ -11,11 +11,11 @@ _logger = logging.getLogger(__name__)
 
 
 class DropCounts:
-    def __init__(self):
+    def __init__(self) -> None:
         # Reentrant: a NIXL handle freed by the garbage collector may count a drop on a thread already counting one.
         self._lock = threading.RLock()
-        self._pending = {}  # reason -> count, not reported yet
-        self._logged = set()
+        self._pending: dict[str, int] = {}  # reason -> count, not reported yet
+        self._logged: set[str] = set()
 
     def add(self, reason: str, count: int = 1) -> None:
         with self._lock:

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Optional
+from types import CodeType, FrameType
+from typing import Any, Callable, Dict, Hashable, Iterator, Optional, Protocol, Sequence
 
 from otel_kvtransfer.recording import clock as records_clock  # `clock` is the watcher's own scan clock
 from otel_kvtransfer.recording import records as r
@@ -24,26 +25,37 @@ from otel_kvtransfer.semconv import INFLIGHT_SEND
 
 SCAN_INTERVAL_S = 1.0
 
-# code object of a wrapper -> describe(frame locals) -> (start_ns, key, peer, nbytes, backend[, kind]) or None
-# (kind: semconv.INFLIGHT_SEND when left out, or INFLIGHT_CONNECT for a set-up call)
-_WRAPPERS: Dict[object, Callable] = {}
-_PENDING = weakref.WeakSet()  # every PendingTransfers
+# What is in flight: (start_ns, key, peer, nbytes, backend[, kind]) (kind: semconv.INFLIGHT_SEND when left out, or
+# INFLIGHT_CONNECT for a set-up call)
+Item = tuple[Any, ...]
+# What a wrapper's frame says of its call: describe(frame locals) -> an item, or None
+Describe = Callable[[Dict[str, Any]], Optional[Item]]
 
 
-def register_wrapper(code, describe: Callable) -> None:
+class Pending(Protocol):
+    """A table of what was submitted and has not ended (`pending.PendingTransfers`, an engine's own)."""
+
+    def in_flight(self) -> Iterator[tuple[Hashable, Item]]: ...
+
+
+_WRAPPERS: Dict[CodeType, Describe] = {}  # code object of a wrapper -> what its frame says
+_PENDING: "weakref.WeakSet[Pending]" = weakref.WeakSet()  # every PendingTransfers
+
+
+def register_wrapper(code: CodeType, describe: Describe) -> None:
     _WRAPPERS[code] = describe
 
 
-def register_pending(pending) -> None:
+def register_pending(pending: Pending) -> None:
     _PENDING.add(pending)
 
 
-def _scope_key(scope) -> Optional[object]:
+def _scope_key(scope: object) -> Optional[r.Key]:
     info = getattr(scope, "info", None)
     return info[r.INFO_KEY] if info else None
 
 
-def describe_call(start, scope, args, backend) -> tuple:
+def describe_call(start: int, scope: object, args: Sequence[Any], backend: str) -> Item:
     """(start_ns, key, peer, nbytes, backend) of an engine call in progress, from its wrapper's locals."""
     peer = args[0] if args else None
     nbytes = None
@@ -59,11 +71,11 @@ def describe_call(start, scope, args, backend) -> tuple:
 class Watcher:
     """Scans at most once per SCAN_INTERVAL_S; each scan is one INFLIGHT record for the builder."""
 
-    def __init__(self, stuck_s: float, clock=time.monotonic):
+    def __init__(self, stuck_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._stuck_ns = int(stuck_s * 1e9)
         self._clock = clock
         self._next = 0.0
-        self._reported = set()
+        self._reported: set[Hashable] = set()
         self._last_count = 0
         self.scans = 0  # scans made: what "a few scans have passed" waits on
 
@@ -78,7 +90,7 @@ class Watcher:
         """Seconds until the next scan is due (0 when it is)."""
         return max(self._next - self._clock(), 0.0)
 
-    def scan(self, now_ns: Optional[int] = None) -> Optional[tuple]:
+    def scan(self, now_ns: Optional[int] = None) -> Optional[r.Record]:
         """(INFLIGHT, now_ns, open count, oldest start_ns or None, [stuck item, ...]) where an item is
         (start_ns, key, peer, nbytes, backend), each reported once while it stays open; None when nothing is in
         flight and nothing was at the last scan (a process that never transfers sends no record at all, and so
@@ -86,9 +98,11 @@ class Watcher:
         self.scans += 1
         records_clock.refresh()  # once a second, off the hot path: the wall clock's step since start (clock.py)
         now_ns = records_clock.now_ns() if now_ns is None else now_ns
-        items = {}
+        items: Dict[tuple[Any, ...], Item] = {}
         if _WRAPPERS:
             me = threading.get_ident()
+            ident: Hashable  # a thread's here, an item's below
+            frame: Optional[FrameType]
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
@@ -104,6 +118,9 @@ class Watcher:
         for pending in list(_PENDING):
             for handle, item in pending.in_flight():
                 items[("async", id(pending), handle, item[0])] = item
+        oldest: Optional[int]
+        oldest_connect: Optional[int]
+        stuck: list[Item]
         oldest, stuck, sends, connects, oldest_connect = None, [], 0, 0, None
         for ident, item in items.items():
             start = item[0]

@@ -28,6 +28,8 @@ requests goes in a `split_transfer_scope`, which makes one send per request with
 bookkeeping assigns to it.
 """
 
+from __future__ import annotations
+
 import functools
 import logging
 import math
@@ -37,7 +39,8 @@ import weakref
 from functools import partial
 from operator import index as _integer
 from threading import get_ident
-from typing import Iterable, Optional
+from types import TracebackType
+from typing import Any, Callable, Iterable, Literal, Optional, ParamSpec
 
 from opentelemetry.context import Context
 
@@ -50,11 +53,14 @@ from otel_kvtransfer.recording.recorder import RECORDER
 _logger = logging.getLogger(__name__)
 
 
-def _never_raises(function):
+_P = ParamSpec("_P")
+
+
+def _never_raises(function: Callable[_P, None]) -> Callable[_P, None]:
     """Bad input from a framework is counted as dropped, never raised into the engine."""
 
     @functools.wraps(function)
-    def guarded(*args, **kwargs):
+    def guarded(*args: _P.args, **kwargs: _P.kwargs) -> None:
         try:
             return function(*args, **kwargs)
         except Exception:
@@ -65,7 +71,7 @@ def _never_raises(function):
     return guarded
 
 
-def _key(key):
+def _key(key: object) -> records.Key:
     """A request key as the builder keeps it: an int, or a bounded str. Anything else raises (-> api_error)."""
     if isinstance(key, bool):
         raise TypeError("a request key is an int or a str")
@@ -86,7 +92,7 @@ def _key(key):
 FUTURE_SLACK_NS = 3600 * 10**9
 
 
-def _given_time(ns) -> int:
+def _given_time(ns: Any) -> int:
     """A framework's time (`time.time_ns()` or now_ns()) on the records' clock; raises when it is no such time."""
     if type(ns) is not int:
         if isinstance(ns, bool):
@@ -98,7 +104,7 @@ def _given_time(ns) -> int:
     return t
 
 
-def _time(ns) -> int:
+def _time(ns: Any) -> int:
     """Now, or a framework's time on the records' clock. One that is no such time is counted (api_error) and the
     record made with now instead: a request begun or ended at the moment it was said to be is of more use than
     one never begun, or never ended (evicted, as failed, a TTL later)."""
@@ -111,7 +117,7 @@ def _time(ns) -> int:
         return now_ns()
 
 
-def _interval(start_ns, end_ns) -> tuple:
+def _interval(start_ns: Any, end_ns: Any) -> tuple[int, int]:
     """(start, end) of an interval a framework measured, on the records' clock (an end of None is now); raises when
     either is no time or the end comes before the start: such a record is not made."""
     start = _given_time(start_ns)
@@ -127,10 +133,10 @@ class PerThread(threading.local):
     """Per thread: .scope, the TransferScope the engine calls of this thread belong to; .saved, the scopes it
     hides. The class default makes a thread that never entered a scope read None without a failed lookup."""
 
-    scope = None
+    scope: Optional[TransferScope] = None
 
-    def __init__(self):  # runs once in each thread that uses it
-        self.saved = []
+    def __init__(self) -> None:  # runs once in each thread that uses it
+        self.saved: list[_Entry] = []
 
 
 # This thread's transfer state. Engine wrappers bind it once and read `THREAD.scope` on their hot path (an
@@ -138,11 +144,11 @@ class PerThread(threading.local):
 THREAD = PerThread()
 
 
-def current_scope():
+def current_scope() -> Optional[TransferScope]:
     return THREAD.scope
 
 
-def current_key():
+def current_key() -> Optional[records.Key]:
     """The request key of this thread's transfer scope, or None (no scope, or one that names no request)."""
     info = getattr(THREAD.scope, "info", None)
     return info[records.INFO_KEY] if info else None
@@ -152,7 +158,7 @@ def current_key():
 capture_context = current_context
 
 
-def deliver(call: tuple, context: Optional[Context] = None) -> None:
+def deliver(call: records.Call, context: Optional[Context] = None) -> None:
     """A finished engine call (records.CALL_*, its times from clock.now_ns()): joins this thread's scope, else it
     is a raw send of its own, parented to `context` (the current one when not given). Nothing is checked here (an
     engine's thread): a send whose times are outside OTLP's range, or end before they start, is counted as
@@ -195,9 +201,10 @@ if hasattr(os, "register_at_fork"):
 # not at all, never twice). A retry of those steps is always safe; an interrupted exit retries them before it lets
 # the interrupt go on.
 ENTRY_PREVIOUS, ENTRY_SCOPE = 0, 1
+_Entry = tuple[Optional["TransferScope"], "TransferScope"]
 
 
-def _index(entries: list, entry: tuple) -> int:
+def _index(entries: list[_Entry], entry: _Entry) -> int:
     """The position of `entry` (by identity) in `entries`, searched from the end; -1 when it is not there."""
     for i in range(len(entries) - 1, -1, -1):
         if entries[i] is entry:
@@ -205,7 +212,7 @@ def _index(entries: list, entry: tuple) -> int:
     return -1
 
 
-def _innermost(saved: list, scope) -> Optional[tuple]:
+def _innermost(saved: list[_Entry], scope: TransferScope) -> Optional[_Entry]:
     """This thread's latest entry into `scope` (None: it is not in it)."""
     if saved and saved[-1][ENTRY_SCOPE] is scope:  # the common case: the scope this thread is in now
         return saved[-1]
@@ -215,7 +222,8 @@ def _innermost(saved: list, scope) -> Optional[tuple]:
     return None
 
 
-def _leave(scope, thread, entry, exc_type) -> None:
+def _leave(scope: TransferScope, thread: PerThread, entry: Optional[_Entry],
+           exc_type: Optional[type[BaseException]]) -> None:
     """The thread gives `entry`'s scope back and the scope counts the entry out; the last to leave records it.
     Every step may be retried (see above)."""
     if entry is None:  # this thread never entered the scope (its exit called by hand): nothing of it to undo
@@ -261,23 +269,23 @@ class TransferScope:
 
     __slots__ = ("info", "calls", "error_type", "_inside", "_entered_ns")
 
-    def __init__(self, info: Optional[tuple]):
+    def __init__(self, info: Optional[records.Info]) -> None:
         self.info = info
-        self.calls: list = []
+        self.calls: list[records.Call] = []
         self.error_type: Optional[str] = None
-        self._inside: list = []  # the entries (of every thread) into it not left yet
-        self._entered_ns = None
+        self._inside: list[_Entry] = []  # the entries (of every thread) into it not left yet
+        self._entered_ns: Optional[int] = None
 
     def set_error(self, error_type: str) -> None:
         """Mark the transfer failed without (or besides) an engine error, e.g. an unreachable session."""
         if self.error_type is None:
             self.error_type = str(error_type)[:128]
 
-    def bind(self) -> "TransferScope":
+    def bind(self) -> TransferScope:
         """For `with scope.bind():` on another thread (an executor): the same as entering the scope there."""
         return self
 
-    def __enter__(self) -> "TransferScope":
+    def __enter__(self) -> TransferScope:
         # The thread takes the scope last, and gives it back if an interrupt lands half-way: `with` calls
         # __exit__ only after __enter__ returned.
         thread = THREAD
@@ -300,7 +308,8 @@ class TransferScope:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> Literal[False]:
         try:
             entry = None
             saved = THREAD.saved
@@ -318,23 +327,24 @@ class TransferScope:
             RECORDER.drop("api_error")
         return False  # the engine's exception passes through unchanged
 
-    def _records(self, calls, error, times) -> list:
+    def _records(self, calls: list[records.Call], error: Optional[str],
+                 times: Optional[records.ScopeTimes]) -> list[records.Record]:
         """The records of its send (a list: a split scope makes one per request)."""
         return [records.send(self.info, calls, None, error, times)]
 
-    def _emit(self, calls, error, times) -> None:
+    def _emit(self, calls: list[records.Call], error: Optional[str], times: Optional[records.ScopeTimes]) -> None:
         for rec in self._records(calls, error, times):
             RECORDER.record(rec)
 
     # Where this scope's transfer is recorded from outside it (an engine module that remembered the scope a NIXL
     # handle was made in, and sees the handle posted on a thread that is not in it).
-    context = None  # the parent of its sends when it describes no request (a PayloadScope's)
+    context: Optional[Context] = None  # the parent of its sends when it describes no request (a PayloadScope's)
 
-    def label(self, extra: Optional[dict]) -> Optional[dict]:
+    def label(self, extra: Optional[records.Attributes]) -> Optional[records.Attributes]:
         """The extra attributes of one of its engine calls (a PayloadScope adds its labels)."""
         return extra
 
-    def record_apart(self, call: tuple) -> None:
+    def record_apart(self, call: records.Call) -> None:
         """One engine call of this transfer made where the scope is not entered (posted on another thread): a
         send of its own, described as the scope's sends are."""
         if RECORDER.active:
@@ -346,12 +356,15 @@ class _Leaving:
     scopes when the `with` began, and the exception its body raised."""
 
     __slots__ = ("scope", "thread", "depth", "exc_type", "entry", "armed")
+    exc_type: Optional[type[BaseException]]
+    entry: Optional[_Entry]
+    armed: Optional[weakref.ref[Callable[..., bool]]]
 
-    def __init__(self, scope, thread):
+    def __init__(self, scope: TransferScope, thread: PerThread) -> None:
         self.scope, self.thread, self.depth = scope, thread, len(thread.saved)
         self.exc_type = self.entry = self.armed = None
 
-    def own_entry(self) -> Optional[tuple]:
+    def own_entry(self) -> Optional[_Entry]:
         """The entry this `with` made (at its depth, into its scope), or None: __enter__ never completed."""
         if self.entry is None:
             saved = self.thread.saved
@@ -359,7 +372,7 @@ class _Leaving:
                 self.entry = saved[self.depth]
         return self.entry
 
-    def finish(self, _ref=None) -> None:
+    def finish(self, _ref: object = None) -> None:
         """The rest of leaving, once the `with` let go of its exit: runs only when the exit did not complete."""
         try:
             _leave(self.scope, self.thread, self.own_entry(), self.exc_type)
@@ -367,7 +380,8 @@ class _Leaving:
             RECORDER.drop("api_error")
 
 
-def _guarded_exit(leaving: _Leaving, exc_type, exc, tb) -> bool:
+def _guarded_exit(leaving: _Leaving, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                  tb: Optional[TracebackType]) -> bool:
     try:
         leaving.exc_type = exc_type
         _leave(leaving.scope, leaving.thread, leaving.own_entry(), exc_type)
@@ -384,7 +398,7 @@ class _GuardedExit:
     unless the exit completed, finishes leaving as soon as the `with` lets go of it: before any later bytecode of
     the thread, even when the interrupt propagates and is kept."""
 
-    def __get__(self, scope, owner=None):
+    def __get__(self, scope: Optional[TransferScope], owner: Optional[type] = None) -> Callable[..., bool]:
         if scope is None:  # read on the class (contextlib.ExitStack): the plain exit
             return TransferScope.__exit__
         leaving = _Leaving(scope, THREAD)
@@ -393,10 +407,10 @@ class _GuardedExit:
         return exit_call
 
 
-_GUARDED = {}  # scope class -> its subclass with the guarded exit
+_GUARDED: dict[type[TransferScope], type[TransferScope]] = {}  # scope class -> its subclass with the guarded exit
 
 
-def _guarded(cls):
+def _guarded(cls: type[TransferScope]) -> type[TransferScope]:
     guarded = _GUARDED.get(cls)
     if guarded is None:
         guarded = _GUARDED[cls] = type(cls.__name__, (cls,), {"__slots__": (), "__exit__": _GuardedExit(),
@@ -404,7 +418,7 @@ def _guarded(cls):
     return guarded
 
 
-def _new(cls, *args):
+def _new(cls: type[TransferScope], *args: Any) -> TransferScope:
     """A scope, its exit guarded against interrupts when made on the main thread (where signals are handled)."""
     return (_guarded(cls) if get_ident() == _MAIN_THREAD else cls)(*args)
 
@@ -418,11 +432,12 @@ class SplitTransferScope(TransferScope):
 
     __slots__ = ("shares",)
 
-    def __init__(self, shares: list):
+    def __init__(self, shares: list[tuple[records.Info, int, int]]) -> None:
         super().__init__(None)
         self.shares = shares  # [(info, bytes, descriptors)]
 
-    def _records(self, calls, error, times) -> list:
+    def _records(self, calls: list[records.Call], error: Optional[str],
+                 times: Optional[records.ScopeTimes]) -> list[records.Record]:
         recs = []
         for info, nbytes, descriptors in self.shares:
             # The share's bytes ride on the first call; every call keeps its own times, peer and outcome.
@@ -432,8 +447,9 @@ class SplitTransferScope(TransferScope):
         return recs
 
 
-def _info(key, chunk_index=0, payload=semconv.PAYLOAD_KV, destination_index=0, replica_factor=1,
-          is_last_chunk=False, prefix_early_send=False, attributes=None) -> tuple:
+def _info(key: object, chunk_index: int = 0, payload: str = semconv.PAYLOAD_KV, destination_index: int = 0,
+          replica_factor: int = 1, is_last_chunk: bool = False, prefix_early_send: bool = False,
+          attributes: Optional[dict[str, Any]] = None) -> records.Info:
     return records.info(_key(key), int(chunk_index), str(payload)[:32], int(destination_index),
                         max(int(replica_factor), 1), bool(is_last_chunk), bool(prefix_early_send),
                         dict(attributes) if attributes else None)
@@ -447,23 +463,24 @@ class PayloadScope(TransferScope):
 
     __slots__ = ("labels", "context")
 
-    def __init__(self, labels: dict, context):
+    def __init__(self, labels: records.Attributes, context: Optional[Context]) -> None:
         super().__init__(None)
         self.labels = labels
         self.context = context
 
-    def label(self, extra: Optional[dict]) -> dict:
+    def label(self, extra: Optional[records.Attributes]) -> records.Attributes:
         return {**extra, **self.labels} if extra else self.labels
 
-    def _labelled(self, call: tuple) -> tuple:
+    def _labelled(self, call: records.Call) -> records.Call:
         return call[:records.CALL_EXTRA] + (self.label(call[records.CALL_EXTRA]),)
 
-    def _records(self, calls, error, times) -> list:
+    def _records(self, calls: list[records.Call], error: Optional[str],
+                 times: Optional[records.ScopeTimes]) -> list[records.Record]:
         # Only engine calls are sends here: a scope that failed before making one moved nothing of a request.
         return [records.raw_call(self._labelled(call), self.context) for call in calls]
 
 
-def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = None) -> TransferScope:
+def payload_scope(payload: str, *, framework: str, attributes: Optional[dict[str, Any]] = None) -> TransferScope:
     """A scope for engine calls whose bytes are not a request's KV: `payload` one of semconv.NON_KV_PAYLOADS
     (`encoder_cache`, `expert_weights`), `framework` the caller's (`vllm`); `attributes` go on each send. Another
     payload is bad input (counted, the calls become raw sends). Always returns a usable context manager."""
@@ -479,7 +496,7 @@ def payload_scope(payload: str, *, framework: str, attributes: Optional[dict] = 
         return _new(TransferScope, None)
 
 
-def transfer_scope(key=None, **keywords) -> TransferScope:
+def transfer_scope(key: Optional[records.Key] = None, **keywords: Any) -> TransferScope:
     """A scope for one transfer of request `key`: keywords chunk_index, payload, destination_index,
     replica_factor, is_last_chunk, prefix_early_send, attributes. Always returns a usable context manager."""
     try:
@@ -489,7 +506,7 @@ def transfer_scope(key=None, **keywords) -> TransferScope:
         return _new(TransferScope, None)
 
 
-def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
+def split_transfer_scope(shares: Iterable[dict[str, Any]]) -> TransferScope:
     """A scope for engine calls carrying several requests: each share is a dict with "key", "bytes",
     "descriptors" and optional transfer_scope keywords. Always returns a usable context manager."""
     try:
@@ -508,9 +525,9 @@ def split_transfer_scope(shares: Iterable[dict]) -> TransferScope:
 
 
 @_never_raises
-def begin_request(key, *, backend: str, framework: Optional[str] = None, role: str = semconv.ROLE_PREFILL,
-                  attributes: Optional[dict] = None, parent: Optional[Context] = None,
-                  start_ns: Optional[int] = None) -> None:
+def begin_request(key: records.Key, *, backend: str, framework: Optional[str] = None,
+                  role: str = semconv.ROLE_PREFILL, attributes: Optional[dict[str, Any]] = None,
+                  parent: Optional[Context] = None, start_ns: Optional[int] = None) -> None:
     """Open the initiator's `kv_transfer.request` of a request (no-op while one is open for it)."""
     if RECORDER.active:
         RECORDER.record(records.begin_request(_key(key), _time(start_ns), str(role), str(backend),
@@ -521,7 +538,8 @@ def begin_request(key, *, backend: str, framework: Optional[str] = None, role: s
 @_never_raises
 def record_connect(operation: str, start_ns: int, *, backend: str, framework: Optional[str] = None,
                    address: Optional[str] = None, port: Optional[int] = None, error_type: Optional[str] = None,
-                   end_ns: Optional[int] = None, key=None, attributes: Optional[dict] = None) -> None:
+                   end_ns: Optional[int] = None, key: Optional[records.Key] = None,
+                   attributes: Optional[dict[str, Any]] = None) -> None:
     """One set-up step towards a peer that the framework makes (a handshake, a bootstrap query), from `start_ns`
     (now_ns() or time.time_ns()) to `end_ns` (now when None): a `kv_transfer.connect` span of its own, under the
     request `key` names (by default the one whose transfer scope this thread is in; a key with no request open
@@ -542,7 +560,7 @@ def record_connect(operation: str, start_ns: int, *, backend: str, framework: Op
 
 
 @_never_raises
-def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
+def end_request(key: records.Key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:
         key = _key(key)
@@ -551,7 +569,8 @@ def end_request(key, *, error_type: Optional[str] = None, end_ns: Optional[int] 
 
 
 @_never_raises
-def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: Optional[int] = None) -> None:
+def record_compute(keys: Iterable[records.Key], start_ns: int, end_ns: int, *,
+                   chunk_index: Optional[int] = None) -> None:
     """A compute interval that served these requests: times from time.time_ns() or now_ns() (clock.py)."""
     if RECORDER.active:
         start, end = _interval(start_ns, end_ns)
@@ -559,7 +578,9 @@ def record_compute(keys: Iterable, start_ns: int, end_ns: int, *, chunk_index: O
                                         None if chunk_index is None else int(chunk_index)))
 
 
-def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes, parent, start_ns) -> None:
+def _begin_peer(name: str, role: str, key: records.Key, backend: str, framework: Optional[str],
+                expected_bytes: Optional[int], attributes: Optional[dict[str, Any]], parent: Optional[Context],
+                start_ns: Optional[int]) -> None:
     if RECORDER.active:
         attrs = dict(attributes) if attributes else {}
         if expected_bytes is not None:
@@ -568,23 +589,23 @@ def _begin_peer(name, role, key, backend, framework, expected_bytes, attributes,
                                            framework and str(framework), attrs or None, parent))
 
 
-def _end_peer(key, error_type, end_ns, pending=False) -> None:
+def _end_peer(key: records.Key, error_type: Optional[str], end_ns: Optional[int], pending: bool = False) -> None:
     if RECORDER.active:
         RECORDER.record(records.end_peer(_key(key), _time(end_ns), error_type and str(error_type)[:128],
                                          bool(pending)))
 
 
 @_never_raises
-def begin_receive(key, *, backend: str, framework: Optional[str] = None, expected_bytes: Optional[int] = None,
-                  attributes: Optional[dict] = None, parent: Optional[Context] = None,
-                  start_ns: Optional[int] = None) -> None:
+def begin_receive(key: records.Key, *, backend: str, framework: Optional[str] = None,
+                  expected_bytes: Optional[int] = None, attributes: Optional[dict[str, Any]] = None,
+                  parent: Optional[Context] = None, start_ns: Optional[int] = None) -> None:
     """Open the `kv_transfer.receive` of the peer of a push (decode): no-op while one is open for the key."""
     _begin_peer(semconv.SPAN_RECEIVE, semconv.ROLE_DECODE, key, backend, framework, expected_bytes, attributes,
                 parent, start_ns)
 
 
 @_never_raises
-def end_receive(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None,
+def end_receive(key: records.Key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None,
                 outcome_pending: bool = False) -> None:
     """End the receive; with `outcome_pending`, its span waits for `receive_outcome` before it is exported (at
     most OTEL_KVTRANSFER_REQUEST_TTL_S; a flush or the process's end exports it as it is)."""
@@ -592,7 +613,8 @@ def end_receive(key, *, error_type: Optional[str] = None, end_ns: Optional[int] 
 
 
 @_never_raises
-def receive_outcome(key, *, attributes: Optional[dict] = None, events: Iterable = (),
+def receive_outcome(key: records.Key, *, attributes: Optional[dict[str, Any]] = None,
+                    events: Iterable[tuple[str, Optional[dict[str, Any]]]] = (),
                     at_ns: Optional[int] = None) -> None:
     """What the receiver found out about the KV of `key` after its wait ended (sglang verifies its KV checksum
     when the request enters a batch): `attributes` onto the receive span, `events` ((name, attributes) pairs) on
@@ -605,21 +627,21 @@ def receive_outcome(key, *, attributes: Optional[dict] = None, events: Iterable 
 
 
 @_never_raises
-def begin_serve(key, *, backend: str, framework: Optional[str] = None, expected_bytes: Optional[int] = None,
-                attributes: Optional[dict] = None, parent: Optional[Context] = None,
-                start_ns: Optional[int] = None) -> None:
+def begin_serve(key: records.Key, *, backend: str, framework: Optional[str] = None,
+                expected_bytes: Optional[int] = None, attributes: Optional[dict[str, Any]] = None,
+                parent: Optional[Context] = None, start_ns: Optional[int] = None) -> None:
     """Open the `kv_transfer.serve` of the peer of a pull (prefill), from the KV being ready to be read."""
     _begin_peer(semconv.SPAN_SERVE, semconv.ROLE_PREFILL, key, backend, framework, expected_bytes, attributes,
                 parent, start_ns)
 
 
 @_never_raises
-def end_serve(key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
+def end_serve(key: records.Key, *, error_type: Optional[str] = None, end_ns: Optional[int] = None) -> None:
     _end_peer(key, error_type, end_ns)
 
 
 @_never_raises
-def late_arrival(key, *, backend: str, at_ns: Optional[int] = None) -> None:
+def late_arrival(key: records.Key, *, backend: str, at_ns: Optional[int] = None) -> None:
     """The peer saw KV of this key arrive, or be read, after its receive or serve had ended (its memory freed):
     the peer span, when still held (OTEL_KVTRANSFER_LATE_WATCH_S), gets `kv_transfer.late_completion`."""
     if RECORDER.active:

@@ -18,7 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, ClassVar, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import wrapt
 
@@ -41,6 +41,11 @@ def active() -> bool:
         return False
     ctx = current_context()
     return not (ctx and (ctx.get(SUPPRESS_KEY) or ctx.get(SUPPRESS_KEY_PLAIN)))
+
+
+# A wrapt wrapper: (the wrapped callable, the instance or None, the call's positional and keyword arguments) -> what
+# the call answers.
+WraptWrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
 
 
 def own_error(what: str) -> None:
@@ -67,7 +72,7 @@ def deferred(package: str, path: str) -> Callable[..., Any]:
     package stays cheap to import (its plugin entry point loads it in every process the framework starts)."""
     submodule, function = path.rsplit(".", 1)
 
-    def call(*args):
+    def call(*args: Any) -> Any:
         return getattr(importlib.import_module(f"{package}.{submodule}"), function)(*args)
 
     call.__qualname__ = f"{package}.{path}"
@@ -82,11 +87,11 @@ def _always() -> bool:
     return True
 
 
-def _no_peer(_peer) -> dict:
+def _no_peer(_peer: Any) -> Dict[str, Any]:
     return {}
 
 
-def _no_targets() -> Mapping[str, Sequence]:
+def _no_targets() -> Mapping[str, Sequence[Any]]:
     return {}
 
 
@@ -109,11 +114,11 @@ class BackendSpec:
     available: Callable[[], bool] = _always  # is the library installed? (asked by instrument(), never imports it)
     prepare: Callable[[], None] = _nothing  # on each instrument(), before anything is patched
     forget: Callable[[], None] = _nothing  # on uninstrument(), once every patch is undone: the backend's own state
-    targets: Callable[[], Mapping[str, Sequence]] = _no_targets  # module -> what its wrappers need from it
+    targets: Callable[[], Mapping[str, Sequence[Any]]] = _no_targets  # module -> what its wrappers need from it
     # (wiring.targets.Target), checked before that module is patched: a miss leaves nothing of the backend patched
     version_gate: ClassVar[bool] = False  # releases below `supported` refused (frameworks)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.modules:
             object.__setattr__(self, "modules", tuple(dict.fromkeys(patch.module for patch in self.patches)))
 
@@ -126,7 +131,7 @@ class EngineSpec(BackendSpec):
     opens the peer's segment inside that call; NIXL's set-up calls are calls of their own)."""
 
     setup_in_first_call: bool = False
-    peer_attributes: Callable[[Any], dict] = _no_peer
+    peer_attributes: Callable[[Any], Dict[str, Any]] = _no_peer
 
 
 @dataclass(frozen=True)
@@ -151,10 +156,10 @@ class Backend(Protocol):
 
     SPEC: BackendSpec
     patcher: "Patcher"
-    DISTRIBUTIONS: tuple
+    DISTRIBUTIONS: Tuple[str, ...]
     SUPPORTED: str
 
-    def modules(self) -> tuple: ...
+    def modules(self) -> Tuple[str, ...]: ...
 
     def instrument(self) -> bool: ...
 
@@ -164,11 +169,11 @@ class Backend(Protocol):
 class Patcher:
     """The patches of one engine or framework: `wrap` them one by one, `unwrap_all` in reverse order."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
         self._patched: List[Tuple[type, str, Any]] = []  # (owner, attribute, the original __dict__ entry)
 
-    def wrap(self, owner: type, attr: str, wrapper: Callable) -> bool:
+    def wrap(self, owner: type, attr: str, wrapper: WraptWrapper) -> bool:
         """Wrap `owner.attr` (defined on owner itself) with a wrapt wrapper; False when there is none."""
         current = owner.__dict__.get(attr)
         if current is None:
@@ -180,7 +185,7 @@ class Patcher:
         self._patched.append((owner, attr, current))
         return True
 
-    def replace(self, owner: type, attr: str, make: Callable[[Callable], Callable]) -> bool:
+    def replace(self, owner: type, attr: str, make: Callable[..., Any]) -> bool:
         """Replace `owner.attr` by the plain function `make(original)` that calls `original(self, ...)`.
 
         For the engine hot path: a plain function binds as cheaply as any method, where a wrapt wrapper builds a
@@ -209,8 +214,8 @@ class Patcher:
                 own_error(f"restore {owner.__name__}.{attr}")
 
 
-def observe_call(what: str, before: Optional[Callable] = None, after: Optional[Callable] = None, *,
-                 when: Optional[Callable[[], bool]] = active, on_raise: bool = False) -> Callable:
+def observe_call(what: str, before: Optional[Callable[..., Any]] = None, after: Optional[Callable[..., Any]] = None,
+                 *, when: Optional[Callable[[], bool]] = active, on_raise: bool = False) -> WraptWrapper:
     """A wrapt wrapper that shows a call to its observers, which can never change or break it.
 
     While `when()` is true (by default: recording and not suppressed; None: always), `before(instance, args,
@@ -221,7 +226,7 @@ def observe_call(what: str, before: Optional[Callable] = None, after: Optional[C
     same object, with its traceback).
     """
 
-    def wrapper(wrapped, instance, args, kwargs):
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if when is not None and not when():
             return wrapped(*args, **kwargs)
         token = None
@@ -250,7 +255,7 @@ def observe_call(what: str, before: Optional[Callable] = None, after: Optional[C
     return wrapper
 
 
-def safely(what: str, function: Callable, *args) -> Any:
+def safely(what: str, function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)`, or None when it raised (counted and logged as `own_error(what)`): for the wrappers whose
     shape `observe_call` does not fit (a scope entered around the call, a coroutine the call returns)."""
     try:
@@ -265,13 +270,13 @@ def count_drop(reason: str) -> None:
     RECORDER.drop(reason)
 
 
-def remember_argument(tls: threading.local, name: str, position: int, keyword: str) -> Callable:
+def remember_argument(tls: threading.local, name: str, position: int, keyword: str) -> WraptWrapper:
     """A wrapper that makes one argument of the call visible as `tls.<name>` for the duration of the call.
 
     Used where an outer call knows something (the request being served) that an inner, wrapped call needs.
     """
 
-    def wrapper(wrapped, instance, args, kwargs):
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not active():
             return wrapped(*args, **kwargs)
         previous = getattr(tls, name, None)

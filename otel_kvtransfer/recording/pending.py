@@ -7,27 +7,35 @@ builder. The table is bounded (`max_pending_async`): a submission beyond it, or 
 is counted as dropped, never lost silently.
 """
 
-from typing import Any, Hashable, Optional
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Optional, Union
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import inflight, integration, records
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.recorder import RECORDER
 
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+# What a submission keeps until its completion: (start_ns, bytes, descriptors, op, peer, protocol, extra, info,
+# context, posted_ns)
+_Entry = tuple[int, Union[int, Iterable[int]], int, str, Any, Optional[str], Optional[records.Attributes],
+               Optional[records.Info], "Optional[Context]", Optional[int]]
+
 
 class PendingTransfers:
-    def __init__(self, backend: str):
+    def __init__(self, backend: str) -> None:
         self.backend = backend
-        self._pending = {}
-        self._running_seen = {}  # handle -> when a poll last saw it still running
+        self._pending: dict[Hashable, _Entry] = {}
+        self._running_seen: dict[Hashable, int] = {}  # handle -> when a poll last saw it still running
         inflight.register_pending(self)
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def submit(self, handle: Hashable, start_ns: int, nbytes: int, descriptors: int, op: str, peer: Any,
-               protocol: Optional[str], extra: Optional[dict] = None, scope=None,
-               posted_ns: Optional[int] = None) -> None:
+    def submit(self, handle: Hashable, start_ns: int, nbytes: Union[int, Iterable[int]], descriptors: int, op: str,
+               peer: Any, protocol: Optional[str], extra: Optional[records.Attributes] = None,
+               scope: Optional[integration.TransferScope] = None, posted_ns: Optional[int] = None) -> None:
         """`scope`: the transfer scope the submission belongs to, when the engine module knows it better than the
         submitting thread does (a NIXL handle made in a scope, posted from another thread); else this thread's.
         `posted_ns`: when the posting call returned (the send then says how long posting took)."""
@@ -49,7 +57,7 @@ class PendingTransfers:
         if handle in self._pending:
             self._running_seen[handle] = now_ns()
 
-    def in_flight(self):
+    def in_flight(self) -> Iterator[tuple[Hashable, inflight.Item]]:
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
         for handle, entry in list(self._pending.items()):
             info = entry[7]

@@ -26,6 +26,7 @@ from otel_kvtransfer import config
 from otel_kvtransfer.recording import inflight
 from otel_kvtransfer.recording.delivery import EXIT_DRAIN_TIMEOUT_S, Delivery, DrainOutcome
 from otel_kvtransfer.recording.drops import DropCounts
+from otel_kvtransfer.recording.records import Record
 from otel_kvtransfer.recording.sink import Sink
 
 _logger = logging.getLogger(__name__)
@@ -46,11 +47,11 @@ class Recorder:
       at once, not after the long sleep).
     """
 
-    def __init__(self, settings: config.Settings):
+    def __init__(self, settings: config.Settings) -> None:
         self.settings = settings
         self.active = False  # read on the hot path: the wrappers call straight through when False
-        self.watcher = None  # inflight.Watcher while instrumented
-        self.queue: deque = deque()
+        self.watcher: Optional[inflight.Watcher] = None  # while instrumented
+        self.queue: deque[Record] = deque()
         self.capacity = settings.queue_size
         self.idle = False
         self.wake = threading.Event()
@@ -67,7 +68,7 @@ class Recorder:
         multiprocessing.util.register_after_fork(self, Recorder._in_multiprocessing_child)
 
     # --- hot path -----------------------------------------------------------------------------------------
-    def record(self, rec: tuple) -> None:
+    def record(self, rec: Record) -> None:
         queue = self.queue
         if len(queue) >= self.capacity:
             self.drop("queue_full")
@@ -229,7 +230,7 @@ class FlushFirstSpanProcessor(SpanProcessor):
     the same `force_flush()` / `shutdown()` call.
     """
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:

@@ -7,6 +7,20 @@ the engine modules); only the builder reads them. The backend (and, for framewor
 travels in every record, so the core never assumes an engine.
 """
 
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+# The types the annotations name: a record is a tuple whose positions this module names, so a tuple of anything
+# to the type checker; a call and a transfer scope's info likewise.
+Record = tuple[Any, ...]
+Call = tuple[Any, ...]  # CALL_* below
+Info = tuple[Any, ...]  # INFO_* below
+Key = Union[int, str]  # a request key: an int (a bootstrap room) or a str (a transfer id)
+Attributes = dict[str, Any]  # span attributes a framework or an engine adds
+ScopeTimes = tuple[Optional[int], int]  # (enter_ns, exit_ns) of a transfer scope (enter_ns set by its first entry)
+
 # Kinds: field 0 of every record.
 SEND = 1  # one actual transfer: one engine call, or a transfer scope's engine calls
 BEGIN_REQUEST = 2  # the initiator's request span opens
@@ -32,7 +46,8 @@ SEND_ERROR = 4  # error.type the scope itself set, or None
 SEND_SCOPE_TIMES = 5  # (enter_ns, exit_ns) of the scope, or None: the send's time when it made no engine call
 
 
-def send(info, calls, context=None, error=None, scope_times=None) -> tuple:
+def send(info: Optional[Info], calls: list[Call], context: "Optional[Context]" = None, error: Optional[str] = None,
+         scope_times: Optional[ScopeTimes] = None) -> Record:
     return (SEND, info, calls, context, error, scope_times)
 
 
@@ -47,7 +62,8 @@ INFO_EARLY = 6
 INFO_ATTRIBUTES = 7  # dict of extra span attributes (framework ids), or None
 
 
-def info(key, chunk, payload, destination, replica, is_last, early, attributes) -> tuple:
+def info(key: Key, chunk: int, payload: str, destination: int, replica: int, is_last: bool, early: bool,
+         attributes: Optional[Attributes]) -> Info:
     return (key, chunk, payload, destination, replica, is_last, early, attributes)
 
 
@@ -68,7 +84,9 @@ CALL_BACKEND = 9  # kv_transfer.backend of the engine that made the call
 CALL_EXTRA = 10  # dict of extra send attributes from the engine (e.g. a notification), or None
 
 
-def call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra=None) -> tuple:
+def call(start: int, end: int, nbytes: Union[int, Iterable[int]], descriptors: int, op: str, peer: Any,
+         protocol: Optional[str], return_code: Any, error: Optional[str], backend: str,
+         extra: Optional[Attributes] = None) -> Call:
     return (start, end, nbytes, descriptors, op, peer, protocol, return_code, error, backend, extra)
 
 
@@ -82,7 +100,7 @@ RAW_CONTEXT = CALL_EXTRA + 2  # the context the call is parented to, or None
 RAW_CALL_FIELDS = slice(1, RAW_CONTEXT)  # rec[RAW_CALL_FIELDS] is the call tuple
 
 
-def raw_call(call, context) -> tuple:
+def raw_call(call: Call, context: "Optional[Context]") -> Record:
     return (RAW_CALL, *call, context or None)
 
 
@@ -103,11 +121,13 @@ PEER_ATTRIBUTES = 7
 PEER_PARENT = 8
 
 
-def begin_request(key, start_ns, role, backend, framework, attributes, parent) -> tuple:
+def begin_request(key: Key, start_ns: int, role: str, backend: str, framework: Optional[str],
+                  attributes: Optional[Attributes], parent: "Optional[Context]") -> Record:
     return (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)
 
 
-def begin_peer(key, start_ns, span_name, role, backend, framework, attributes, parent) -> tuple:
+def begin_peer(key: Key, start_ns: int, span_name: str, role: str, backend: str, framework: Optional[str],
+               attributes: Optional[Attributes], parent: "Optional[Context]") -> Record:
     return (BEGIN_PEER, key, start_ns, span_name, role, backend, framework, attributes, parent)
 
 
@@ -116,11 +136,11 @@ END_ERROR = 3
 END_PENDING = 4  # the peer will say more of this wait (PEER_OUTCOME): its span waits for that before export
 
 
-def end_request(key, end_ns, error=None) -> tuple:
+def end_request(key: Key, end_ns: int, error: Optional[str] = None) -> Record:
     return (END_REQUEST, key, end_ns, error)
 
 
-def end_peer(key, end_ns, error=None, pending=False) -> tuple:
+def end_peer(key: Key, end_ns: int, error: Optional[str] = None, pending: bool = False) -> Record:
     return (END_PEER, key, end_ns, error, pending)
 
 
@@ -130,7 +150,8 @@ OUTCOME_ATTRIBUTES = 3
 OUTCOME_EVENTS = 4
 
 
-def peer_outcome(key, at_ns, attributes, events) -> tuple:
+def peer_outcome(key: Key, at_ns: int, attributes: Optional[Attributes],
+                 events: Optional[tuple[tuple[str, Attributes], ...]]) -> Record:
     return (PEER_OUTCOME, key, at_ns, attributes, events)
 
 
@@ -138,7 +159,7 @@ def peer_outcome(key, at_ns, attributes, events) -> tuple:
 LATE_BACKEND = 3
 
 
-def late_arrival(key, at_ns, backend) -> tuple:
+def late_arrival(key: Key, at_ns: int, backend: str) -> Record:
     return (LATE_ARRIVAL, key, at_ns, backend)
 
 
@@ -152,7 +173,8 @@ INFLIGHT_STUCK = 4
 INFLIGHT_CONNECTS = 5
 
 
-def inflight(now_ns, count, oldest, stuck, connects=(0, None)) -> tuple:
+def inflight(now_ns: int, count: int, oldest: Optional[int], stuck: list[tuple[Any, ...]],
+             connects: tuple[int, Optional[int]] = (0, None)) -> Record:
     return (INFLIGHT, now_ns, count, oldest, stuck, connects)
 
 
@@ -164,7 +186,8 @@ COMPUTE_CHUNK = 4
 COMPUTE_CLOCK = 5  # semconv.CLOCK_DEVICE: the times come from the device's timing events; CLOCK_HOST or None: host
 
 
-def compute(keys, start_ns, end_ns, chunk=None, clock=None) -> tuple:
+def compute(keys: tuple[Key, ...], start_ns: int, end_ns: int, chunk: Optional[int] = None,
+            clock: Optional[str] = None) -> Record:
     return (COMPUTE, keys, start_ns, end_ns, chunk, clock)
 
 
@@ -182,6 +205,7 @@ CONNECT_CONTEXT = 8
 CONNECT_ATTRIBUTES = 9
 
 
-def connect(start, end, backend, operation, peer, error, key, context, attributes=None) -> tuple:
+def connect(start: int, end: int, backend: str, operation: str, peer: Optional[str], error: Optional[str],
+            key: Optional[Key], context: "Optional[Context]", attributes: Optional[Attributes] = None) -> Record:
     return (CONNECT, start, end, backend, operation, peer, error, key, context, attributes)
 

@@ -7,9 +7,11 @@ A sink is the builder in this process (`building.in_process`) or the link to the
 import logging
 import math
 
+from otel_kvtransfer.recording.records import Record
+
 _logger = logging.getLogger(__name__)
 
-_OWN_ERRORS_LOGGED = set()
+_OWN_ERRORS_LOGGED: set[tuple[str, str]] = set()
 
 
 def log_own_error(what: str, exc: BaseException) -> None:
@@ -31,10 +33,10 @@ class Sink:
 
     batched = False
 
-    def take(self, rec: tuple) -> None:
+    def take(self, rec: Record) -> None:
         raise NotImplementedError
 
-    def take_batch(self, batch: list) -> None:
+    def take_batch(self, batch: list[Record]) -> None:
         raise NotImplementedError
 
     def tick(self) -> None:

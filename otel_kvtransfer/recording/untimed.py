@@ -12,15 +12,15 @@ The call itself, its return value and its exception pass through untouched.
 import logging
 import os
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
-from otel_kvtransfer.recording.patching import Patcher, own_error
+from otel_kvtransfer.recording.patching import Patcher, WraptWrapper, own_error
 
 _logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _found: Dict[str, List[str]] = {}  # backend -> the untimed call names found on its engine class, in found order
-_warned: set = set()  # (backend, name) whose first use was logged in this process
+_warned: Set[Tuple[str, str]] = set()  # (backend, name) whose first use was logged in this process
 _count: Dict[str, Optional[Callable[[str, str], None]]] = {"add": None}  # set by the instrumentor
 _announced = {"done": False}  # the start-up line went out: later finds get a line of their own
 
@@ -78,8 +78,8 @@ def _remember(backend: str, names: List[str]) -> None:
                         "kv_transfer.instrumentation.untimed_calls: %s", backend, ", ".join(new))
 
 
-def _counting(backend: str, name: str) -> Callable:
-    def untimed(wrapped, instance, args, kwargs):
+def _counting(backend: str, name: str) -> WraptWrapper:
+    def untimed(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
             _used(backend, name)
         except Exception:
