@@ -16,11 +16,15 @@ also has the `*_on_cuda` calls, which only queue a transfer on the caller's CUDA
 engine was initialised with; `configured_devices()` lists every device given to initialize() in this process.
 """
 
+from __future__ import annotations
+
 import functools
 import logging
 import os
 import weakref
 from time import monotonic_ns
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, cast
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import clock, inflight, integration, records, untimed
@@ -48,6 +52,18 @@ from otel_kvtransfer.recording.records import (
     RAW_CALL,
 )
 from otel_kvtransfer.wiring.activation import LazyPatcher
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from otel_kvtransfer.recording.integration import TransferScope
+
+# A TransferEngine method as the class has it, and what replaces it (called with the engine as its first argument).
+_Method = Callable[..., Any]
+# (bytes, descriptors) read from a call's positional and keyword arguments, for calls whose lengths are no list
+_Count = Callable[[Tuple[Any, ...], Dict[str, Any]], Tuple[Any, int]]
+# What a send of an engine carries besides its call: (transport, the extra naming its one device, or None)
+_Transport = Tuple[Optional[str], Optional[Dict[str, str]]]
 
 _logger = logging.getLogger(__name__)
 
@@ -117,17 +133,20 @@ SCATTER_COMPLETED, SCATTER_FAILED, SCATTER_UNKNOWN = 0, -1, -2
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
 _tickets = PendingTransfers(BACKEND)  # scatter tickets not yet seen ended, by id(ticket)
-_ticket_refs = {}  # id(ticket) -> a weak reference whose callback forgets the ticket when it dies unobserved
-_ticket_status = {"read": None}  # the ticket's own `status` getter (an observed ticket's status is read with it)
+# id(ticket) -> a weak reference whose callback forgets the ticket when it dies unobserved
+_ticket_refs: Dict[int, weakref.ref[Any]] = {}
+# the ticket's own `status` getter (an observed ticket's status is read with it), once a ticket class is patched
+_ticket_status: Dict[str, Any] = {"read": None}
 # id(engine) -> (protocol given to initialize(), the call extra naming its one device, or None): one lookup per call
-_engines = {}
-_state = {"fallback": (None, None)}  # read on the hot path: (transport, extra) of engines initialised before us
-_devices = []  # every device given to initialize() in this process, in order (configured_devices())
-_hinted = {}  # nic_hint -> its call extra, one constant dict per device named
+_engines: Dict[int, _Transport] = {}
+# read on the hot path: (transport, extra) of engines initialised before us
+_state: Dict[str, _Transport] = {"fallback": (None, None)}
+_devices: List[str] = []  # every device given to initialize() in this process, in order (configured_devices())
+_hinted: Dict[Any, Dict[str, str]] = {}  # nic_hint -> its call extra, one constant dict per device named
 MAX_DEVICES = 64
 
 
-def peer_attributes(session) -> dict:
+def peer_attributes(session: Any) -> Dict[str, Any]:
     """Mooncake's session name 'host:port' -> server.address / server.port."""
     if not isinstance(session, str):
         return {}
@@ -137,12 +156,14 @@ def peer_attributes(session) -> dict:
     return {semconv.SERVER_ADDRESS: session[:256]}
 
 
-def _op_of(opcode) -> str:
+def _op_of(opcode: Any) -> str:
     name = getattr(opcode, "name", str(opcode))
     return READ if "read" in name.lower() else WRITE
 
 
-def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5, count=None) -> tuple:
+def _call(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Optional[str], batch: bool, start: int,
+          end: int, rc: Any, error_type: Optional[str], nic_at: int = 5,
+          count: Optional[_Count] = None) -> records.Call:
     """The `records.call` of one transfer call, from its arguments (the sync wrapper's common call writes the same
     record inline: see `_sync`). `nic_at`: where the call takes `nic_hint`; `count(args, kwargs)`: (bytes,
     descriptors) of a call whose lengths are not a list.
@@ -175,7 +196,7 @@ def _call(engine, args, kwargs, op, batch, start, end, rc, error_type, nic_at=5,
     return records.call(start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, extra)
 
 
-def _hint_extra(hint) -> dict:
+def _hint_extra(hint: Any) -> Dict[str, str]:
     """The call extra of a send whose caller named its device: one constant dict per name (the builder shares a
     shape's attributes between the sends that carry the same dict's items)."""
     if len(_hinted) >= 256:  # a host has a few NICs; a caller inventing names costs a new dict each, no more
@@ -196,13 +217,13 @@ _UNSET = object()  # an argument the caller did not pass
 # tests/project/test_backend_contract.py checks that each is what those constructors build. Any other call
 # (keywords, more or fewer arguments, an opcode to read) goes to `_general`'s wrapper with the very arguments it was
 # given.
-def _sync(original, op, batch, nic_at=5):
+def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) -> _Method:
     recorder, context, thread, base, unset = RECORDER, current_context, integration.THREAD, clock.BASE, _UNSET
     engines, state, suppress, suppress_plain = _engines, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
     general = _general(original, op, batch, nic_at)  # any other call
 
-    def transfer(self, target_hostname=unset, buffer=unset, peer_buffer_address=unset, length=unset, /, *rest,
-                 **kwargs):
+    def transfer(self: Any, target_hostname: Any = unset, buffer: Any = unset, peer_buffer_address: Any = unset,
+                 length: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
         if rest or kwargs or length is unset or op is None:
             given = tuple(arg for arg in (target_hostname, buffer, peer_buffer_address, length) if arg is not unset)
             return general(self, given + rest, kwargs)
@@ -248,12 +269,13 @@ def _sync(original, op, batch, nic_at=5):
     return transfer
 
 
-def _general(original, op, batch, nic_at):
+def _general(original: _Method, op: Optional[str], batch: bool,
+             nic_at: int) -> Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]:
     """The sync wrapper for any call but the common one: its arguments parsed by `_call`."""
     recorder, context, thread, base = RECORDER, current_context, integration.THREAD, clock.BASE
     suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
-    def general(self, args, kwargs):
+    def general(self: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
@@ -283,7 +305,7 @@ def _general(original, op, batch, nic_at):
     return general
 
 
-def _in_progress(frame_locals):
+def _in_progress(frame_locals: Dict[str, Any]) -> Optional[inflight.Item]:
     """A sync call still inside the engine, from its wrapper's frame (inflight.py): None before it started."""
     start = frame_locals.get("start")
     if start is None or "end" in frame_locals:  # not started yet, or already returned
@@ -301,15 +323,18 @@ def _in_progress(frame_locals):
 _POSITIONS = ("target_hostname", "buffer", "peer_buffer_address", "length")  # the common call's parameters
 
 
-def _deliver(engine, args, kwargs, op, batch, start, rc, error_type, context=None, nic_at=5, count=None) -> None:
+def _deliver(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Optional[str], batch: bool, start: int,
+             rc: Any, error_type: Optional[str], context: Optional[Context] = None, nic_at: int = 5,
+             count: Optional[_Count] = None) -> None:
     """A call that failed (raised, or refused a submission), ending now."""
     integration.deliver(_call(engine, args, kwargs, op, batch, start, clock.now_ns(), rc, error_type, nic_at, count),
                         context)
 
 
-def _async(original, op, batch, nic_at=5, count=None):
+def _async(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5,
+           count: Optional[_Count] = None) -> _Method:
     # `count`: (bytes, descriptors) from the arguments of a submission whose lengths are an array (see _call).
-    def submit(self, *args, **kwargs):
+    def submit(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not active():
             return original(self, *args, **kwargs)
         start = clock.now_ns()
@@ -329,8 +354,8 @@ def _async(original, op, batch, nic_at=5, count=None):
     return submit
 
 
-def _check_status(original):
-    def transfer_check_status(self, *args, **kwargs):
+def _check_status(original: _Method) -> _Method:
+    def transfer_check_status(self: Any, *args: Any, **kwargs: Any) -> Any:
         rc = original(self, *args, **kwargs)
         if len(_pending):
             try:
@@ -349,8 +374,8 @@ def _check_status(original):
     return transfer_check_status
 
 
-def _batch_status(original):
-    def get_batch_transfer_status(self, *args, **kwargs):
+def _batch_status(original: _Method) -> _Method:
+    def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(_pending):  # the wait starts with the batches unfinished: their ends lie after this moment
             try:
                 for batch_id in (args[0] if args else next(iter(kwargs.values()))):
@@ -379,7 +404,7 @@ def _batch_status(original):
 # the reference is kept and the builder sums them (_ScatterLengths).
 
 
-def _array_total(array) -> tuple:
+def _array_total(array: Any) -> Tuple[int, int]:
     """(sum, count) of a contiguous 8-byte integer array, where it lies: numpy's own sum for a numpy array, else
     the values of its buffer through a memoryview (array.array, a memoryview: rare, and a Python loop)."""
     size = getattr(array, "size", None)
@@ -389,12 +414,12 @@ def _array_total(array) -> tuple:
     return sum(values), len(values)
 
 
-def _arrays_count(args, kwargs) -> tuple:
+def _arrays_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, int]:
     """(bytes, descriptors) of an *_arrays call: its lengths array, summed."""
     return _array_total(args[3] if len(args) > 3 else kwargs["lengths"])
 
 
-def _pages_count(args, kwargs) -> tuple:
+def _pages_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, int]:
     """(bytes, descriptors) of a *_pages call. `fields` is a C-contiguous [F, 5] table of (src_base, src_stride,
     dst_base, dst_stride, length) rows and the engine makes descriptor (f, i) of `length` bytes for every field f
     and page i: pages x the fields' lengths summed, in pages x F descriptors (checked at the receiver by
@@ -411,23 +436,23 @@ class _ScatterLengths:
 
     __slots__ = ("lists",)
 
-    def __init__(self, lists):
+    def __init__(self, lists: Sequence[Sequence[int]]) -> None:
         self.lists = lists
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return map(sum, self.lists)
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[type, Tuple[List[int]]]:
         return list, (list(self),)
 
 
-def _scatter_count(args, kwargs) -> tuple:
+def _scatter_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[_ScatterLengths, int]:
     """(bytes, descriptors) of a scatter call: its length lists, kept; one descriptor per length."""
     lengths = args[7] if len(args) > 7 else kwargs["lengths"]
     return _ScatterLengths(lengths), sum(map(len, lengths))
 
 
-def _emit(scope, context, call) -> None:
+def _emit(scope: Optional[TransferScope], context: Optional[Context], call: records.Call) -> None:
     """One finished call: into the thread's transfer scope, else a raw send of its own (as `_sync` does inline)."""
     if scope is not None:
         scope.calls.append(call)
@@ -435,14 +460,14 @@ def _emit(scope, context, call) -> None:
         RECORDER.record(records.raw_call(call, context))
 
 
-def _counted(original, op, count, nic_at):
+def _counted(original: _Method, op: str, count: _Count, nic_at: int) -> _Method:
     """A sync call whose lengths come as arrays or a pages table: timed as `_sync`'s general path, its bytes and
     descriptors from `count(args, kwargs)` once it returned (see above). A family of its own, so `_sync`'s common
     call stays as it is."""
     recorder, context, thread, base = RECORDER, current_context, integration.THREAD, clock.BASE
     suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
-    def transfer(self, *args, **kwargs):
+    def transfer(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
@@ -468,7 +493,7 @@ def _counted(original, op, count, nic_at):
     return transfer
 
 
-def _on_stream(original, op, batch):
+def _on_stream(original: _Method, op: str, batch: bool) -> _Method:
     """A `*_on_cuda` call: it queues the transfer on the caller's CUDA stream and returns None (it raises when it
     cannot); Mooncake moves the bytes when the stream gets there, in a driver callback where no Python runs (and
     ends the process if that transfer fails). Its send is the moment it was queued, a send of no duration (so it
@@ -478,7 +503,7 @@ def _on_stream(original, op, batch):
     suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
     nic_at = NIC_HINT_AT["transfer_write_on_cuda"]
 
-    def transfer(self, *args, **kwargs):
+    def transfer(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
@@ -506,7 +531,7 @@ def _on_stream(original, op, batch):
     return transfer
 
 
-def _scatter(original, op, drained_on_return):
+def _scatter(original: _Method, op: str, drained_on_return: bool) -> _Method:
     """A scatter call: it answers a ScatterTransferTicket. A sync call's ticket has drained when it returns (its
     status says how it ended): a sync send. Otherwise (a submission, or a sync call that gave up waiting) the send
     stays pending until the ticket shows its end (`_ticket_drain`), as an async batch's does, with the time inside
@@ -514,7 +539,7 @@ def _scatter(original, op, drained_on_return):
     recorder, context, thread = RECORDER, current_context, integration.THREAD
     suppress, suppress_plain = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
-    def scatter(self, *args, **kwargs):
+    def scatter(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
@@ -542,18 +567,22 @@ def _scatter(original, op, drained_on_return):
 _SCATTER_ARGUMENTS = 8  # a scatter call takes eight and no nic_hint: `_call` finds none past them
 
 
-def _scatter_call(engine, args, kwargs, op, start, end, rc, error_type) -> tuple:
+def _scatter_call(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: str, start: int, end: int, rc: Any,
+                  error_type: Optional[str]) -> records.Call:
     call = _call(engine, args, kwargs, op, True, start, end, rc, error_type, _SCATTER_ARGUMENTS, _scatter_count)
     if not args:  # the peer by keyword: a scatter call names it `endpoint`
         call = call[:CALL_PEER] + (kwargs.get("endpoint"),) + call[CALL_PEER + 1:]
     return call
 
 
-def _deliver_scatter(engine, args, kwargs, op, start, error_type, context) -> None:
+def _deliver_scatter(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: str, start: int,
+                     error_type: Optional[str], context: Optional[Context]) -> None:
     integration.deliver(_scatter_call(engine, args, kwargs, op, start, clock.now_ns(), None, error_type), context)
 
 
-def _scattered(engine, ticket, args, kwargs, op, drained_on_return, start, end, scope, context) -> None:
+def _scattered(engine: Any, ticket: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: str,
+               drained_on_return: bool, start: int, end: int, scope: Optional[TransferScope],
+               context: Optional[Context]) -> None:
     if drained_on_return:
         code = int(_ticket_status["read"](ticket))
         if code != SCATTER_UNKNOWN:
@@ -568,12 +597,12 @@ def _scattered(engine, ticket, args, kwargs, op, drained_on_return, start, end, 
     _ticket_refs[key] = weakref.ref(ticket, functools.partial(_ticket_gone, key))
 
 
-def _ticket_gone(key, _reference) -> None:
+def _ticket_gone(key: int, _reference: object) -> None:
     _ticket_refs.pop(key, None)
     _tickets.forget(key)
 
 
-def _ticket_seen(key, code) -> None:
+def _ticket_seen(key: int, code: int) -> None:
     """What drain() just answered for a ticket: still running (it gave up waiting), or the end of its send."""
     if code == SCATTER_UNKNOWN:
         _tickets.seen_running(key)
@@ -581,7 +610,7 @@ def _ticket_seen(key, code) -> None:
         _ticket_refs.pop(key, None)
 
 
-def _ticket_ended(key, code) -> None:
+def _ticket_ended(key: int, code: int) -> None:
     """A ticket's `status` as its caller read it: an end when it shows one. COMPLETION_UNKNOWN says nothing
     there: the status changes only when the ticket is drained (0.3.14 over TCP), so it is no sign of a transfer
     still running."""
@@ -590,10 +619,10 @@ def _ticket_ended(key, code) -> None:
         _ticket_refs.pop(key, None)
 
 
-def _ticket_drain(original):
+def _ticket_drain(original: _Method) -> _Method:
     # drain(timeout_ms) waits up to its timeout and answers the status: the end, or COMPLETION_UNKNOWN when the
     # transfer was still running as it gave up (a poll that saw it unfinished).
-    def drain(self, *args, **kwargs):
+    def drain(self: Any, *args: Any, **kwargs: Any) -> Any:
         status = original(self, *args, **kwargs)
         if len(_tickets):
             try:
@@ -609,14 +638,15 @@ class _ObservedProperty(property):
     """A ticket's property read through an observer (a subclass of property only so the patcher can mark it)."""
 
 
-def _observed_property(observe):
+def _observed_property(observe: Callable[[Any, Any], None]) -> Callable[[Any], Any]:
     """`make` for Patcher.replace of a ticket property: the same property with `observe(ticket, value)` after each
     read (a plain callable in its place, as the contract test installs, is observed as a method)."""
 
-    def make(original):
-        read = original.fget if isinstance(original, property) else original
+    def make(original: Any) -> Any:
+        # (a ticket's properties are readable: a property's getter is never None here)
+        read = cast(_Method, original.fget) if isinstance(original, property) else original
 
-        def getter(self, *args, **kwargs):
+        def getter(self: Any, *args: Any, **kwargs: Any) -> Any:
             value = read(self, *args, **kwargs)
             if len(_tickets):
                 try:
@@ -630,16 +660,16 @@ def _observed_property(observe):
     return make
 
 
-def _seen_status(ticket, status) -> None:
+def _seen_status(ticket: Any, status: Any) -> None:
     _ticket_ended(id(ticket), int(status))
 
 
-def _seen_drained(ticket, drained) -> None:
+def _seen_drained(ticket: Any, drained: Any) -> None:
     if drained:
         _ticket_ended(id(ticket), int(_ticket_status["read"](ticket)))
 
 
-def _in_progress_at_peer(frame_locals):
+def _in_progress_at_peer(frame_locals: Dict[str, Any]) -> Optional[inflight.Item]:
     """A call of a newer shape still inside the engine (inflight.py): its peer, its bytes left unread (an array or
     a table another thread may be refilling)."""
     start = frame_locals.get("start")
@@ -650,7 +680,7 @@ def _in_progress_at_peer(frame_locals):
     return inflight.describe_call(start, frame_locals.get("scope"), (peer,), BACKEND)
 
 
-def _remember_engine(engine, args, kwargs) -> None:
+def _remember_engine(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     """What initialize() (and initialize_ext()) said of the engine: its protocol, and its devices (the 4th
     argument, a comma-separated list; empty: the engine finds its own): with exactly one, every send of this
     engine carries it as kv_transfer.nic unless the call names another."""
@@ -664,16 +694,16 @@ def _remember_engine(engine, args, kwargs) -> None:
     _engines[id(engine)] = (transport, {semconv.NIC: devices[0]} if len(devices) == 1 else None)
 
 
-def configured_devices() -> tuple:
+def configured_devices() -> Tuple[str, ...]:
     """The device names given to TransferEngine.initialize() / initialize_ext() in this process while instrumented
     (each once, in the order given; at most MAX_DEVICES), for the start-up line: empty before any engine is
     initialised, and where engines find their devices themselves."""
     return tuple(_devices)
 
 
-def _initialize(original):
+def _initialize(original: _Method) -> _Method:
     # Once per engine: its guard is the shared helper's.
-    def initialize(self, *args, **kwargs):
+    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
         rc = original(self, *args, **kwargs)
         safely("read the transport and devices of initialize()", _remember_engine, self, args, kwargs)
         return rc
@@ -681,7 +711,7 @@ def _initialize(original):
     return initialize
 
 
-def _forced_transport():
+def _forced_transport() -> Optional[str]:
     if os.environ.get("MC_FORCE_TCP", "").strip().lower() in ("1", "true", "yes", "on"):
         return "tcp"
     return (os.environ.get("MOONCAKE_PROTOCOL") or "")[:32] or None
@@ -698,7 +728,7 @@ QUIET_CALLS = frozenset({
 })
 
 
-def timed_calls() -> frozenset:
+def timed_calls() -> FrozenSet[str]:
     """Every TransferEngine call this module times or observes (a send, or the completion of one)."""
     return (frozenset(SYNC_METHODS) | frozenset(ASYNC_METHODS) | COMPLETION_CALLS | frozenset(ARRAY_METHODS)
             | frozenset(PAGE_METHODS) | frozenset(SCATTER_METHODS) | frozenset(CUDA_STREAM_METHODS))
@@ -707,7 +737,7 @@ def timed_calls() -> frozenset:
 COMPLETION_CALLS = frozenset({"transfer_check_status", "get_batch_transfer_status"})
 
 
-def _patch(module) -> None:
+def _patch(module: ModuleType) -> None:
     engine = module.TransferEngine
     for name, (op, batch) in SYNC_METHODS.items():
         patcher.replace(engine, name, lambda original, op=op, batch=batch, at=NIC_HINT_AT[name]:
@@ -740,7 +770,7 @@ def _patch(module) -> None:
     untimed.wrap_unknown(patcher, engine, BACKEND, timed_calls(), QUIET_CALLS)
 
 
-def _patch_ticket(ticket) -> None:
+def _patch_ticket(ticket: type) -> None:
     """Where a scatter ticket shows its end: drain(), and the `status` and `drained` properties."""
     status = ticket.__dict__.get("status")
     if status is None:

@@ -14,10 +14,13 @@ Set-up calls towards a peer (`add_remote_agent`, `make_connection`, a metadata f
 records of their own (below).
 """
 
+from __future__ import annotations
+
 import importlib.util
 import logging
 import sys
-from typing import Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import inflight, records, untimed
@@ -27,6 +30,7 @@ from otel_kvtransfer.recording.patching import (
     EngineSpec,
     Patch,
     Patcher,
+    WraptWrapper,
     active,
     count_drop,
     current_context,
@@ -37,6 +41,9 @@ from otel_kvtransfer.recording.patching import (
 from otel_kvtransfer.recording.pending import PendingTransfers
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.wiring.activation import LazyPatcher
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 _logger = logging.getLogger(__name__)
 
@@ -51,16 +58,24 @@ _MAX_HANDLES = 65536  # transfer handles made but not yet posted or released
 
 patcher = Patcher(BACKEND)
 _pending = PendingTransfers(BACKEND)
-_dlists = {}  # (id(bound agent), dlist handle) -> (lengths list, remote agent name or None)
-_handles = {}  # (id(bound agent), xfer handle) -> (bytes, descriptors, op, peer, notification, scope made in)
+_Args = Tuple[Any, ...]  # a wrapped call's positional arguments
+_Kwargs = Dict[str, Any]  # and its keyword arguments
+# A handle's key: (id(bound agent), the handle NIXL gave it)
+_Key = Tuple[int, Any]
+# What a transfer handle was made with: (bytes, descriptors, op, peer, notification, scope made in)
+_Handle = Tuple[int, int, str, Optional[str], Optional[str], Optional[kvt.TransferScope]]
+_dlists: Dict[_Key, Tuple[Optional[List[int]], Optional[str]]] = {}  # dlist -> (lengths, remote agent name or None)
+_handles: Dict[_Key, _Handle] = {}  # transfer handles made and not posted or released yet
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
-def _key(handle):
+def _key(handle: Any) -> _Key:
     """Handles are plain ints inside their Python wrappers; the bound agent keeps them apart across agents."""
     return (id(handle._agent), handle._handle)
 
 
-def _lengths(xfer_list) -> Optional[list]:
+def _lengths(xfer_list: Any) -> Optional[List[int]]:
     """Byte length of each descriptor of a transfer list in any form NIXL accepts; None when unknown."""
     shape = getattr(xfer_list, "shape", None)
     if shape is not None and len(shape) == 2 and shape[1] in (3, 5):  # numpy (addr, len, dev[, stride, count])
@@ -77,7 +92,7 @@ def _lengths(xfer_list) -> Optional[list]:
     return None
 
 
-def _text(value) -> Optional[str]:
+def _text(value: Any) -> Optional[str]:
     """A notification message or agent name (NIXL hands out both as bytes or str), bounded."""
     if not value:
         return None
@@ -86,7 +101,7 @@ def _text(value) -> Optional[str]:
     return str(value)[:256]
 
 
-def _remember(table: dict, limit: int, key, value) -> None:
+def _remember(table: Dict[_K, _V], limit: int, key: _K, value: _V) -> None:
     if len(table) >= limit:
         table.pop(next(iter(table)))  # oldest first: dicts keep insertion order
     table[key] = value
@@ -99,7 +114,8 @@ def _remember(table: dict, limit: int, key, value) -> None:
 # shared helper. The per-transfer wrappers below keep their guards inline, one Python frame fewer per call.
 
 
-def _on_prep_dlist(instance, args, kwargs, token, dlist, error) -> None:
+def _on_prep_dlist(instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], token: None, dlist: Any,
+                   error: None) -> None:
     agent_name = args[0] if args else kwargs.get("agent_name", "")
     xfer_list = args[1] if len(args) > 1 else kwargs.get("xfer_list")
     peer = None if agent_name in _LOCAL_AGENTS else _text(agent_name)
@@ -107,14 +123,14 @@ def _on_prep_dlist(instance, args, kwargs, token, dlist, error) -> None:
 
 
 _prep_dlist_wrapper = observe_call("read a NIXL descriptor list", after=_on_prep_dlist)
-def _forget_dlist(dlist, args, kwargs) -> None:
+def _forget_dlist(dlist: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     _dlists.pop(_key(dlist), None)
 
 
 _release_dlist_wrapper = observe_call("forget a NIXL descriptor list", _forget_dlist, when=None)
 
 
-def _make_prepped_wrapper(wrapped, instance, args, kwargs):
+def _make_prepped_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     handle = wrapped(*args, **kwargs)
     if active():
         try:
@@ -130,7 +146,7 @@ def _make_prepped_wrapper(wrapped, instance, args, kwargs):
     return handle
 
 
-def _initialize_wrapper(wrapped, instance, args, kwargs):
+def _initialize_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     handle = wrapped(*args, **kwargs)
     if active():
         try:
@@ -143,13 +159,13 @@ def _initialize_wrapper(wrapped, instance, args, kwargs):
     return handle
 
 
-def _bind(names, args, kwargs) -> dict:
+def _bind(names: Tuple[str, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     params = dict(zip(names, args))
     params.update((name, kwargs[name]) for name in names if name in kwargs)
     return params
 
 
-def _describe(handle, operation, nbytes, descriptors, peer, notif_msg) -> None:
+def _describe(handle: Any, operation: Any, nbytes: int, descriptors: int, peer: Any, notif_msg: Any) -> None:
     op = _OPS.get(str(operation).upper(), semconv.OP_WRITE)
     key = _key(handle)
     # A new handle at the address of one still pending: that one was freed where no wrapper saw it (NIXL's
@@ -162,7 +178,7 @@ def _describe(handle, operation, nbytes, descriptors, peer, notif_msg) -> None:
               (int(nbytes), int(descriptors), op, _text(peer), _text(notif_msg), kvt.THREAD.scope))
 
 
-def _transfer_wrapper(wrapped, instance, args, kwargs):
+def _transfer_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     if not active():
         return wrapped(*args, **kwargs)
     start = now_ns()
@@ -175,13 +191,14 @@ def _transfer_wrapper(wrapped, instance, args, kwargs):
     return state
 
 
-def _posted(agent, args, kwargs, start, posted, state, error_type) -> None:
+def _posted(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], start: int, posted: Optional[int], state: Any,
+            error_type: Optional[str]) -> None:
     try:
         handle = args[0] if args else kwargs["handle"]
         key = _key(handle)
         nbytes, descriptors, op, peer, notification, made_in = _handles.get(key, _UNKNOWN_HANDLE)
         notification = _text(args[1] if len(args) > 1 else kwargs.get("notif_msg")) or notification
-        extra = {semconv.NOTIFICATION: notification} if notification else None
+        extra: Optional[Dict[str, Any]] = {semconv.NOTIFICATION: notification} if notification else None
         protocol = _protocol(agent)
         _pending.forget(key)  # a transfer still pending under this key was never seen to end: counted, not lost
         posting = kvt.THREAD.scope  # the posting thread's scope, else the one the handle was made in
@@ -203,7 +220,7 @@ def _posted(agent, args, kwargs, start, posted, state, error_type) -> None:
         own_error("record a NIXL transfer")
 
 
-def _check_state_wrapper(wrapped, instance, args, kwargs):
+def _check_state_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     try:
         state = wrapped(*args, **kwargs)
     except Exception as exc:  # e.g. the peer is gone (nixlRemoteDisconnectError): the transfer failed
@@ -222,13 +239,13 @@ def _check_state_wrapper(wrapped, instance, args, kwargs):
     return state
 
 
-def _failed(args, kwargs, error_type: str) -> None:
+def _failed(args: Tuple[Any, ...], kwargs: Dict[str, Any], error_type: str) -> None:
     """A status query that raised: the pending transfer ends as a failed send named after the error."""
     handle = args[0] if args else kwargs["handle"]
     _pending.complete(_key(handle), "ERR", error_type)
 
 
-def _observe_release(handle, *_call) -> None:
+def _observe_release(handle: Any, *_call: Any) -> None:
     """The handle is about to be freed: the last chance to observe how its transfer ended (its call's arguments,
     when it is `release()`'s observer, say nothing more). A handle released before is done with: its address
     may already belong to a new handle, whose entries must stay (the garbage collector frees a released handle's
@@ -252,7 +269,7 @@ def _observe_release(handle, *_call) -> None:
 _release_handle_wrapper = observe_call("observe a released NIXL handle", _observe_release, when=None)
 
 
-def _del_handle_wrapper(wrapped, instance, args, kwargs):
+def _del_handle_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     """`nixl_xfer_handle.__del__`: the garbage collector frees the handle, NIXL's `release()` never runs."""
     try:
         if HOOKS.on:
@@ -265,7 +282,7 @@ def _del_handle_wrapper(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _state_of(handle) -> str:
+def _state_of(handle: Any) -> str:
     bindings = _api_module().nixlBind
     status = handle._agent.getXferStatus(handle._handle)
     if status == bindings.NIXL_SUCCESS:
@@ -273,7 +290,7 @@ def _state_of(handle) -> str:
     return "PROC" if status == bindings.NIXL_IN_PROG else "ERR"
 
 
-def _protocol(agent) -> Optional[str]:
+def _protocol(agent: Any) -> Optional[str]:
     """The backend NIXL moves bytes with (ucx, ...) when the agent has exactly one."""
     backends = getattr(agent, "backends", None)
     if backends and len(backends) == 1:
@@ -288,13 +305,13 @@ def _protocol(agent) -> Optional[str]:
 # open it is in flight as kind `connect` (a sync call through its frame, a fetch through `_fetches`), and stuck
 # past OTEL_KVTRANSFER_STUCK_S like a send.
 
-def _connected(operation, start, peer, error, key) -> None:
+def _connected(operation: str, start: int, peer: Any, error: Optional[str], key: Optional[records.Key]) -> None:
     RECORDER.record(records.connect(start, now_ns(), BACKEND, operation, _text(peer), error, key,
                                     None if key is not None else current_context()))
 
 
-def _connect_wrapper(operation: str):
-    def setup_call(wrapped, instance, args, kwargs):
+def _connect_wrapper(operation: str) -> WraptWrapper:
+    def setup_call(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
         if not active():
             return wrapped(*args, **kwargs)
         key = kvt.current_key()
@@ -312,7 +329,7 @@ def _connect_wrapper(operation: str):
     return setup_call
 
 
-def _named_peer(operation, args, kwargs):
+def _named_peer(operation: Optional[str], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     """The remote agent a set-up call names (add_remote_agent names it only in its answer)."""
     if operation == "add_remote_agent":
         return None
@@ -323,7 +340,7 @@ _SETUP_CALLS = ("add_remote_agent", "make_connection")
 _SETUP_WRAPPERS = {operation: _connect_wrapper(operation) for operation in _SETUP_CALLS}
 
 
-def _setup_in_progress(frame_locals):
+def _setup_in_progress(frame_locals: Dict[str, Any]) -> Optional[inflight.Item]:
     """A set-up call still inside NIXL, from its wrapper's frame (read by the in-flight scan)."""
     start = frame_locals.get("start")
     if not isinstance(start, int):
@@ -340,10 +357,11 @@ class _Fetches:
 
     LIMIT = 4096
 
-    def __init__(self):
-        self.open = {}
+    def __init__(self) -> None:
+        # (id(agent), remote agent) -> (start_ns, key, context)
+        self.open: Dict[Tuple[int, Optional[str]], Tuple[int, Optional[records.Key], Optional[Context]]] = {}
 
-    def in_flight(self):
+    def in_flight(self) -> Iterator[Tuple[Hashable, inflight.Item]]:
         for (agent, peer), (start, key, _context) in list(self.open.items()):
             yield (agent, peer), (start, key, peer, None, BACKEND, semconv.INFLIGHT_CONNECT)
 
@@ -352,7 +370,7 @@ _fetches = _Fetches()
 inflight.register_pending(_fetches)
 
 
-def _fetch_wrapper(wrapped, instance, args, kwargs):
+def _fetch_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     if not active():
         return wrapped(*args, **kwargs)
     start = now_ns()
@@ -366,7 +384,7 @@ def _fetch_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-def _asked(agent, args, kwargs, start) -> None:
+def _asked(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], start: int) -> None:
     peer = _text(args[0] if args else kwargs.get("remote_agent"))
     if peer is None:
         return
@@ -378,14 +396,14 @@ def _asked(agent, args, kwargs, start) -> None:
     _fetches.open.setdefault(key, (start, scope_key, None if scope_key is not None else current_context()))
 
 
-def _check_metadata_wrapper(wrapped, instance, args, kwargs):
+def _check_metadata_wrapper(wrapped: Callable[..., Any], instance: Any, args: _Args, kwargs: _Kwargs) -> Any:
     found = wrapped(*args, **kwargs)
     if found is True and _fetches.open:
         safely("record a NIXL metadata fetch", _arrived, instance, args, kwargs)
     return found
 
 
-def _arrived(agent, args, kwargs) -> None:
+def _arrived(agent: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     peer = _text(args[0] if args else kwargs.get("agent"))
     asked = _fetches.open.pop((id(agent), peer), None)
     if asked is not None:
@@ -397,14 +415,14 @@ def _arrived(agent, args, kwargs) -> None:
 # --- what the spec below names ---------------------------------------------------------------------------------
 
 
-def peer_attributes(peer) -> dict:
+def peer_attributes(peer: Any) -> Dict[str, Any]:
     return {PEER_AGENT: str(peer)[:256]} if peer else {}
 
 
 API_MODULE = "nixl._api"  # where nixl_agent and its handles live
 
 
-def _api_module():
+def _api_module() -> Any:
     import nixl._api
 
     return nixl._api
@@ -419,7 +437,7 @@ def available() -> bool:
         return False
 
 
-def _patch(_module=None) -> None:
+def _patch(_module: Optional[ModuleType] = None) -> None:
     """Wrap `nixl_agent` and its handles (run when `nixl` has been imported, by whoever imports it)."""
     try:
         api = sys.modules.get(API_MODULE) or _api_module()
