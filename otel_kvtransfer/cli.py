@@ -20,7 +20,8 @@ import argparse
 import math
 import os
 import sys
-from typing import Optional
+from types import SimpleNamespace
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 from otel_kvtransfer.tools.text import PROG, bounded, label
 
@@ -28,8 +29,12 @@ from otel_kvtransfer.tools.text import PROG, bounded, label
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad option in one line (exit 2) instead of usage plus error."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {bounded(message)}\n")
+
+
+# What a subcommand runs (`set_defaults(handler=...)`): its parsed arguments -> the exit code.
+_Handler = Callable[[argparse.Namespace], int]
 
 
 def _error(message: str) -> int:
@@ -62,7 +67,8 @@ def _count(text: str) -> int:
     return value
 
 
-def _span_file_command(sub, name: str, handler, summary: str, description: str) -> argparse.ArgumentParser:
+def _span_file_command(sub: "argparse._SubParsersAction[_Parser]", name: str, handler: _Handler, summary: str,
+                       description: str) -> argparse.ArgumentParser:
     """A subcommand that reads one span file, with the request filters every such command has."""
     parser = sub.add_parser(name, help=summary, description=description)
     parser.set_defaults(handler=handler)
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------- demo
 
 
-def _demo(argv) -> int:
+def _demo(argv: List[str]) -> int:
     # The demo (and Mooncake under it) is imported only when asked for.
     from otel_kvtransfer import demo
     from otel_kvtransfer.demo.loopback import MooncakeUnavailable
@@ -150,7 +156,7 @@ def _demo(argv) -> int:
 # --------------------------------------------------------------------------------------------------- span files
 
 
-def _filter_note(args, loaded) -> str:
+def _filter_note(args: argparse.Namespace, loaded: SimpleNamespace) -> str:
     parts = []
     if args.keys:
         parts.append("keys " + ",".join(args.keys))
@@ -165,7 +171,7 @@ def _filter_note(args, loaded) -> str:
     return note
 
 
-def _warn_children_not_drawn(requests, limit: int) -> None:
+def _warn_children_not_drawn(requests: Sequence[Any], limit: int) -> None:
     """One line when some requests had more sends or computes than are drawn of one request."""
     capped = [r for r in requests if r.sends_not_drawn or r.computes_not_drawn]
     if not capped:
@@ -178,7 +184,7 @@ def _warn_children_not_drawn(requests, limit: int) -> None:
                      "busy strip and tail count them all\n")
 
 
-def run_timeline(args) -> int:
+def run_timeline(args: argparse.Namespace) -> int:
     from otel_kvtransfer.tools.reading import load
     from otel_kvtransfer.tools.requests import DRAWN_PER_REQUEST
 
@@ -230,7 +236,7 @@ def run_timeline(args) -> int:
     return 0
 
 
-def run_summarize(args) -> int:
+def run_summarize(args: argparse.Namespace) -> int:
     if args.links:
         return _run_links(args)
     from otel_kvtransfer.tools.reading import load
@@ -253,7 +259,7 @@ def run_summarize(args) -> int:
     return 0
 
 
-def _run_links(args) -> int:
+def _run_links(args: argparse.Namespace) -> int:
     from otel_kvtransfer.tools import links
 
     if args.keys or args.since is not None or args.until is not None:
@@ -270,7 +276,7 @@ def _run_links(args) -> int:
     return 0
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
@@ -278,7 +284,8 @@ def main(argv: Optional[list] = None) -> int:
     from otel_kvtransfer.tools.spanfile import SpanFileError
 
     try:
-        return args.handler(args)
+        handler: _Handler = args.handler
+        return handler(args)
     except SpanFileError as exc:
         return _error(str(exc))
     except BrokenPipeError:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable, Tuple, TypeVar
 
 _logger = logging.getLogger(__name__)
 
@@ -41,7 +42,10 @@ class Settings:
     late_watch_s: float = 30.0  # a peer wait that ended with an error waits this long for late KV before export
 
 
-def _read(name, parse, default, low, high):
+_Number = TypeVar("_Number", int, float)
+
+
+def _read(name: str, parse: Callable[[str], _Number], default: _Number, low: _Number, high: _Number) -> _Number:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -57,7 +61,7 @@ def _read(name, parse, default, low, high):
     return value
 
 
-def _read_choice(name, choices, default):
+def _read_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default

@@ -8,6 +8,8 @@ contract on the real libraries.
 
 import importlib
 import logging
+from types import ModuleType
+from typing import Iterable, List
 
 _logger = logging.getLogger(__name__)
 
@@ -17,7 +19,7 @@ ENGINES = ("otel_kvtransfer.engines.mooncake", "otel_kvtransfer.engines.nixl")
 FRAMEWORKS = ("otel_kvtransfer.frameworks.sglang", "otel_kvtransfer.frameworks.vllm")
 
 
-def load(names):
+def load(names: Iterable[str]) -> List[ModuleType]:
     loaded = []
     for name in names:
         try:

@@ -9,7 +9,7 @@ read.
 """
 
 import contextvars
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from opentelemetry import context as otel_context
 from opentelemetry.instrumentation import utils as otel_utils
@@ -33,7 +33,7 @@ def context_getter() -> Callable[[], Any]:
 
 # --- TracerProvider and Tracer ------------------------------------------------------------------------------------
 
-def span_processors(tracer_provider) -> Optional[tuple]:
+def span_processors(tracer_provider: object) -> Optional[Tuple[Any, ...]]:
     """The SDK provider's span processors in delivery order; None for any other provider."""
     return processors_of(getattr(tracer_provider, "_active_span_processor", None))
 
@@ -43,12 +43,12 @@ def span_processors(tracer_provider) -> Optional[tuple]:
 PROCESSORS_ATTRIBUTE = "_span_processors"
 
 
-def processors_of(multi) -> Optional[tuple]:
+def processors_of(multi: object) -> Optional[Tuple[Any, ...]]:
     """The processors of the provider's multi span processor, or None."""
     return getattr(multi, PROCESSORS_ATTRIBUTE, None)
 
 
-def replace_span_processors(tracer_provider, change: Callable[[tuple], tuple]) -> None:
+def replace_span_processors(tracer_provider: Any, change: Callable[[Tuple[Any, ...]], Tuple[Any, ...]]) -> None:
     """The provider's processors become `change(them)`, under the lock its add_span_processor takes: the only
     way to put a processor in front (flush and shutdown reach ours first)."""
     multi = tracer_provider._active_span_processor
@@ -60,21 +60,21 @@ def replace_span_processors(tracer_provider, change: Callable[[tuple], tuple]) -
 SDK_TRACER_ATTRIBUTES = ("sampler", "id_generator", "span_processor", "resource", "_instrumentation_scope")
 
 
-def instrumentation_scope(tracer):
+def instrumentation_scope(tracer: Any) -> Any:
     return tracer._instrumentation_scope
 
 
-def span_limits(tracer):
+def span_limits(tracer: object) -> Any:
     """The span limits the tracer's provider resolved from OTEL_* when it was made, or None."""
     return getattr(tracer, "_span_limits", None)
 
 
-def enabled_flag(tracer):
+def enabled_flag(tracer: object) -> Any:
     """The tracer's switch (OTEL_SDK_DISABLED, its configurator), or None on a release without one."""
     return getattr(tracer, "_is_enabled", None)
 
 
-def tracer_metrics(tracer):
+def tracer_metrics(tracer: object) -> Any:
     """The SDK's own span metrics of an SDK tracer (`otel.sdk.span.started`, `otel.sdk.span.live`: on with
     OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED when the tracer was made): an object whose `start_span(parent span
     context or None, sampling Decision)` counts a span started and returns what counts it ended. None when they are
@@ -85,7 +85,7 @@ def tracer_metrics(tracer):
     return found
 
 
-def batch_queue(processor) -> Optional[Tuple[Any, int, Any]]:
+def batch_queue(processor: object) -> Optional[Tuple[Any, int, Any]]:
     """(the export queue, its bound, the inner processor) of a BatchSpanProcessor, or None for another kind."""
     inner = getattr(processor, "_batch_processor", None)
     queue, size = getattr(inner, "_queue", None), getattr(inner, "_max_queue_size", None)
@@ -94,18 +94,18 @@ def batch_queue(processor) -> Optional[Tuple[Any, int, Any]]:
     return queue, size, inner
 
 
-def worker_awaken(inner):
+def worker_awaken(inner: object) -> Any:
     """The event that makes a batch processor's worker export now instead of at its next schedule, or None."""
     return getattr(inner, "_worker_awaken", None)
 
 
-def _sdk_own(function) -> bool:
+def _sdk_own(function: object) -> bool:
     """A function of the SDK's that nobody wrapped (functools.wraps and wrapt both leave `__wrapped__`)."""
     return getattr(function, "__module__", "").startswith("opentelemetry.sdk.") and not hasattr(function,
                                                                                                  "__wrapped__")
 
 
-def batch_handoff(processor, pid: int) -> Optional[Callable[[Any], None]]:
+def batch_handoff(processor: object, pid: int) -> Optional[Callable[[Any], None]]:
     """For the SDK's own BatchSpanProcessor: a function that queues a sampled span exactly as its `on_end` does
     (appended to the export queue, the worker woken once a batch waits) without that path's checks per span
     (three calls, a getpid() system call); the processor's own `on_end` takes every span it must judge itself (its
@@ -126,7 +126,7 @@ def batch_handoff(processor, pid: int) -> Optional[Callable[[Any], None]]:
     queue, size, _ = found
     on_end, appendleft, is_set, wake = processor.on_end, queue.appendleft, awaken.is_set, awaken.set
 
-    def hand(span) -> None:
+    def hand(span: Any) -> None:
         if len(queue) < size and inner._pid == pid and not inner._shutdown:
             appendleft(span)
             if len(queue) >= batch and not is_set():
@@ -147,19 +147,19 @@ SPAN_FIELD_NAMES = ("_context", "_parent", "_name", "_kind", "_start_time", "_en
 
 # --- samplers -----------------------------------------------------------------------------------------------------
 
-def parent_based_root(sampler):
+def parent_based_root(sampler: object) -> Any:
     """The sampler a ParentBased asks about a root span (its `root`), or None on a release that keeps it
     elsewhere (the direct path then asks the ParentBased itself)."""
     return getattr(sampler, "_root", None)
 
 
-def parent_based_local_parents(sampler) -> Tuple[Any, Any]:
+def parent_based_local_parents(sampler: object) -> Tuple[Any, Any]:
     """The samplers a ParentBased asks about a child of a local parent: (sampled parent, unsampled parent); Nones
     on a release that keeps them elsewhere (the direct path then asks the ParentBased for every child)."""
     return getattr(sampler, "_local_parent_sampled", None), getattr(sampler, "_local_parent_not_sampled", None)
 
 
-def otlp_resource_and_scope_encoders() -> Tuple[Callable, Callable]:
+def otlp_resource_and_scope_encoders() -> Tuple[Callable[..., Any], Callable[..., Any]]:
     """The OTLP exporters' own encoders of a resource and an instrumentation scope."""
     from opentelemetry.exporter.otlp.proto.common._internal import _encode_instrumentation_scope, _encode_resource
 
@@ -168,12 +168,12 @@ def otlp_resource_and_scope_encoders() -> Tuple[Callable, Callable]:
 
 # --- MeterProvider and its readers --------------------------------------------------------------------------------
 
-def meter_config(meter_provider):
+def meter_config(meter_provider: object) -> Any:
     """An SDK MeterProvider's configuration (resource, exemplar filter), or None for any other provider."""
     return getattr(meter_provider, "_sdk_config", None)
 
 
-def metric_readers(meter_provider) -> Optional[list]:
+def metric_readers(meter_provider: object) -> Optional[List[Any]]:
     """An SDK MeterProvider's readers (on the provider since SDK 1.43, on its configuration before), or None."""
     readers = getattr(meter_provider, "_metric_readers", None)
     if readers is None:
@@ -181,26 +181,26 @@ def metric_readers(meter_provider) -> Optional[list]:
     return readers
 
 
-def meter_provider_disabled(meter_provider) -> bool:
+def meter_provider_disabled(meter_provider: object) -> bool:
     """OTEL_SDK_DISABLED: the provider records nothing."""
     return bool(getattr(meter_provider, "_disabled", False))
 
 
-def reader_exporter(reader):
+def reader_exporter(reader: object) -> Any:
     """A periodic reader's exporter, or None."""
     return getattr(reader, "_exporter", None)
 
 
-def reader_collect(reader):
+def reader_collect(reader: object) -> Any:
     """The callback a reader's collect() calls to gather every point (None on a release without it)."""
     return getattr(reader, "_collect", None)
 
 
-def set_reader_collect(reader, collect) -> None:
+def set_reader_collect(reader: Any, collect: Callable[..., Any]) -> None:
     reader._collect = collect
 
 
-def reader_temporality(reader) -> dict:
+def reader_temporality(reader: object) -> Dict[type, Any]:
     """{instrument class: AggregationTemporality} the reader was made with."""
     return getattr(reader, "_instrument_class_temporality", {})
 
@@ -208,7 +208,7 @@ def reader_temporality(reader) -> dict:
 COUNTER_CLASS_NAMES = ("_Counter", "Counter")  # the SDK's counter classes, as a reader's temporality table keys them
 
 
-def exemplar_class():
+def exemplar_class() -> Type[Any]:
     from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
 
     return Exemplar
@@ -216,7 +216,7 @@ def exemplar_class():
 
 # --- set-up -------------------------------------------------------------------------------------------------------
 
-def sdk_configurator_class():
+def sdk_configurator_class() -> Type[Any]:
     """The SDK's own configurator (what opentelemetry-distro's wraps), reading OTEL_*."""
     from opentelemetry.sdk._configuration import _OTelSDKConfigurator
 

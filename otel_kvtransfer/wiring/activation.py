@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from importlib import metadata
+from types import ModuleType
 from typing import Callable, Dict, Optional, Tuple
 
 import wrapt
@@ -98,7 +99,7 @@ class LazyPatcher:
         version = version_tuple(text) if text else ()
         return bool(version) and self.below is not None and version >= self.below
 
-    def _warn_once(self, message: str, *args) -> None:
+    def _warn_once(self, message: str, *args: object) -> None:
         if not self._warned:
             self._warned = True
             _logger.warning(message, *args)
@@ -121,7 +122,7 @@ class LazyPatcher:
                             self.spec.name)
         return True
 
-    def _passes_check(self, module_name: str, module) -> bool:
+    def _passes_check(self, module_name: str, module: ModuleType) -> bool:
         """The module has what the wrappers read; on the first miss the whole backend is unpatched."""
         if module_name in self._checked:
             return self._checked[module_name]
@@ -146,8 +147,8 @@ class LazyPatcher:
         self.patcher.unwrap_all()
         self.spec.forget()
 
-    def _hook(self, patch: Patch) -> Callable:
-        def on_import(module):
+    def _hook(self, patch: Patch) -> Callable[[ModuleType], None]:
+        def on_import(module: ModuleType) -> None:
             if not self.on or self.blocked is not None or not self._passes_check(patch.module, module):
                 return
             try:

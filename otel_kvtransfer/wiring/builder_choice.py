@@ -15,6 +15,7 @@ process builds in process after all, assembled as the thread builder is (`in_pro
 import logging
 import os
 from importlib.metadata import entry_points
+from typing import Any, Set
 
 from otel_kvtransfer import config, sdk_internals
 from otel_kvtransfer.offloading import lifecycle
@@ -22,7 +23,7 @@ from otel_kvtransfer.offloading import lifecycle
 _logger = logging.getLogger(__name__)
 
 
-def choose(settings: config.Settings, tracer_provider, meter_provider, provider_given: bool) -> str:
+def choose(settings: config.Settings, tracer_provider: object, meter_provider: object, provider_given: bool) -> str:
     """'process' or 'thread'."""
     if settings.builder == "thread":
         return "thread"
@@ -40,7 +41,7 @@ def choose(settings: config.Settings, tracer_provider, meter_provider, provider_
     return "process" if sdk_from_environment(tracer_provider, meter_provider) else "thread"
 
 
-def _exporter_classes(group: str, variable: str) -> set:
+def _exporter_classes(group: str, variable: str) -> Set[Any]:
     classes = set()
     for name in os.environ.get(variable, "").split(","):
         name = name.strip()
@@ -56,11 +57,11 @@ def _exporter_classes(group: str, variable: str) -> set:
     return classes
 
 
-def _ours(processor) -> bool:
+def _ours(processor: object) -> bool:
     return type(processor).__module__.startswith("otel_kvtransfer.")
 
 
-def sdk_from_environment(tracer_provider, meter_provider) -> bool:
+def sdk_from_environment(tracer_provider: object, meter_provider: object) -> bool:
     """True when both providers are SDK providers holding exactly what OTEL_* asks for (nothing made in code)."""
     processors = sdk_internals.span_processors(tracer_provider)
     if processors is None:

@@ -26,10 +26,13 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
-from typing import Collection, NamedTuple
+from types import ModuleType
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from opentelemetry import metrics, trace
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+# (That module's file opens with a `# type: ignore` of its own: the checker sees no name in it, so none of its types.)
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]  # see above
 
 from otel_kvtransfer import config, registry
 from otel_kvtransfer.building import in_process
@@ -38,6 +41,7 @@ from otel_kvtransfer.offloading import lifecycle
 from otel_kvtransfer.offloading.link import HelperFlushProcessor, HelperLink, register_exit, unregister_exit
 from otel_kvtransfer.recording import inflight, untimed
 from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.sink import Sink
 from otel_kvtransfer.version import __version__
 from otel_kvtransfer.wiring import builder_choice, startup
 from otel_kvtransfer.wiring.package import _instruments
@@ -48,20 +52,29 @@ _logger = logging.getLogger(__name__)
 class _Given(NamedTuple):
     """What instrument() works with."""
 
-    tracer_provider: object  # the one given, or the global one
-    meter_provider: object  # the one given, or the global one
-    meter_provider_given: object  # or None: the builder reads the global one as it appears
+    tracer_provider: trace.TracerProvider  # the one given, or the global one
+    meter_provider: metrics.MeterProvider  # the one given, or the global one
+    meter_provider_given: Optional[metrics.MeterProvider]  # None: the builder reads the global one as it appears
     tracer_provider_given: bool
     settings: config.Settings
-    engines: list
-    frameworks: list
+    engines: List[ModuleType]
+    frameworks: List[ModuleType]
 
 
-class KVTransferInstrumentor(BaseInstrumentor):
+class KVTransferInstrumentor(BaseInstrumentor):  # type: ignore[misc]  # its base has no type to the checker
+    # Set by instrument(): where spans are built (the builder in this process, or the link to the helper's), what
+    # ends what is still open, the backends patched, a child's flush at exit.
+    _sink: Optional[Union[in_process.InProcessSink, HelperLink]]
+    _link: Optional[HelperLink]
+    _end_open: Optional[Callable[[], None]]
+    _backends: Sequence[ModuleType]
+    _finalizer: Optional[multiprocessing.util.Finalize]
+    _flush_only: Attachment
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
-    def _instrument(self, **kwargs):
+    def _instrument(self, **kwargs: Any) -> None:
         self._sink, self._link, self._end_open, self._backends, self._finalizer = None, None, None, (), None
         if os.environ.get(lifecycle.HELPER_ENV):
             return  # this is the builder process itself: it builds, it has nothing to patch
@@ -75,7 +88,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         self._patch_backends(given)
         self._flush_at_child_exit(given)
 
-    def _uninstrument(self, **kwargs):
+    def _uninstrument(self, **kwargs: Any) -> None:
         self._stop_flushing_at_child_exit()
         self._unpatch_backends()
         self._stop_recording()
@@ -105,7 +118,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         if self._sink is None:
             return
         try:  # what is still open would never end: end it as evicted, counted (before the processors go)
-            self._end_open()
+            cast(Callable[[], None], self._end_open)()  # set with the sink
         except Exception:
             _logger.warning("otel_kvtransfer could not end the open spans", exc_info=True)
         if self._link is not None:
@@ -113,13 +126,13 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._link.close()
             self._flush_only.detach()
         else:
-            self._sink.detach()
+            cast(in_process.InProcessSink, self._sink).detach()  # no link: the builder is in this process
         self._sink, self._link, self._end_open = None, None, None
 
     # --- the recorder's thread ---------------------------------------------------------------------------------
     def _start_recording(self, given: _Given) -> None:
         RECORDER.watcher = inflight.Watcher(given.settings.stuck_s)
-        RECORDER.start(given.settings, self._sink)
+        RECORDER.start(given.settings, cast(Sink, self._sink))  # set by _attach_builder
 
     def _stop_recording(self) -> None:
         if self._sink is None:
@@ -133,7 +146,7 @@ class KVTransferInstrumentor(BaseInstrumentor):
         # is counted in this process's MeterProvider.
         untimed.count_with(untimed_counter(given.meter_provider))
         self._backends = given.engines + given.frameworks
-        patched = {}
+        patched: Dict[str, bool] = {}
         for backend in self._backends:
             try:
                 patched[backend.__name__] = bool(backend.instrument())
@@ -169,10 +182,12 @@ class KVTransferInstrumentor(BaseInstrumentor):
             self._finalizer = None
 
 
-def _announce(backends, patched, builder, tracer_provider, meter_provider) -> None:
+def _announce(backends: Sequence[ModuleType], patched: Dict[str, bool], builder: str,
+              tracer_provider: trace.TracerProvider, meter_provider: metrics.MeterProvider) -> None:
     """The start-up line (wiring.startup): now, or once a framework names this process's role and rank."""
     try:
-        frameworks, engines = [], []
+        frameworks: List[Tuple[str, Optional[str], bool]] = []
+        engines: List[Tuple[ModuleType, bool]] = []
         for backend in backends:
             on = patched.get(backend.__name__, False)
             if backend.SPEC.version_gate:  # a framework: the release its gate read
@@ -189,7 +204,7 @@ def _announce(backends, patched, builder, tracer_provider, meter_provider) -> No
         _logger.debug("otel_kvtransfer: no start-up line", exc_info=True)
 
 
-def _engines_found(engines) -> list:
+def _engines_found(engines: Sequence[Tuple[ModuleType, bool]]) -> List[Tuple[str, Optional[str], bool, Optional[str]]]:
     """(name, version, on, build) of each engine, read when the line is printed: which build is installed, and
     once the engine is imported, which one it loaded."""
     found = []
@@ -200,7 +215,7 @@ def _engines_found(engines) -> list:
     return found
 
 
-def _engine_devices(engines) -> list:
+def _engine_devices(engines: Sequence[ModuleType]) -> List[Tuple[str, List[str]]]:
     """(engine, [device, ...]) of the devices each engine was initialised with in this process, when it says."""
     pairs = []
     for backend in engines:
@@ -210,7 +225,7 @@ def _engine_devices(engines) -> list:
     return pairs
 
 
-def _flush_providers(tracer_provider, meter_provider, link=None):
+def _flush_providers(tracer_provider: object, meter_provider: object, link: Optional[HelperLink] = None) -> None:
     RECORDER.final_drain()
     if link is not None:
         link.close()

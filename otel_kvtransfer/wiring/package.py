@@ -15,9 +15,12 @@ loads). An upper bound here would keep `opentelemetry-instrument` from loading t
 release before that check could say yes.
 """
 
+from types import ModuleType
+from typing import Iterable, Tuple
+
 from otel_kvtransfer import registry
 
-_instruments: tuple = ()
+_instruments: Tuple[str, ...] = ()
 
 
 def _minimum(supported: str) -> str:
@@ -29,7 +32,7 @@ def _minimum(supported: str) -> str:
     raise ValueError(f"a backend's range has no lower bound: {supported!r}")
 
 
-def instruments_any(backends) -> tuple:
+def instruments_any(backends: Iterable[ModuleType]) -> Tuple[str, ...]:
     """`name >= minimum` for every distribution of every backend's spec, in the registry's order."""
     return tuple(f"{name} {_minimum(backend.SPEC.supported)}" for backend in backends
                  for name in backend.SPEC.distributions)

@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from importlib import metadata
-from typing import Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from opentelemetry import metrics, trace
 
@@ -39,13 +39,20 @@ GRACE_S = 300.0
 
 _logger = logging.getLogger(LOGGER_NAME)
 _lock = threading.Lock()
-_state = {"pending": None, "timer": None, "printed": False}
+# pending: the Announcement not printed yet; timer: the threading.Timer that prints it after GRACE_S
+_state: Dict[str, Any] = {"pending": None, "timer": None, "printed": False}
+
+# What the line says of each framework: (name, version or None, on); of each engine: (name, version or None, on) or
+# (name, version or None, on, build)
+Backends = Sequence[Tuple[Any, ...]]
+Devices = List[Tuple[str, List[str]]]  # [(engine, [device or call name, ...])]
 
 
 class Announcement:
     """What instrument() set up in this process; the line is made from it when it is printed."""
 
-    def __init__(self, version: str, frameworks, engines, builder: str, tracer_provider=None, meter_provider=None):
+    def __init__(self, version: str, frameworks: Backends, engines: Union[Backends, Callable[[], Backends]],
+                 builder: str, tracer_provider: object = None, meter_provider: object = None) -> None:
         self.version = version
         self.frameworks = frameworks  # [(name, version or None, on)]
         # [(name, version or None, on)], or [(name, version or None, on, build)]; or a callable that answers such a
@@ -53,8 +60,9 @@ class Announcement:
         self.engines = engines
         self.builder = builder  # "process" | "thread"
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
-        self.engine_devices = lambda: []  # [(engine, [device, ...])]: the devices each engine was initialised with
-        self.untimed = lambda: []  # [(engine, [call name, ...])]: calls found that are not timed
+        # [(engine, [device, ...])]: the devices each engine was initialised with
+        self.engine_devices: Callable[[], Devices] = lambda: []
+        self.untimed: Callable[[], Devices] = lambda: []  # [(engine, [call name, ...])]: calls found that are not timed
 
 
 def announce(announcement: Announcement, wait_for_role: bool) -> None:
@@ -79,7 +87,8 @@ def withdraw() -> None:
         _state["pending"] = None
 
 
-def role_known(framework: str, role: Optional[str], ranks: Optional[dict], devices: Optional[dict] = None) -> None:
+def role_known(framework: str, role: Optional[str], ranks: Optional[Dict[str, Any]],
+               devices: Optional[Dict[str, Any]] = None) -> None:
     """A framework learnt this process's role and rank: the line goes out now (once per process). `devices`: the
     framework's device options and their values (e.g. {"--disaggregation-ib-device": "mlx5_0"}), when set."""
     _print_pending(framework, role, ranks, devices)
@@ -92,7 +101,8 @@ def _cancel_timer() -> None:
         _state["timer"] = None
 
 
-def _print_pending(framework=None, role=None, ranks=None, devices=None) -> None:
+def _print_pending(framework: Optional[str] = None, role: Optional[str] = None, ranks: Optional[Dict[str, Any]] = None,
+                   devices: Optional[Dict[str, Any]] = None) -> None:
     try:
         with _lock:
             announcement = _state["pending"]
@@ -111,21 +121,22 @@ def _print_pending(framework=None, role=None, ranks=None, devices=None) -> None:
                 _logger.debug("otel_kvtransfer: a start-up line listener failed", exc_info=True)
 
 
-_printed_listeners: list = []  # called once the line went out (or could not): later finds get a line of their own
+# Called once the line went out (or could not): later finds get a line of their own.
+_printed_listeners: List[Callable[[], None]] = []
 
 
-def on_printed(listener) -> None:
+def on_printed(listener: Callable[[], None]) -> None:
     if listener not in _printed_listeners:
         _printed_listeners.append(listener)
 
 
-def shown(value) -> str:
+def shown(value: object) -> str:
     """A value from the environment or an engine, as one bounded line (building.printable: the rule every line
     of ours follows)."""
     return one_line(value)
 
 
-def _parts(items) -> str:
+def _parts(items: Backends) -> str:
     said = []
     for item in items:
         name, version, on = item[:3]
@@ -139,14 +150,15 @@ def _parts(items) -> str:
     return ", ".join(said) or "none"
 
 
-def _named(pairs) -> str:
+def _named(pairs: Iterable[Tuple[Any, Sequence[Any]]]) -> str:
     """[(owner, [value, ...])] -> "owner a, b; owner2 c" (escaped, bounded)."""
     return ", ".join(f"{shown(owner)} {' '.join(shown(value) for value in values[:16])}"
                      for owner, values in pairs if values)
 
 
-def devices_part(announcement: Announcement, framework=None, devices=None) -> str:
-    pairs = list(announcement.engine_devices())
+def devices_part(announcement: Announcement, framework: Optional[str] = None,
+                 devices: Optional[Dict[str, Any]] = None) -> str:
+    pairs: List[Tuple[str, List[Any]]] = list(announcement.engine_devices())
     if framework and devices:
         pairs.extend((f"{framework} {option}", [value]) for option, value in sorted(devices.items()) if value)
     ucx = os.environ.get("UCX_NET_DEVICES", "").strip()
@@ -155,7 +167,8 @@ def devices_part(announcement: Announcement, framework=None, devices=None) -> st
     return _named(pairs) or "none named"
 
 
-def line(announcement: Announcement, framework=None, role=None, ranks=None, devices=None) -> str:
+def line(announcement: Announcement, framework: Optional[str] = None, role: Optional[str] = None,
+         ranks: Optional[Dict[str, Any]] = None, devices: Optional[Dict[str, Any]] = None) -> str:
     """The start-up line's text (pure apart from reading the providers, OTEL_* and UCX_NET_DEVICES)."""
     frameworks = [item for item in announcement.frameworks if item[1]]  # installed ones only
     engines = announcement.engines() if callable(announcement.engines) else announcement.engines
@@ -177,7 +190,7 @@ def _variable(name: str) -> str:
     return value[:120] if value else "unset"
 
 
-def spans_destination(provider=None) -> str:
+def spans_destination(provider: object = None) -> str:
     """OTEL_TRACES_EXPORTER and the exporters the provider's span processors hold (class names)."""
     if provider is None or isinstance(provider, trace.ProxyTracerProvider):  # an SDK may have come since
         provider = trace.get_tracer_provider()
@@ -191,7 +204,7 @@ def spans_destination(provider=None) -> str:
     return f"{_variable('OTEL_TRACES_EXPORTER')} ({held})"
 
 
-def metrics_destination(provider=None) -> str:
+def metrics_destination(provider: object = None) -> str:
     """OTEL_METRICS_EXPORTER and the provider's metric readers (their exporters' class names)."""
     readers = None
     for candidate in (provider, metrics.get_meter_provider()):  # the global one: an SDK may have come since
@@ -206,7 +219,7 @@ def metrics_destination(provider=None) -> str:
     return f"{_variable('OTEL_METRICS_EXPORTER')} ({held})"
 
 
-def distribution_version(names) -> Optional[str]:
+def distribution_version(names: Iterable[str]) -> Optional[str]:
     """The installed version of the first of these distributions that is installed, else None."""
     for name in names:
         try:
@@ -216,7 +229,7 @@ def distribution_version(names) -> Optional[str]:
     return None
 
 
-def installed_build(names, module_names=()) -> Optional[Tuple[str, str]]:
+def installed_build(names: Iterable[str], module_names: Sequence[str] = ()) -> Optional[Tuple[str, str]]:
     """(distribution, version) of the build of an engine found here, among its published builds `names`.
 
     Where several are installed (their files overwrite each other in one package folder), the one whose files are
@@ -238,7 +251,7 @@ def installed_build(names, module_names=()) -> Optional[Tuple[str, str]]:
     return found[0].metadata["Name"], found[0].version
 
 
-def _owns(dist, loaded_files, module_names) -> bool:
+def _owns(dist: metadata.Distribution, loaded_files: List[str], module_names: Iterable[str]) -> bool:
     """Does `dist` own a loaded module's file, or (none loaded) is its copy of the module's file the one on disk?"""
     wanted = {tuple(module.split(".")) for module in module_names}
     for entry in dist.files or ():
@@ -257,7 +270,7 @@ def _owns(dist, loaded_files, module_names) -> bool:
 
 
 def _has_handler(logger: logging.Logger) -> bool:
-    current = logger
+    current: Optional[logging.Logger] = logger
     while current is not None:
         if current.handlers:
             return True

@@ -18,7 +18,8 @@ import inspect
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
 
 
 @dataclass(frozen=True)
@@ -111,14 +112,14 @@ def _assigned_in_source(cls: type, name: str, texts: Dict[str, str]) -> bool:
     return False
 
 
-def _parameters(function: Callable) -> Optional[Set[str]]:
+def _parameters(function: Callable[..., Any]) -> Optional[Set[str]]:
     try:
         return set(inspect.signature(function).parameters)
     except (TypeError, ValueError):
         return None  # a builtin without a signature: its parameters cannot be checked here
 
 
-def _module(name: str, default):
+def _module(name: str, default: ModuleType) -> ModuleType:
     """A module the patched one imported already (its metadata classes live next door)."""
     if getattr(default, "__name__", None) == name:
         return default
@@ -126,7 +127,7 @@ def _module(name: str, default):
     return found if found is not None else importlib.import_module(name)
 
 
-def missing(module, targets: Iterable[Target]) -> List[str]:
+def missing(module: ModuleType, targets: Iterable[Target]) -> List[str]:
     """What of `targets` the imported `module` (and the modules they name) lack; [] when everything is there."""
     absent: List[str] = []
     attribute_cache: Dict[type, Set[str]] = {}
@@ -188,8 +189,11 @@ def _find_class(tree_of: Callable[[str], Optional[ast.Module]], module: str, nam
     return _find_class(tree_of, source[0], source[1], depth + 1) if source else None
 
 
-def _source_class_chain(tree_of, module: str, name: str) -> List[Tuple[str, ast.ClassDef]]:
+def _source_class_chain(tree_of: Callable[[str], Optional[ast.Module]], module: str,
+                        name: str) -> List[Tuple[str, ast.ClassDef]]:
     """The class and its bases that have source here (bases from other libraries simply end the chain)."""
+    chain: List[Tuple[str, ast.ClassDef]]
+    seen: Set[Tuple[str, str]]
     chain, todo, seen = [], [(module, name)], set()
     while todo and len(chain) < 32:
         found = _find_class(tree_of, *todo.pop())
@@ -197,7 +201,7 @@ def _source_class_chain(tree_of, module: str, name: str) -> List[Tuple[str, ast.
             continue
         seen.add((found[0], found[1].name))
         chain.append(found)
-        imports = _imports(tree_of(found[0]), found[0])
+        imports = _imports(cast(ast.Module, tree_of(found[0])), found[0])  # the class was just found in it
         for base in found[1].bases:
             base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
             if base_name:
@@ -205,7 +209,7 @@ def _source_class_chain(tree_of, module: str, name: str) -> List[Tuple[str, ast.
     return chain
 
 
-def _function_params(node) -> Set[str]:
+def _function_params(node: Union[ast.FunctionDef, ast.AsyncFunctionDef]) -> Set[str]:
     args = node.args
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
     names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
