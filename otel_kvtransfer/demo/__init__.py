@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional, Type
 
 from otel_kvtransfer import semconv
 
@@ -207,7 +207,7 @@ def link_figure(before: List[Optional[float]], after: List[Optional[float]]) -> 
 def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt, backend: str):
     """One request: early prefix send, chunked compute overlapping the previous chunk's send, aux on the last."""
     work: "queue.Queue" = queue.Queue()
-    result = {"error": None}
+    result: Dict[str, Any] = {"error": None}
     chunks = ([(cfg.prefix_tokens, True)] if cfg.prefix_tokens else []) + [(t, False) for t in cfg.chunk_tokens]
     aux_offset = cfg.kv_bytes  # aux lives after the KV in both buffers
 
@@ -313,10 +313,12 @@ def format_table(rows, link) -> str:
 def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     import numpy as np
 
-    from otel_kvtransfer.demo.loopback import digest
+    from otel_kvtransfer.demo.loopback import ReceiverProcess, digest
     from otel_kvtransfer.recording import integration as kvt
     from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
+    Receiver: Type[ReceiverProcess]  # the chosen engine's
+    open_engine: Callable[..., Any]
     if cfg.engine == "nixl":
         from otel_kvtransfer.demo.nixl_loopback import Receiver, open_engine
         from otel_kvtransfer.engines.nixl import BACKEND

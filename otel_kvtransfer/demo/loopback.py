@@ -11,7 +11,7 @@ interfaces even when initialised with 127.0.0.1.
 import hashlib
 import multiprocessing
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 LOOPBACK = "127.0.0.1"
 
@@ -128,7 +128,8 @@ class ReceiverProcess:
     messages below. Subclasses name the engine (`main`, `unavailable`) and read the rest of the ready reply.
     """
 
-    main = None  # the child's entry point: main(conn, size, env, span_file, service_name)
+    # The child's entry point: main(conn, size, env, span_file, service_name).
+    main: Optional[Callable[..., None]] = None
     unavailable = RuntimeError  # raised when the child does not come up
 
     def __init__(self, size: int, env: Optional[dict] = None, start_timeout_s: float = 60.0,
@@ -152,7 +153,7 @@ class ReceiverProcess:
         _, self.session, self.base_address, self.size = reply
 
     @property
-    def pid(self) -> int:
+    def pid(self) -> Optional[int]:
         return self.process.pid
 
     def _ask(self, message, timeout_s: float = 30.0):

@@ -14,14 +14,14 @@ every device it may use.
 import itertools
 import os
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from otel_kvtransfer.demo.loopback import ReceiverProcess, _decode_side_tracing, serve_requests
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 50e-6
 _TRANSFER_TIMEOUT_S = 60.0
-_peers = {}  # agent name -> agent metadata, filled by the Receivers of this process
+_peers: Dict[Any, Any] = {}  # agent name -> agent metadata, filled by the Receivers of this process
 _names = itertools.count()
 
 

@@ -22,7 +22,7 @@ import json
 import math
 import sys
 from array import array
-from typing import Optional, TextIO
+from typing import Dict, Optional, TextIO
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import aggregate
@@ -134,7 +134,7 @@ class _Calls:
 
     def keys_of(self, calls) -> dict:
         """{call: [request keys]} of the given calls (one pass over the key references)."""
-        wanted = {call: [] for call in calls}
+        wanted: Dict[int, list] = {call: [] for call in calls}
         if wanted:
             for call, key in zip(self.ref_calls, self.ref_keys):
                 found = wanted.get(call)
@@ -309,7 +309,7 @@ def _bound_requests(calls: _Calls, models: list) -> dict:
         seen[key] = 1
         for i, part in enumerate(_modelled(model, calls.nbytes[call], calls.descriptors[call])):
             parts[i][key] += part / share
-    bound = {"fixed_cost": {}, "per_descriptor": {}, "bandwidth": {}}
+    bound: Dict[str, Dict[int, float]] = {"fixed_cost": {}, "per_descriptor": {}, "bandwidth": {}}
     counts = dict.fromkeys(bound, 0)
     for key in range(len(calls.keys)):
         if not seen[key]:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import stat
 import tempfile
+from typing import Any, Dict
 
 
 def _umask() -> int:
@@ -27,7 +28,7 @@ class _Output:
             info = os.stat(path)  # through symlinks: what the user named, not the link
         except FileNotFoundError:
             info = None
-        text = {} if "b" in mode else {"encoding": "utf-8"}
+        text: Dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8"}
         self.tmp = None
         if info is not None and not stat.S_ISREG(info.st_mode):
             if stat.S_ISDIR(info.st_mode):

@@ -17,11 +17,11 @@ of different hosts may disagree (the note in ``otherData`` says so).
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.tools.lanes import pack
-from otel_kvtransfer.tools.requests import PEER_SPANS, engine_label
+from otel_kvtransfer.tools.requests import PEER_SPANS, TailMark, engine_label
 from otel_kvtransfer.tools.spanfile import Span
 from otel_kvtransfer.tools.text import fmt_ms
 
@@ -39,7 +39,7 @@ class TailSlice(NamedTuple):
     resource: dict
     trace_id: str
     key: Optional[str]
-    mark: object  # requests.TailMark
+    mark: TailMark
 
 
 def lane_of(span: Span) -> tuple:
@@ -108,8 +108,9 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: 
         origin_ns = min((s.start_time_unix_nano for s in spans), default=0)
 
     # Processes: one per resource; the OS pid when it is unique, else a small number.
-    resources = {}
+    resources: Dict[Tuple[Any, ...], dict] = {}
     tails = sorted(tails, key=lambda t: (t.start_time_unix_nano, t.end_time_unix_nano))
+    span: Any  # a Span or a TailSlice
     for span in [*spans, *tails]:
         resources.setdefault(_process_key(span.resource), span.resource)
     os_pids = [r.get("process.pid") for r in resources.values()]
@@ -124,13 +125,13 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: 
                        "args": {"sort_index": index}})
 
     # Lanes, each packed into non-overlapping tracks (threads).
-    lanes = {}
+    lanes: Dict[tuple, List[Any]] = {}
     for span in spans:
         sort_key, lane = lane_of(span)
         lanes.setdefault((pid_of[_process_key(span.resource)], sort_key, lane), []).append(span)
     for tail in tails:
         lanes.setdefault((pid_of[_process_key(tail.resource)], _TAIL_SORT, TAIL_LANE), []).append(tail)
-    next_tid = {}
+    next_tid: Dict[int, int] = {}
     for (pid, _sort_key, lane), members in sorted(lanes.items(), key=lambda kv: kv[0][:2]):
         rows = pack(members, lambda s: s.start_time_unix_nano, lambda s: s.end_time_unix_nano)
         first = next_tid.get(pid, 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import aggregate
@@ -98,6 +98,10 @@ class Request:
                  "status", "error_type", "figure_attrs", "aggregate", "send_spans", "compute_spans",
                  "send_error", "last_chunk", "last_flagged", "peers", "span", "sends", "computes", "compact_at",
                  "sends_not_drawn", "computes_not_drawn", "all_busy", "last_ends")
+    start_ns: Any  # ints from the first span noted (note_time) on
+    end_ns: Any
+    last_chunk: Optional[list]
+    last_flagged: Optional[list]
 
     def __init__(self, trace_id: str, group):
         self.trace_id = trace_id
@@ -110,7 +114,7 @@ class Request:
         self.status = "UNSET"
         self.error_type: Optional[str] = None
         self.figure_attrs: dict = {}
-        self.aggregate = aggregate.RequestAggregate()
+        self.aggregate: Any = aggregate.RequestAggregate()  # None once the span's own figures are shown
         self.send_spans = self.compute_spans = 0
         self.send_error: Optional[str] = None
         self.last_chunk = None  # [chunk index, first start, last end] of the highest chunk's sends
@@ -325,6 +329,8 @@ class RequestSet:
 
     def finish(self) -> list:
         requests = [r for r in self.groups.values() if r.has_span or r.send_spans]
+        by_key: Dict[Tuple[str, str], List[Request]]
+        by_trace: Dict[str, List[Request]]
         by_key, by_trace = {}, {}
         for request in requests:
             by_trace.setdefault(request.trace_id, []).append(request)
@@ -357,6 +363,7 @@ def attach_children(requests: Sequence[Request], spans: Iterable[Span],
     drawn, and its busy strip and tail still come from every send (`all_busy`, `last_ends`)."""
     wanted = {r.group: r for r in requests}
     bounded = {}
+    request: Optional[Request]
     for request in requests:
         if max_children and (request.send_spans > max_children or request.compute_spans > max_children):
             bounded[request.group] = _FirstChildren(max_children)
@@ -386,9 +393,9 @@ class _FirstChildren:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.heaps = {sc.SPAN_SEND: [], sc.SPAN_COMPUTE: []}
+        self.heaps: Dict[str, list] = {sc.SPAN_SEND: [], sc.SPAN_COMPUTE: []}
         self.seen = {sc.SPAN_SEND: 0, sc.SPAN_COMPUTE: 0}
-        self.ends = {sc.SPAN_SEND: None, sc.SPAN_COMPUTE: None}
+        self.ends: Dict[str, Optional[int]] = {sc.SPAN_SEND: None, sc.SPAN_COMPUTE: None}
         self.starts, self.stops = array("q"), array("q")
         self.compact_at = _COMPACT_AT
 

@@ -42,7 +42,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -375,7 +375,7 @@ def _span_dicts(obj: dict) -> Iterator[dict]:
 
 
 def _otlp_spans(obj: dict, foreign: _Foreign) -> Iterator[Span]:
-    attribute_lists = [span.pop("attributes", None) for span in _span_dicts(obj)]
+    attribute_lists: Iterable[Any] = [span.pop("attributes", None) for span in _span_dicts(obj)]
     _check_shape(obj, ExportTraceServiceRequest.DESCRIPTOR)
     message = ExportTraceServiceRequest()
     json_format.ParseDict(ids_from_hex(obj), message, ignore_unknown_fields=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional, Sequence, TextIO
+from typing import Any, Dict, Optional, Sequence, TextIO
 
 from otel_kvtransfer.building import aggregate
 from otel_kvtransfer.tools.text import fmt_bytes, fmt_ms, fmt_rate, fmt_ratio, json_finite, label
@@ -28,7 +28,7 @@ def distribution(values: Sequence[float], bins: int = 10) -> dict:
     values = sorted(v for v in values if v > 0 and math.isfinite(v))
     if not values:
         return {"count": 0}
-    result = {"count": len(values), "min": values[0]}
+    result: Dict[str, Any] = {"count": len(values), "min": values[0]}
     result.update({name: aggregate.quantile(values, q) for name, q in QUANTILES})
     result.update({"max": values[-1], "mean": math.fsum(values) / len(values)})
     lo, hi = math.log10(values[0]), math.log10(values[-1])

@@ -19,6 +19,7 @@ not tracked as in flight.
 """
 
 import threading
+from typing import Optional
 
 from otel_kvtransfer.frameworks.sglang import common
 from otel_kvtransfer.recording import integration
@@ -39,6 +40,7 @@ def _peer(address):
 
 
 def _record(operation, backend, manager, address, start, result, error, key=None) -> None:
+    error_type: Optional[str]
     if error is not None:
         error_type = type(error).__qualname__
     else:

@@ -1,7 +1,7 @@
 """What the prefill and decode hooks of sglang share: names, the one Patcher, the transfer backend behind each
 sglang class, sglang's poll states, failure kinds, and sglang's own request span when its tracing is on."""
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.engines import mooncake, nixl
@@ -13,11 +13,11 @@ RID = "sglang.rid"
 MOONCAKE, NIXL = mooncake.BACKEND, nixl.BACKEND
 
 patcher = Patcher(FRAMEWORK)
-classes = {}  # "chunk" -> sglang's TransferKVChunk, filled as modules are patched
+classes: Dict[str, type] = {}  # "chunk" -> sglang's TransferKVChunk, filled as modules are patched
 # "manager" | "sender" | "receiver" -> {sglang class: the transfer engine behind it}: the Common* methods we wrap
 # serve every backend, and only the backends registered here are instrumented.
-_backends = {}
-_poll_names = {}  # KVPoll.Success -> "Success", KVPoll.Failed -> "Failed"
+_backends: Dict[str, Dict[type, str]] = {}
+_poll_names: Dict[Any, str] = {}  # KVPoll.Success -> "Success", KVPoll.Failed -> "Failed"
 
 
 def register(kind: str, cls, backend: str) -> None:
@@ -65,7 +65,7 @@ def rank_attributes(mgr) -> dict:
         if (getattr(mgr, "attn_dp_size", 1) or 1) > 1 and isinstance(getattr(mgr, "attn_dp_rank", None), int):
             ranks[semconv.DP_RANK] = mgr.attn_dp_rank
         setattr(mgr, _RANKS, ranks)
-        mode = getattr(getattr(mgr, "disaggregation_mode", None), "name", None)
+        mode: Any = getattr(getattr(mgr, "disaggregation_mode", None), "name", None)
         role = {"PREFILL": semconv.ROLE_PREFILL, "DECODE": semconv.ROLE_DECODE}.get(mode)
         device = getattr(getattr(mgr, "kv_args", None), "ib_device", None)  # --disaggregation-ib-device
         startup.role_known(FRAMEWORK, role, ranks, {"--disaggregation-ib-device": device} if device else None)

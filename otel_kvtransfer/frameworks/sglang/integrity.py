@@ -21,6 +21,7 @@ import logging
 import re
 import threading
 import time
+from typing import Any, Dict
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.printable import one_line
@@ -77,7 +78,7 @@ def _after_verify(instance, args, kwargs, candidates, result, error) -> None:
     mismatches, _tls.mismatches = getattr(_tls, "mismatches", None) or {}, None
     for req, expected in candidates or ():
         message = mismatches.get(id(req))
-        if message is None and getattr(req, "expected_kv_checksum", 0):
+        if message is None and getattr(req, "expected_kv_checksum", None):
             continue  # skipped (sglang verifies only what it can compare): no verdict
         if message is None:
             integration.receive_outcome(req.bootstrap_room,
@@ -92,7 +93,7 @@ def _mismatch(req, expected: int, message: str) -> None:
     if found is not None:
         digests[semconv.INTEGRITY_COMPUTED_DIGEST] = found.group(2)
     host, port = getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None)
-    event = dict(digests)
+    event: Dict[str, Any] = dict(digests)
     if host is not None:
         event[semconv.SERVER_ADDRESS] = str(host)[:256]
     if isinstance(port, int) and not isinstance(port, bool):

@@ -27,6 +27,7 @@ logged at debug level.
 import inspect
 import threading
 from time import time_ns
+from typing import Any, Dict
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.sglang.common import (
@@ -53,7 +54,7 @@ _tls = threading.local()  # .chunk (worker), .enqueue / .early / .req (scheduler
 _TAG = "_otel_kvt"  # attribute set on a TransferKVChunk: (chunk_index, prefix_early_send)
 
 # room -> next chunk index; bounded: entries of concluded rooms are removed, the rest capped.
-_next_chunk = {}
+_next_chunk: Dict[Any, int] = {}
 _MAX_ROOMS = 65536
 
 

@@ -7,7 +7,7 @@ where a request is concerned, its spans say so too (a flagged send, a request at
 """
 
 import threading
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from otel_kvtransfer.frameworks.vllm.common import FRAMEWORK
 from otel_kvtransfer.recording.patching import active, observe_call
@@ -23,7 +23,7 @@ REHANDSHAKE = "rehandshake"  # NIXL decode: a remote registered anew (its genera
 PEER_DROPPED = "peer_dropped"  # Mooncake decode: prefill finished without a result for these requests
 
 _lock = threading.Lock()
-_counter = {}  # "c" -> the counter, made on first use (the meter provider may be set up after import)
+_counter: Dict[str, Any] = {}  # "c" -> the counter, made on first use (the meter provider may be set up after import)
 
 
 def _instrument():

@@ -30,6 +30,7 @@ Every read of vLLM's state happens inside a wrapper's own guard: a renamed attri
 """
 
 import threading
+from typing import Any, Dict
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import events
@@ -96,7 +97,7 @@ _worker_init_wrapper = observe_call("read a vLLM Mooncake worker's rank", after=
 
 
 _BUILD_PARAMS = ("ready_reqs", "agent_meta", "local_regions", "remote_regions")
-_splittable = {}  # the function -> True when it returns the five lists it is known to return
+_splittable: Dict[Any, bool] = {}  # the function -> True when it returns the five lists it is known to return
 
 
 def _returns_five_lists(wrapped) -> bool:

@@ -30,6 +30,8 @@ still become raw `kv_transfer.send` spans through the NIXL engine module.
 """
 
 import sys
+from types import FrameType
+from typing import Optional
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.frameworks.vllm import common, events
@@ -153,7 +155,7 @@ _transfer_results_wrapper = observe_call("end vLLM NIXL requests", after=_on_tra
 
 def _unleased_request_id():
     """The request id `_get_new_notifs` is looking at: its local `req_id`, a few frames up; None elsewhere."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(FRAMES_UP):
         if frame is None:
             return None

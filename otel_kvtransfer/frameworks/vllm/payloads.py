@@ -58,7 +58,7 @@ def _patch_for(module_name: str):
     def patch(module) -> None:
         for target in entries:
             cls = getattr(module, target.cls, None)
-            if isinstance(cls, type):
+            if isinstance(cls, type) and target.method is not None:  # (each payload target names its method)
                 patcher.wrap(cls, target.method, _WRAPPERS[PAYLOAD_OF[target.cls]])
 
     return patch

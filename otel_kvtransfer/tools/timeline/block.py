@@ -3,7 +3,7 @@ peer lanes and the time axis, as drawing operations (pure data: the renderers es
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import aggregate
@@ -30,6 +30,7 @@ from otel_kvtransfer.tools.timeline.drawing import (
     TEXT,
     WIDTH,
     Line,
+    Op,
     Panel,
     Rect,
     Text,
@@ -110,7 +111,7 @@ def _lanes(req: Request) -> list:
     """(label, kind, spans) of a request block, at most MAX_DEST_LANES destinations and MAX_PEER_LANES peers; the
     rest are counted in one "+N more" lane."""
     lanes = [("busy (union)", "busy", []), ("compute", "compute", req.computes)]
-    by_dest = {}
+    by_dest: Dict[Any, list] = {}
     for send in req.sends:
         by_dest.setdefault(_dest(send), []).append(send)
     dests = sorted(by_dest, key=lambda d: (d is None, d or 0))
@@ -126,7 +127,7 @@ def _lanes(req: Request) -> list:
         lanes.append((f"+{len(dests) - MAX_DEST_LANES} more destinations ({hidden} transfers)", "more", []))
     if req.sends_not_drawn or req.computes_not_drawn:
         lanes.append((_not_drawn_text(req), "not-drawn", []))
-    engines = {}
+    engines: Dict[str, list] = {}
     for peer in req.peers:
         engines.setdefault(str(peer.resource.get("service.instance.id") or engine_label(peer.resource)),
                            []).append(peer)
@@ -152,7 +153,7 @@ def _not_drawn_text(req: Request) -> str:
 
 def _pixel_runs(intervals: Sequence[tuple], x_of) -> list:
     """(x0, x1) of the intervals, those less than a pixel apart drawn as one (at most one run per pixel)."""
-    runs = []
+    runs: List[list] = []
     for lo, hi in intervals:
         x0, x1 = x_of(lo), x_of(hi)
         if runs and x0 - runs[-1][1] < 1:
@@ -164,6 +165,7 @@ def _pixel_runs(intervals: Sequence[tuple], x_of) -> list:
 
 def _bar(kind: str, span, x0: float, by: float, w: float) -> list:
     """The rectangle (and its label when it fits) of one span in a lane."""
+    ops: List[Op]
     if kind == "compute":
         chunk = span.attr(sc.CHUNK_INDEX)
         text = f"chunk {chunk}" if chunk is not None else "compute"
@@ -225,7 +227,7 @@ def _tail_lane(mark, busy, x_of, y: float, width: int) -> list:
              f"{fmt_ms(mark.tail_busy_s)} moving bytes, {fmt_ms(mark.tail_queued_s)} queued (nothing of the "
              f"request moved){more}")
     by = y + (ROW_H - BAR_H) / 2
-    ops = [Rect(x0, by, w, BAR_H, TAIL_BAND, TAIL_COLOR, cls="tail", title=title,
+    ops: List[Op] = [Rect(x0, by, w, BAR_H, TAIL_BAND, TAIL_COLOR, cls="tail", title=title,
                 data={"tail-s": mark.tail_s, "tail-busy-s": mark.tail_busy_s, "tail-queued-s": mark.tail_queued_s,
                       "compute-end-ns": mark.compute_end_ns, "last-byte-ns": mark.last_byte_ns,
                       "queued-gaps": len(gaps)})]
@@ -248,7 +250,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
     """One request block: header, busy strip, compute lane, the tail (where compute is known), one lane per
     destination, peer lanes, axis. A lane shows at most MAX_ROWS rows of overlapping spans; what does not fit is
     counted in a "+N more" row."""
-    ops = []
+    ops: List[Op] = []
     first, second = request_header(req)
     ops.append(Text(8, 17, first, 13, TEXT, bold=True, cls="req-title"))
     ops.append(Text(8, 35, second, FONT, MUTED, cls="req-figures"))
@@ -263,7 +265,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
         return LEFT + (ns - t0) / (t1 - t0) * plot_w
 
     y = grid_top = 46
-    body = []
+    body: List[Op] = []
     busy = req.busy_intervals()
     mark = req.tail_mark()
     lanes = _lanes(req)
@@ -311,7 +313,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
     # Grid and axis under everything.
     span_s = (t1 - t0) / 1e9
     step = nice_step(span_s)
-    grid = []
+    grid: List[Op] = []
     for number in range(int(span_s / step + 1e-9) + 1):
         tick = number * step
         x = LEFT + tick / span_s * plot_w

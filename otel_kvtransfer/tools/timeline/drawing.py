@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from otel_kvtransfer import semconv as sc
 
@@ -74,6 +74,8 @@ class Line:
 
 # A point of the overview's scatter plot.
 Circle = namedtuple("Circle", "x y r fill stroke title", defaults=(None, ""))
+
+Op = Union[Rect, Text, Line, Circle]  # one drawing operation of a panel
 
 
 @dataclass

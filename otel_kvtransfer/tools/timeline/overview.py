@@ -4,7 +4,7 @@ last-chunk figure, the distribution of per-transfer throughput, the legend; draw
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import aggregate
@@ -30,6 +30,7 @@ from otel_kvtransfer.tools.timeline.drawing import (
     WIDTH,
     Circle,
     Line,
+    Op,
     Panel,
     Rect,
     Text,
@@ -45,7 +46,7 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
                     note: str = "", throughputs: Sequence[float] = ()) -> Panel:
     """Aggregate view of the whole selection: true throughput per request over time, the figure engines report
     (last-chunk) beside it, and the histogram of per-transfer throughput."""
-    ops = []
+    ops: List[Op] = []
     figures = [r.figures() for r in requests]
     sends = sum(r.send_spans for r in requests)
     errors = sum(1 for r in requests if r.final_status == "ERROR")
@@ -113,6 +114,7 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
         ops.append(Text((hx0 + hx1) / 2, top + h + 13, f"p50 {fmt_rate(dist['p50'])}", FONT - 2, MUTED,
                         anchor="middle"))
         ops.append(Text(hx1, top + h + 13, fmt_rate(dist["max"]), FONT - 2, MUTED, anchor="end"))
+    lx: float
     ly, lx = top + h + 36, 8
     for text, color in (("kv", PAYLOAD_COLORS["kv"]), ("aux", PAYLOAD_COLORS["aux"]),
                         ("state", PAYLOAD_COLORS["state"]), ("compute", COMPUTE_COLOR),

@@ -3,7 +3,7 @@ extra), so a picture needs no browser; bounded in height whatever the file."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from otel_kvtransfer.tools.output import atomic_output
 from otel_kvtransfer.tools.requests import Request
@@ -92,7 +92,7 @@ def png_data(requests: Sequence[Request], max_requests: int = 6, title: str = ""
     height += panels[0].height
     image = Image.new("RGB", (WIDTH + 2 * margin, int(height)), _rgb("#fafafa"))
     draw = ImageDraw.Draw(image)
-    fonts = {}
+    fonts: Dict[Any, Any] = {}
     if title:
         _draw_panel(draw, Panel(WIDTH, head, [Text(0, 20, title, 16, TEXT, bold=True)]), margin, margin, fonts)
     y = margin + head
