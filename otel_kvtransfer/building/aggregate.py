@@ -7,7 +7,7 @@ Intervals are [start_ns, end_ns) pairs of integers.
 """
 
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
 from otel_kvtransfer import semconv
 
@@ -55,7 +55,7 @@ def logical_share(nbytes: float, replica_factor: Optional[int]) -> float:
     return nbytes / max(int(replica_factor or 1), 1)
 
 
-def tail(busy: Sequence[Interval], compute: Sequence[Interval]) -> dict:
+def tail(busy: Sequence[Interval], compute: Sequence[Interval]) -> Dict[str, int]:
     """tail_ns, tail_busy_ns, tail_queued_ns of sorted disjoint send and compute intervals (as `union` returns)."""
     if not busy or not compute:
         return {"tail_ns": 0, "tail_busy_ns": 0, "tail_queued_ns": 0}
@@ -88,16 +88,17 @@ class RequestAggregate:
 
     __slots__ = ("sends", "compute", "chunks", "bytes", "logical", "transfers", "replica")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sends: List[Interval] = []
         self.compute: List[Interval] = []
-        self.chunks = set()
+        self.chunks: Set[Hashable] = set()
         self.bytes = 0
         self.logical = 0.0
         self.transfers = 0
         self.replica = 1
 
-    def add_send(self, start_ns: int, end_ns: int, nbytes: int, replica_factor: int = 1, chunk_index=None) -> None:
+    def add_send(self, start_ns: int, end_ns: int, nbytes: int, replica_factor: Optional[int] = 1,
+                 chunk_index: Optional[Hashable] = None) -> None:
         self.sends.append((start_ns, end_ns))
         if chunk_index is not None:
             self.chunks.add(chunk_index)
@@ -114,10 +115,10 @@ class RequestAggregate:
         self.sends = union(self.sends)
         self.compute = union(self.compute)
 
-    def figures(self) -> dict:
+    def figures(self) -> Dict[str, Any]:
         busy = union(self.sends)
         busy_ns = length(busy)
-        out = {
+        out: Dict[str, Any] = {
             "bytes": self.bytes,
             "logical_bytes": int(round(self.logical)),
             "transfer_count": self.transfers,
@@ -146,7 +147,7 @@ FIGURE_ATTRIBUTES = {
 }
 
 
-def span_figures(figures: dict) -> dict:
+def span_figures(figures: Dict[str, Any]) -> Dict[str, Any]:
     """`RequestAggregate.figures()` in seconds, keyed as FIGURE_ATTRIBUTES (compute overlap only when known)."""
     out = {name: figures[name] for name in ("bytes", "logical_bytes", "transfer_count", "chunk_count",
                                              "replica_factor", "throughput")}

@@ -14,13 +14,17 @@ through the SDK's own `BoundedAttributes` (`bounded`), so the result is the SDK'
 """
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Sequence, Tuple, TypeVar, Union
 
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.sdk.trace import Event, SpanLimits
+from opentelemetry.sdk.trace import Event, SpanLimits, Tracer
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Status
 
 from otel_kvtransfer import sdk_internals
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
 
 _SCALARS = (bool, int, float)
 
@@ -36,7 +40,7 @@ def repaired_text(text: str) -> str:
         return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
-def _needs_repair(value) -> bool:
+def _needs_repair(value: Any) -> bool:
     kind = type(value)
     if kind is str:
         return not value.isascii() and repaired_text(value) is not value
@@ -51,7 +55,7 @@ def _needs_repair(value) -> bool:
     return False
 
 
-def repaired_value(value):
+def repaired_value(value: Any) -> Any:
     """`value` itself unless it holds a string UTF-8 cannot carry; else repaired (sequences and mappings too)."""
     if not _needs_repair(value):
         return value
@@ -63,7 +67,11 @@ def repaired_value(value):
     return {repaired_value(k): repaired_value(v) for k, v in value.items()}
 
 
-def repaired(attributes):
+# What `repaired` takes and gives back: a dict (its copy is a dict too), any mapping, or None.
+Attributes = TypeVar("Attributes", Dict[str, Any], Mapping[str, Any], None, Optional[Mapping[str, Any]])
+
+
+def repaired(attributes: Attributes) -> Attributes:
     """`attributes` itself when every key and value is fine (the common case: one scan, no copy), else a repaired
     copy in the same order."""
     if not attributes:
@@ -88,7 +96,7 @@ def repaired_status(status: Status) -> Status:
     return status
 
 
-def clean_enough(items, max_length) -> bool:
+def clean_enough(items: Iterable[Tuple[Any, Any]], max_length: Optional[int]) -> bool:
     """True when the SDK's BoundedAttributes would keep these (key, value) items exactly as they are (the count
     limit is the caller's): non-empty str keys, plain str / bool / int / float values, strings within
     `max_length` and valid UTF-8."""
@@ -105,19 +113,20 @@ def clean_enough(items, max_length) -> bool:
     return True
 
 
-def bounded(attributes, max_count, max_length):
+def bounded(attributes: Mapping[str, Any], max_count: Optional[int],
+            max_length: Optional[int]) -> "Union[Mapping[str, AttributeValue], BoundedAttributes]":
     """The span attributes the SDK would keep of `attributes` (repaired first): a plain dict when nothing is cut
     or cleaned, else the SDK's own BoundedAttributes (its `dropped` is the span's dropped_attributes)."""
-    fixed = repaired(attributes)
+    fixed: "Mapping[str, AttributeValue]" = repaired(attributes)  # typed: the SDK's constructor is overloaded
     if (max_count is None or len(fixed) <= max_count) and clean_enough(fixed.items(), max_length):
         return fixed
     return BoundedAttributes(max_count, fixed, immutable=True, max_value_len=max_length)
 
 
-def bounded_events(events, limits: SpanLimits) -> BoundedList:
+def bounded_events(events: Sequence[Event], limits: SpanLimits) -> "BoundedList[Event]":
     """A span's events as the SDK's Span.add_event keeps them: at most max_events (the oldest dropped), each
     one's attributes bounded by the event limits."""
-    kept = BoundedList(limits.max_events)
+    kept: "BoundedList[Event]" = BoundedList(limits.max_events)
     for event in events:
         attributes = BoundedAttributes(limits.max_event_attributes, repaired(event.attributes),
                                        immutable=True, max_value_len=limits.max_attribute_length)
@@ -125,7 +134,7 @@ def bounded_events(events, limits: SpanLimits) -> BoundedList:
     return kept
 
 
-def limits_of(tracer) -> SpanLimits:
+def limits_of(tracer: Tracer) -> SpanLimits:
     """The span limits an SDK tracer applies: its provider's, resolved from OTEL_* when the provider was made
     (a private attribute: sdk_internals); a fresh SpanLimits() (the environment now) else."""
     limits = sdk_internals.span_limits(tracer)

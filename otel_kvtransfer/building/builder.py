@@ -11,11 +11,13 @@ late-transfer lines, and ending what is open when instrumentation or the process
 
 import math
 import time
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
+
+from opentelemetry.trace import Tracer
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late
-from otel_kvtransfer.building.builder_part import span_factory
+from otel_kvtransfer.building.builder_part import BuilderMetrics, Record, SpanFactory, span_factory
 from otel_kvtransfer.building.connect_spans import ConnectSpans
 from otel_kvtransfer.building.open_spans import OpenSpans
 from otel_kvtransfer.building.peer_spans import PeerSpans
@@ -25,8 +27,11 @@ from otel_kvtransfer.building.send_spans import SendSpans
 from otel_kvtransfer.recording import records as r
 from otel_kvtransfer.recording.clock import now_ns
 
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.stuck import OpenWatch
+
 # backend -> function(peer) -> span attributes of that engine's peer name (server.address, server.port, ...).
-PeerParser = Callable[[object], dict]
+PeerParser = Callable[[Any], Dict[str, Any]]
 
 
 class SpanBuilder:
@@ -34,10 +39,11 @@ class SpanBuilder:
     `metrics`: where the builder's figures go as measurements (`record_metrics.RecordMetrics`), or nothing when a
     span processor derives them from the spans (the SDK pipeline). `watch`: `stuck.OpenWatch`."""
 
-    def __init__(self, spans, request_ttl_s: float, max_open: int = 65536,
+    def __init__(self, spans: Union[SpanFactory, Tracer], request_ttl_s: float, max_open: int = 65536,
                  peer_parsers: Optional[Dict[str, PeerParser]] = None,
-                 on_drop: Optional[Callable[[str, int], None]] = None, clock=time.monotonic, metrics=None,
-                 watch=None, setup_in_first_call=(), late_watch_s: float = 30.0):
+                 on_drop: Optional[Callable[[str, int], None]] = None, clock: Callable[[], float] = time.monotonic,
+                 metrics: Optional[BuilderMetrics] = None, watch: Optional["OpenWatch"] = None,
+                 setup_in_first_call: Iterable[str] = (), late_watch_s: float = 30.0) -> None:
         spans, metrics = span_factory(spans), metrics or NO_METRICS
         peer_parsers = peer_parsers if peer_parsers is not None else {}
         self._spans = spans
@@ -72,11 +78,11 @@ class SpanBuilder:
             r.PEER_OUTCOME: peers.outcome,
         }
 
-    def handle(self, rec: tuple) -> None:
+    def handle(self, rec: Record) -> None:
         """One record, in the order it was recorded. Raises only on a bug (the recorder counts it)."""
         self._handlers[rec[r.KIND]](rec, self._clock())
 
-    def set_spans(self, spans, metrics=None) -> None:
+    def set_spans(self, spans: Union[SpanFactory, Tracer], metrics: Optional[BuilderMetrics] = None) -> None:
         """The factory (and metrics) to build with from now on (an SDK that appeared after instrument())."""
         self._spans = spans = span_factory(spans)
         metrics = metrics or NO_METRICS
@@ -101,12 +107,12 @@ class SpanBuilder:
             self._watch.reset()
 
     # --- between records -------------------------------------------------------------------------------------
-    def _inflight(self, rec, now) -> None:
+    def _inflight(self, rec: Record, now: float) -> None:
         if self._watch is not None:
             self._watch.sends(rec, self._open.requests.get)
 
     @staticmethod
-    def _describe_open(kind, state):
+    def _describe_open(kind: str, state: Any) -> Tuple[None, Optional[int], Optional[str], Optional[str]]:
         """(peer, bytes, backend, role) of an open request or peer wait, for a stuck report."""
         if kind == semconv.INFLIGHT_PEER:
             return None, state.expected, state.backend, state.role

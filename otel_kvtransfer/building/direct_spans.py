@@ -17,17 +17,19 @@ tracer would give it.
 import math
 import random
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, Tracer
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
     Decision,
     ParentBased,
+    Sampler,
     StaticSampler,
     TraceIdRatioBased,
 )
@@ -47,6 +49,9 @@ from otel_kvtransfer.building.attribute_values import (
 from otel_kvtransfer.building.sampler import RecordUnsampledSampler
 from otel_kvtransfer.building.stitching import is_synthetic
 
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
+
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2 flag, on SDKs that set it
@@ -57,18 +62,23 @@ _SEND_OWN_MAX = 16  # more entries than a send sets itself (send_attributes.PER_
 _PROCESSORS = sdk_internals.PROCESSORS_ATTRIBUTE  # read for every span: a constant, not a call
 
 
-class SendAttributes(dict):
+class SendAttributes(dict[str, Any]):  # the builtin generic: a plain dict base at run time
     """A send span's attributes: its first `dynamic` entries are its own, the rest are `static`, a dict shared
     with the request's other sends of the same shape and never changed (the encoder and the metric tables cache
     what they derive from it)."""
 
     __slots__ = ("dynamic", "static")
+    dynamic: int
+    static: Dict[str, Any]
 
 
 class KVSpan(ReadableSpan):
     """A ReadableSpan of this package's (the OTLP encoder recognises the type and encodes it in fixed shape)."""
 
     __slots__ = ()
+    if TYPE_CHECKING:  # always given (DirectSpans._emit), where the SDK's ReadableSpan may lack them
+        _context: SpanContext
+        _attributes: Mapping[str, Any]
 
 
 class OpenSpan:
@@ -78,7 +88,9 @@ class OpenSpan:
     __slots__ = ("name", "context", "parent", "kind", "start_time", "attributes", "status", "events", "recorded",
                  "counted_end")
 
-    def __init__(self, name, context, parent, kind, start_time, attributes, recorded=None, counted_end=None):
+    def __init__(self, name: str, context: SpanContext, parent: Optional[SpanContext], kind: SpanKind,
+                 start_time: int, attributes: Dict[str, Any], recorded: Optional[bool] = None,
+                 counted_end: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.context = context
         self.parent = parent
@@ -86,33 +98,40 @@ class OpenSpan:
         self.start_time = start_time
         self.attributes = attributes
         self.status = UNSET_STATUS
-        self.events = ()
+        self.events: Tuple[Event, ...] = ()
         # Built at its end: sampled, or recorded only (RECORD_ONLY); None when the sampler dropped it.
         self.recorded = context.trace_flags.sampled if recorded is None else recorded
         self.counted_end = counted_end  # the SDK's own span metrics: called once it ended (otel.sdk.span.live)
 
-    def get_span_context(self):
+    def get_span_context(self) -> SpanContext:
         return self.context
 
     def is_recording(self) -> bool:
         return True
 
-    def set_attribute(self, key, value) -> None:
+    def set_attribute(self, key: str, value: Any) -> None:
         # As the SDK's BoundedAttributes: a key set again moves to the end (the order the limits cut by).
         attributes = self.attributes
         attributes.pop(key, None)
         attributes[key] = repaired_value(value)
 
-    def set_attributes(self, attributes) -> None:
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
-    def set_status(self, status) -> None:
+    def set_status(self, status: Status) -> None:
         self.status = repaired_status(status)
 
-    def add_event(self, name, attributes=None, timestamp=None) -> None:
+    def add_event(self, name: str, attributes: Optional[Mapping[str, Any]] = None,
+                  timestamp: Optional[int] = None) -> None:
         """An event on a span still open (a stuck report); rare, so no bound beyond the builder's own."""
         self.events = tuple(self.events) + (Event(name, attributes, timestamp),)
+
+
+class _SpanMetrics(Protocol):
+    """The SDK's own span metrics of a tracer (`sdk_internals.tracer_metrics`)."""
+
+    def start_span(self, parent: Optional[SpanContext], decision: Decision, /) -> Callable[[], None]: ...
 
 
 def _tuple_context() -> bool:
@@ -129,14 +148,14 @@ TUPLE_CONTEXT = _tuple_context()
 _new_tuple = tuple.__new__
 
 
-def _own_draw(ids):
+def _own_draw(ids: IdGenerator) -> Optional[Callable[[int], int]]:
     """`random.getrandbits` when `ids` is the SDK's RandomIdGenerator, whose ids are exactly that draw (the
     invalid 0 drawn again): the builder draws it itself, two method calls fewer per span, and asks the generator
     only for a 0. None for any other generator: asked for every id."""
     return random.getrandbits if TUPLE_CONTEXT and type(ids) is RandomIdGenerator else None
 
 
-def _root_decision(sampler):
+def _root_decision(sampler: Sampler) -> Optional[Callable[[int], bool]]:
     """For the standard samplers, a function trace_id -> sampled that decides a root span exactly as `sampler`
     would (with no trace state and no attributes of its own); None for any other sampler (it is asked)."""
     if isinstance(sampler, ParentBased):
@@ -151,7 +170,7 @@ def _root_decision(sampler):
     return None
 
 
-def _inherits_from_local_parent(sampler) -> bool:
+def _inherits_from_local_parent(sampler: Sampler) -> bool:
     """True when a child of one of our own sampled (or unsampled) spans always gets its parent's decision under
     `sampler`, sampled or dropped, so the sampler need not be asked per child: the standard samplers."""
     if isinstance(sampler, ParentBased):
@@ -184,19 +203,20 @@ class _QueueRoom:
     # if other spans poured into it faster than this builder does in the meantime.
     SPANS_PER_LOOK = 256
 
-    def __init__(self, provider_processor):
+    def __init__(self, provider_processor: SpanProcessor) -> None:
         self._multi = provider_processor
-        self._seen = None
-        self._queues = []
+        self._seen: Optional[Tuple[SpanProcessor, ...]] = None
+        self._queues: List[List[Any]] = []  # [queue, its size, its batch processor, stalled, the span processor]
         self._unlooked = 0  # spans that may go before the next look at the queues
-        self.hand = provider_processor.on_end  # span -> None: to the processors looked at last (span_handoff)
+        # span -> None: to the processors looked at last (span_handoff)
+        self.hand: Callable[[ReadableSpan], None] = provider_processor.on_end
         self.waited_s = 0.0  # time spent waiting for room so far (the exit drain's line says what took its time)
-        self.on_drop = lambda reason, n: None  # the builder's drop counter, set by the builder
+        self.on_drop: Callable[[str, int], None] = lambda reason, n: None  # the builder's drop counter, set by it
         # time.monotonic() by which the drain in progress must end: no wait for room outlasts it (the recorder's,
         # set by the attachment in the engine process; the builder process's frame loop has none).
-        self.drain_deadline = lambda: math.inf
+        self.drain_deadline: Callable[[], float] = lambda: math.inf
 
-    def _rescan(self, processors) -> None:
+    def _rescan(self, processors: Tuple[SpanProcessor, ...]) -> None:
         """The batch processors' queues, again whenever the provider's processor tuple changed."""
         self._seen, self._queues = processors, []
         self.hand = span_handoff.plan(self._multi, processors)
@@ -205,7 +225,7 @@ class _QueueRoom:
             if found is not None:
                 self._queues.append([*found, False, processor])  # False: not stalled
 
-    def wait(self):
+    def wait(self) -> Optional[Tuple[SpanProcessor, ...]]:
         """The processors not to hand the span to: () for none (the common case), those whose queue stayed full
         (counted); None for every one (the drain's deadline ended the wait: counted as flush_timeout)."""
         processors = getattr(self._multi, _PROCESSORS, ())
@@ -215,7 +235,7 @@ class _QueueRoom:
         if processors is not self._seen:
             self._rescan(processors)
         room = self.SPANS_PER_LOOK * 2
-        full = ()
+        full: Tuple[SpanProcessor, ...] = ()
         for entry in self._queues:
             queue, size, inner, stalled, processor = entry
             if len(queue) < size:
@@ -250,7 +270,7 @@ class _QueueRoom:
 class DirectSpans:
     """Builds this package's spans for one SDK tracer (its provider's sampler, ids, resource, processors)."""
 
-    def __init__(self, tracer):
+    def __init__(self, tracer: Tracer) -> None:
         self.room = _QueueRoom(tracer.span_processor)
         sampler = tracer.sampler
         while isinstance(sampler, RecordUnsampledSampler):  # the SDK path's wrapper: not needed here
@@ -268,22 +288,23 @@ class DirectSpans:
         self._limits = limits_of(tracer)
         self._max_count = self._limits.max_span_attributes
         self._max_length = self._limits.max_span_attribute_length
-        self._statics = {}  # id(a send shape's static attributes) -> (them, whether the limits leave them be)
+        # id(a send shape's static attributes) -> (them, whether the limits leave them be)
+        self._statics: Dict[int, Tuple[Dict[str, Any], bool]] = {}
         # The last decision the sampler was asked for said RECORD_ONLY: read (and reset) by the caller of _context.
         self._record_only = False
-        self._span_metrics = sdk_internals.tracer_metrics(tracer)  # the SDK's own (None: off)
+        self._span_metrics: Optional[_SpanMetrics] = sdk_internals.tracer_metrics(tracer)  # the SDK's own (None: off)
 
     @property
-    def _processor(self):
+    def _processor(self) -> SpanProcessor:
         return self._tracer.span_processor
 
     @property
-    def _resource(self):
+    def _resource(self) -> Resource:
         return self._tracer.resource
 
     # --- decisions --------------------------------------------------------------------------------------------
-    def _context(self, name, parent: Optional[SpanContext], kind, attributes,
-                 synthetic=False) -> SpanContext:
+    def _context(self, name: str, parent: Optional[SpanContext], kind: SpanKind, attributes: Mapping[str, Any],
+                 synthetic: bool = False) -> SpanContext:
         """A new span's context under `parent` (a SpanContext or None), sampled as the SDK tracer would."""
         if parent is not None and self._inherit and TUPLE_CONTEXT:
             # The common case, a child of one of our own open spans, read as the tuple it is (no property calls).
@@ -316,7 +337,7 @@ class DirectSpans:
             else:
                 context = trace.set_span_in_context(trace.NonRecordingSpan(parent), _ROOT)
             result = self._sampler.should_sample(context, trace_id, name, kind, attributes, ())
-            flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+            flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED  # type: ignore[no-untyped-call]  # SDK: untyped
             self._record_only = result.decision is Decision.RECORD_ONLY
             state = result.trace_state if result.trace_state is not None else _EMPTY_STATE
         if flags_random:
@@ -327,7 +348,8 @@ class DirectSpans:
         return SpanContext(trace_id, self._ids.generate_span_id(), False, flags, state)
 
     # --- spans ------------------------------------------------------------------------------------------------
-    def open(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int) -> OpenSpan:
+    def open(self, name: str, parent: Optional[SpanContext], kind: SpanKind, attributes: Dict[str, Any],
+             start_ns: int) -> OpenSpan:
         """A top span (request, peer) under `parent`: a real parent's span context, or the synthetic one."""
         synthetic = parent is not None and is_synthetic(parent)
         attributes = repaired(attributes)  # what a sampler sees too, as on the SDK path
@@ -344,14 +366,14 @@ class DirectSpans:
 
     def close(self, span: OpenSpan, end_ns: int) -> None:
         if span.counted_end is not None:
-            span.counted_end, ended = None, span.counted_end
+            ended, span.counted_end = span.counted_end, None
             ended()
         if span.recorded:
             self._emit(span.name, span.context, span.parent, span.kind, span.attributes, span.status,
                        span.start_time, max(end_ns, span.start_time), span.events, span.context.trace_flags & 1)
 
-    def child(self, name, parent: Optional[SpanContext], kind, attributes: dict, start_ns: int, end_ns: int,
-              status=UNSET_STATUS, synthetic=False) -> SpanContext:
+    def child(self, name: str, parent: Optional[SpanContext], kind: SpanKind, attributes: Dict[str, Any],
+              start_ns: int, end_ns: int, status: Status = UNSET_STATUS, synthetic: bool = False) -> SpanContext:
         """A span started and ended at once (a send, a compute interval) under `parent`; its context (for an
         exemplar). `synthetic`: the parent is the stitching one, which never decides sampling."""
         context = self._context(name, parent, kind, attributes, synthetic)
@@ -366,16 +388,20 @@ class DirectSpans:
                        attributes, status, start_ns, end_ns, (), False)
         return context
 
-    def _count_started(self, parent, context, recorded):
+    def _count_started(self, parent: Optional[SpanContext], context: SpanContext,
+                       recorded: bool) -> Callable[[], None]:
         """The SDK's own count of a span started (otel.sdk.span.started, and otel.sdk.span.live while it is
         open), as its tracer counts one: by parent origin and sampling result. Returns what ends it."""
         if self._enabled is not None and not self._enabled():  # a tracer switched off starts no span
             return _nothing
         decision = Decision.RECORD_AND_SAMPLE if context.trace_flags & 1 else \
             Decision.RECORD_ONLY if recorded else Decision.DROP
-        return self._span_metrics.start_span(parent if parent is not None and parent.is_valid else None, decision)
+        return self._span_metrics.start_span(  # type: ignore[union-attr]  # called only while it is set
+            parent if parent is not None and parent.is_valid else None, decision)
 
-    def _emit(self, name, context, parent, kind, attributes, status, start_ns, end_ns, events, sampled=True) -> None:
+    def _emit(self, name: str, context: SpanContext, parent: Optional[SpanContext], kind: SpanKind,
+              attributes: Mapping[str, Any], status: Status, start_ns: int, end_ns: int, events: Sequence[Event],
+              sampled: int = True) -> None:  # sampled: a flag (trace_flags & 1) or a bool
         if self._enabled is not None and not self._enabled():  # the SDK's tracer configurator turned us off
             return
         if not sampled:  # recorded only: to every processor's on_end, as the SDK hands it (no
@@ -402,7 +428,7 @@ class DirectSpans:
             if processor not in skip:
                 processor.on_end(span)
 
-    def _bounded(self, attributes):
+    def _bounded(self, attributes: Mapping[str, Any]) -> "Mapping[str, AttributeValue]":
         """`attributes` as the SDK would keep them under the provider's limits: themselves when nothing is cut or
         cleaned. A send's own figures are plain numbers and a valid error type (send_attributes), so a send needs
         only its shared part judged, once per shape; anything else is checked whole."""
@@ -418,7 +444,7 @@ class DirectSpans:
             return attributes
         return bounded(attributes, max_count, max_length)
 
-    def _judge(self, static) -> tuple:
+    def _judge(self, static: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
         """(static, True when every send of this shape is kept whole: its part is clean, no length limit applies
         to its own error type, and its own figures cannot push it past the count limit)."""
         if len(self._statics) >= 4096:
@@ -433,7 +459,7 @@ def _nothing() -> None:
     pass
 
 
-def span_context_of(context) -> Optional[SpanContext]:
+def span_context_of(context: Optional[Context]) -> Optional[SpanContext]:
     """The span context a Context (a raw call's current context, a real parent) holds, or None."""
     if context is None:
         return None

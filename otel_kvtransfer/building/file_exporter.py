@@ -43,11 +43,12 @@ import queue
 import stat
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 from google.protobuf import json_format
 from opentelemetry import metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.metrics import Counter, MeterProvider
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -67,7 +68,7 @@ _SAID_ONCE = frozenset({"unencodable"})
 ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
-def _spans_of(request: dict):
+def _spans_of(request: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     """Every span and link dict of an OTLP-JSON export request, tolerating any shape (non-dicts are skipped)."""
     for resource_spans in _list(request.get("resourceSpans")):
         for scope_spans in _list(resource_spans.get("scopeSpans") if isinstance(resource_spans, dict) else None):
@@ -77,11 +78,11 @@ def _spans_of(request: dict):
                     yield from (link for link in _list(span.get("links")) if isinstance(link, dict))
 
 
-def _list(value) -> list:
+def _list(value: Any) -> List[Any]:
     return value if isinstance(value, list) else []
 
 
-def ids_to_hex(request: dict) -> dict:
+def ids_to_hex(request: Dict[str, Any]) -> Dict[str, Any]:
     """proto3 JSON (base64 ids) -> OTLP/JSON (hex ids), in place."""
     for item in _spans_of(request):
         for key in ID_FIELDS:
@@ -90,7 +91,7 @@ def ids_to_hex(request: dict) -> dict:
     return request
 
 
-def ids_from_hex(request: dict) -> dict:
+def ids_from_hex(request: Dict[str, Any]) -> Dict[str, Any]:
     """OTLP/JSON (hex ids) -> proto3 JSON (base64 ids), in place, so `json_format` can parse it. A value that is
     not hex of an id's length is left alone (it may be base64 already; the parser judges it)."""
     for item in _spans_of(request):
@@ -111,11 +112,15 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
     return json.dumps(ids_to_hex(request), separators=(",", ":")) + "\n"
 
 
-def encode_lines(spans: Sequence[ReadableSpan], limit: int = MAX_LINE):
+def encode_lines(spans: Sequence[ReadableSpan],
+                 limit: int = MAX_LINE) -> Tuple[List[Tuple[bytes, int]], List[ReadableSpan], List[ReadableSpan]]:
     """(lines, spans too big, spans that do not encode): the batch as lines of at most `limit` bytes, halved until
     each fits; a span whose line alone is over the limit cannot be written and is returned apart. A batch the
     encoder refuses (one span with a time outside OTLP's fixed64 fails all of it) is halved too, down to the spans
     that alone do not encode: only those are left out."""
+    lines: List[Tuple[bytes, int]]  # (line, spans in it)
+    too_big: List[ReadableSpan]
+    unencodable: List[ReadableSpan]
     lines, too_big, unencodable, todo = [], [], [], [list(spans)]
     while todo:
         batch = todo.pop()
@@ -141,7 +146,7 @@ def encode_lines(spans: Sequence[ReadableSpan], limit: int = MAX_LINE):
 class _Failure(Exception):
     """A write that failed: `cause` names it once per kind (what is logged), `detail` says what happened."""
 
-    def __init__(self, cause: str, detail: str):
+    def __init__(self, cause: str, detail: str) -> None:
         super().__init__(detail)
         self.cause, self.detail = cause, detail
 
@@ -152,7 +157,7 @@ class _Job:
 
     __slots__ = ("data", "count", "failure", "done", "late", "settled", "handed")
 
-    def __init__(self, data: bytes, count: int):
+    def __init__(self, data: bytes, count: int) -> None:
         self.data, self.count = data, count
         self.handed = time.monotonic()
         self.failure: Optional[_Failure] = None
@@ -166,10 +171,10 @@ _PENDING = _Failure("pending", "the write is still in progress")  # not a loss: 
 class _FileWriter:
     """Owns the descriptor; runs only on the exporter's writer thread."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = None
-        self.identity = None  # (st_dev, st_ino) of the open file
+        self.fd: Optional[int] = None
+        self.identity: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the open file
 
     def close(self) -> None:
         if self.fd is not None:
@@ -204,9 +209,9 @@ class _FileWriter:
             return True
         return (info.st_dev, info.st_ino) != self.identity
 
-    def _ends_torn(self) -> bool:
-        size = os.fstat(self.fd).st_size
-        return size > 0 and os.pread(self.fd, 1, size - 1) != b"\n"
+    def _ends_torn(self) -> bool:  # (the file is open: write() opened it, the casts say so)
+        size = os.fstat(cast(int, self.fd)).st_size
+        return size > 0 and os.pread(cast(int, self.fd), 1, size - 1) != b"\n"
 
     def write(self, data: bytes) -> None:
         if self.fd is not None and self._rotated():
@@ -218,7 +223,7 @@ class _FileWriter:
                 data = b"\n" + data
             view = memoryview(data)
             while view:  # one write() per batch keeps lines of concurrent processes whole
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(cast(int, self.fd), view):]  # (opened above)
         except OSError as exc:
             if exc.errno in (errno.EBADF, errno.ESTALE):
                 self.close()
@@ -232,7 +237,8 @@ class OtlpJsonFileSpanExporter(SpanExporter):
     process it was configured into (`opentelemetry-instrument` would print a traceback for an exception).
     `meter_provider` receives the drop count (default: the global one, looked up when a drop happens)."""
 
-    def __init__(self, path: Optional[str] = None, meter_provider=None, write_timeout_s: float = 5.0):
+    def __init__(self, path: Optional[str] = None, meter_provider: Optional[MeterProvider] = None,
+                 write_timeout_s: float = 5.0) -> None:
         path = path or os.environ.get(ENV_SPAN_FILE)
         if not path:
             _LOG.error("kvtransfer_file span exporter: no file to write: set %s=PATH; no spans will be written",
@@ -240,7 +246,7 @@ class OtlpJsonFileSpanExporter(SpanExporter):
         self.path = os.fspath(path) if path else None
         self.write_timeout_s = write_timeout_s
         self._meter_provider = meter_provider
-        self._counter = None
+        self._counter: Optional[Counter] = None
         self._lock = threading.Lock()
         self._logged = {"no_path"} if self.path is None else set()  # causes logged, until a write succeeds again
         self._failed = False  # a batch was lost since the last force_flush
@@ -249,11 +255,11 @@ class OtlpJsonFileSpanExporter(SpanExporter):
     # ---- the writer thread
     def _start(self) -> None:
         self._pid = os.getpid()
-        self._jobs: "queue.Queue" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()  # None: the thread ends
         self._stuck: Optional[_Job] = None  # a write that outlasted its wait: until it ends, writes fail at once
         self._slow = False  # a write outlasted its wait: exports hand their line over without waiting, until a
         # write ends within write_timeout_s again (a flush through a BatchSpanProcessor exports batch after batch)
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -261,8 +267,8 @@ class OtlpJsonFileSpanExporter(SpanExporter):
                                             name="kvtransfer-span-file")
             self._thread.start()
 
-    def _run(self, jobs: "queue.Queue") -> None:
-        writer = _FileWriter(self.path)
+    def _run(self, jobs: "queue.Queue[Optional[_Job]]") -> None:
+        writer = _FileWriter(cast(str, self.path))  # (an exporter with no path never starts its writer)
         while True:
             job = jobs.get()
             if job is None:

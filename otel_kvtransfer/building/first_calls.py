@@ -1,8 +1,12 @@
 """Set-up hidden inside a transfer: Mooncake opens a peer's segment in its first call to it, so that call's time
 is mostly set-up. The first send to each peer of such an engine says so (`kv_transfer.first_to_peer`)."""
 
+from typing import Any, Dict, Hashable, Iterable, Set, Tuple
+
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import records as r
+
+Call = Tuple[Any, ...]  # records.call
 
 
 class FirstToPeer:
@@ -13,12 +17,13 @@ class FirstToPeer:
     MAX_PEERS_SEEN = 65536
     _FIRST = {semconv.FIRST_TO_PEER: True}
 
-    def __init__(self, backends):
+    def __init__(self, backends: Iterable[str]) -> None:
         self.backends = frozenset(backends)
-        self._seen = {backend: set() for backend in self.backends}  # per backend, the peers it has sent to
+        # per backend, the peers it has sent to
+        self._seen: Dict[str, Set[Hashable]] = {backend: set() for backend in self.backends}
         self._count = 0
 
-    def mark(self, call: tuple) -> tuple:
+    def mark(self, call: Call) -> Call:
         """`call`, with first_to_peer among its extra attributes when it is the first to its peer. A first call
         that failed set nothing up: it is marked, and the next call to that peer is a first one again."""
         seen = self._seen[call[r.CALL_BACKEND]]

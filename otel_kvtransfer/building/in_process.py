@@ -6,19 +6,24 @@ When instrument() ran before any SDK TracerProvider was set globally (a plugin l
 the real provider and, once there, attaches exactly as instrument() does with a provider at hand.
 """
 
-from typing import Callable, Optional
+import math
+from types import ModuleType
+from typing import Callable, Iterable, Optional, Protocol, cast
 
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer.building.attachment import Attachment, new_builder
 from otel_kvtransfer.building.builder import SpanBuilder
+from otel_kvtransfer.building.builder_part import Record, SpanFactory
 from otel_kvtransfer.building.sdk_spans import SdkSpans
 from otel_kvtransfer.recording.sink import Sink
 from otel_kvtransfer.version import __version__
 
 
-def assemble(settings: config.Settings, engines, tracer_provider, meter_provider=None, *,
+def assemble(settings: config.Settings, engines: Iterable[ModuleType], tracer_provider: trace.TracerProvider,
+             meter_provider: Optional[MeterProvider] = None, *,
              on_drop: Callable[[str, int], None], count_drops: Optional[Callable[[str, int], None]] = None,
              builder_process: bool = False) -> "InProcessSink":
     """The span builder on `tracer_provider` (the span path, the metric tables or processor) and `meter_provider`
@@ -38,12 +43,27 @@ def assemble(settings: config.Settings, engines, tracer_provider, meter_provider
     return InProcessSink(builder, attachment, count_drops, waiting_for_sdk)
 
 
+class _Take(Protocol):
+    def __call__(self, rec: Record) -> None: ...
+
+
+class _EndAtExit(Protocol):
+    def __call__(self, deadline: float = math.inf) -> int: ...
+
+
 class InProcessSink(Sink):
     """`count_drops(reason, n)`: where the recorder's drops are counted (this process's drop counter; none when
     the link counts them). `waiting_for_sdk`: no SDK TracerProvider yet, attach to the first one set."""
 
+    # The sink's steps are the builder's own methods, set on the instance (no call in between, per record).
+    take: _Take
+    after_fork_in_child: Callable[[], None]
+    end_at_exit: _EndAtExit
+    release_held: Callable[[], None]
+    count_drops: Callable[[str, int], None]  # type: ignore[assignment]  # called positionally, as the recorder does
+
     def __init__(self, builder: SpanBuilder, attachment: Attachment,
-                 count_drops: Optional[Callable[[str, int], None]] = None, waiting_for_sdk: bool = False):
+                 count_drops: Optional[Callable[[str, int], None]] = None, waiting_for_sdk: bool = False) -> None:
         self._builder = builder
         self._attachment = attachment
         self._waiting = waiting_for_sdk
@@ -63,10 +83,10 @@ class InProcessSink(Sink):
             if not isinstance(provider, trace.ProxyTracerProvider):
                 tracer = provider.get_tracer(semconv.INSTRUMENTATION_NAME, __version__)
                 self._attachment.attach(tracer, provider)
-                self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
+                self._builder.set_spans(cast(SpanFactory, self._attachment.spans), self._attachment.metrics)
                 self._waiting = False
         elif self._attachment.tick():  # the metric tables came late: the builder takes them now
-            self._builder.set_spans(self._attachment.spans, self._attachment.metrics)
+            self._builder.set_spans(cast(SpanFactory, self._attachment.spans), self._attachment.metrics)
         self._builder.evict_stale()
 
     def end_all(self, on_drop: Callable[[str, int], None]) -> None:

@@ -25,24 +25,28 @@ from collections import deque
 from functools import reduce
 from itertools import compress, repeat
 from operator import add
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Histogram,
     HistogramDataPoint,
     Metric,
+    MetricReader,
     MetricsData,
     NumberDataPoint,
     ResourceMetrics,
     ScopeMetrics,
     Sum,
 )
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext
 
 from otel_kvtransfer import sdk_internals, semconv
 from otel_kvtransfer.building import metric_rules as rules
-from otel_kvtransfer.building.metric_rules import INSTRUMENTS, ROW_PEER_SPEED, SEND_ROW, metric_labels
+from otel_kvtransfer.building.metric_rules import INSTRUMENTS, ROW_PEER_SPEED, SEND_ROW, Series, metric_labels
 from otel_kvtransfer.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ _logger = logging.getLogger(__name__)
 _BOUNDS = tuple(row[3] for row in INSTRUMENTS)  # None for a counter
 
 
-def _searched(unit: str, bounds):
+def _searched(unit: str, bounds: Optional[Tuple[float, ...]]) -> Optional[Tuple[float, ...]]:
     """The boundaries a value's bucket is searched in: as ints for the instruments whose values are ints (bytes,
     counts), which finds the same bucket at half the cost of comparing an int with floats; as they are for the
     others (a float compared with ints costs as much again)."""
@@ -65,6 +69,9 @@ _SEARCHED = tuple(_searched(row[1], row[3]) for row in INSTRUMENTS)
 # A send row (`SendRows`): metric_rules.send_row's figures, then the busy time the send added to its process's
 # and its peer's series, and its exemplar: (time, span context), or None under the exemplar filter.
 ROW_BUSY, ROW_PEER_BUSY, ROW_EXEMPLAR = ROW_PEER_SPEED + 1, ROW_PEER_SPEED + 2, ROW_PEER_SPEED + 3
+Exemplar = Tuple[int, SpanContext]  # (time_ns, span context) of a measurement's exemplar
+# A counter's running sum (`KVMetrics.held`): [index, key, labels, sum since the last collection, measured since].
+HeldSum = List[Any]
 
 MAX_SERIES = 2000  # per instrument, as the SDK's default cardinality limit; the rest goes to one overflow series
 # kv_transfer.peer.throughput and kv_transfer.peer.busy_time have one series per peer up to
@@ -76,7 +83,7 @@ _OVERFLOW_ATTRIBUTES = {"otel.metric.overflow": True}
 SCOPE = InstrumentationScope(semconv.INSTRUMENTATION_NAME, __version__, None, None)
 
 
-def series_of(attributes) -> Tuple[tuple, dict]:
+def series_of(attributes: Mapping[str, Any]) -> Series:
     """(key, labels) of the series a span with these attributes belongs to."""
     labels = metric_labels(attributes)
     return tuple([labels.get(name) for name in semconv.METRIC_ATTRIBUTES]), labels
@@ -87,26 +94,27 @@ class _Point:
 
     __slots__ = ("start", "sum", "min", "max", "buckets", "exemplars")
 
-    def __init__(self, start: int, buckets: int):
+    def __init__(self, start: int, buckets: int) -> None:
         self.start = start
-        self.sum = 0
+        self.sum: float = 0
         self.min = float("inf")
         self.max = float("-inf")
         self.buckets = [0] * buckets
-        self.exemplars: list = [None] * buckets  # per bucket: (value, (time_ns, span context)) or None
+        # per bucket: (value, (time_ns, span context)) or None
+        self.exemplars: List[Optional[Tuple[float, Exemplar]]] = [None] * buckets
 
 
 class _Table:
     """One reader's view of every series: cumulative points never reset, delta points reset at each collect."""
 
-    def __init__(self, delta_histograms: bool, delta_counters: bool, limits: List[int]):
+    def __init__(self, delta_histograms: bool, delta_counters: bool, limits: List[int]) -> None:
         self.delta = [delta_counters if row[3] is None else delta_histograms for row in INSTRUMENTS]
         self.limits = limits  # per instrument: series before the overflow series (shared, raised by the owner)
-        self.series: List[Dict[tuple, _Point]] = [{} for _ in INSTRUMENTS]
-        self.labels: Dict[tuple, dict] = {}
+        self.series: List[Dict[Tuple[Any, ...], _Point]] = [{} for _ in INSTRUMENTS]
+        self.labels: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
         self.interval_start = time.time_ns()  # a delta point starts where the previous collection ended
 
-    def new_point(self, index: int, key: tuple, labels: dict, now: int) -> _Point:
+    def new_point(self, index: int, key: Tuple[Any, ...], labels: Dict[str, Any], now: int) -> _Point:
         """The point of a series seen for the first time (beyond MAX_SERIES: the overflow series)."""
         series = self.series[index]
         if len(series) >= self.limits[index]:
@@ -129,18 +137,19 @@ class SendRows:
 
     __slots__ = ("key", "labels", "peer", "process_sum", "peer_sum", "rows", "append")
 
-    def __init__(self, key: tuple, labels: dict, peer, process_sum: list, peer_sum):
+    def __init__(self, key: Tuple[Any, ...], labels: Dict[str, Any], peer: Optional[Series], process_sum: HeldSum,
+                 peer_sum: Optional[HeldSum]) -> None:
         self.key, self.labels, self.peer = key, labels, peer  # peer: (key, labels) or None
         self.process_sum, self.peer_sum = process_sum, peer_sum  # running sums from `KVMetrics.held`
-        self.rows = deque()
+        self.rows: Deque[Tuple[Any, ...]] = deque()  # metric_rules.send_row's, and ROW_BUSY .. ROW_EXEMPLAR
         self.append = self.rows.append
 
 
-_BY_PROVIDER = weakref.WeakKeyDictionary()  # MeterProvider -> its KVMetrics
+_BY_PROVIDER: "weakref.WeakKeyDictionary[MeterProvider, KVMetrics]" = weakref.WeakKeyDictionary()
 _BY_PROVIDER_LOCK = threading.Lock()
 
 
-def tables_for(meter_provider) -> Optional["KVMetrics"]:
+def tables_for(meter_provider: MeterProvider) -> Optional["KVMetrics"]:
     """The one KVMetrics of an SDK MeterProvider, attached to its readers on first use; None for a provider that
     is not the SDK's (yet). Like SDK instruments, the tables outlive uninstrument(): what was measured is still
     exported, and a later instrument() counts on from there."""
@@ -160,20 +169,20 @@ def tables_for(meter_provider) -> Optional["KVMetrics"]:
 class KVMetrics:
     """Our instruments' tables, fed by the span builder, read by every reader of one MeterProvider."""
 
-    def __init__(self, exemplar_filter: str = "trace_based"):
+    def __init__(self, exemplar_filter: str = "trace_based") -> None:
         self._lock = threading.Lock()
         self._acquire, self._release = self._lock.acquire, self._lock.release
         self._tables: Dict[int, _Table] = {}  # id(reader) -> its table
-        self._resource = None
+        self._resource: Optional[Resource] = None
         self._exemplars = exemplar_filter  # "trace_based" | "always_on" | "always_off"
         self._limits = [MAX_SERIES] * len(INSTRUMENTS)
         # Counters summed before they are recorded (busy time: many sends, no exemplar): (index, key) ->
         # [index, key, labels, sum since the last collection, measured since then]; recorded at each collection.
-        self._held = {}
+        self._held: Dict[Tuple[int, Tuple[Any, ...]], HeldSum] = {}
         self._pending: List[SendRows] = []  # every shape's rows not yet in the tables
         self.attached = False
 
-    def held(self, index: int, key: tuple, labels: dict) -> list:
+    def held(self, index: int, key: Tuple[Any, ...], labels: Dict[str, Any]) -> HeldSum:
         """The running sum of counter `index`'s series `key`: the builder adds to it through `record`'s `sums`,
         every collection records what it gathered since the last one (a series it never saw stays out)."""
         with self._lock:
@@ -193,7 +202,8 @@ class KVMetrics:
             self._limits[index] = max(self._limits[index], int(count))
 
     # --- the builder's side -------------------------------------------------------------------------------
-    def send_rows(self, key: tuple, labels: dict, peer, process_sum: list, peer_sum) -> SendRows:
+    def send_rows(self, key: Tuple[Any, ...], labels: Dict[str, Any], peer: Optional[Series], process_sum: HeldSum,
+                  peer_sum: Optional[HeldSum]) -> SendRows:
         """Where the successful sends of one shape wait for `apply_pending` (the builder's shape cache holds it)."""
         rows = SendRows(key, labels, peer, process_sum, peer_sum)
         with self._lock:
@@ -232,7 +242,8 @@ class KVMetrics:
                     held[3] = reduce(add, columns[position], held[3])  # in order: the sum a send at a time gives
                     held[4] = True
 
-    def _add_column(self, index: int, key: tuple, labels: dict, values: tuple, exemplars: tuple, now: int) -> None:
+    def _add_column(self, index: int, key: Tuple[Any, ...], labels: Dict[str, Any], values: Tuple[Any, ...],
+                    exemplars: Tuple[Any, ...], now: int) -> None:
         """Histogram `index` gets `values` (None: the send has no such measurement), each with its exemplar
         ((time, span context) or None), in order: the same points as one `record` per value."""
         if None in values:
@@ -260,7 +271,7 @@ class KVMetrics:
             for slot, at in latest:
                 kept_exemplars[slot] = (values[at], exemplars[at])
 
-    def exemplar(self, span_context, now: int):
+    def exemplar(self, span_context: Optional[SpanContext], now: int) -> Optional[Exemplar]:
         """(time, span context) of a measurement's exemplar under the provider's exemplar filter, or None. Its ids
         are read when collected, not per measurement."""
         if span_context is None:
@@ -269,7 +280,8 @@ class KVMetrics:
             return (now, span_context) if span_context.trace_flags & 1 else None  # sampled
         return (now, span_context) if self._exemplars == "always_on" else None
 
-    def record(self, key: tuple, labels: dict, measurements, span_context=None, sums=()) -> None:
+    def record(self, key: Tuple[Any, ...], labels: Dict[str, Any], measurements: Iterable[Tuple[int, float]],
+               span_context: Optional[SpanContext] = None, sums: Iterable[Tuple[HeldSum, float]] = ()) -> None:
         """`measurements`: (instrument index, value) pairs of one span; `key` and `labels`: its series (from
         `series_of`); `span_context`: that span (the exemplar, under the exemplar filter). `sums`: (running sum
         from `held`, value) pairs added under the same lock (a send's busy time: one lock per send, not two)."""
@@ -301,7 +313,7 @@ class KVMetrics:
             self._release()
 
     # --- the readers' side --------------------------------------------------------------------------------
-    def attach(self, meter_provider) -> bool:
+    def attach(self, meter_provider: MeterProvider) -> bool:
         """Wrap the collect callback of every reader of an SDK MeterProvider. False when it is not one (the
         API's no-op or proxy provider): nothing is recorded then, as the SDK instruments would record nothing."""
         config = sdk_internals.meter_config(meter_provider)
@@ -331,24 +343,27 @@ class KVMetrics:
         self.attached = True
         return True
 
-    def _collect_hook(self, reader, original):
-        def collect(metric_reader, timeout_millis: float = 10_000, **kwargs):
+    def _collect_hook(self, reader: MetricReader, original: Callable[..., Optional[MetricsData]]
+                      ) -> Callable[..., Optional[MetricsData]]:
+        def collect(metric_reader: MetricReader, timeout_millis: float = 10_000,
+                    **kwargs: Any) -> Optional[MetricsData]:
             data = original(metric_reader, timeout_millis=timeout_millis, **kwargs)
             try:
                 ours = self._points(reader)
                 if ours:
-                    return _merged(data, ours, self._resource)
+                    # attach() set the resource before it put this hook in place
+                    return _merged(data, ours, cast(Resource, self._resource))
             except Exception:
                 _logger.debug("otel_kvtransfer could not add its metric points", exc_info=True)
             return data
 
         return collect
 
-    def _points(self, reader) -> List[Metric]:
+    def _points(self, reader: MetricReader) -> List[Metric]:
         self.apply_pending()  # before the busy sums: the rows add to them
         self._record_held()
         now = time.time_ns()
-        taken = []
+        taken: List[Tuple[int, bool, List[Tuple[Tuple[Any, ...], _Point]]]] = []
         with self._lock:
             table = self._tables.get(id(reader))
             if table is None:
@@ -360,10 +375,11 @@ class KVMetrics:
                         table.series[index] = {}
             table.interval_start = now
             labels = table.labels
-        metrics = []
+        metrics: List[Metric] = []
         for index, delta, points in taken:
             name, unit, description, bounds = INSTRUMENTS[index]
             temporality = AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
+            data: Union[Sum, Histogram]
             if bounds is None:
                 data = Sum(data_points=[_number_point(labels[key], point, now) for key, point in points],
                            aggregation_temporality=temporality, is_monotonic=True)
@@ -385,25 +401,25 @@ def _taken(point: _Point) -> _Point:
     return copy
 
 
-def _exemplars(point: _Point, labels) -> list:
+def _exemplars(point: _Point, labels: Dict[str, Any]) -> List[Any]:
     exemplar = sdk_internals.exemplar_class()
     return [exemplar({}, value, at, context.span_id, context.trace_id)
             for value, (at, context) in (e for e in point.exemplars if e is not None)]
 
 
-def _histogram_point(labels, point: _Point, now: int, bounds) -> HistogramDataPoint:
+def _histogram_point(labels: Dict[str, Any], point: _Point, now: int, bounds: Tuple[float, ...]) -> HistogramDataPoint:
     return HistogramDataPoint(attributes=labels, start_time_unix_nano=point.start, time_unix_nano=now,
                               count=sum(point.buckets), sum=point.sum, bucket_counts=tuple(point.buckets),
                               explicit_bounds=tuple(bounds), min=point.min, max=point.max,
                               exemplars=_exemplars(point, labels))
 
 
-def _number_point(labels, point: _Point, now: int) -> NumberDataPoint:
+def _number_point(labels: Dict[str, Any], point: _Point, now: int) -> NumberDataPoint:
     return NumberDataPoint(attributes=labels, start_time_unix_nano=point.start, time_unix_nano=now,
                            value=point.sum, exemplars=_exemplars(point, labels))
 
 
-def _exemplar_filter_name(exemplar_filter) -> str:
+def _exemplar_filter_name(exemplar_filter: object) -> str:
     name = type(exemplar_filter).__name__ if exemplar_filter is not None else "TraceBasedExemplarFilter"
     if name == "AlwaysOnExemplarFilter":
         return "always_on"
@@ -412,7 +428,7 @@ def _exemplar_filter_name(exemplar_filter) -> str:
     return "trace_based"
 
 
-def _merged(data: Optional[MetricsData], ours: List[Metric], resource) -> MetricsData:
+def _merged(data: Optional[MetricsData], ours: List[Metric], resource: Resource) -> MetricsData:
     """The reader's collection with our metrics added under our scope (merged into it when the SDK already has
     a scope of ours, e.g. for the dropped-records counter)."""
     if data is None or not data.resource_metrics:

@@ -25,9 +25,14 @@ line at the end of the scan, as stuck items do; every one is still counted and g
 
 import logging
 from collections import OrderedDict
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+from opentelemetry.trace import SpanContext
 
 from otel_kvtransfer.building.printable import one_line
+
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.builder_part import BuiltSpan
 
 _logger = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ MAX_KEYS_NAMED = 3  # request keys a summary line names
 class EndedRequest:
     __slots__ = ("parent", "end_ns", "labels", "warned")
 
-    def __init__(self, parent, end_ns: int, labels: dict):
+    def __init__(self, parent: Optional[SpanContext], end_ns: int, labels: Dict[str, Any]) -> None:
         self.parent = parent  # the ended request span's context: the late send's parent
         self.end_ns = end_ns
         self.labels = labels  # shared with the other ended requests of the same labels: never changed
@@ -54,18 +59,20 @@ class EndedRequest:
 class EndedRequests:
     """Key -> EndedRequest of the requests that ended in the last `window_s` (at most `limit`, the newest)."""
 
-    def __init__(self, window_s: float = LATE_WINDOW_S, limit: int = MAX_ENDED, on_drop=None):
-        self._ended: "OrderedDict[object, EndedRequest]" = OrderedDict()  # in the order they ended
+    def __init__(self, window_s: float = LATE_WINDOW_S, limit: int = MAX_ENDED,
+                 on_drop: Optional[Callable[[str, int], None]] = None) -> None:
+        self._ended: "OrderedDict[Any, EndedRequest]" = OrderedDict()  # in the order they ended
         self._window_ns = int(window_s * 1e9)
         self._limit = limit
         self._on_drop = on_drop or (lambda reason, n: None)
-        self._label_sets = {}  # label items -> the one dict of them
-        self._shapes: "OrderedDict[object, dict]" = OrderedDict()  # key -> its late sends' static attributes
+        self._label_sets: Dict[Tuple[Any, ...], Dict[str, Any]] = {}  # label items -> the one dict of them
+        # key -> its late sends' static attributes
+        self._shapes: "OrderedDict[Any, Dict[Any, Dict[str, Any]]]" = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ended)
 
-    def ended(self, key, parent, end_ns: int, labels: dict) -> None:
+    def ended(self, key: Any, parent: Optional[SpanContext], end_ns: int, labels: Dict[str, Any]) -> None:
         if key in self._ended:
             del self._ended[key]
         elif len(self._ended) >= self._limit:
@@ -74,7 +81,7 @@ class EndedRequests:
                 self._on_drop("late_window_full", 1)
         self._ended[key] = EndedRequest(parent, end_ns, self._shared(labels))
 
-    def _shared(self, labels: dict) -> dict:
+    def _shared(self, labels: Dict[str, Any]) -> Dict[str, Any]:
         try:
             items = tuple(labels.items())
             found = self._label_sets.get(items)
@@ -96,15 +103,15 @@ class EndedRequests:
             del self._ended[key]
             self._shapes.pop(key, None)
 
-    def reopened(self, key) -> None:
+    def reopened(self, key: Any) -> None:
         """A new request of the same key began: its sends are its own."""
         self._ended.pop(key, None)
         self._shapes.pop(key, None)
 
-    def get(self, key) -> Optional[EndedRequest]:
+    def get(self, key: Any) -> Optional[EndedRequest]:
         return self._ended.get(key)
 
-    def shapes(self, key) -> dict:
+    def shapes(self, key: Any) -> Dict[Any, Dict[str, Any]]:
         """The cache of static send attributes (send_attributes.attributes) for late sends of `key`: kept for the
         last MAX_LATE_SHAPES requests that had one, not for every ended request."""
         found = self._shapes.get(key)
@@ -124,7 +131,7 @@ class EndedRequests:
 class HeldPeer:
     __slots__ = ("span", "end_ns", "release_ns")
 
-    def __init__(self, span, end_ns: int, release_ns: int):
+    def __init__(self, span: "BuiltSpan", end_ns: int, release_ns: int) -> None:
         self.span = span  # open: its end (end_ns) is known, only its export waits
         self.end_ns = end_ns
         self.release_ns = release_ns
@@ -135,9 +142,9 @@ class HeldPeers:
     remembered (bounded) so that an arrival after its span left still says so in the log, once per arrival until
     one was put on the span."""
 
-    def __init__(self, watch_s: float, release, limit: int = MAX_HELD):
-        self._held: "OrderedDict[object, HeldPeer]" = OrderedDict()
-        self._released: "OrderedDict[object, Optional[int]]" = OrderedDict()  # key -> its end (None: reported)
+    def __init__(self, watch_s: float, release: Callable[["BuiltSpan", int], None], limit: int = MAX_HELD) -> None:
+        self._held: "OrderedDict[Any, HeldPeer]" = OrderedDict()
+        self._released: "OrderedDict[Any, Optional[int]]" = OrderedDict()  # key -> its end (None: reported)
         self._watch_ns = int(watch_s * 1e9)
         self._release = release
         self._limit = limit
@@ -145,7 +152,7 @@ class HeldPeers:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, key, span, end_ns: int) -> None:
+    def hold(self, key: Any, span: "BuiltSpan", end_ns: int) -> None:
         if self._watch_ns <= 0:
             return self._release(span, end_ns)
         earlier = self.take(key)
@@ -155,15 +162,15 @@ class HeldPeers:
             self._let_go(*self._held.popitem(last=False))
         self._held[key] = HeldPeer(span, end_ns, end_ns + self._watch_ns)
 
-    def take(self, key) -> Optional[HeldPeer]:
+    def take(self, key: Any) -> Optional[HeldPeer]:
         """The held wait of `key`, no longer held (the caller ends it), or None."""
         return self._held.pop(key, None)
 
-    def reported(self, key) -> None:
+    def reported(self, key: Any) -> None:
         """A late arrival was put on the wait of `key`: later ones of it are not reported again."""
         self._remember(key, None)
 
-    def released_end(self, key) -> Optional[int]:
+    def released_end(self, key: Any) -> Optional[int]:
         """When the wait of `key` had ended, if it was held, exported since and not reported late; else None."""
         return self._released.get(key)
 
@@ -184,11 +191,11 @@ class HeldPeers:
         self._held.clear()
         self._released.clear()
 
-    def _let_go(self, key, held: HeldPeer) -> None:
+    def _let_go(self, key: Any, held: HeldPeer) -> None:
         self._remember(key, held.end_ns)
         self._release(held.span, held.end_ns)
 
-    def _remember(self, key, end_ns: Optional[int]) -> None:
+    def _remember(self, key: Any, end_ns: Optional[int]) -> None:
         if len(self._released) >= MAX_RELEASED:
             self._released.popitem(last=False)
         self._released[key] = end_ns
@@ -204,17 +211,17 @@ class LateLines:
     """The log lines of late transfers: the first MAX_LINES of a scan one by one, the rest in one summary line when
     the scan ends (`flush`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._logged = 0
         self._reset()
 
     def _reset(self) -> None:
         self._sends = self._arrivals = 0
         self._latest_s = 0.0
-        self._backends = {}
-        self._keys = []
+        self._backends: Dict[str, int] = {}
+        self._keys: List[str] = []
 
-    def send(self, ended: EndedRequest, key, backend, peer, late_s: float) -> None:
+    def send(self, ended: EndedRequest, key: Any, backend: Optional[str], peer: Any, late_s: float) -> None:
         """A request's send completed late: its first late send is a line (or part of the scan's summary)."""
         if ended.warned:
             return
@@ -230,7 +237,7 @@ class LateLines:
         self._sends += 1
         self._note(key, backend, late_s)
 
-    def arrival(self, key, backend, late_s: float, exported: bool) -> None:
+    def arrival(self, key: Any, backend: Optional[str], late_s: float, exported: bool) -> None:
         """KV of a peer wait arrived after it had ended: at its first arrival (held), or at each one after its span
         left."""
         if self._logged < MAX_LINES:
@@ -244,7 +251,7 @@ class LateLines:
         self._arrivals += 1
         self._note(key, backend, late_s)
 
-    def _note(self, key, backend, late_s: float) -> None:
+    def _note(self, key: Any, backend: Optional[str], late_s: float) -> None:
         self._latest_s = max(self._latest_s, late_s)
         name = one_line(backend, 32)
         if name in self._backends or len(self._backends) < 8:

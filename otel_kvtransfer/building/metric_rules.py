@@ -8,7 +8,7 @@ ended spans. A rule returns (instrument index, value) pairs; each pipeline only 
 import logging
 import threading
 from bisect import bisect_left, bisect_right
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from otel_kvtransfer import semconv
 
@@ -22,8 +22,13 @@ RATE_BUCKETS = tuple(x * 10.0 ** e for e in range(6, 13) for x in (1.0, 2.5, 5.0
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
 
+# A rule's measurements: (instrument index, value) pairs.
+Measurements = Tuple[Tuple[int, float], ...]
+# A series: (key, labels): the key identifies it in a table, the labels are its metric attributes.
+Series = Tuple[Tuple[Any, ...], Dict[str, Any]]
 # (name, unit, description, bucket boundaries or None for a counter): the telemetry contract's table.
-INSTRUMENTS = (
+Instrument = Tuple[str, str, str, Optional[Tuple[float, ...]]]
+INSTRUMENTS: Tuple[Instrument, ...] = (
     (semconv.METRIC_DURATION, "s", "Duration of one KV transfer", SECONDS_BUCKETS),
     (semconv.METRIC_SIZE, "By", "Bytes moved by one KV transfer", BYTES_BUCKETS),
     (semconv.METRIC_THROUGHPUT, "By/s", "Bytes of one successful KV transfer over its own duration", RATE_BUCKETS),
@@ -68,7 +73,7 @@ INSTRUMENTS = (
 PER_PEER = (I_PEER_THROUGHPUT, I_PEER_BUSY_TIME)  # instruments whose series are the peers (PeerSeries)
 
 
-def metric_labels(attributes) -> dict:
+def metric_labels(attributes: Mapping[str, Any]) -> Dict[str, Any]:
     """The low-cardinality metric attributes of a span's attributes (the design contract's list)."""
     return {key: attributes[key] for key in semconv.METRIC_ATTRIBUTES if key in attributes}
 
@@ -83,7 +88,8 @@ SEND_ROW = (I_DURATION, I_SIZE, I_DESCRIPTORS, I_THROUGHPUT, I_POST_DURATION)
 ROW_PEER_SPEED = len(SEND_ROW)
 
 
-def send_row(attrs, duration_s: float, nbytes: int, descriptors: int, *extra) -> tuple:
+def send_row(attrs: Mapping[str, Any], duration_s: float, nbytes: int, descriptors: int,
+             *extra: Any) -> Tuple[Any, ...]:
     """A successful send's measurements, None where it has none: an empty send, or one of no measurable duration
     (it carries no throughput), has no speed; only a send whose engine has a posting call has a post duration;
     only a kv send of >= 1 MiB has a peer speed (smaller ones say more about latency than about the link)."""
@@ -92,24 +98,25 @@ def send_row(attrs, duration_s: float, nbytes: int, descriptors: int, *extra) ->
     return (duration_s, nbytes, descriptors, speed, attrs.get(_POST_S), peer) + extra
 
 
-def send(attrs, duration_s: float, nbytes: int, descriptors: int, failed: bool) -> tuple:
+def send(attrs: Mapping[str, Any], duration_s: float, nbytes: int, descriptors: int, failed: bool) -> Measurements:
     """A send's measurements in its own series: `send_row`'s, or a failed send's (no speed; its failure is counted
     in a series of its own, `failure`)."""
     if not failed:
         row = send_row(attrs, duration_s, nbytes, descriptors)
         return tuple([(index, value) for index, value in zip(SEND_ROW, row) if value is not None])
-    measured = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
+    measured: Measurements = ((I_DURATION, duration_s), (I_SIZE, nbytes), (I_DESCRIPTORS, descriptors))
     post_s = attrs.get(_POST_S)
     if post_s is not None:
         measured += ((I_POST_DURATION, post_s),)
     return measured
 
 
-_FAILED = ((I_FAILURES, 1),)
+_FAILED: Measurements = ((I_FAILURES, 1),)
 _NIC = semconv.NIC
 
 
-def failure(attrs, key: tuple, labels: dict) -> Tuple[tuple, dict, tuple]:
+def failure(attrs: Mapping[str, Any], key: Tuple[Any, ...],
+            labels: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Measurements]:
     """(key, labels, measurements) of a failed send's `kv_transfer.failures`: the send's own series (`key`,
     `labels`) and, where the send names it, its local NIC (`kv_transfer.nic`: a host has a few, so the series stay
     few; a bad NIC shows as the failures on it)."""
@@ -119,21 +126,21 @@ def failure(attrs, key: tuple, labels: dict) -> Tuple[tuple, dict, tuple]:
     return key + (nic,), {**labels, _NIC: nic}, _FAILED
 
 
-def peer_speed(attrs, nbytes: int, failed: bool) -> tuple:
+def peer_speed(attrs: Mapping[str, Any], nbytes: int, failed: bool) -> Measurements:
     """A send's measurement in its peer's series (`send_row`'s peer speed): none for a failed send."""
     speed = None if failed else send_row(attrs, 0.0, nbytes, 0)[ROW_PEER_SPEED]
     return () if speed is None else ((I_PEER_THROUGHPUT, speed),)
 
 
-def late_send() -> tuple:
+def late_send() -> Measurements:
     """A send that completed after its request had concluded (its send measurements come apart)."""
     return ((I_LATE_COMPLETIONS, 1),)
 
 
-def request(attrs, duration_s: float, failed: bool) -> tuple:
+def request(attrs: Mapping[str, Any], duration_s: float, failed: bool) -> Measurements:
     """A request span's measurements; `attrs`: its figures (busy time, throughput, overlap, tail)."""
     nbytes = attrs.get(semconv.BYTES, 0)
-    measured = ((I_REQUEST_DURATION, duration_s), (I_REQUEST_SIZE, nbytes))
+    measured: Measurements = ((I_REQUEST_DURATION, duration_s), (I_REQUEST_SIZE, nbytes))
     if not failed and nbytes > 0 and attrs.get(semconv.BUSY_S, 0) > 0:  # no busy time: no speed
         measured += ((I_REQUEST_THROUGHPUT, attrs.get(semconv.THROUGHPUT, 0.0)),)
     if semconv.COMPUTE_OVERLAP_RATIO in attrs:
@@ -143,15 +150,15 @@ def request(attrs, duration_s: float, failed: bool) -> tuple:
     return measured
 
 
-def peer_wait(duration_s: float) -> tuple:
+def peer_wait(duration_s: float) -> Measurements:
     """A receive or serve span: how long the peer waited for the request's KV."""
     return ((I_RECEIVE_DURATION, duration_s),)
 
 
-def peer_outcomes(attrs) -> tuple:
+def peer_outcomes(attrs: Mapping[str, Any]) -> Measurements:
     """A receive span's allocation wait and integrity mismatch, where its framework told them
     (`framework_series`)."""
-    measured = ()
+    measured: Measurements = ()
     wait = attrs.get(semconv.ALLOCATION_WAIT_S)
     if wait is not None:
         measured += ((I_ALLOCATION_WAIT, wait),)
@@ -160,7 +167,7 @@ def peer_outcomes(attrs) -> tuple:
     return measured
 
 
-def connect(duration_s: float) -> tuple:
+def connect(duration_s: float) -> Measurements:
     """A set-up call towards a peer (a kv_transfer.connect span)."""
     return ((I_CONNECT_DURATION, duration_s),)
 
@@ -170,13 +177,13 @@ class PeerSeries:
     """The peer series (server.address, server.port) of a send, for at most `max_peers` distinct peers per
     process; every other peer is `other` (said once in the log)."""
 
-    def __init__(self, max_peers: int):
+    def __init__(self, max_peers: int) -> None:
         self._max = max_peers
-        self._known = {}
-        self._other = ((semconv.PEER_OTHER, None), {semconv.SERVER_ADDRESS: semconv.PEER_OTHER})
+        self._known: Dict[Any, Series] = {}  # (address, port) -> its series (None -> `other`: the cap was reached)
+        self._other: Series = ((semconv.PEER_OTHER, None), {semconv.SERVER_ADDRESS: semconv.PEER_OTHER})
         self._lock = threading.Lock()
 
-    def of(self, attrs) -> Optional[Tuple[tuple, dict]]:
+    def of(self, attrs: Mapping[str, Any]) -> Optional[Series]:
         """(key, labels) of the send's peer, None when the send names none."""
         address = attrs.get(semconv.SERVER_ADDRESS)
         if address is None:
@@ -200,19 +207,19 @@ class PeerSeries:
             return found
 
 
-def process_series(attrs) -> Tuple[tuple, dict]:
+def process_series(attrs: Mapping[str, Any]) -> Series:
     """(key, labels) of a send's series of `kv_transfer.busy_time`: its backend and role."""
     labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.ROLE) if key in attrs}
     return ("busy_time", labels.get(semconv.BACKEND), labels.get(semconv.ROLE)), labels
 
 
-def framework_series(attrs) -> Tuple[tuple, dict]:
+def framework_series(attrs: Mapping[str, Any]) -> Series:
     """(key, labels) of a peer wait's `peer_outcomes` series: its backend and framework."""
     labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.FRAMEWORK) if key in attrs}
     return ("framework", labels.get(semconv.BACKEND), labels.get(semconv.FRAMEWORK)), labels
 
 
-def connect_series(attrs) -> Tuple[tuple, dict]:
+def connect_series(attrs: Mapping[str, Any]) -> Series:
     """(key, labels) of a set-up call's series: its backend, framework and outcome."""
     labels = {key: attrs[key] for key in (semconv.BACKEND, semconv.FRAMEWORK, semconv.CONNECT_OUTCOME)
               if key in attrs}
@@ -237,12 +244,12 @@ class BusyTime:
     KEPT = 64
     MAX_SERIES = (1 << 16) + 1 + 256  # the most peers the setting allows, `other`, and the process series
 
-    def __init__(self, max_series: int = MAX_SERIES):
-        self._unions = {}  # series key -> its BusyUnion
+    def __init__(self, max_series: int = MAX_SERIES) -> None:
+        self._unions: Dict[Any, BusyUnion] = {}  # series key -> its BusyUnion
         self._max_series = max_series
-        self._beyond = None  # the one union of the series past max_series
+        self._beyond: Optional[BusyUnion] = None  # the one union of the series past max_series
 
-    def union(self, key) -> "BusyUnion":
+    def union(self, key: Any) -> "BusyUnion":
         """The union of series `key` (new and empty the first time): its `add` is `add(key, ...)` with the
         series already found, for a caller that keeps it per series."""
         union = self._unions.get(key)
@@ -254,7 +261,7 @@ class BusyTime:
             union = self._unions[key] = BusyUnion(self.KEPT)
         return union
 
-    def add(self, key, start_ns: int, end_ns: int) -> float:
+    def add(self, key: Any, start_ns: int, end_ns: int) -> float:
         """Seconds the send [start_ns, end_ns] adds to the busy time of series `key`."""
         return self.union(key).add(start_ns, end_ns)
 
@@ -263,8 +270,11 @@ class BusyUnion:
     """One series' kept busy stretches, sorted and disjoint (`BusyTime`)."""
 
     __slots__ = ("starts", "ends", "kept")
+    starts: List[int]
+    ends: List[int]
+    kept: int
 
-    def __init__(self, kept: int):
+    def __init__(self, kept: int) -> None:
         self.starts, self.ends, self.kept = [], [], kept
 
     def add(self, start_ns: int, end_ns: int) -> float:

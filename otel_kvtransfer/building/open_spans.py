@@ -9,9 +9,14 @@ not O(open). How an evicted span ends is the builder's business: the table calls
 import math
 import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
+from opentelemetry.trace import SpanContext
 
 from otel_kvtransfer.building.aggregate import RequestAggregate
+
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.builder_part import BuiltSpan
 
 _ENDS_PER_LOOK = 64  # spans ended between two looks at the exit's deadline (ending one takes microseconds)
 
@@ -19,22 +24,23 @@ _ENDS_PER_LOOK = 64  # spans ended between two looks at the exit's deadline (end
 class OpenRequest:
     __slots__ = ("key", "span", "aggregate", "failure", "touched", "labels", "parent", "statics", "backend")
 
-    def __init__(self, span, now: float, labels: dict, key=None):
+    def __init__(self, span: "BuiltSpan", now: float, labels: Dict[str, Any], key: Any = None) -> None:
         self.key = key
         self.span = span
         self.aggregate = RequestAggregate()
         self.failure: Optional[str] = None
         self.touched = now
         self.labels = labels  # attributes every send of the request repeats (framework, role, model)
-        self.parent = None  # the request span's context: its children's parent
-        self.statics = {}  # send shape -> its static attributes (send_attributes.attributes)
-        self.backend = None
+        self.parent: Optional[SpanContext] = None  # the request span's context: its children's parent
+        self.statics: Dict[Any, Dict[str, Any]] = {}  # send shape -> its static attributes (send_attributes)
+        self.backend: Optional[str] = None
 
 
 class OpenPeer:
     __slots__ = ("span", "touched", "role", "backend", "expected")
 
-    def __init__(self, span, now: float, role=None, backend=None, expected=None):
+    def __init__(self, span: "BuiltSpan", now: float, role: Optional[str] = None, backend: Optional[str] = None,
+                 expected: Any = None) -> None:
         self.span = span
         self.touched = now
         self.role, self.backend, self.expected = role, backend, expected
@@ -45,7 +51,7 @@ class OpenSpans:
     and pops them directly (a dict lookup per record, no call)."""
 
     def __init__(self, max_open: int, end_request: Callable[[OpenRequest], None],
-                 end_peer: Callable[[OpenPeer], None], on_drop: Callable[[str, int], None]):
+                 end_peer: Callable[[OpenPeer], None], on_drop: Callable[[str, int], None]) -> None:
         self.requests: "OrderedDict[object, OpenRequest]" = OrderedDict()
         self.peers: "OrderedDict[object, OpenPeer]" = OrderedDict()
         self._max_open = max_open
@@ -54,7 +60,7 @@ class OpenSpans:
     def __len__(self) -> int:
         return len(self.requests) + len(self.peers)
 
-    def touch_request(self, key, now) -> Optional[OpenRequest]:
+    def touch_request(self, key: Any, now: float) -> Optional[OpenRequest]:
         """The open request of `key`, marked active now; None when none is open."""
         state = self.requests.get(key)
         if state is not None:
@@ -66,6 +72,9 @@ class OpenSpans:
         """Below max_open before opening one more request (or peer): the least recently active of that kind
         goes; when none of that kind is open, the least recently active of the other kind (max_open bounds
         both kinds together)."""
+        table: "OrderedDict[Any, Any]"  # self.requests or self.peers, and `end` the ender of that kind
+        end: Callable[[Any], None]
+        state: Any
         if for_requests:
             table, reason, end = self.requests, "request_limit", self._end_request
         else:
@@ -82,7 +91,7 @@ class OpenSpans:
             end(state)
             self._on_drop(reason, 1)
 
-    def _tables(self):
+    def _tables(self) -> Tuple[Tuple["OrderedDict[Any, Any]", Callable[[Any], None], str], ...]:
         return ((self.requests, self._end_request, "request_evicted"),
                 (self.peers, self._end_peer, "peer_evicted"))
 
@@ -115,7 +124,9 @@ class OpenSpans:
                   deadline: float = math.inf) -> int:
         """End every open span with the enders given (the process is exiting), oldest first, until `deadline`
         (time.monotonic()); nothing counted here. Returns how many were left unended (then forgotten)."""
-        for table, end in ((self.requests, end_request), (self.peers, end_peer)):
+        enders: Tuple[Tuple["OrderedDict[Any, Any]", Callable[[Any], None]], ...] = (
+            (self.requests, end_request), (self.peers, end_peer))
+        for table, end in enders:
             while table:
                 if time.monotonic() >= deadline:
                     left = len(self.requests) + len(self.peers)

@@ -2,12 +2,24 @@
 asks for the KV until it sees the outcome. A wait that ended with an error is held for a while (late KV of it is
 a late completion); one whose outcome comes later (a framework's integrity check) is held until it does."""
 
+from typing import TYPE_CHECKING, Callable, Optional
+
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late
-from otel_kvtransfer.building.builder_part import BuilderPart, mark_error
+from otel_kvtransfer.building.builder_part import (
+    BuilderMetrics,
+    BuilderPart,
+    BuiltSpan,
+    Record,
+    SpanFactory,
+    mark_error,
+)
 from otel_kvtransfer.building.open_spans import OpenPeer, OpenSpans
 from otel_kvtransfer.recording import records as r
 from otel_kvtransfer.recording.clock import now_ns
+
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.stuck import OpenWatch
 
 
 class PeerSpans(BuilderPart):
@@ -15,8 +27,9 @@ class PeerSpans(BuilderPart):
     `stuck.OpenWatch` (None: not watched). A wait that ended with an error is held `late_watch_s`, one awaiting
     its outcome at most `request_ttl_s`."""
 
-    def __init__(self, spans, metrics, open_spans: OpenSpans, late_lines: late.LateLines, watch,
-                 request_ttl_s: float, late_watch_s: float, on_drop):
+    def __init__(self, spans: SpanFactory, metrics: BuilderMetrics, open_spans: OpenSpans, late_lines: late.LateLines,
+                 watch: Optional["OpenWatch"], request_ttl_s: float, late_watch_s: float,
+                 on_drop: Callable[[str, int], None]) -> None:
         super().__init__(spans, metrics)
         self._open = open_spans
         self._peers = open_spans.peers
@@ -27,7 +40,7 @@ class PeerSpans(BuilderPart):
         # Peer waits that ended with more to come (records.PEER_OUTCOME: sglang's KV checksum, verified later)
         self._awaiting = late.HeldPeers(request_ttl_s, self.close)
 
-    def begin(self, rec, now) -> None:
+    def begin(self, rec: Record, now: float) -> None:
         key = rec[r.KEY]
         if key in self._peers:
             return
@@ -43,7 +56,7 @@ class PeerSpans(BuilderPart):
         if self._watch is not None:
             self._watch.opened(semconv.INFLIGHT_PEER, key, state, rec[r.TIME])
 
-    def end(self, rec, now) -> None:
+    def end(self, rec: Record, now: float) -> None:
         state = self._peers.pop(rec[r.KEY], None)
         if state is None:
             return
@@ -55,11 +68,11 @@ class PeerSpans(BuilderPart):
         else:
             self.close(state.span, rec[r.TIME])
 
-    def close(self, span, end_ns: int) -> None:
+    def close(self, span: BuiltSpan, end_ns: int) -> None:
         self._spans.close(span, end_ns)
         self._metrics.peer(span, end_ns)
 
-    def late_arrival(self, rec, now) -> None:
+    def late_arrival(self, rec: Record, now: float) -> None:
         key, at_ns = rec[r.KEY], rec[r.TIME]
         held = self._held.take(key)
         if held is None:  # not held (ended in time, or never seen here), or held and exported already
@@ -75,7 +88,7 @@ class PeerSpans(BuilderPart):
         self._metrics.late(span.attributes, self._spans.context_of(span))
         self._late_lines.arrival(key, rec[r.LATE_BACKEND], late_s, False)
 
-    def outcome(self, rec, now) -> None:
+    def outcome(self, rec: Record, now: float) -> None:
         """What the peer found out about its KV after the wait (a framework's integrity check): onto the wait's
         span while it is open or awaits it, which then ends as it had; one that comes too late is counted."""
         key = rec[r.KEY]
@@ -84,7 +97,7 @@ class PeerSpans(BuilderPart):
         if state is None and awaited is None:
             self._on_drop("outcome_unmatched", 1)
             return
-        span = state.span if state is not None else awaited.span
+        span = state.span if state is not None else awaited.span  # type: ignore[union-attr]  # one is set (see above)
         if rec[r.OUTCOME_ATTRIBUTES]:
             span.set_attributes(rec[r.OUTCOME_ATTRIBUTES])
         for name, attributes in rec[r.OUTCOME_EVENTS] or ():

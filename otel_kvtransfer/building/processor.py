@@ -10,9 +10,11 @@ throughput histograms take successful spans with bytes > 0 and a throughput only
 """
 
 import logging
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from opentelemetry import metrics, trace
 from opentelemetry.context import Context
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import NonRecordingSpan, StatusCode
 
@@ -28,11 +30,11 @@ _NO_SPAN = Context()  # a measurement no span stands for: no exemplar, whatever 
 class KVTransferMetricsProcessor(SpanProcessor):
     """Turns this package's spans into its histograms and counters, by the rules of `metric_rules`."""
 
-    def __init__(self, meter_provider=None, max_peers: int = 64):
+    def __init__(self, meter_provider: Optional[MeterProvider] = None, max_peers: int = 64) -> None:
         meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)
         self.enabled = True
 
-        def into(row):  # where one instrument's measurements go
+        def into(row: rules.Instrument) -> Callable[..., None]:  # where one instrument's measurements go
             name, unit, description, buckets = row
             if buckets is None:
                 return meter.create_counter(name, unit=unit, description=description).add
@@ -47,7 +49,9 @@ class KVTransferMetricsProcessor(SpanProcessor):
                             "the MeterProvider's cardinality limit (%d series by default; a View's "
                             "aggregation_cardinality_limit raises it) also bounds kv_transfer.peer.*",
                             max_peers, kvmetrics.MAX_SERIES)
-        self._on_end = {
+        # span name -> what derives its measurements from the span (ended: its times are set, which the SDK's
+        # ReadableSpan, typed for any span, cannot say: Any), its attributes, metric labels and context
+        self._on_end: Dict[str, Callable[[Any, Mapping[str, Any], Dict[str, Any], Context], None]] = {
             semconv.SPAN_SEND: self._on_send,
             semconv.SPAN_REQUEST: self._on_request,
             semconv.SPAN_RECEIVE: self._on_peer,
@@ -71,12 +75,12 @@ class KVTransferMetricsProcessor(SpanProcessor):
         except Exception:
             _logger.debug("otel_kvtransfer could not derive metrics from a span", exc_info=True)
 
-    def _measure(self, measured, labels, context) -> None:
+    def _measure(self, measured: rules.Measurements, labels: Mapping[str, Any], context: Context) -> None:
         into = self._into
         for index, value in measured:
             into[index](value, labels, context=context)
 
-    def _on_send(self, span, attrs, labels, context) -> None:
+    def _on_send(self, span: Any, attrs: Mapping[str, Any], labels: Dict[str, Any], context: Context) -> None:
         nbytes = attrs.get(semconv.BYTES, 0)
         failed = span.status.status_code is StatusCode.ERROR
         start, end = span.start_time, span.end_time
@@ -95,16 +99,18 @@ class KVTransferMetricsProcessor(SpanProcessor):
         key, process_labels = rules.process_series(attrs)
         self._measure(((rules.I_BUSY_TIME, self._busy.add(key, start, end)),), process_labels, _NO_SPAN)
 
-    def _on_request(self, span, attrs, labels, context) -> None:
+    def _on_request(self, span: Any, attrs: Mapping[str, Any], labels: Dict[str, Any],
+                    context: Context) -> None:
         failed = span.status.status_code is StatusCode.ERROR
         self._measure(rules.request(attrs, (span.end_time - span.start_time) / 1e9, failed), labels, context)
 
-    def _on_peer(self, span, attrs, labels, context) -> None:
+    def _on_peer(self, span: Any, attrs: Mapping[str, Any], labels: Dict[str, Any], context: Context) -> None:
         self._measure(rules.peer_wait((span.end_time - span.start_time) / 1e9), labels, context)
         self._measure(rules.peer_outcomes(attrs), rules.framework_series(attrs)[1], context)
         if span.events and any(event.name == semconv.EVENT_LATE_COMPLETION for event in span.events):
             self._measure(rules.late_send(), labels, context)
 
-    def _on_connect(self, span, attrs, labels, context) -> None:
+    def _on_connect(self, span: Any, attrs: Mapping[str, Any], labels: Dict[str, Any],
+                    context: Context) -> None:
         self._measure(rules.connect((span.end_time - span.start_time) / 1e9), rules.connect_series(attrs)[1],
                       context)

@@ -2,35 +2,41 @@
 request opened), parents of their sends and compute, ended with the aggregates of all their children
 (`aggregate.RequestAggregate`: wire and logical bytes, busy time, true throughput, compute overlap, tail)."""
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.aggregate import FIGURE_ATTRIBUTES, span_figures
-from otel_kvtransfer.building.builder_part import OK, BuilderPart, mark_error
+from otel_kvtransfer.building.builder_part import OK, BuilderMetrics, BuilderPart, Record, SpanFactory, mark_error
 from otel_kvtransfer.building.late import EndedRequests
 from otel_kvtransfer.building.open_spans import OpenRequest, OpenSpans
 from otel_kvtransfer.recording import records as r
 from otel_kvtransfer.recording.clock import now_ns
+
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.stuck import OpenWatch
 
 
 class RequestSpans(BuilderPart):
     """`open_spans`: the table the requests stay open in; `ended`: the requests that concluded (a send of theirs
     arriving later is late); `watch`: `stuck.OpenWatch` (None: not watched)."""
 
-    def __init__(self, spans, metrics, open_spans: OpenSpans, ended: EndedRequests, watch):
+    def __init__(self, spans: SpanFactory, metrics: BuilderMetrics, open_spans: OpenSpans, ended: EndedRequests,
+                 watch: Optional["OpenWatch"]) -> None:
         super().__init__(spans, metrics)
         self._open = open_spans
         self._requests, self._touch = open_spans.requests, open_spans.touch_request
         self._ended = ended
         self._watch = watch
 
-    def open(self, key, start_ns, now, role=semconv.ROLE_PREFILL, backend=None, framework=None,
-             attributes=None, parent=None) -> OpenRequest:
+    def open(self, key: Any, start_ns: int, now: float, role: Optional[str] = semconv.ROLE_PREFILL,
+             backend: Optional[str] = None, framework: Optional[str] = None,
+             attributes: Optional[Mapping[str, Any]] = None, parent: Optional[Context] = None) -> OpenRequest:
         self._open.make_room(True)
         span = self._start_top(semconv.SPAN_REQUEST, key, role, backend, framework, attributes, parent, start_ns)
-        labels = {semconv.ROLE: role}
+        labels: Dict[str, Any] = {semconv.ROLE: role}
         if framework:
             labels[semconv.FRAMEWORK] = framework
         model = (attributes or {}).get(semconv.GEN_AI_REQUEST_MODEL)
@@ -45,19 +51,19 @@ class RequestSpans(BuilderPart):
             self._watch.opened(semconv.INFLIGHT_REQUEST, key, state, start_ns)
         return state
 
-    def begin(self, rec, now) -> None:
+    def begin(self, rec: Record, now: float) -> None:
         key = rec[r.KEY]
         self._ended.reopened(key)
         if key not in self._requests:
             self.open(key, rec[r.TIME], now, rec[r.REQ_ROLE], rec[r.REQ_BACKEND], rec[r.REQ_FRAMEWORK],
                       rec[r.REQ_ATTRIBUTES], rec[r.REQ_PARENT])
 
-    def end(self, rec, now) -> None:
+    def end(self, rec: Record, now: float) -> None:
         state = self._requests.pop(rec[r.KEY], None)
         if state is not None:
             self.finish(state, rec[r.TIME], rec[r.END_ERROR])
 
-    def finish(self, state: OpenRequest, end_ns: int, error_type: Optional[str], evicted=False,
+    def finish(self, state: OpenRequest, end_ns: int, error_type: Optional[str], evicted: bool = False,
                ended_by: Optional[str] = None) -> None:
         span = state.span
         attrs = {FIGURE_ATTRIBUTES[name]: value
@@ -80,7 +86,7 @@ class RequestSpans(BuilderPart):
     def end_at_exit(self, state: OpenRequest) -> None:
         self.finish(state, now_ns(), semconv.ENDED_BY_PROCESS_EXIT, ended_by=semconv.ENDED_BY_PROCESS_EXIT)
 
-    def compute(self, rec, now) -> None:
+    def compute(self, rec: Record, now: float) -> None:
         start_ns, end_ns, chunk = rec[r.COMPUTE_START], rec[r.COMPUTE_END], rec[r.COMPUTE_CHUNK]
         clock = rec[r.COMPUTE_CLOCK] or semconv.CLOCK_HOST
         for key in rec[r.COMPUTE_KEYS]:
@@ -90,7 +96,7 @@ class RequestSpans(BuilderPart):
             if state is None:
                 continue
             state.aggregate.add_compute(start_ns, end_ns)
-            attrs = {semconv.REQUEST_KEY: str(key), semconv.COMPUTE_CLOCK: clock}
+            attrs: Dict[str, Any] = {semconv.REQUEST_KEY: str(key), semconv.COMPUTE_CLOCK: clock}
             if chunk is not None:
                 attrs[semconv.CHUNK_INDEX] = chunk
             for name in semconv.RANK_ATTRIBUTES:

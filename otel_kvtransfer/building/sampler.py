@@ -10,9 +10,12 @@ samples; and never lets the synthetic stitching parent decide.
 Applied only to this package's tracer, so the application's own spans are unaffected.
 """
 
+from typing import Optional, Sequence
+
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import Link, SpanKind, TraceState, get_current_span
+from opentelemetry.util.types import Attributes
 
 from otel_kvtransfer.building.stitching import is_synthetic
 
@@ -20,11 +23,13 @@ _ROOT = Context()
 
 
 class RecordUnsampledSampler(Sampler):
-    def __init__(self, delegate: Sampler):
+    def __init__(self, delegate: Sampler) -> None:
         self.delegate = delegate
 
-    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
-                      trace_state=None) -> SamplingResult:
+    def should_sample(self, parent_context: Optional[Context], trace_id: int, name: str,
+                      kind: Optional[SpanKind] = None, attributes: Attributes = None,
+                      links: Optional[Sequence[Link]] = None,
+                      trace_state: Optional[TraceState] = None) -> SamplingResult:
         if parent_context is not None and is_synthetic(get_current_span(parent_context).get_span_context()):
             parent_context = _ROOT
         result = self.delegate.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)

@@ -25,6 +25,7 @@ def configure_sdk_if_absent(framework: str) -> None:
     if not os.environ.get("OTEL_TRACES_EXPORTER") and not os.environ.get("OTEL_METRICS_EXPORTER"):
         _logger.warning(NO_EXPORTER_MESSAGE, framework)
         return  # nothing asked for: do not invent an exporter
+    Configurator: type  # the distro's, else the SDK's own
     try:
         from opentelemetry.distro import OpenTelemetryConfigurator as Configurator
     except ImportError:

@@ -8,15 +8,17 @@ spans repaired as the direct path repairs them (attribute_values), so both send 
 span applies the provider's limits itself.
 """
 
+from typing import Any, Dict, Mapping, Optional, Union
+
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status
 
 from otel_kvtransfer.building.attribute_values import repaired, repaired_status, repaired_value
 from otel_kvtransfer.building.direct_spans import SendAttributes
 
 
-def _context(parent):
+def _context(parent: Optional[SpanContext]) -> Optional[Context]:
     return trace.set_span_in_context(NonRecordingSpan(parent), Context()) if parent is not None else None
 
 
@@ -26,46 +28,49 @@ class RepairingSpan:
 
     __slots__ = ("span",)
 
-    def __init__(self, span):
+    def __init__(self, span: Span) -> None:
         self.span = span
 
-    def set_attribute(self, key, value) -> None:
+    def set_attribute(self, key: str, value: Any) -> None:
         self.span.set_attribute(repaired_value(key), repaired_value(value))
 
-    def set_attributes(self, attributes) -> None:
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         self.span.set_attributes(repaired(attributes))
 
-    def set_status(self, status, description=None) -> None:
+    def set_status(self, status: Status, description: Optional[str] = None) -> None:  # a Status, as OpenSpan takes
         if description is None and hasattr(status, "status_code"):
             self.span.set_status(repaired_status(status))
         else:
             self.span.set_status(status, repaired_value(description))
 
-    def add_event(self, name, attributes=None, timestamp=None) -> None:
+    def add_event(self, name: str, attributes: Optional[Mapping[str, Any]] = None,
+                  timestamp: Optional[int] = None) -> None:
         self.span.add_event(name, repaired(attributes), timestamp)
 
-    def get_span_context(self):
+    def get_span_context(self) -> SpanContext:
         return self.span.get_span_context()
 
-    def __getattr__(self, name):  # anything else read from the span (attributes, start_time, ...)
+    def __getattr__(self, name: str) -> Any:  # anything else read from the span (attributes, start_time, ...)
         return getattr(self.span, name)
 
 
 class SdkSpans:
-    def __init__(self, tracer):
+    def __init__(self, tracer: trace.Tracer) -> None:
         self.tracer = tracer
 
-    def open(self, name, parent, kind, attributes, start_ns):
+    def open(self, name: str, parent: Optional[SpanContext], kind: SpanKind, attributes: Dict[str, Any],
+             start_ns: int) -> RepairingSpan:
         return RepairingSpan(self.tracer.start_span(name, context=_context(parent), kind=kind,
                                                     attributes=repaired(attributes), start_time=start_ns))
 
     @staticmethod
-    def close(span, end_ns: int) -> None:
+    def close(span: Union[RepairingSpan, Span], end_ns: int) -> None:
         span = span.span if type(span) is RepairingSpan else span
         # A non-recording span (a no-op or disabled SDK) has no start_time: end it all the same.
         span.end(end_time=max(end_ns, getattr(span, "start_time", None) or end_ns))
 
-    def child(self, name, parent, kind, attributes, start_ns, end_ns, status, synthetic=False):
+    def child(self, name: str, parent: Optional[SpanContext], kind: SpanKind, attributes: Dict[str, Any],
+              start_ns: int, end_ns: int, status: Status, synthetic: bool = False) -> SpanContext:
         # `synthetic` needs nothing here: the provider's sampler sees the stitching parent's marker itself
         if type(attributes) is not SendAttributes:  # a send's were made valid where they were made
             attributes = repaired(attributes)
@@ -77,5 +82,5 @@ class SdkSpans:
         return span.get_span_context()
 
     @staticmethod
-    def context_of(span):
+    def context_of(span: RepairingSpan) -> SpanContext:
         return span.get_span_context()

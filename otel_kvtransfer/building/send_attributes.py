@@ -6,13 +6,16 @@ other sends of its request to the same peer and destination (its shape), made on
 cache the caller keeps (the builder keeps one per open request, and one for raw engine calls).
 """
 
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.aggregate import NS_PER_S
 from otel_kvtransfer.building.attribute_values import repaired, repaired_text, repaired_value
 from otel_kvtransfer.building.direct_spans import SendAttributes
 from otel_kvtransfer.recording import records as r
+
+Record = Tuple[Any, ...]  # a SEND record, a call or a transfer-scope info tuple (recording.records)
+PeerParsers = Dict[str, Callable[[Any], Dict[str, Any]]]  # backend -> its engine's peer_attributes
 
 MAX_SHAPES = 4096  # cached static attribute sets per cache
 # What each send sets itself: a framework's or engine's extra attribute may not shadow it.
@@ -32,7 +35,7 @@ class SendFigures:
     __slots__ = ("start", "end", "nbytes", "descriptors", "calls", "failure", "return_code", "first")
 
     def __init__(self, start: int, end: int, nbytes: int, descriptors: int, calls: int, failure: Optional[str],
-                 return_code, first: Optional[tuple]):
+                 return_code: Any, first: Optional[Record]) -> None:
         self.start = start
         self.end = end
         self.nbytes = nbytes
@@ -46,7 +49,7 @@ class SendFigures:
         return "SendFigures(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
 
-def measure(rec: tuple) -> SendFigures:
+def measure(rec: Record) -> SendFigures:
     """A SEND record's figures: the first failing call names the failure unless the scope set its own."""
     calls, failure, return_code = rec[r.SEND_CALLS], rec[r.SEND_ERROR], None
     if len(calls) == 1:  # the common case, without the loops
@@ -69,7 +72,7 @@ def measure(rec: tuple) -> SendFigures:
                        len(calls), failure, return_code, calls[0])
 
 
-def measure_call(call: tuple, failure: Optional[str]) -> SendFigures:
+def measure_call(call: Record, failure: Optional[str]) -> SendFigures:
     """The figures of a send made of the one engine call `call` (a raw call's, or a scope's only one); `failure`
     the scope's own error type, or None."""
     moved, return_code = call[r.CALL_BYTES], None
@@ -82,14 +85,14 @@ def measure_call(call: tuple, failure: Optional[str]) -> SendFigures:
                        return_code, call)
 
 
-def _valid_failure(failure, return_code) -> tuple:
+def _valid_failure(failure: Any, return_code: Any) -> Tuple[str, Any]:
     """A failed send's error type and return code as span values: a string UTF-8 carries (the integration API
     passes a framework's string on as it is), the engine's code unchanged unless it is such a string."""
     return (repaired_text(failure) if type(failure) is str else str(failure)), repaired_value(return_code)
 
 
-def attributes(figures: SendFigures, info: Optional[tuple], labels: Optional[dict], cache: dict,
-               peer_parsers: Dict[str, Callable[[object], dict]]) -> SendAttributes:
+def attributes(figures: SendFigures, info: Optional[Record], labels: Optional[Dict[str, Any]],
+               cache: Dict[Any, Dict[str, Any]], peer_parsers: PeerParsers) -> SendAttributes:
     """The send span's attributes: its own `dynamic` entries first, then its shape's `static` dict from `cache`
     (made and stored there on a miss). `info` and `labels` (its request's) are None for a raw engine call."""
     attrs = SendAttributes()
@@ -116,6 +119,7 @@ def attributes(figures: SendFigures, info: Optional[tuple], labels: Optional[dic
     attrs.dynamic = len(attrs)
     # The static part: one dict per distinct shape, never changed once made, so the encoder and the metrics
     # can key their own caches on it.
+    shape: Optional[Tuple[Any, ...]]
     try:
         shape = (first[r.CALL_BACKEND], first[r.CALL_OP], first[r.CALL_PEER], first[r.CALL_PROTOCOL],
                  tuple(extra.items()) if extra else None) if first else None
@@ -137,11 +141,11 @@ def attributes(figures: SendFigures, info: Optional[tuple], labels: Optional[dic
     return attrs
 
 
-def static_attributes(first: Optional[tuple], info: Optional[tuple], labels: Optional[dict],
-                      peer_parsers: Dict[str, Callable[[object], dict]]) -> dict:
+def static_attributes(first: Optional[Record], info: Optional[Record], labels: Optional[Dict[str, Any]],
+                      peer_parsers: PeerParsers) -> Dict[str, Any]:
     """What a send shares with the other sends of its shape: engine, peer, transport, and its transfer's
     description and request labels."""
-    attrs = {}
+    attrs: Dict[str, Any] = {}
     backend = None
     if first is not None:
         backend = first[r.CALL_BACKEND]

@@ -2,18 +2,27 @@
 context current at its call), measured and given its attributes by `send_attributes`. A send of a request that
 already concluded goes under that request's span, and is late if it ended after it."""
 
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Iterable, Optional
 
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late
-from otel_kvtransfer.building.builder_part import OK, TIME_LIMIT, BuilderPart, mark_error
+from otel_kvtransfer.building.builder_part import (
+    OK,
+    TIME_LIMIT,
+    BuilderMetrics,
+    BuilderPart,
+    Record,
+    SpanFactory,
+    mark_error,
+)
 from otel_kvtransfer.building.direct_spans import span_context_of
 from otel_kvtransfer.building.first_calls import FirstToPeer
 from otel_kvtransfer.building.open_spans import OpenSpans
 from otel_kvtransfer.building.request_spans import RequestSpans
-from otel_kvtransfer.building.send_attributes import SendFigures, attributes, measure, measure_call
+from otel_kvtransfer.building.send_attributes import PeerParsers, SendFigures, attributes, measure, measure_call
 from otel_kvtransfer.recording import records as r
 
 
@@ -23,9 +32,9 @@ class SendSpans(BuilderPart):
     attributes of that engine's peer name; `setup_in_first_call`: the backends whose first transfer to a peer
     sets the connection up."""
 
-    def __init__(self, spans, metrics, requests: RequestSpans, open_spans: OpenSpans, ended: late.EndedRequests,
-                 late_lines: late.LateLines, peer_parsers: Dict[str, Callable[[object], dict]],
-                 setup_in_first_call, on_drop: Callable[[str, int], None]):
+    def __init__(self, spans: SpanFactory, metrics: BuilderMetrics, requests: RequestSpans, open_spans: OpenSpans,
+                 ended: late.EndedRequests, late_lines: late.LateLines, peer_parsers: PeerParsers,
+                 setup_in_first_call: Iterable[str], on_drop: Callable[[str, int], None]) -> None:
         super().__init__(spans, metrics)
         self._open_request = requests.open
         self._touch_request = open_spans.touch_request  # read per record: bound here, no extra lookup
@@ -33,11 +42,11 @@ class SendSpans(BuilderPart):
         self._late_lines = late_lines
         self._peer_parsers = peer_parsers
         self._on_drop = on_drop
-        self._raw_statics = {}  # static attributes of raw engine calls, by shape
+        self._raw_statics: Dict[Any, Dict[str, Any]] = {}  # static attributes of raw engine calls, by shape
         first_calls = FirstToPeer(setup_in_first_call)
         self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
 
-    def raw_call(self, rec, now) -> None:
+    def raw_call(self, rec: Record, now: float) -> None:
         figures = measure_call(rec[r.RAW_CALL_FIELDS], None)
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:  # no engine measures that: bad input to deliver()
             return self._on_drop("api_error", 1)
@@ -46,7 +55,7 @@ class SendSpans(BuilderPart):
         context = rec[r.RAW_CONTEXT]  # None when no span was current at the call (the common case)
         self._send_span(span_context_of(context) if context is not None else None, attrs, figures)
 
-    def send(self, rec, now) -> None:
+    def send(self, rec: Record, now: float) -> None:
         figures = measure(rec)
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:
             return self._on_drop("api_error", 1)
@@ -80,18 +89,18 @@ class SendSpans(BuilderPart):
             self._on_drop("invalid_length", 1)
             figures.nbytes, figures.descriptors = max(figures.nbytes, 0), max(figures.descriptors, 0)
 
-    def _raw_send(self, figures: SendFigures, context) -> None:
+    def _raw_send(self, figures: SendFigures, context: Optional[Context]) -> None:
         """A send outside any transfer scope: under the context current at its engine call."""
         attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
         self._send_span(span_context_of(context), attrs, figures)
 
-    def _send_span(self, parent, attrs, figures: SendFigures) -> None:
+    def _send_span(self, parent: Optional[SpanContext], attrs: Dict[str, Any], figures: SendFigures) -> None:
         start, end, failure = figures.start, figures.end, figures.failure
         status = Status(StatusCode.ERROR, failure) if failure else OK
         span_context = self._spans.child(semconv.SPAN_SEND, parent, SpanKind.CLIENT, attrs, start, end, status)
         self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)
 
-    def _ended_request_send(self, figures: SendFigures, info, key, ended) -> None:
+    def _ended_request_send(self, figures: SendFigures, info: Record, key: Any, ended: late.EndedRequest) -> None:
         """A send of a request that already concluded: under that request's span, late if it ended after it."""
         attrs = attributes(figures, info, ended.labels, self._ended.shapes(key), self._peer_parsers)
         late_s = late.late_by_s(ended, figures.end)

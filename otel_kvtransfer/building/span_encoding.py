@@ -23,9 +23,13 @@ import logging
 import struct
 import sys
 from itertools import islice
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeGuard
 
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otel_kvtransfer import sdk_internals
 from otel_kvtransfer.building.direct_spans import TUPLE_CONTEXT as _TUPLE_CONTEXT
@@ -80,21 +84,24 @@ class _Pieces:
     """The cached pieces: encoded attribute pairs by key then value (a table per type: True and 1 are equal keys
     in a dict), prefixes of double-valued keys, span names, and per-(resource, scope) wrappers."""
 
-    def __init__(self):
-        self.strings = {}
-        self.ints = {}
-        self.bools = {}
-        self.double_prefix = {}
-        self.names = {}
-        self.wrappers = {}
-        self.statics = {}
+    def __init__(self) -> None:
+        self.strings: Dict[str, Dict[str, bytes]] = {}  # key -> value -> the encoded pair
+        self.ints: Dict[str, Dict[int, bytes]] = {}
+        self.bools: Dict[str, Dict[bool, bytes]] = {}
+        self.double_prefix: Dict[str, bytes] = {}
+        self.names: Dict[str, bytes] = {}
+        # (id(resource), id(scope)) -> (resource, scope, ResourceSpans bytes, ScopeSpans bytes)
+        self.wrappers: Dict[Tuple[int, int], Tuple[Resource, Optional[InstrumentationScope], bytes, bytes]] = {}
+        self.statics: Dict[int, Tuple[Dict[str, Any], bytes]] = {}  # id(static attributes) -> (them, their bytes)
         self.size = 0
         self.bytes = 0
         self.statics_bytes = 0
 
-    def slow(self, key, value) -> bytes:
+    def slow(self, key: Any, value: Any) -> bytes:
         """A pair not cached yet: encoded (empty where the SDK's encoder drops it), and cached unless it is a
         double or too large."""
+        any_value: Optional[bytes]
+        table: Dict[str, Dict[Any, bytes]]
         kind = type(value)
         if type(key) is not str:
             raise _Unsupported(type(key))
@@ -137,7 +144,7 @@ class _Pieces:
         table.setdefault(key, {})[value] = pair
         return pair
 
-    def static(self, attributes: dict) -> bytes:
+    def static(self, attributes: Dict[str, Any]) -> bytes:
         """The encoded pairs of a static attribute dict (builder: never changed once made), by identity."""
         cached = self.statics.get(id(attributes))
         if cached is not None and cached[0] is attributes:
@@ -160,7 +167,7 @@ class _Pieces:
             encoded = self.names[name] = _field(b"\x2a", name.encode("utf-8"))
         return encoded
 
-    def wrapper(self, resource, scope):
+    def wrapper(self, resource: Resource, scope: Optional[InstrumentationScope]) -> Tuple[bytes, bytes]:
         """(ResourceSpans bytes without its scope_spans, ScopeSpans bytes without its spans), made once with the
         SDK encoder's own functions, so resource and scope are encoded exactly as it encodes them."""
         key = (id(resource), id(scope))
@@ -172,8 +179,8 @@ class _Pieces:
         encode_resource, encode_scope = sdk_internals.otlp_resource_and_scope_encoders()
         resource_part = ResourceSpans(resource=encode_resource(resource),
                                       schema_url=resource.schema_url).SerializeToString()
-        scope_part = ScopeSpans(scope=encode_scope(scope),
-                                schema_url=scope.schema_url if scope else None).SerializeToString()
+        scope_part = ScopeSpans(scope=encode_scope(scope),  # (protobuf takes None for unset; its stub says str)
+                                schema_url=scope.schema_url if scope else None).SerializeToString()  # type: ignore[arg-type]
         if len(self.wrappers) > 64:
             self.wrappers.clear()
         self.wrappers[key] = (resource, scope, resource_part, scope_part)
@@ -208,6 +215,7 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     strings, ints, bools, doubles, append = pieces.strings, pieces.ints, pieces.bools, pieces.double_prefix, \
         parts.append
     attributes = span._attributes
+    items: Iterable[Tuple[str, Any]]
     items, static = attributes.items(), b""
     if type(attributes) is SendAttributes:
         shared = attributes.static
@@ -237,7 +245,7 @@ def encode_span(span: KVSpan, pieces: _Pieces = _PIECES) -> bytes:
     return b"".join(parts)
 
 
-def _status_field(status) -> bytes:
+def _status_field(status: Status) -> bytes:
     """The Status field of a span whose status was set (a failed send's: its description and code)."""
     body = b""
     if status.description:
@@ -252,10 +260,12 @@ def _status_field(status) -> bytes:
 _UNENCODABLE = (struct.error, OverflowError, TypeError, ValueError)
 
 
-def encode_request(spans, pieces: _Pieces = _PIECES, unencodable=None) -> bytes:
+def encode_request(spans: Iterable[KVSpan], pieces: _Pieces = _PIECES,
+                   unencodable: Optional[List[KVSpan]] = None) -> bytes:
     """ExportTraceServiceRequest bytes for KVSpans: one ResourceSpans per (resource, scope), spans in order. A span
     whose own fields OTLP cannot carry raises, or, given the list `unencodable`, is put there and left out."""
-    groups = {}
+    # (id(resource), id(scope)) -> (resource, scope, the encoded spans with their tags)
+    groups: Dict[Tuple[int, int], Tuple[Resource, Optional[InstrumentationScope], List[bytes]]] = {}
     for span in spans:
         try:
             encoded = encode_span(span, pieces)
@@ -278,7 +288,7 @@ def encode_request(spans, pieces: _Pieces = _PIECES, unencodable=None) -> bytes:
     return b"".join(out)
 
 
-def _fast_enough(span) -> bool:
+def _fast_enough(span: ReadableSpan) -> TypeGuard[KVSpan]:
     return type(span) is KVSpan and not span._events and not span._links
 
 
@@ -288,10 +298,10 @@ class PreEncoded:
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def SerializeToString(self, **_):
+    def SerializeToString(self, **_: Any) -> bytes:
         return self.data
 
     SerializePartialToString = SerializeToString
@@ -315,14 +325,15 @@ class AcceleratedEncoder:
     others' need not) costs that span alone: it is left out of the batch and counted (`count_dropped(DROP_REASON,
     n)`), and the rest of the batch goes out. The original encoder fails a whole batch on one such span."""
 
-    def __init__(self, original, as_message: bool = True, count_dropped=_no_count):
+    def __init__(self, original: Callable[..., Any], as_message: bool = True,
+                 count_dropped: Callable[[str, int], None] = _no_count) -> None:
         self.original = original
         self.as_message = as_message
         self.count_dropped = count_dropped
         self._failed_logged = False
         self._left_out_logged = False
 
-    def __call__(self, sdk_spans, *args, **kwargs):
+    def __call__(self, sdk_spans: Sequence[ReadableSpan], *args: Any, **kwargs: Any) -> Any:
         ours = [span for span in sdk_spans if _fast_enough(span)]
         if ours:
             try:
@@ -337,8 +348,9 @@ class AcceleratedEncoder:
         except Exception:  # the whole batch would be lost: encode what encodes
             return self.original(self._encodable(sdk_spans, args, kwargs), *args, **kwargs)
 
-    def _fast(self, ours, sdk_spans, args, kwargs):
-        unencodable = []
+    def _fast(self, ours: List[KVSpan], sdk_spans: Sequence[ReadableSpan], args: Tuple[Any, ...],
+              kwargs: Dict[str, Any]) -> Any:
+        unencodable: List[KVSpan] = []
         encoded = encode_request(ours, unencodable=unencodable)
         others = [span for span in sdk_spans if not _fast_enough(span)] if len(ours) < len(sdk_spans) else []
         if unencodable:
@@ -355,7 +367,8 @@ class AcceleratedEncoder:
         message.MergeFromString(encoded)
         return message
 
-    def _encodable(self, spans, args, kwargs) -> list:
+    def _encodable(self, spans: Sequence[ReadableSpan], args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any]) -> List[ReadableSpan]:
         """The spans the original encoder encodes one by one (only after it failed a batch of them); the others
         counted."""
         kept = []
@@ -382,10 +395,11 @@ class AcceleratedEncoder:
             _logger.debug("otel_kvtransfer: could not count spans left out of a batch", exc_info=True)
 
 
-def accelerate(count_dropped=None) -> int:
+def accelerate(count_dropped: Optional[Callable[[str, int], None]] = None) -> int:
     """Wrap `encode_spans` in the OTLP span exporter modules already imported; how many are wrapped now.
     `count_dropped(reason, n)` counts the spans left out of a batch (the wrapper in place takes it too)."""
     wrapped = 0
+    module: Any  # an exporter module, or None
     for name in EXPORTER_MODULES:
         module = sys.modules.get(name)
         current = getattr(module, "encode_spans", None)
@@ -400,6 +414,7 @@ def accelerate(count_dropped=None) -> int:
 
 
 def restore() -> None:
+    module: Any  # an exporter module, or None
     for name in EXPORTER_MODULES:
         module = sys.modules.get(name)
         current = getattr(module, "encode_spans", None)

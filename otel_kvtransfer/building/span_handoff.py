@@ -10,14 +10,14 @@ needs the SDK's own judgement to `on_end`), any other processor its `on_end`, in
 """
 
 import os
-from typing import Callable
+from typing import Callable, Tuple
 
-from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, SynchronousMultiSpanProcessor
 
 from otel_kvtransfer import sdk_internals
 
 
-def plan(multi, processors: tuple) -> Callable[[object], None]:
+def plan(multi: SpanProcessor, processors: Tuple[SpanProcessor, ...]) -> Callable[[ReadableSpan], None]:
     """A function span -> None that delivers a span to `processors` (what `multi`, the provider's multi span
     processor, holds now) as `multi.on_end` would; `multi.on_end` itself for any multi processor but the SDK's
     synchronous one (a concurrent one runs them on its own threads)."""
@@ -28,7 +28,7 @@ def plan(multi, processors: tuple) -> Callable[[object], None]:
     if len(steps) == 1:  # the distro's own set-up: one BatchSpanProcessor
         return steps[0]
 
-    def hand(span) -> None:
+    def hand(span: ReadableSpan) -> None:
         for step in steps:
             step(span)
 

@@ -7,7 +7,7 @@ it is sampled as a root span with that trace id would be, identically on both si
 """
 
 from hashlib import blake2b
-from typing import Union
+from typing import Any, Union
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -32,8 +32,8 @@ def key_span_id(key: Key) -> int:
     return int.from_bytes(blake2b(_key_bytes(key), digest_size=8, person=b"kv_transfer.req").digest(), "big")
 
 
-def is_synthetic(span_context) -> bool:
-    state = getattr(span_context, "trace_state", None)
+def is_synthetic(span_context: SpanContext) -> bool:
+    state: Any = getattr(span_context, "trace_state", None)  # a TraceState, or None from a foreign object
     return bool(state) and state.get(MARKER[0]) == MARKER[1]
 
 

@@ -15,25 +15,34 @@ import logging
 import threading
 import weakref
 from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 from opentelemetry import metrics
-from opentelemetry.metrics import Observation
+from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building.printable import as_text, one_line
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.version import __version__
 
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.builder_part import BuiltSpan
+    from otel_kvtransfer.building.open_spans import OpenPeer, OpenRequest
+
 _logger = logging.getLogger(__name__)
 KINDS = (semconv.INFLIGHT_SEND, semconv.INFLIGHT_REQUEST, semconv.INFLIGHT_PEER, semconv.INFLIGHT_CONNECT)
-_BY_PROVIDER = weakref.WeakKeyDictionary()
+_BY_PROVIDER: "weakref.WeakKeyDictionary[MeterProvider, StuckReporter]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 MAX_LINES = 5  # stuck items logged one by one per scan; the rest go into one summary line
 MAX_GROUPS = 8  # (kind, peer) groups named in a summary line
+# An item that just became stuck: (kind, key, peer, nbytes, age_s, backend, role, its span or None).
+Stuck = Tuple[str, Any, Any, Optional[int], float, Optional[str], Optional[str], Optional["BuiltSpan"]]
+Snapshot = Dict[str, Tuple[int, Optional[int]]]  # kind -> (open count, oldest start_ns or None)
+Opened = Tuple[int, Any, Union["OpenRequest", "OpenPeer"]]  # (start_ns, key, its state in the builder's table)
 
 
 class StuckReporter:
-    def __init__(self, meter_provider=None):
+    def __init__(self, meter_provider: Optional[MeterProvider] = None) -> None:
         meter = metrics.get_meter(semconv.INSTRUMENTATION_NAME, __version__, meter_provider)
         self._counter = meter.create_counter(semconv.METRIC_STUCK, unit="{item}",
                                              description="Transfers, requests and peer waits open longer than "
@@ -42,22 +51,25 @@ class StuckReporter:
                                       description="Transfers, requests and peer waits open now")
         meter.create_observable_gauge(semconv.METRIC_INFLIGHT_OLDEST_AGE, callbacks=[self._ages], unit="s",
                                       description="Age of the oldest transfer, request or peer wait open now")
-        self.snapshot = {}  # kind -> (open count, oldest start_ns or None); replaced whole by the builder
+        self.snapshot: Snapshot = {}  # replaced whole by the builder
 
-    def _counts(self, _options):
+    def _counts(self, _options: CallbackOptions) -> List[Observation]:
         return [Observation(count, {semconv.INFLIGHT_KIND: kind}) for kind, (count, _) in self.snapshot.items()]
 
-    def _ages(self, _options):
+    def _ages(self, _options: CallbackOptions) -> List[Observation]:
         now = now_ns()  # the records' clock: ages are monotonic measures
         return [Observation(max(now - oldest, 0) / 1e9 if oldest is not None else 0.0,
                             {semconv.INFLIGHT_KIND: kind}) for kind, (_, oldest) in self.snapshot.items()]
 
-    def stuck(self, kind, key, peer, nbytes, age_s, backend=None, role=None, span=None) -> None:
+    def stuck(self, kind: str, key: Any, peer: Any, nbytes: Optional[int], age_s: float, backend: Optional[str] = None,
+              role: Optional[str] = None, span: Optional["BuiltSpan"] = None) -> None:
         self.report([(kind, key, peer, nbytes, age_s, backend, role, span)])
 
-    def report(self, items) -> None:
+    def report(self, items: Iterable[Stuck]) -> None:
         """The items of one scan that just became stuck: (kind, key, peer, nbytes, age_s, backend, role, span)
         each. Each is counted and gets its span event; the first MAX_LINES get a line each, the rest one line."""
+        counts: Dict[Tuple[str, Optional[str], Optional[str]], int]  # (kind, backend, role) -> items
+        groups: Dict[Tuple[str, Optional[str]], int]  # (kind, peer) -> items beyond the lines
         counts, logged, rest, oldest, groups = {}, 0, 0, 0.0, {}
         at_ns = now_ns()  # on the spans' clock
         for kind, key, peer, nbytes, age_s, backend, role, span in items:
@@ -71,8 +83,8 @@ class StuckReporter:
                 group = (kind, None if peer is None else one_line(peer))
                 if group in groups or len(groups) < MAX_GROUPS:
                     groups[group] = groups.get(group, 0) + 1
-            labels = (kind, backend or None, role or None)
-            counts[labels] = counts.get(labels, 0) + 1
+            series = (kind, backend or None, role or None)
+            counts[series] = counts.get(series, 0) + 1
             if span is not None:
                 attributes = {semconv.STUCK_AGE_S: float(age_s), semconv.INFLIGHT_KIND: kind}
                 if peer is not None:
@@ -96,13 +108,13 @@ class StuckReporter:
                             shown, f", others: {rest - named}" if rest > named else "")
 
 
-def _shown(value) -> str:
+def _shown(value: Any) -> str:
     """A value for the log line (a request key a client chose, a peer's own name): one line, control and format
     characters escaped, bounded; never the engine's whole object."""
     return "unknown" if value is None else one_line(value)
 
 
-def reporter_for(meter_provider) -> StuckReporter:
+def reporter_for(meter_provider: Optional[MeterProvider]) -> StuckReporter:
     """One reporter per MeterProvider (its instruments outlive uninstrument, as SDK instruments do)."""
     provider = meter_provider or metrics.get_meter_provider()
     with _LOCK:
@@ -119,18 +131,20 @@ class OpenWatch:
     """The builder's side: its open requests and peer waits in the order they opened, so each tick finds the
     ones that just became stuck, and the oldest still open, in O(what changed), not O(open)."""
 
-    def __init__(self, reporter: StuckReporter, stuck_s: float):
+    def __init__(self, reporter: StuckReporter, stuck_s: float) -> None:
         self.reporter = reporter
         self._stuck_ns = int(stuck_s * 1e9)
-        self._young = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
-        self._old = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
-        self._sends = (0, None)
-        self._connects = None  # (open, oldest start) of set-up calls, once the engine process reported any
+        # kind -> its open items, in the order they opened
+        self._young: Dict[str, Deque[Opened]] = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
+        self._old: Dict[str, Deque[Opened]] = {semconv.INFLIGHT_REQUEST: deque(), semconv.INFLIGHT_PEER: deque()}
+        self._sends: Tuple[int, Optional[int]] = (0, None)
+        # (open, oldest start) of set-up calls, once the engine process reported any
+        self._connects: Optional[Tuple[int, Optional[int]]] = None
 
-    def opened(self, kind: str, key, state, start_ns: int) -> None:
+    def opened(self, kind: str, key: Any, state: Union["OpenRequest", "OpenPeer"], start_ns: int) -> None:
         self._young[kind].append((start_ns, key, state))
 
-    def sends(self, rec, find_request) -> None:
+    def sends(self, rec: Tuple[Any, ...], find_request: Callable[[Any], Optional["OpenRequest"]]) -> None:
         """An INFLIGHT record from the engine process: its open sends and set-up calls, and those that just
         became stuck."""
         _, at_ns, count, oldest, stuck, connects = rec
@@ -141,7 +155,8 @@ class OpenWatch:
             self.reporter.report(self._stuck_sends(stuck, at_ns, find_request))
 
     @staticmethod
-    def _stuck_sends(stuck, at_ns, find_request):
+    def _stuck_sends(stuck: Iterable[Tuple[Any, ...]], at_ns: int,
+                     find_request: Callable[[Any], Optional["OpenRequest"]]) -> Iterator[Stuck]:
         for start_ns, key, peer, nbytes, backend, kind in stuck:
             if nbytes is not None and type(nbytes) is not int:  # a batch's lengths, as the engine was given them
                 nbytes = int(sum(nbytes))
@@ -150,15 +165,16 @@ class OpenWatch:
                    state.labels.get(semconv.ROLE) if state is not None else None,
                    state.span if state is not None else None)
 
-    def tick(self, tables: dict, describe) -> None:
+    def tick(self, tables: Mapping[str, Mapping[Any, Any]],
+             describe: Callable[[str, Any], Tuple[Any, Optional[int], Optional[str], Optional[str]]]) -> None:
         """`tables`: kind -> the builder's open table (key -> state); `describe(kind, state)` -> (peer, nbytes,
         backend, role) for the report."""
         now = now_ns()  # the records' clock: ages are monotonic measures
         threshold = now - self._stuck_ns
-        snapshot = {semconv.INFLIGHT_SEND: self._sends}
+        snapshot: Snapshot = {semconv.INFLIGHT_SEND: self._sends}
         if self._connects is not None:
             snapshot[semconv.INFLIGHT_CONNECT] = self._connects
-        stuck = []
+        stuck: List[Stuck] = []
         for kind, table in tables.items():
             young, old = self._young[kind], self._old[kind]
             while young and young[0][0] <= threshold:

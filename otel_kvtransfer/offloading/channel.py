@@ -11,7 +11,7 @@ import errno
 import select
 import socket
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 GONE = None  # what write() answers once the helper has ended
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -28,14 +28,14 @@ def ready(fd: int, events: int, timeout_s: float) -> int:
 
 
 class Channel:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.tail = None  # the unwritten rest of a frame begun
+        self.tail: Optional[memoryview] = None  # the unwritten rest of a frame begun
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def write(self, data) -> Optional[int]:
+    def write(self, data: Union[bytes, memoryview]) -> Optional[int]:
         """How much of `data` the socket took (0 while it is full); GONE when the helper has ended."""
         try:
             return self.sock.send(data, _NOSIGNAL)
@@ -51,7 +51,8 @@ class Channel:
         if written < len(frame):
             self.tail = memoryview(frame)[written:]
 
-    def push(self, deadline: float, write: Callable, on_readable: Callable[[], bool]) -> bool:
+    def push(self, deadline: float, write: Callable[[memoryview], Optional[int]],
+             on_readable: Callable[[], bool]) -> bool:
         """The tail, waiting for room until `deadline`; True once it is all written. `write` is the caller's
         write (it handles GONE); when acknowledgements are waiting meanwhile, `on_readable()` reads them (the
         helper may be waiting for us to) and answers False when the helper is gone."""

@@ -12,7 +12,7 @@ import logging
 import select
 import socket
 import time
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple, Union, cast
 
 from otel_kvtransfer.offloading import wire
 from otel_kvtransfer.offloading.channel import GONE, READ_SIZE, Channel, ready
@@ -24,7 +24,7 @@ _logger = logging.getLogger(__name__)
 
 
 class HelperConnection:
-    def __init__(self, tally: DropTally):
+    def __init__(self, tally: DropTally) -> None:
         self._tally = tally
         self.helper = HelperProcess()
         self.channel: Optional[Channel] = None  # the current helper's socket
@@ -32,7 +32,7 @@ class HelperConnection:
         self.generation = 0  # bumped whenever the helper changes: a flush waits on one helper only
         self.closed = False  # after close(): frames are counted, not sent
 
-    def send(self, payload: tuple, records: int, drops: dict, wait_s: float) -> Optional[int]:
+    def send(self, payload: Tuple[Any, ...], records: int, drops: Dict[str, int], wait_s: float) -> Optional[int]:
         """One frame; its sequence, or None when no helper took it (its records and drops counted here)."""
         tally = self._tally
         if self.closed:  # a few last calls of an ending process, nobody left to build them
@@ -53,7 +53,7 @@ class HelperConnection:
             if written is GONE:
                 continue
             self.ledger.sent(sequence, records, drops)
-            self.channel.begin(frame, written)
+            cast(Channel, self.channel).begin(frame, written)  # (started above, and not found gone)
             if self.writing():
                 self.push_tail(deadline)
             return sequence
@@ -74,15 +74,15 @@ class HelperConnection:
 
     def push_tail(self, deadline: float) -> bool:
         """The rest of the frame begun, waiting for room until `deadline`; True once it is all written."""
-        return self.channel.push(deadline, self._write, self._read_acks_while_writing)
+        return cast(Channel, self.channel).push(deadline, self._write, self._read_acks_while_writing)  # (writing)
 
     def _read_acks_while_writing(self) -> bool:
         self.read_acks()  # the helper may be waiting for us to read its acknowledgements
         return self.channel is not None
 
-    def _write(self, data) -> Optional[int]:
+    def _write(self, data: Union[bytes, memoryview]) -> Optional[int]:
         """How much of `data` the socket took (0 while it is full); GONE when the helper has ended (`_lost`)."""
-        written = self.channel.write(data)
+        written = cast(Channel, self.channel).write(data)  # (only ever called with a helper's socket open)
         if written is GONE:
             self._lost()
         return written
@@ -175,7 +175,7 @@ class HelperConnection:
         if self.helper.proc is None:
             tally.count_here(0, tally.take(), "the engine is ending")
             return
-        channel = self.channel
+        channel = cast(Channel, self.channel)  # (a helper runs: its socket is open)
         if self.writing():
             self.push_tail(deadline)
         try:

@@ -26,6 +26,8 @@ import socket
 import sys
 import threading
 import time
+from types import FrameType
+from typing import Any, List, Optional, Tuple
 
 from opentelemetry import metrics, trace
 
@@ -70,7 +72,7 @@ def _read_exact(fd: int, size: int) -> bytes:
 class _Acks:
     """Acknowledgements back to the engine, from the frame loop and the flusher thread."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
 
@@ -87,14 +89,14 @@ class _Flusher:
     first flush that began after the frame was handled; the requests that arrive during a flush are served by
     the next one, together."""
 
-    def __init__(self, providers, acks: _Acks):
+    def __init__(self, providers: Tuple[Any, ...], acks: _Acks) -> None:  # the tracer and meter providers
         self._providers = providers
         self._acks = acks
         self._asked = 0  # flushes asked for, and done
         self._done = 0
         self._sequence = 0  # the latest FLUSH frame among them (0: only SIGTERM asked)
         self._cond = threading.Condition(threading.Lock())
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
 
     def request(self, sequence: int = 0) -> None:
         with self._cond:
@@ -125,7 +127,7 @@ class _Flusher:
 
 
 class Helper:
-    def __init__(self, acks: _Acks):
+    def __init__(self, acks: _Acks) -> None:
         self._acks = acks
         self.settings = config.load()
         self.tracer_provider = trace.get_tracer_provider()
@@ -137,7 +139,7 @@ class Helper:
         self.flusher = _Flusher((self.tracer_provider, self.meter_provider), acks)
         self._unknown_logged = False
 
-    def handle(self, frame: tuple, unknown=()) -> None:
+    def handle(self, frame: Tuple[Any, ...], unknown: Tuple[str, ...] = ()) -> None:
         """One decoded frame. Never waits for an exporter: a flush is handed to the flusher's thread."""
         kind = frame[0]
         if kind == wire.BATCH:
@@ -156,7 +158,7 @@ class Helper:
         elif kind == wire.END_OPEN:
             self.builder.end_all(self.drop)
 
-    def _plain(self, batch: list, unknown) -> list:
+    def _plain(self, batch: List[Tuple[Any, ...]], unknown: Tuple[str, ...]) -> List[Tuple[Any, ...]]:
         if not self._unknown_logged:
             self._unknown_logged = True
             _logger.warning("otel_kvtransfer builder process: records carry values of classes it does not load "
@@ -223,11 +225,11 @@ class _Signals:
     what is held now, then keep building until the engine itself ends. A second SIGTERM ends the helper, which
     exports on its way out. The handler only sets a flag: the frame loop asks the flusher."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.terms = 0
         self._flush = False
 
-    def on_sigterm(self, signum, frame):
+    def on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
         self.terms += 1
         if self.terms > 1:
             raise SystemExit(0)

@@ -8,24 +8,25 @@ drops they carried are counted by whoever reads `lost()`. No I/O here: `link` fe
 """
 
 from collections import deque
-from typing import Callable, Tuple
+from typing import Callable, Deque, Dict, Tuple
 
 from otel_kvtransfer.offloading import wire
 
 
 class Ledger:
-    def __init__(self):
+    def __init__(self) -> None:
         self.sequence = 0  # the last sequence given to a frame
         self.flushed = 0  # the latest FLUSH sequence the helper has flushed for
         self.answered = False  # the current helper has acknowledged a frame: it works
-        self._unacked = deque()  # (sequence, records, drops) of the frames sent and not acknowledged
+        # (sequence, records, drops) of the frames sent and not acknowledged
+        self._unacked: Deque[Tuple[int, int, Dict[str, int]]] = deque()
         self._buffer = b""  # a part of an acknowledgement read so far
 
     def next_sequence(self) -> int:
         self.sequence += 1
         return self.sequence
 
-    def sent(self, sequence: int, records: int, drops: dict) -> None:
+    def sent(self, sequence: int, records: int, drops: Dict[str, int]) -> None:
         self._unacked.append((sequence, records, drops))
 
     def read(self, chunk: bytes, on_pid: Callable[[int], None]) -> bool:
@@ -51,8 +52,9 @@ class Ledger:
         first, self.answered = not self.answered, True
         return first
 
-    def lost(self) -> Tuple[int, dict]:
+    def lost(self) -> Tuple[int, Dict[str, int]]:
         """(records, drops by reason) of every frame not acknowledged, taken off the books."""
+        drops: Dict[str, int]
         records, drops = 0, {}
         for _, count, carried in self._unacked:
             records += count

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from otel_kvtransfer.recording import clock
 
@@ -62,12 +62,12 @@ def package_parent() -> str:
     return path
 
 
-def helper_command() -> list:
+def helper_command() -> List[str]:
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     return [sys.executable, *safe_path, "-c", _BOOTSTRAP, package_parent()]
 
 
-def _helper_environment() -> dict:
+def _helper_environment() -> Dict[str, str]:
     """The engine's environment minus opentelemetry-instrument's sitecustomize: the helper instruments nothing."""
     env = dict(os.environ)
     env[HELPER_ENV] = "1"
@@ -86,18 +86,18 @@ class Helper:
     """A helper as the engine knows it: `pid` once the helper has said it (None until then); its exit code is
     never known (it is not this process's child: whoever adopted it reaps it)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pid: Optional[int] = None
-        self.returncode = None
+        self.returncode: Optional[int] = None
 
 
 class HelperProcess:
     """The current helper (`proc`, None while none runs), when the next may start, and the starters until they
     are reaped. Its caller (the link) serialises every call."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.proc: Optional[Helper] = None
-        self._starters = []  # starter processes (each ends at once), until reaped
+        self._starters: List["subprocess.Popen[bytes]"] = []  # starter processes (each ends at once), until reaped
         self._failures = 0  # helpers in a row that could not start or ended without acknowledging anything
         self._next_start = 0.0
         self.last_error = ""  # why the latest helper could not start, for the link's one warning line

@@ -25,16 +25,20 @@ import logging
 import select
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, cast
 
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otel_kvtransfer.offloading import wire
-from otel_kvtransfer.offloading.channel import ready
+from otel_kvtransfer.offloading.channel import Channel, ready
 from otel_kvtransfer.offloading.helper_connection import HelperConnection
 from otel_kvtransfer.offloading.lifecycle import START_TRIES
 from otel_kvtransfer.offloading.link_drops import DROP_REASON, DropTally
 from otel_kvtransfer.recording.sink import Sink, log_own_error
+
+if TYPE_CHECKING:
+    from otel_kvtransfer.building.in_process import InProcessSink
+    from otel_kvtransfer.recording.recorder import Recorder
 
 _logger = logging.getLogger(__name__)
 
@@ -55,22 +59,24 @@ class HelperLink(Sink):
 
     batched = True  # each drain's records in one frame
 
-    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None, fallback: Optional[Callable] = None):
+    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None,
+                 fallback: Optional[Callable[[], "InProcessSink"]] = None) -> None:
         self._fallback = fallback
-        self._local = None  # the in-process builder, once no helper could start: every record is built here
+        # the in-process builder, once no helper could start: every record is built here
+        self._local: Optional["InProcessSink"] = None
         self._lock = threading.Lock()
         self._tally = DropTally(count_dropped, hushed=fallback is not None)
         self.connection = HelperConnection(self._tally)
 
     # --- the recorder's sink (the recorder's thread) ---------------------------------------------------------
-    def take_batch(self, batch: list) -> None:
+    def take_batch(self, batch: List[Tuple[Any, ...]]) -> None:
         if self._local is None:
             with self._lock:
                 if not self._builds_here():
                     drops = self._tally.take()
                     self.connection.send((wire.BATCH, batch, drops), len(batch), drops, WRITE_WAIT_S)
                     return
-        handle = self._local.take
+        handle = cast("InProcessSink", self._local).take  # (set: else a helper took the batch above)
         for rec in batch:
             try:
                 handle(rec)
@@ -139,7 +145,7 @@ class HelperLink(Sink):
             if flushed is not None:
                 return flushed
 
-    def _ask_flush(self, deadline: float):
+    def _ask_flush(self, deadline: float) -> Optional[Tuple[int, int]]:
         """(sequence, generation) of a FLUSH frame sent after every frame begun before it and the drops not yet
         carried, or None when none could go before `deadline`."""
         connection = self.connection
@@ -153,7 +159,7 @@ class HelperLink(Sink):
                     if not connection.writing():
                         sequence = connection.send((wire.FLUSH,), 0, {}, 0)
                         return None if sequence is None else (sequence, connection.generation)
-                fd = connection.channel.fileno()
+                fd = cast(Channel, connection.channel).fileno()  # (still writing: its socket is open)
             if not self._wait(fd, select.POLLOUT, deadline):
                 return None
 
@@ -168,7 +174,7 @@ class HelperLink(Sink):
                     return None
                 if connection.ledger.flushed >= sequence:
                     return True
-                fd = connection.channel.fileno()
+                fd = cast(Channel, connection.channel).fileno()  # (the same helper: its socket is open)
             if not self._wait(fd, select.POLLIN | (select.POLLOUT if connection.writing() else 0), deadline):
                 return False
 
@@ -236,7 +242,7 @@ class HelperLink(Sink):
 class HelperFlushProcessor(SpanProcessor):
     """On the engine's TracerProvider: its flush and shutdown also deliver to, and flush, the helper."""
 
-    def __init__(self, recorder, link: HelperLink):
+    def __init__(self, recorder: "Recorder", link: HelperLink) -> None:
         self._recorder = recorder
         self._link = link
 

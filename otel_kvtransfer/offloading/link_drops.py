@@ -2,7 +2,7 @@
 no helper can carry them, counted in this process's own MeterProvider, so drops always reach an exporter."""
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from otel_kvtransfer.building.attachment import drop_counter
 
@@ -15,9 +15,9 @@ class DropTally:
     """`count_dropped(reason, n)` counts in this process (default: a counter on the global MeterProvider, made
     when first needed). The link's lock guards it."""
 
-    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None, hushed: bool = False):
+    def __init__(self, count_dropped: Optional[Callable[[str, int], None]] = None, hushed: bool = False) -> None:
         self._count_dropped = count_dropped
-        self.pending = {}  # reason -> count: to carry in the next frame
+        self.pending: Dict[str, int] = {}  # reason -> count: to carry in the next frame
         self.logged = False  # one warning per episode (a loss, a stall, no helper), until a helper answers again
         self.quiet = 0  # records counted without a word while helpers are still being tried
         self.hushed = hushed  # a fallback may still take over: what a failed start costs is told in one line later
@@ -25,11 +25,11 @@ class DropTally:
     def add(self, reason: str, count: int) -> None:
         self.pending[reason] = self.pending.get(reason, 0) + count
 
-    def take(self) -> dict:
+    def take(self) -> Dict[str, int]:
         drops, self.pending = self.pending, {}
         return drops
 
-    def count_here(self, records: int, drops: dict, why: Optional[str]) -> None:
+    def count_here(self, records: int, drops: Dict[str, int], why: Optional[str]) -> None:
         """Counted in this process's own metrics: no helper can carry them now (`why`: for the episode's one
         warning line; None: counted without a word)."""
         if records:

@@ -19,7 +19,7 @@ import io
 import pickle
 import struct
 import sys
-from typing import Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -42,8 +42,11 @@ MAX_FRAME = 256 << 20  # far above any real frame (a full queue is ~140 MiB in m
 # Modules the helper may import to rebuild a value; any other class must be loaded already.
 _IMPORTABLE = frozenset(getattr(sys, "stdlib_module_names", ())) | {"numpy"}
 
+# A Context as it travels: (trace_id, span_id, flags, trace state header, remote).
+WiredContext = Tuple[int, int, int, str, bool]
 
-def context_out(context) -> Optional[tuple]:
+
+def context_out(context: Optional[Context]) -> Optional[WiredContext]:
     """A Context -> (trace_id, span_id, flags, trace state header, remote), or None without a valid span."""
     if not context:  # None, or an empty Context (the common case of a raw engine call)
         return None
@@ -54,7 +57,7 @@ def context_out(context) -> Optional[tuple]:
             span_context.trace_state.to_header(), span_context.is_remote)
 
 
-def context_in(wired) -> Optional[Context]:
+def context_in(wired: Optional[WiredContext]) -> Optional[Context]:
     if wired is None:
         return None
     trace_id, span_id, flags, state, remote = wired
@@ -63,7 +66,8 @@ def context_in(wired) -> Optional[Context]:
     return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
 
 
-def _reduce_context(context):
+def _reduce_context(context: Context) -> Tuple[Callable[[Optional[WiredContext]], Optional[Context]],
+                                                Tuple[Optional[WiredContext]]]:
     return context_in, (context_out(context),)
 
 
@@ -72,7 +76,7 @@ _DISPATCH[Context] = _reduce_context
 _KEPT = (bool, int, float, str, bytes, Context)  # what _plain leaves as it is (a Context: reduced as above)
 
 
-def _plain(value, depth=0):
+def _plain(value: Any, depth: int = 0) -> Any:
     """A value pickle can carry: containers rebuilt, numbers as numbers, anything else its bounded str()."""
     if value is None or type(value) in _KEPT:
         return value
@@ -94,7 +98,7 @@ def _plain(value, depth=0):
     return str(value)[:256]
 
 
-def _dumps(payload) -> bytes:
+def _dumps(payload: Any) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = _DISPATCH
@@ -102,7 +106,7 @@ def _dumps(payload) -> bytes:
     return buffer.getvalue()
 
 
-def encode(payload: tuple, records: int = 0, sequence: int = 0) -> bytes:
+def encode(payload: Tuple[Any, ...], records: int = 0, sequence: int = 0) -> bytes:
     try:
         body = _dumps(payload)
     except Exception:  # something unpicklable deep inside: plain values instead
@@ -115,34 +119,35 @@ class Unknown:
     pickle hands it (arguments, state, items) and keeps the arguments, for `unknown_to_plain`."""
 
     origin = "?"
+    args: Tuple[Any, ...]
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Unknown":
         obj = object.__new__(cls)
         obj.args = args
         return obj
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         pass
 
-    def __setitem__(self, key, value):
+    def __setitem__(self, key: Any, value: Any) -> None:
         pass
 
-    def append(self, value):
+    def append(self, value: Any) -> None:
         pass
 
-    def extend(self, values):
+    def extend(self, values: Any) -> None:
         pass
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, body: bytes):
+    def __init__(self, body: bytes) -> None:
         super().__init__(io.BytesIO(body))
-        self.unknown = {}  # "module.name" -> its Unknown subclass
+        self.unknown: Dict[str, type] = {}  # "module.name" -> its Unknown subclass
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if module != "__main__" and (module in sys.modules or module.partition(".")[0] in _IMPORTABLE):
             try:
                 return super().find_class(module, name)
@@ -155,14 +160,14 @@ class _Unpickler(pickle.Unpickler):
         return stand_in
 
 
-def decode(body: bytes):
+def decode(body: bytes) -> Tuple[Any, Tuple[str, ...]]:
     """(payload, names of the classes that arrived as placeholders: empty in the common case)."""
     unpickler = _Unpickler(body)
     payload = unpickler.load()  # nosec B301: written by the process that started this one, on a private socket
     return payload, tuple(unpickler.unknown)
 
 
-def unknown_to_plain(value, depth=0):
+def unknown_to_plain(value: Any, depth: int = 0) -> Any:
     """`value` with every placeholder replaced by a plain value: its one simple argument (an enum's or an int
     subclass's value), else the class's name in angle brackets."""
     if isinstance(value, Unknown):
