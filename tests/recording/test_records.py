@@ -61,9 +61,17 @@ def test_a_raw_call_is_its_calls_fields_between_its_kind_and_its_context():
     assert r.raw_call(call, Context())[r.RAW_CONTEXT] is None  # no span current: nothing for the GC to follow
 
 
+def test_a_monotonic_raw_call_is_laid_out_as_a_raw_call():
+    call = r.call(*(f"<{i}>" for i in range(r.CALL_EXTRA + 1)))
+    built = r.raw_monotonic(call, "<context>")
+    assert built == (r.RAW_MONOTONIC,) + call + ("<context>",)
+    assert built[r.RAW_CALL_FIELDS] == call and built[r.RAW_CONTEXT] == "<context>"
+    assert r.raw_monotonic(call, Context())[r.RAW_CONTEXT] is None
+
+
 def test_the_kinds_are_distinct():
     kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT,
-             r.LATE_ARRIVAL, r.RAW_CALL, r.PEER_OUTCOME]
+             r.LATE_ARRIVAL, r.RAW_CALL, r.PEER_OUTCOME, r.RAW_MONOTONIC]
     assert len(set(kinds)) == len(kinds)
 
 
