@@ -44,8 +44,8 @@ class PendingTransfers:
         if len(self.entries) >= RECORDER.settings.max_pending_async:
             RECORDER.drop("async_pending_full")
             return
-        if scope is None:
-            scope = integration.current_scope()
+        if scope is None and integration.ENTERED[0]:  # current_scope(), read only while some thread is in one
+            scope = integration.THREAD.scope
         if scope is None:
             info, context = None, integration.capture_context()
         else:
@@ -86,9 +86,13 @@ class PendingTransfers:
         if posted is not None:
             own[semconv.POST_S] = (min(posted, end) - start) / 1e9
         extra = {**extra, **own} if extra else own
-        call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
-                            self.backend, extra)
-        RECORDER.record(records.send(info, [call], context) if info is not None else records.raw_call(call, context))
+        if info is not None:
+            call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
+                                self.backend, extra)
+            RECORDER.record(records.send(info, [call], context))
+        else:  # records.raw_call(records.call(...), context), written out: one record, no call in between
+            RECORDER.record((records.RAW_CALL, start, end, nbytes, descriptors, op, peer, protocol, return_code,
+                             error_type, self.backend, extra, context or None))
         return True
 
     def forget(self, handle: Hashable) -> None:
