@@ -10,7 +10,7 @@ per-round differences beside the A/A noise of the same run (the same difference 
 
   process   CPU per transfer while one thread makes paced 64 KiB writes at 700/s: this process (every thread),
             and in total with every process it started (the helper), the receivers aside
-  thread    time added on the calling thread per engine call (its CPU time, and wall), four call shapes
+  thread    time added on the calling thread per engine call (its CPU time, and wall), by call shape
   builder   the builder alone: records already queued, then built and exported through the real OTLP exporter;
             its CPU (the helper's, or this process's Python threads with the in-process builder), and whether the
             receiver got every span
