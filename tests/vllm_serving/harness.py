@@ -90,6 +90,22 @@ def kv_transfer_metric_lines(log_text: str) -> list:
     return [(int(n), float(avg), float(rate)) for n, avg, rate in _KV_LINE.findall(log_text)]
 
 
+# vLLM NIXL prefill's own lines: a request whose lease ran out before every decode had read its KV, and a read of
+# KV it had already released (the decode's notice names a request the prefill no longer knows).
+_EXPIRED_LINE = re.compile(r"Releasing expired KV blocks for request (\S{1,200}) which were retrieved")
+_LATE_READ_LINE = re.compile(r"invalid KV blocks for unrecognized request (\S{1,200}) were retrieved")
+
+
+def expired_requests(log_text: str) -> set:
+    """The requests vLLM's NIXL prefill says it released because their lease expired."""
+    return set(_EXPIRED_LINE.findall(log_text))
+
+
+def late_read_requests(log_text: str) -> set:
+    """The requests vLLM's NIXL prefill says a decode read after it had released their KV."""
+    return set(_LATE_READ_LINE.findall(log_text))
+
+
 def prometheus_value(text: str, name: str) -> float:
     """Sum of every sample of `name` (any labels) in Prometheus text exposition."""
     total = 0.0
