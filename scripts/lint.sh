@@ -9,12 +9,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUFF_VERSION="0.17.6"
 VENV="${KVT_LINT_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/lint-venv}"
-if [ "$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)" != "$RUFF_VERSION" ]; then
-  echo "lint: installing ruff $RUFF_VERSION into $VENV" >&2
-  rm -rf "$VENV"
-  "${PYTHON:-python3}" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "ruff==$RUFF_VERSION"
-  echo "$RUFF_VERSION" > "$VENV/.kvt-stamp"
-fi
+# shellcheck source=venv-checks.sh
+source "$ROOT/scripts/venv-checks.sh"
+pinned_tool "$VENV" ruff "$RUFF_VERSION" lint
 cd "$ROOT"
 exec "$VENV/bin/ruff" check "$@" .

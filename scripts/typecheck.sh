@@ -10,13 +10,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MYPY_VERSION="2.4.1"
 VENV="${KVT_TYPECHECK_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/typecheck-venv}"
-if [ "$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)" != "$MYPY_VERSION" ]; then
-  echo "typecheck: installing mypy $MYPY_VERSION into $VENV" >&2
-  rm -rf "$VENV"
-  "${PYTHON:-python3}" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q "mypy==$MYPY_VERSION"
-  echo "$MYPY_VERSION" > "$VENV/.kvt-stamp"
-fi
+# shellcheck source=venv-checks.sh
+source "$ROOT/scripts/venv-checks.sh"
+pinned_tool "$VENV" mypy "$MYPY_VERSION" typecheck
 PY="${KVT_TYPECHECK_PYTHON:-$(bash "$ROOT/scripts/setup.sh" | tail -n 1)}"
 cd "$ROOT"
 # The cache outside the clone, one per checkout (checkouts share module names, and may check at once).

@@ -32,3 +32,15 @@ install_checkout() {  # VENV WHO (the script's name, for its error line)
   "$venv/bin/python" -c "import otel_kvtransfer" || { echo "$who: otel_kvtransfer did not install" >&2; exit 1; }
   checkout_stamp > "$venv/.kvt-checkout"
 }
+
+# A tool's own small virtualenv at VENV holding PACKAGE==VERSION, rebuilt when the pinned version changes, so a new
+# release of the tool never changes what passes (the linter's and the type checker's).
+pinned_tool() {  # VENV PACKAGE VERSION WHO (the script's name, for its line)
+  local venv="$1" package="$2" version="$3" who="$4"
+  [ "$(cat "$venv/.kvt-stamp" 2>/dev/null || true)" = "$version" ] && return 0
+  echo "$who: installing $package $version into $venv" >&2
+  rm -rf "$venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q "$package==$version"
+  echo "$version" > "$venv/.kvt-stamp"
+}
