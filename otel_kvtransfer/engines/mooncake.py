@@ -250,13 +250,14 @@ def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) ->
             return general(self, args, kwargs)
 
         return any_call
-    transfer = (_sync_batch if batch else _sync_single)(original, op, general)
+    transfer = _common(original, op, batch, general)
     inflight.register_wrapper(transfer.__code__, _in_progress_monotonic)
     return transfer
 
 
-def _sync_single(original: _Method, op: str, general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
-    """The common call of transfer_sync_write / transfer_sync_read: one descriptor (`_sync`)."""
+def _common(original: _Method, op: str, batch: bool,
+            general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
+    """The common call of the sync calls whose op is known (`_sync`): one descriptor, or a batch's lists."""
     recorder, context, thread, base, unset, entered = (RECORDER, current_context, integration.THREAD, clock.BASE,
                                                        _UNSET, integration.ENTERED)
     last, suppress, suppress_plain = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
@@ -277,64 +278,15 @@ def _sync_single(original: _Method, op: str, general: Callable[[Any, Tuple[Any, 
             rc = original(self, target_hostname, buffer, peer_buffer_address, length)
         except BaseException as exc:
             safely("record a failed Mooncake call", _deliver, self, (target_hostname, buffer, peer_buffer_address,
-                   length), {}, op, False, start + base, None, type(exc).__qualname__, ctx)
+                   length), {}, op, batch, start + base, None, type(exc).__qualname__, ctx)
             raise
         end = monotonic_ns()
         try:
-            if type(length) is not int:  # e.g. a numpy integer; int() itself costs a tenth of the wrapper
-                length = int(length)
-            known = last[0]
-            if known[0]() is self:
-                transport, extra = known[1], known[2]
+            if batch:  # `length` is the batch's list of lengths
+                descriptors, nbytes = len(length), sum(length)
             else:
-                transport, extra = _transport_of(self)
-            if scope is not None:  # records.call(...), written out
-                scope.calls.append((start + base, end + base, length, 1, op, target_hostname, transport, rc,
-                                    None if rc == 0 else "transfer_failed", BACKEND, extra))
-            elif recorder.active:  # records.raw_monotonic(records.call(...), ctx), written out
-                rec = (RAW_MONOTONIC, start, end, length, 1, op, target_hostname, transport, rc,
-                       None if rc == 0 else "transfer_failed", BACKEND, extra, ctx or None)
-                queue = recorder.queue
-                if len(queue) < recorder.capacity and not recorder.idle:
-                    queue.append(rec)  # Recorder.record's common case, as its contract allows
-                else:
-                    recorder.record(rec)
-        except Exception:
-            own_error("record a Mooncake call")
-        return rc
-
-    return transfer
-
-
-def _sync_batch(original: _Method, op: str, general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
-    """The common call of batch_transfer_sync_write / _read: lists of buffers, addresses and lengths (`_sync`)."""
-    recorder, context, thread, base, unset, entered = (RECORDER, current_context, integration.THREAD, clock.BASE,
-                                                       _UNSET, integration.ENTERED)
-    last, suppress, suppress_plain = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
-
-    def transfer(self: Any, target_hostname: Any = unset, buffers: Any = unset, peer_buffer_addresses: Any = unset,
-                 lengths: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
-        if rest or kwargs or lengths is unset:
-            given = tuple(arg for arg in (target_hostname, buffers, peer_buffer_addresses, lengths)
-                          if arg is not unset)
-            return general(self, given + rest, kwargs)
-        if not recorder.active:
-            return original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
-        ctx = context()
-        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
-            return original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
-        scope = thread.scope if entered[0] else None  # read before the call: inflight.py reads it from this frame
-        start = monotonic_ns()
-        try:
-            rc = original(self, target_hostname, buffers, peer_buffer_addresses, lengths)
-        except BaseException as exc:
-            safely("record a failed Mooncake call", _deliver, self, (target_hostname, buffers, peer_buffer_addresses,
-                   lengths), {}, op, True, start + base, None, type(exc).__qualname__, ctx)
-            raise
-        end = monotonic_ns()
-        try:
-            nbytes = sum(lengths)
-            if type(nbytes) is not int:  # an array's integers
+                descriptors, nbytes = 1, length
+            if type(nbytes) is not int:  # e.g. a numpy integer; int() itself costs a tenth of the wrapper
                 nbytes = int(nbytes)
             known = last[0]
             if known[0]() is self:
@@ -342,10 +294,10 @@ def _sync_batch(original: _Method, op: str, general: Callable[[Any, Tuple[Any, .
             else:
                 transport, extra = _transport_of(self)
             if scope is not None:  # records.call(...), written out
-                scope.calls.append((start + base, end + base, nbytes, len(lengths), op, target_hostname, transport,
+                scope.calls.append((start + base, end + base, nbytes, descriptors, op, target_hostname, transport,
                                     rc, None if rc == 0 else "transfer_failed", BACKEND, extra))
             elif recorder.active:  # records.raw_monotonic(records.call(...), ctx), written out
-                rec = (RAW_MONOTONIC, start, end, nbytes, len(lengths), op, target_hostname, transport, rc,
+                rec = (RAW_MONOTONIC, start, end, nbytes, descriptors, op, target_hostname, transport, rc,
                        None if rc == 0 else "transfer_failed", BACKEND, extra, ctx or None)
                 queue = recorder.queue
                 if len(queue) < recorder.capacity and not recorder.idle:
@@ -417,11 +369,8 @@ def _in_progress_monotonic(frame_locals: Dict[str, Any]) -> Optional[inflight.It
     start = frame_locals.get("start")
     if start is None or "end" in frame_locals:
         return None
-    args = tuple(frame_locals.get(name) for name in (_POSITIONS if "length" in frame_locals else _BATCH_POSITIONS))
+    args = tuple(frame_locals.get(name) for name in _POSITIONS)
     return inflight.describe_call(start + clock.BASE, frame_locals.get("scope"), args, BACKEND)
-
-
-_BATCH_POSITIONS = ("target_hostname", "buffers", "peer_buffer_addresses", "lengths")  # a batch's common call
 
 
 def _deliver(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Optional[str], batch: bool, start: int,
