@@ -38,6 +38,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2
 TOKENS = 4000
 FROZEN_MAX_S = 90  # bounded: the stuck lines come within STUCK_S + the 1 s scan once the send hangs
+# sglang's prefill logs a batch of the prompt's tokens once the decode's destination reached it (its bootstrap done),
+# before the forward (seconds here) and the send: the moment to freeze the decode in. Our request span opens at the
+# sender's creation, which can come before the decode's destination arrived: a decode frozen then never sends it,
+# and no send starts at all.
+_PROMPT_BATCH = re.compile(r"Prefill batch, #new-seq: \d{1,6}, #new-token: (\d{1,9})")
+
+
+def _prompt_batch_logged(text: str) -> bool:
+    """The prefill has scheduled the prompt (sglang's health checks send one token, not half the prompt)."""
+    return any(int(tokens) >= TOKENS // 2 for tokens in _PROMPT_BATCH.findall(text))
 RID = "kvt-stuck-0"
 
 
@@ -149,9 +159,9 @@ def frozen_run(tmp_path_factory):
 
         client = threading.Thread(target=generate, daemon=True)
         client.start()
-        # The prefill opens the request span once the decode's destination reached it (bootstrap done; sglang's
-        # health checks use a fake sender and open none): freeze the decode now, while the prefill computes the
-        # prompt (seconds here), before any of its KV moved.
+        # The prefill opens the request span (sglang's health checks use a fake sender and open none), then
+        # schedules the prompt once the decode's destination reached it: freeze the decode then (_PROMPT_BATCH),
+        # while the prefill computes the prompt (seconds here), before any of its KV moved.
         seen = {"text": "", "send": False, "request": False}
 
         def read():
@@ -166,6 +176,7 @@ def frozen_run(tmp_path_factory):
                        for a, v in console_points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
 
         wait_until(request_open, 300, "the prefill's request span to open")
+        wait_until(lambda: read() or _prompt_batch_logged(seen["text"]), 300, "the prefill to schedule the prompt")
         frozen = _scheduler_pids(deployment)
         assert frozen, "no decode scheduler process found"
         _signal_all(frozen, signal.SIGSTOP)
@@ -256,6 +267,7 @@ def aborted_run(frozen_run):
     try:
         client.start()
         wait_until(request_open, 300, "the second request's span to open")
+        wait_until(lambda: _prompt_batch_logged(read()), 300, "the prefill to schedule the second prompt")
         frozen = _scheduler_pids(deployment)
         _signal_all(frozen, signal.SIGSTOP)
         seen["text"] = ""  # a send reported from here on hangs on the frozen decode
