@@ -485,12 +485,13 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     vLLM 0.32's Mooncake connector keeps `MooncakeKVConnectorStats` on its send path (`_send_blocks`: two
     perf_counter readings around `batch_transfer_sync_write`, `sum(lengths)` and `record_transfer`; per engine
     step, `get_kv_connector_stats`' `clone_and_reset`, pickled to the scheduler process). Its cost per send is that
-    code's own CPU: it is run here on the figures of real sends of each shape (timed as vLLM times them),
-    ANCHOR_STEP sends to a step, round after round. Measuring it around the real calls instead would read
-    Mooncake's polling: a sync call's CPU follows its wait, which any work between calls moves by tens of us
-    either way. Ours, on the engine's threads: what our wrapper adds on the calling thread (on and off alternating,
-    A/A beside), outside the engine's own calls (`EngineTimer`) and in all, and what our recorder's thread spends
-    per record (`recorder_cost`), from the same run."""
+    code's own CPU, read twice: where the connector runs it, around each real call, as ours is read
+    (`vllm_in_position`: the ruler of goal 1), and alone, on the figures of real sends of each shape (timed as
+    vLLM times them), ANCHOR_STEP sends to a step, round after round, in a loop that leaves it a warm cache. Ours,
+    on the engine's threads: what our wrapper adds on the calling thread (on and off alternating, A/A beside),
+    outside the engine's own calls (`EngineTimer`: a sync call's CPU follows its wait, which any work between calls
+    moves by tens of us either way) and in all, and what our recorder's thread spends per record
+    (`recorder_cost`), from the same run."""
     import pickle
 
     from otel_kvtransfer.wiring.startup import distribution_version
@@ -512,6 +513,12 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
         calling = thread_cost(b, rounds, calls, shapes=ANCHOR_SHAPES)
     finally:
         b.off()
+        EngineTimer.remove()
+    EngineTimer.install(type(b.engine), ("transfer_sync_write", "batch_transfer_sync_write",
+                                         "batch_transfer_async_write", "get_batch_transfer_status"))
+    try:
+        in_position = vllm_in_position(b, shapes, rounds, calls, MooncakeKVConnectorStats)
+    finally:
         EngineTimer.remove()
     for shape, (call, lengths) in shapes.items():
         sends = []
@@ -548,7 +555,55 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
             "ours_recorder_us_per_record": recorder["us_per_record"],
             "ours_recorder_us_per_record_rounds": recorder["rounds"], "where_built": b.where,
             "ours_engine_threads_us": ours["added_outside_engine_us"] + recorder["us_per_record"],
+            **in_position[shape],
         }
+    return out
+
+
+def vllm_in_position(b: Bench, shapes: dict, rounds: int, calls: int, stats_class) -> dict:
+    """vLLM's per-send statistics where its connector runs them, around each real call on the calling thread (two
+    perf_counter readings around it, then `sum(lengths)` and `record_transfer`, every ANCHOR_STEP sends
+    `clone_and_reset` pickled), measured as ours is: the calling thread's CPU outside the engine's own calls
+    (`EngineTimer`, installed by the caller), blocks with the code and without it alternating, A/A beside. Ours
+    pays for the cache the engine's call left behind it; so does vLLM's code here, as in `_send_blocks`, and not
+    when it runs alone on a list of finished sends (`vllm_us_per_send`, kept beside)."""
+    import pickle
+
+    b.off()
+    stats = stats_class()
+
+    def vllm_block(call, lengths, n):
+        waits, inside = _waits(), EngineTimer.inside_ns[0]
+        perf = time.perf_counter
+        with _GcTime() as gc_time:
+            wall, cpu_ns = time.perf_counter_ns(), time.thread_time_ns()
+            for number in range(1, n + 1):  # _send_blocks' own lines around its engine call (its debug log aside)
+                start = perf()
+                ret = call()
+                duration = perf() - start
+                if ret == 0:
+                    stats.record_transfer(duration_s=duration, total_bytes=sum(lengths), num_descs=len(lengths))
+                else:
+                    stats.record_failed_transfer()
+                if number % ANCHOR_STEP == 0 and not stats.is_empty():  # an engine step's hand-over
+                    pickle.dumps(stats.clone_and_reset())
+            wall, cpu_ns = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu_ns
+        outside = (cpu_ns - (EngineTimer.inside_ns[0] - inside)) / n
+        return wall / n, cpu_ns / n, _waits() - waits, gc_time.ns / n, outside
+
+    out = {}
+    for shape, (call, lengths) in shapes.items():
+        n = calls if shape == "0 B sync write" else max(calls // 10, 10)  # as thread_cost's blocks of each shape
+        per = {"off": [], "off2": [], "on": []}
+        _block(call, n)  # warm
+        for order in _rotations(rounds):
+            for mode in order:
+                per[mode].append(vllm_block(call, lengths, n) if mode == "on" else _block(call, n))
+        added = [on[4] - off[4] for on, off in zip(per["on"], per["off"])]
+        aa = [o2[4] - o1[4] for o1, o2 in zip(per["off"], per["off2"])]
+        out[shape] = {"vllm_in_position_us": statistics.median(added) / 1e3,
+                      "vllm_in_position_aa_us": statistics.median(aa) / 1e3,
+                      "vllm_in_position_us_rounds": [x / 1e3 for x in added]}
     return out
 
 

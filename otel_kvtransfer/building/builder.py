@@ -68,6 +68,7 @@ class SpanBuilder:
             r.SEND: sends.send,
             r.RAW_CALL: sends.raw_call,
             r.RAW_MONOTONIC: sends.raw_monotonic,
+            r.RAW_ASYNC: sends.raw_async,
             r.BEGIN_REQUEST: requests.begin,
             r.END_REQUEST: requests.end,
             r.COMPUTE: requests.compute,

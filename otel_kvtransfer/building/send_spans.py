@@ -47,23 +47,27 @@ class SendSpans(BuilderPart):
         first_calls = FirstToPeer(setup_in_first_call)
         self._first_backends, self._mark_first = first_calls.backends, first_calls.mark
 
-    def raw_call(self, rec: Record, now: float, offset: int = 0) -> None:
-        """A RAW_CALL record; `offset` brings its call's two times onto the records' clock (RAW_MONOTONIC's)."""
-        figures = measure_call(rec[r.RAW_CALL_FIELDS], None)
-        if offset:
-            figures.start += offset
-            figures.end += offset
+    def raw_call(self, rec: Record, now: float) -> None:
+        """A RAW_CALL record."""
+        self._raw(rec[r.RAW_CALL_FIELDS], rec[r.RAW_CONTEXT])
+
+    def raw_monotonic(self, rec: Record, now: float) -> None:
+        """A RAW_MONOTONIC record: a raw call whose two times are monotonic_ns() readings of this process's
+        engine (the builder process has its engine's BASE: clock.py), what its engine's calls share in its form."""
+        self._raw(r.monotonic_call(rec, BASE), rec[r.MONO_CONTEXT])
+
+    def raw_async(self, rec: Record, now: float) -> None:
+        """A RAW_ASYNC record: an async submission's send, its own attributes made here from its times."""
+        self._raw(r.async_call(rec), rec[r.ASYNC_CONTEXT])
+
+    def _raw(self, call: r.Call, context: Optional[Context]) -> None:
+        figures = measure_call(call, None)
         if not 0 <= figures.start <= figures.end < TIME_LIMIT:  # no engine measures that: bad input to deliver()
             return self._on_drop("api_error", 1)
         self._check(figures)
         attrs = attributes(figures, None, None, self._raw_statics, self._peer_parsers)
-        context = rec[r.RAW_CONTEXT]  # None when no span was current at the call (the common case)
+        # context: None when no span was current at the call (the common case)
         self._send_span(span_context_of(context) if context is not None else None, attrs, figures)
-
-    def raw_monotonic(self, rec: Record, now: float) -> None:
-        """A RAW_MONOTONIC record: a raw call whose two times are monotonic_ns() readings of this process's
-        engine (the builder process has its engine's BASE: clock.py)."""
-        self.raw_call(rec, now, BASE)
 
     def send(self, rec: Record, now: float) -> None:
         figures = measure(rec)

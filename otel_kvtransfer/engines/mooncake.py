@@ -212,22 +212,30 @@ def _no_engine() -> None:
     return None
 
 
-# The last engine a sync call was made on and its (transport, extra), as one tuple (a reader never sees one's
-# engine with another's figures): (weak reference to it, transport, extra). Most processes have one engine, and a
-# weak reference's call and an identity test cost a call a tenth of what `_engines.get(id(engine), ...)` does. Set
-# afresh whenever what an engine's sends carry may change (initialize(), instrument(), uninstrument()).
-_NO_ENGINE = (_no_engine, None, None)
-_last_engine: List[Tuple[Callable[[], Any], Optional[str], Optional[Dict[str, str]]]] = [_NO_ENGINE]
+# The last engine a common sync call was made on and the forms of its calls (`records.call_form`: op, transport,
+# backend, the extra naming its one device, the error of a failed call), as one tuple (a reader never sees one
+# engine with another's forms): (weak reference to it, its writes' form, its reads' form). Most processes have one
+# engine, and a weak reference's call and an identity test cost a call a tenth of what `_engines.get(id(engine),
+# ...)` does; the same form object in every record lets pickle send it once a batch. Set afresh whenever what an
+# engine's sends carry may change (initialize(), instrument(), uninstrument()).
+_Forms = Tuple[Any, ...]  # (a weak reference to the engine, or _no_engine; its writes' form; its reads' form)
+_NO_FORM = records.call_form(WRITE, None, BACKEND, None, "transfer_failed")
+_NO_ENGINE: _Forms = (_no_engine, _NO_FORM, _NO_FORM)
+_last_engine: List[_Forms] = [_NO_ENGINE]
+FORM_AT = {WRITE: 1, READ: 2}  # op -> where a _Forms tuple holds that op's form
 
 
-def _transport_of(engine: Any) -> _Transport:
-    """(transport, the extra naming its one device) of `engine`; the answer kept for the next call (`_last_engine`)."""
+def _forms_of(engine: Any) -> _Forms:
+    """The forms of `engine`'s writes and reads; the answer kept for the next call (`_last_engine`)."""
     transport, extra = _engines.get(id(engine), _state["fallback"])
+    forms = (_no_engine, records.call_form(WRITE, transport, BACKEND, extra, "transfer_failed"),
+             records.call_form(READ, transport, BACKEND, extra, "transfer_failed"))
     try:
-        _last_engine[0] = (weakref.ref(engine), transport, extra)
+        forms = (weakref.ref(engine), forms[1], forms[2])
+        _last_engine[0] = forms
     except TypeError:  # an engine no weak reference can name (a test's stand-in): looked up every call
         pass
-    return transport, extra
+    return forms
 
 
 # The sync wrapper. The common call (four positional arguments, the op known from the method: how sglang and vLLM
@@ -240,7 +248,8 @@ def _transport_of(engine: Any) -> _Transport:
 # what the call needs: the two clock readings as they are (a raw call's record takes them so, RAW_MONOTONIC), a
 # batch's lengths summed here (as vLLM's own statistics do: a list kept by reference would cost the recorder's
 # thread twice that to pickle, and keep the record in the GC's sight until then), the thread's transfer
-# scope read only while some thread is in one, the engine's transport from the last engine's (`_last_engine`).
+# scope read only while some thread is in one, the engine's transport in the form of the last engine's calls
+# (`_last_engine`).
 # Any other call (keywords, more or fewer arguments) goes to `_general`'s wrapper with the very arguments it was
 # given; transfer_sync and batch_transfer_sync (their opcode to read) always do.
 def _sync(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5) -> _Method:
@@ -260,7 +269,7 @@ def _common(original: _Method, op: str, batch: bool,
     """The common call of the sync calls whose op is known (`_sync`): one descriptor, or a batch's lists."""
     recorder, context, thread, base, unset, entered = (RECORDER, current_context, integration.THREAD, clock.BASE,
                                                        _UNSET, integration.ENTERED)
-    last, suppress, suppress_plain = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN
+    last, suppress, suppress_plain, at = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, FORM_AT[op]
 
     def transfer(self: Any, target_hostname: Any = unset, buffer: Any = unset, peer_buffer_address: Any = unset,
                  length: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
@@ -288,17 +297,15 @@ def _common(original: _Method, op: str, batch: bool,
                 descriptors, nbytes = 1, length
             if type(nbytes) is not int:  # e.g. a numpy integer; int() itself costs a tenth of the wrapper
                 nbytes = int(nbytes)
-            known = last[0]
-            if known[0]() is self:
-                transport, extra = known[1], known[2]
-            else:
-                transport, extra = _transport_of(self)
+            forms = last[0]
+            if forms[0]() is not self:
+                forms = _forms_of(self)
+            form: records.Form = forms[at]
             if scope is not None:  # records.call(...), written out
-                scope.calls.append((start + base, end + base, nbytes, descriptors, op, target_hostname, transport,
-                                    rc, None if rc == 0 else "transfer_failed", BACKEND, extra))
-            elif recorder.active:  # records.raw_monotonic(records.call(...), ctx), written out
-                rec = (RAW_MONOTONIC, start, end, nbytes, descriptors, op, target_hostname, transport, rc,
-                       None if rc == 0 else "transfer_failed", BACKEND, extra, ctx or None)
+                scope.calls.append((start + base, end + base, nbytes, descriptors, op, target_hostname, form[1], rc,
+                                    None if rc == 0 else "transfer_failed", BACKEND, form[3]))
+            elif recorder.active:  # records.raw_monotonic(...), written out
+                rec = (RAW_MONOTONIC, start, end, nbytes, descriptors, target_hostname, rc, form, ctx or None)
                 queue = recorder.queue
                 if len(queue) < recorder.capacity and not recorder.idle:
                     queue.append(rec)  # Recorder.record's common case, as its contract allows
@@ -384,10 +391,71 @@ def _deliver(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Opt
 def _async(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5,
            count: Optional[_Count] = None) -> _Method:
     # `count`: (bytes, descriptors) from the arguments of a submission whose lengths are an array (see _call).
+    general = _general_async(original, op, batch, nic_at, count)
+    if op is None or count is not None:
+        def any_submission(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return general(self, args, kwargs)
+
+        return any_submission
+    return _common_async(original, op, batch, general)
+
+
+def _common_async(original: _Method, op: str, batch: bool,
+                  general: Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]) -> _Method:
+    """The common submission (four positional arguments, the op known from the method), as `_common` takes the
+    common sync call: parsed and put in the pending table inline, no Python frame in between."""
+    recorder, context, base, unset, entered = RECORDER, current_context, clock.BASE, _UNSET, integration.ENTERED
+    last, suppress, suppress_plain, at, waiting = _last_engine, SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, FORM_AT[op], \
+        _pending.entries
+
+    def submit(self: Any, target_hostname: Any = unset, buffer: Any = unset, peer_buffer_address: Any = unset,
+               length: Any = unset, /, *rest: Any, **kwargs: Any) -> Any:
+        if rest or kwargs or length is unset:
+            given = tuple(arg for arg in (target_hostname, buffer, peer_buffer_address, length) if arg is not unset)
+            return general(self, given + rest, kwargs)
+        if not recorder.active:
+            return original(self, target_hostname, buffer, peer_buffer_address, length)
+        ctx = context()
+        if ctx and (ctx.get(suppress) or ctx.get(suppress_plain)):  # inside suppress_instrumentation()
+            return original(self, target_hostname, buffer, peer_buffer_address, length)
+        start = monotonic_ns() + base  # clock.now_ns(), inline
+        batch_id = original(self, target_hostname, buffer, peer_buffer_address, length)
+        posted = monotonic_ns() + base
+        try:
+            if not batch_id or batch_id < 0:  # Mooncake answers a failed submission with 0 or -1
+                _deliver(self, (target_hostname, buffer, peer_buffer_address, length), {}, op, batch, start,
+                         batch_id, "submit_failed")
+                return batch_id
+            if batch:  # `length` is the batch's list of lengths
+                descriptors, nbytes = len(length), sum(length)
+            else:
+                descriptors, nbytes = 1, length
+            if type(nbytes) is not int:
+                nbytes = int(nbytes)
+            forms = last[0]
+            if forms[0]() is not self:
+                forms = _forms_of(self)
+            form: records.Form = forms[at]
+            if entered[0] or len(waiting) >= recorder.settings.max_pending_async:  # a scope's, or a full table
+                _pending.submit((id(self), batch_id), start, nbytes, descriptors, op, target_hostname, form[1],
+                                form[3], posted_ns=posted)
+            else:  # PendingTransfers.submit's common case, written out
+                waiting[(id(self), batch_id)] = (start, nbytes, descriptors, target_hostname, form, None,
+                                                 ctx or None, posted)
+        except Exception:
+            own_error("record a Mooncake submission")
+        return batch_id
+
+    return submit
+
+
+def _general_async(original: _Method, op: Optional[str], batch: bool, nic_at: int,
+                   count: Optional[_Count]) -> Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Any]:
+    """The async wrapper for any submission but the common one: its arguments parsed by `_call`."""
     recorder, context, base = RECORDER, current_context, clock.BASE
     suppress, suppress_plain, submitted = SUPPRESS_KEY, SUPPRESS_KEY_PLAIN, _pending.submit
 
-    def submit(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def general_submit(self: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not recorder.active:
             return original(self, *args, **kwargs)
         ctx = context()
@@ -407,7 +475,7 @@ def _async(original: _Method, op: Optional[str], batch: bool, nic_at: int = 5,
             own_error("record a Mooncake submission")
         return batch_id
 
-    return submit
+    return general_submit
 
 
 def _check_status(original: _Method) -> _Method:
@@ -433,22 +501,18 @@ def _check_status(original: _Method) -> _Method:
 
 
 def _batch_status(original: _Method) -> _Method:
-    waiting, complete = _pending.entries, _pending.complete
+    waiting, complete_all, base = _pending.entries, _pending.complete_all, clock.BASE
 
     def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if waiting:  # the wait starts with the batches unfinished: their ends lie after this moment
-            try:
-                engine = id(self)
-                _pending.seen_running_all([(engine, batch_id) for batch_id in
-                                           (args[0] if args else next(iter(kwargs.values())))])
-            except Exception:
-                own_error("observe a Mooncake wait")
+        if not waiting:
+            return original(self, *args, **kwargs)
+        since = monotonic_ns() + base  # the wait starts with the batches unfinished: their ends lie after it
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if waiting:
             try:
-                engine, error = id(self), None if rc == 0 else "transfer_failed"
-                for batch_id in (args[0] if args else next(iter(kwargs.values()))):
-                    complete((engine, batch_id), rc, error)
+                engine = id(self)
+                complete_all([(engine, batch_id) for batch_id in (args[0] if args else next(iter(kwargs.values())))],
+                             rc, None if rc == 0 else "transfer_failed", since)
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc

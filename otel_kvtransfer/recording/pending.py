@@ -7,9 +7,8 @@ builder. The table is bounded (`max_pending_async`): a submission beyond it, or 
 is counted as dropped, never lost silently.
 """
 
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Final, Hashable, Iterable, Iterator, Optional, Union
 
-from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import inflight, integration, records
 from otel_kvtransfer.recording.clock import now_ns
 from otel_kvtransfer.recording.recorder import RECORDER
@@ -17,10 +16,15 @@ from otel_kvtransfer.recording.recorder import RECORDER
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
-# What a submission keeps until its completion: (start_ns, bytes, descriptors, op, peer, protocol, extra, info,
-# context, posted_ns)
-_Entry = tuple[int, Union[int, Iterable[int]], int, str, Any, Optional[str], Optional[records.Attributes],
-               Optional[records.Info], "Optional[Context]", Optional[int]]
+# What a submission keeps until its completion: (start_ns, bytes, descriptors, peer, form, info, context,
+# posted_ns), `form` the `records.call_form` of its op, protocol, backend and extra. An engine's wrapper may put
+# an entry in `entries` itself (one Python frame less per submission) where `submit` would: outside any transfer
+# scope (`integration.ENTERED` 0) and with room in the table.
+ENTRY_START: Final = 0
+ENTRY_PEER: Final = 3
+ENTRY_INFO: Final = 5
+_Entry = tuple[int, Union[int, Iterable[int]], int, Any, records.Form, Optional[records.Info], "Optional[Context]",
+               Optional[int]]
 
 
 class PendingTransfers:
@@ -52,26 +56,20 @@ class PendingTransfers:
             info, context = scope.info, scope.context
             if info is None:  # a payload scope (no request): its labels on the send
                 extra = scope.label(extra)
-        self.entries[handle] = (start_ns, nbytes, descriptors, op, peer, protocol, extra, info, context, posted_ns)
+        form = records.call_form(op, protocol, self.backend, extra, "transfer_failed")
+        self.entries[handle] = (start_ns, nbytes, descriptors, peer, form, info, context or None, posted_ns)
 
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
         if handle in self.entries:
             self._running_seen[handle] = now_ns()
 
-    def seen_running_all(self, handles: Iterable[Hashable]) -> None:
-        """`seen_running` of each of `handles`, at one moment."""
-        now, entries, seen = now_ns(), self.entries, self._running_seen
-        for handle in handles:
-            if handle in entries:
-                seen[handle] = now
-
     def in_flight(self) -> Iterator[tuple[Hashable, inflight.Item]]:
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
         for handle, entry in list(self.entries.items()):
-            info = entry[7]
-            yield handle, (entry[0], info[records.INFO_KEY] if info else None, entry[4] if isinstance(entry[4], str)
-                           else None, entry[1], self.backend)
+            info, peer = entry[ENTRY_INFO], entry[ENTRY_PEER]
+            yield handle, (entry[ENTRY_START], info[records.INFO_KEY] if info else None,
+                           peer if isinstance(peer, str) else None, entry[1], self.backend)
 
     def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str]) -> bool:
         """The submission ended (error_type None: success); False when it was not pending. Its end was seen by
@@ -80,20 +78,43 @@ class PendingTransfers:
         entry = self.entries.pop(handle, None)
         if entry is None:
             return False
-        start, nbytes, descriptors, op, peer, protocol, extra, info, context, posted = entry
-        end = now_ns()
-        own = {semconv.END_UNCERTAINTY_S: (end - self._running_seen.pop(handle, start)) / 1e9}
-        if posted is not None:
-            own[semconv.POST_S] = (min(posted, end) - start) / 1e9
-        extra = {**extra, **own} if extra else own
-        if info is not None:
-            call = records.call(start, end, nbytes, descriptors, op, peer, protocol, return_code, error_type,
-                                self.backend, extra)
-            RECORDER.record(records.send(info, [call], context))
-        else:  # records.raw_call(records.call(...), context), written out: one record, no call in between
-            RECORDER.record((records.RAW_CALL, start, end, nbytes, descriptors, op, peer, protocol, return_code,
-                             error_type, self.backend, extra, context or None))
+        seen = self._running_seen
+        self._ended(entry, now_ns(), seen.pop(handle, None) if seen else None, return_code, error_type)
         return True
+
+    def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str],
+                     since_ns: int) -> None:
+        """`complete` of each of `handles` still pending, all ended now, seen by a wait that began at `since_ns`
+        with them unfinished (their ends lie after it)."""
+        entries, seen, end = self.entries, self._running_seen, now_ns()
+        for handle in handles:
+            entry = entries.pop(handle, None)
+            if entry is not None:
+                last = seen.pop(handle, None) if seen else None
+                self._ended(entry, end, since_ns if last is None or last < since_ns else last, return_code,
+                            error_type)
+
+    def _ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
+               error_type: Optional[str]) -> None:
+        """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never)."""
+        start, nbytes, descriptors, peer, form, info, context, posted = entry
+        window = start if running_seen is None else running_seen
+        if info is not None:
+            extra = form[records.FORM_EXTRA]
+            own = records.async_figures(start, end, window, posted)
+            call = records.call(start, end, nbytes, descriptors, form[records.FORM_OP], peer,
+                                form[records.FORM_PROTOCOL], return_code, error_type, self.backend,
+                                {**extra, **own} if extra else own)
+            RECORDER.record(records.send(info, [call], context))
+            return
+        # records.raw_async(...), written out: one record, no call in between
+        rec = (records.RAW_ASYNC, start, end, nbytes, descriptors, peer, return_code, error_type, form, context,
+               window, posted)
+        queue = RECORDER.queue
+        if len(queue) < RECORDER.capacity and not RECORDER.idle:
+            queue.append(rec)  # Recorder.record's common case, as its contract allows
+        else:
+            RECORDER.record(rec)
 
     def forget(self, handle: Hashable) -> None:
         """The handle was released without its completion being observed: counted as dropped."""

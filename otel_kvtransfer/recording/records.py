@@ -7,7 +7,9 @@ the engine modules); only the builder reads them. The backend (and, for framewor
 travels in every record, so the core never assumes an engine.
 """
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Final, Iterable, Optional, Union
+
+from otel_kvtransfer.semconv import END_UNCERTAINTY_S, POST_S
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -34,6 +36,7 @@ LATE_ARRIVAL = 9  # the peer saw KV of a wait of its that had already ended (a r
 RAW_CALL = 10  # one engine call outside any transfer scope: a send of its own, in one flat tuple
 PEER_OUTCOME = 11  # what the peer found out about its KV after its wait ended (a framework's integrity check)
 RAW_MONOTONIC = 12  # a RAW_CALL whose two times are `time.monotonic_ns()` as the engine thread read them
+RAW_ASYNC = 13  # an async submission outside any transfer scope, ended: a RAW_CALL whose own attributes are times
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -105,12 +108,87 @@ def raw_call(call: Call, context: "Optional[Context]") -> Record:
     return (RAW_CALL, *call, context or None)
 
 
-# RAW_MONOTONIC: a RAW_CALL laid out the same, its CALL_START and CALL_END read from `time.monotonic_ns()` and not
-# yet brought onto the records' clock: the builder adds clock.BASE (the builder process has its engine's). An
-# engine's sync wrapper saves two big-integer additions per call so (a tenth of its own work); every other record
-# carries records' clock times.
-def raw_monotonic(call: Call, context: "Optional[Context]") -> Record:
-    return (RAW_MONOTONIC, *call, context or None)
+# RAW_MONOTONIC: (RAW_MONOTONIC, start, end, bytes, descriptors, peer, return code, form, context): one engine call
+# outside any transfer scope as an engine's common sync call writes it, only what changes from call to call in
+# fields of its own. Its two times are `time.monotonic_ns()` as the engine thread read them, not yet on the records'
+# clock (the builder adds clock.BASE: the builder process has its engine's): two big-integer additions a call
+# saved. What the calls of one engine and op share (op, protocol, backend, extra, and the error type of a return
+# code other than 0) is one constant tuple, its `form`, the same object in every such record: pickle sends it once
+# per batch and a reference to it after, where five fields a record cost the recorder's thread a tenth of its work.
+MONO_START = 1
+MONO_END = 2
+MONO_BYTES = 3
+MONO_DESCRIPTORS = 4
+MONO_PEER = 5
+MONO_RETURN_CODE = 6
+MONO_FORM = 7
+MONO_CONTEXT = 8  # as RAW_CONTEXT: None when no span was current
+
+FORM_OP: Final = 0  # Final: a checker reads each position's own type through them
+FORM_PROTOCOL: Final = 1
+FORM_BACKEND: Final = 2
+FORM_EXTRA: Final = 3
+FORM_FAILED: Final = 4  # error.type of a call whose return code is not 0
+Form = tuple[str, Optional[str], str, Optional[Attributes], str]
+
+
+def call_form(op: str, protocol: Optional[str], backend: str, extra: Optional[Attributes], failed: str) -> Form:
+    return (op, protocol, backend, extra, failed)
+
+
+def raw_monotonic(start: int, end: int, nbytes: int, descriptors: int, peer: Any, return_code: Any, form: Form,
+                  context: "Optional[Context]") -> Record:
+    return (RAW_MONOTONIC, start, end, nbytes, descriptors, peer, return_code, form, context or None)
+
+
+def monotonic_call(rec: Record, offset: int) -> Call:
+    """The `call` a RAW_MONOTONIC record holds, its times moved by `offset` (clock.BASE: onto the records' clock)."""
+    form, return_code = rec[MONO_FORM], rec[MONO_RETURN_CODE]
+    return (rec[MONO_START] + offset, rec[MONO_END] + offset, rec[MONO_BYTES], rec[MONO_DESCRIPTORS], form[FORM_OP],
+            rec[MONO_PEER], form[FORM_PROTOCOL], return_code, None if return_code == 0 else form[FORM_FAILED],
+            form[FORM_BACKEND], form[FORM_EXTRA])
+
+
+# RAW_ASYNC: (RAW_ASYNC, start, end, bytes, descriptors, peer, return code, error, form, context, window start,
+# posted): an async submission outside any transfer scope, ended when its completion was seen, on the records'
+# clock. The submission's own two figures travel as times, not yet as the attributes they become (the builder makes
+# them: no dict per transfer on the engine's threads): `kv_transfer.end_uncertainty_s` from the window's start (when
+# a poll last saw it running, or its start) to its end, `kv_transfer.post_s` from its start to when the submitting
+# call returned (`posted`, None when unknown).
+ASYNC_START = 1
+ASYNC_END = 2
+ASYNC_BYTES = 3
+ASYNC_DESCRIPTORS = 4
+ASYNC_PEER = 5
+ASYNC_RETURN_CODE = 6
+ASYNC_ERROR = 7
+ASYNC_FORM = 8  # its call_form: its error is ASYNC_ERROR, not FORM_FAILED (a poll says how it failed)
+ASYNC_CONTEXT = 9
+ASYNC_WINDOW = 10
+ASYNC_POSTED = 11
+
+
+def raw_async(start: int, end: int, nbytes: Union[int, Iterable[int]], descriptors: int, peer: Any,
+              return_code: Any, error: Optional[str], form: Form, context: "Optional[Context]", window: int,
+              posted: Optional[int]) -> Record:
+    return (RAW_ASYNC, start, end, nbytes, descriptors, peer, return_code, error, form, context or None, window,
+            posted)
+
+
+def async_figures(start: int, end: int, window: int, posted: Optional[int]) -> Attributes:
+    """An ended submission's own attributes: how wide the window its end lies in, how long posting took."""
+    own: Attributes = {END_UNCERTAINTY_S: (end - window) / 1e9}
+    if posted is not None:
+        own[POST_S] = (min(posted, end) - start) / 1e9
+    return own
+
+
+def async_call(rec: Record) -> Call:
+    """The `call` a RAW_ASYNC record holds, its own attributes (`async_figures`) added to its form's extra."""
+    form, start, end = rec[ASYNC_FORM], rec[ASYNC_START], rec[ASYNC_END]
+    own, extra = async_figures(start, end, rec[ASYNC_WINDOW], rec[ASYNC_POSTED]), form[FORM_EXTRA]
+    return (start, end, rec[ASYNC_BYTES], rec[ASYNC_DESCRIPTORS], form[FORM_OP], rec[ASYNC_PEER], form[FORM_PROTOCOL],
+            rec[ASYNC_RETURN_CODE], rec[ASYNC_ERROR], form[FORM_BACKEND], {**extra, **own} if extra else own)
 
 
 # BEGIN_REQUEST: (BEGIN_REQUEST, key, start_ns, role, backend, framework, attributes, parent)

@@ -142,12 +142,37 @@ def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, r
     assert all(i > 0 for i in ids)
     time.sleep(0.02)
     assert not telemetry.spans(semconv.SPAN_SEND)  # nothing ends before completion is observed
+    waited = now_ns()
     assert engine.engine.get_batch_transfer_status(ids) == 0
+    observed = now_ns()
     spans = telemetry.spans(semconv.SPAN_SEND)
     assert len(spans) == 3
     assert all(s.attributes[semconv.BYTES] == 65536 for s in spans)
     assert all(s.end_time - s.start_time >= 20_000_000 for s in spans)
     assert all(0 < s.attributes[semconv.POST_S] * 1e9 < 20_000_000 for s in spans)  # the submit, not the wait
+    # The wait saw them end: each end lies within the wait, not the 20 ms since its submission.
+    assert all(0 < s.attributes[semconv.END_UNCERTAINTY_S] * 1e9 <= observed - waited for s in spans)
+
+
+def test_an_async_submission_belongs_to_the_scope_or_span_current_at_its_submission(telemetry, engine, receiver):
+    """Where it ends (the poll) is not where it began: a submission made in a transfer scope is that request's
+    send, one made under a span is that span's child, wherever and whenever the completion is seen."""
+    from otel_kvtransfer import integration
+
+    tracer = telemetry.tracer_provider.get_tracer("test")
+    with integration.transfer_scope(41, chunk_index=3):
+        scoped = engine.engine.batch_transfer_async_write(receiver.session, [engine.base], [receiver.base_address],
+                                                          [4096])
+    with tracer.start_as_current_span("caller") as caller:
+        under_span = engine.engine.batch_transfer_async_write(receiver.session, [engine.base + 4096],
+                                                              [receiver.base_address + 4096], [2048])
+    assert scoped > 0 and under_span > 0
+    assert engine.engine.get_batch_transfer_status([scoped, under_span]) == 0
+    sends = {s.attributes[semconv.BYTES]: s for s in telemetry.spans(semconv.SPAN_SEND)}
+    assert sorted(sends) == [2048, 4096]
+    assert sends[4096].attributes[semconv.CHUNK_INDEX] == 3
+    assert sends[2048].parent.span_id == caller.get_span_context().span_id
+    assert semconv.CHUNK_INDEX not in sends[2048].attributes
 
 
 def test_zero_length_calls_are_zero_byte_spans(telemetry, engine, receiver):

@@ -272,31 +272,39 @@ def test_mooncake_hot_path_builds_what_the_constructors_build(recording, monkeyp
     assert len(recording.records) == 5
     hot, general, batch, mixed, scoped = recording.records
 
-    def expected(record, nbytes, descriptors, op, peer, kind=records.RAW_CALL):
-        assert record[records.KIND] == kind and len(record) == records.RAW_CONTEXT + 1
+    def expected(record, nbytes, descriptors, op, peer):
+        assert record[records.KIND] == records.RAW_CALL and len(record) == records.RAW_CONTEXT + 1
         call = record[records.RAW_CALL_FIELDS]
-        made = records.raw_call if kind == records.RAW_CALL else records.raw_monotonic
-        return made(records.call(call[records.CALL_START], call[records.CALL_END], nbytes, descriptors, op, peer,
-                                 "tcp", 0, None, "mooncake"), record[records.RAW_CONTEXT])
+        return records.raw_call(records.call(call[records.CALL_START], call[records.CALL_END], nbytes, descriptors,
+                                             op, peer, "tcp", 0, None, "mooncake"), record[records.RAW_CONTEXT])
 
-    # The common call's records take the two clock readings as monotonic_ns() gave them (the builder adds BASE);
-    # the general path's are on the records' clock.
-    assert hot == expected(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001", records.RAW_MONOTONIC)
+    def expected_monotonic(record, nbytes, descriptors, op, peer):
+        assert record[records.KIND] == records.RAW_MONOTONIC and len(record) == records.MONO_CONTEXT + 1
+        return records.raw_monotonic(record[records.MONO_START], record[records.MONO_END], nbytes, descriptors, peer,
+                                     0, records.call_form(op, "tcp", "mooncake", None, "transfer_failed"),
+                                     record[records.MONO_CONTEXT])
+
+    # The common call's records take the two clock readings as monotonic_ns() gave them (the builder adds BASE),
+    # and what its engine's calls share as one form; the general path's are on the records' clock.
+    assert hot == expected_monotonic(hot, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
     assert general == expected(general, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
-    assert batch == expected(batch, sum(lengths), 3, semconv.OP_READ, "10.0.0.2:15002", records.RAW_MONOTONIC)
+    assert batch == expected_monotonic(batch, sum(lengths), 3, semconv.OP_READ, "10.0.0.2:15002")
     assert mixed == expected(mixed, 65536, 1, semconv.OP_WRITE, "10.0.0.1:15001")
-    assert abs(hot[records.CALL_START + 1] + clock.BASE - general[records.CALL_START + 1]) < 60 * 10**9
+    assert abs(hot[records.MONO_START] + clock.BASE - general[records.CALL_START + 1]) < 60 * 10**9
     assert scoped[records.KIND] == records.SEND
     (in_scope,) = scoped[records.SEND_CALLS]
     assert in_scope == records.call(in_scope[records.CALL_START], in_scope[records.CALL_END], 65536, 1,
                                     semconv.OP_WRITE, "10.0.0.1:15001", "tcp", 0, None, "mooncake")
     assert abs(in_scope[records.CALL_START] - general[records.CALL_START + 1]) < 60 * 10**9  # the records' clock
     # No span was current: the record holds no context, only plain values (a batch's lengths summed on the calling
-    # thread), so the GC stops tracking it at its first collection and a queue of such records costs the later
-    # collections nothing.
-    assert hot[records.RAW_CONTEXT] is None
+    # thread) and its form, itself of plain values, so the GC stops tracking it at its first collection once its
+    # form is untracked (the form an engine's calls share is, at the first collection after it was made), and a
+    # queue of such records costs the later collections nothing. Here every call made its form afresh (the engine
+    # is no weakly referable object): one that a collection reaches before the record's is untracked at the next.
+    assert hot[records.MONO_CONTEXT] is None
     gc.collect()
-    assert not gc.is_tracked(hot) and not gc.is_tracked(general) and not gc.is_tracked(batch)
+    gc.collect()
+    assert [gc.is_tracked(r) for r in (hot, hot[records.MONO_FORM], general, batch)] == [False] * 4
 
 
 def test_observe_call_shows_the_call_and_never_changes_it(recording):
@@ -487,10 +495,13 @@ def test_mooncake_hot_path_names_each_engines_own_transport_and_device(recording
         backend.uninstrument()
         for name, entry in originals.items():
             setattr(engine_class, name, entry)
-    seen = [(r[records.RAW_CALL_FIELDS][records.CALL_PROTOCOL], r[records.RAW_CALL_FIELDS][records.CALL_EXTRA])
-            for r in recording.records]
+    calls = [records.monotonic_call(r, 0) for r in recording.records]
+    seen = [(call[records.CALL_PROTOCOL], call[records.CALL_EXTRA]) for call in calls]
     rdma0, rdma1, tcp = ("rdma", {semconv.NIC: "mlx5_0"}), ("rdma", {semconv.NIC: "mlx5_1"}), ("tcp", None)
     assert seen == [rdma0, rdma0, tcp, rdma0, tcp, tcp, rdma0, rdma1, tcp]
+    # Back to back on one engine, its writes share one form object: what pickle sends once a batch.
+    forms = [r[records.MONO_FORM] for r in recording.records]
+    assert forms[0] is forms[1] and forms[4] is forms[5] and forms[0] is not forms[2]
 
 
 def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monkeypatch):
@@ -530,7 +541,7 @@ def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monk
         backend.uninstrument()
         engine_class.transfer_sync_write = saved
     assert integration.ENTERED[0] == before
-    kinds = [(r[records.KIND], r[records.RAW_CALL_FIELDS][records.CALL_BYTES] if r[records.KIND] ==
-              records.RAW_MONOTONIC else [c[records.CALL_BYTES] for c in r[records.SEND_CALLS]])
+    kinds = [(r[records.KIND], r[records.MONO_BYTES] if r[records.KIND] == records.RAW_MONOTONIC
+              else [c[records.CALL_BYTES] for c in r[records.SEND_CALLS]])
              for r in recording.records]
     assert kinds == [(records.RAW_MONOTONIC, 256), (records.SEND, [512])]

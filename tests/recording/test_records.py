@@ -35,6 +35,16 @@ LAYOUTS = {
                             "operation": r.CONNECT_OPERATION, "peer": r.CONNECT_PEER, "error": r.CONNECT_ERROR,
                             "key": r.CONNECT_KEY, "context": r.CONNECT_CONTEXT,
                             "attributes": r.CONNECT_ATTRIBUTES}),
+    r.raw_monotonic: (r.RAW_MONOTONIC, {"start": r.MONO_START, "end": r.MONO_END, "nbytes": r.MONO_BYTES,
+                                        "descriptors": r.MONO_DESCRIPTORS, "peer": r.MONO_PEER,
+                                        "return_code": r.MONO_RETURN_CODE, "form": r.MONO_FORM,
+                                        "context": r.MONO_CONTEXT}),
+    r.raw_async: (r.RAW_ASYNC, {"start": r.ASYNC_START, "end": r.ASYNC_END, "nbytes": r.ASYNC_BYTES,
+                                "descriptors": r.ASYNC_DESCRIPTORS, "peer": r.ASYNC_PEER,
+                                "return_code": r.ASYNC_RETURN_CODE, "error": r.ASYNC_ERROR, "form": r.ASYNC_FORM,
+                                "context": r.ASYNC_CONTEXT, "window": r.ASYNC_WINDOW, "posted": r.ASYNC_POSTED}),
+    r.call_form: (None, {"op": r.FORM_OP, "protocol": r.FORM_PROTOCOL, "backend": r.FORM_BACKEND,
+                         "extra": r.FORM_EXTRA, "failed": r.FORM_FAILED}),
 }
 
 
@@ -61,17 +71,41 @@ def test_a_raw_call_is_its_calls_fields_between_its_kind_and_its_context():
     assert r.raw_call(call, Context())[r.RAW_CONTEXT] is None  # no span current: nothing for the GC to follow
 
 
-def test_a_monotonic_raw_call_is_laid_out_as_a_raw_call():
-    call = r.call(*(f"<{i}>" for i in range(r.CALL_EXTRA + 1)))
-    built = r.raw_monotonic(call, "<context>")
-    assert built == (r.RAW_MONOTONIC,) + call + ("<context>",)
-    assert built[r.RAW_CALL_FIELDS] == call and built[r.RAW_CONTEXT] == "<context>"
-    assert r.raw_monotonic(call, Context())[r.RAW_CONTEXT] is None
+def test_a_monotonic_raw_call_holds_the_call_its_form_completes():
+    form = r.call_form("read", "tcp", "mooncake", {"kv_transfer.nic": "mlx5_0"}, "transfer_failed")
+    ok = r.raw_monotonic(100, 250, 4096, 2, "10.0.0.1:15001", 0, form, Context())
+    assert ok[r.MONO_CONTEXT] is None  # no span current: nothing for the GC to follow
+    # The builder's call: its times moved onto the records' clock, the form's fields in their places.
+    assert r.monotonic_call(ok, 1000) == r.call(1100, 1250, 4096, 2, "read", "10.0.0.1:15001", "tcp", 0, None,
+                                                "mooncake", {"kv_transfer.nic": "mlx5_0"})
+    # A return code other than 0 is a failed call, with the form's error type.
+    failed = r.raw_monotonic(100, 250, 4096, 2, "10.0.0.1:15001", -1, form, "<context>")
+    assert failed[r.MONO_CONTEXT] == "<context>"
+    assert r.monotonic_call(failed, 0) == r.call(100, 250, 4096, 2, "read", "10.0.0.1:15001", "tcp", -1,
+                                                 "transfer_failed", "mooncake", {"kv_transfer.nic": "mlx5_0"})
+
+
+def test_an_async_raw_call_holds_the_call_its_form_and_times_complete():
+    from otel_kvtransfer import semconv
+
+    form = r.call_form("write", "tcp", "mooncake", {"kv_transfer.nic": "mlx5_0"}, "transfer_failed")
+    rec = r.raw_async(1_000, 9_000, 4096, 2, "10.0.0.1:15001", -2, "timeout", form, Context(), 5_000, 1_500)
+    assert rec[r.ASYNC_CONTEXT] is None
+    # The window from the last poll that saw it running, and the time inside the submitting call, as attributes
+    # beside the form's extra; the error the poll gave, not the form's.
+    assert r.async_call(rec) == r.call(1_000, 9_000, 4096, 2, "write", "10.0.0.1:15001", "tcp", -2, "timeout",
+                                       "mooncake", {"kv_transfer.nic": "mlx5_0", semconv.END_UNCERTAINTY_S: 4e-6,
+                                                    semconv.POST_S: 5e-7})
+    assert form[r.FORM_EXTRA] == {"kv_transfer.nic": "mlx5_0"}  # the shared form is left as it was
+    # Posted after the end it was seen at (another thread's poll): posting took at most the whole send.
+    late = r.raw_async(1_000, 9_000, 0, 1, "p", 0, None, r.call_form("read", None, "mooncake", None, "x"), None,
+                       1_000, 12_000)
+    assert r.async_call(late)[r.CALL_EXTRA] == {semconv.END_UNCERTAINTY_S: 8e-6, semconv.POST_S: 8e-6}
 
 
 def test_the_kinds_are_distinct():
     kinds = [r.SEND, r.BEGIN_REQUEST, r.END_REQUEST, r.COMPUTE, r.BEGIN_PEER, r.END_PEER, r.INFLIGHT, r.CONNECT,
-             r.LATE_ARRIVAL, r.RAW_CALL, r.PEER_OUTCOME, r.RAW_MONOTONIC]
+             r.LATE_ARRIVAL, r.RAW_CALL, r.PEER_OUTCOME, r.RAW_MONOTONIC, r.RAW_ASYNC]
     assert len(set(kinds)) == len(kinds)
 
 
