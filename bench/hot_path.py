@@ -13,7 +13,8 @@ Python's cyclic GC runs on the thread whose allocation sets it off, so its colle
 run also prints how many there were of each generation and the time they took (`gc.callbacks`), and `--gc off`
 measures the same blocks with the GC disabled. `--calls` is how many records wait in the queue at a block's end
 (the recorder drains between blocks): 20,000 by default, ~1,000 nearer what waits between two drains in a
-deployment.
+deployment. `--shape async` times an async send instead: the package's submission and wait wrappers around
+stand-ins, one submission of 8 descriptors and the wait for its id a call.
 """
 
 import argparse
@@ -33,6 +34,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=20_000, help="calls per block")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--gc", choices=("on", "off"), default="on", help="the cyclic GC during the blocks")
+    parser.add_argument("--shape", choices=("sync", "async"), default="sync",
+                        help="sync: transfer_sync_write of 0 B; async: batch_transfer_async_write of 8 descriptors, "
+                             "then get_batch_transfer_status of its id (one send a call)")
     args = parser.parse_args()
     if not (1_000 <= args.calls <= 200_000 and 3 <= args.blocks <= 100):
         parser.error("--calls: 1000..200000, --blocks: 3..100")
@@ -44,9 +48,12 @@ def main() -> int:
     from otel_kvtransfer.recording.recorder import RECORDER
 
     instrumentor = instrument_stand_ins()
-    engine = WrappedStandIn()
-    register_transport(engine)
-    call = engine.transfer_sync_write
+    if args.shape == "async":
+        call = _async_pair()
+    else:
+        engine = WrappedStandIn()
+        register_transport(engine)
+        call = engine.transfer_sync_write
     per_call = []
     collections = GCCount()
     try:
@@ -66,7 +73,8 @@ def main() -> int:
         collections.close()
         instrumentor.uninstrument()
     calls = args.calls * args.blocks
-    print(json.dumps({"package": os.path.join(tree, "otel_kvtransfer"), "engine": "stand-in", "gc": args.gc,
+    print(json.dumps({"package": os.path.join(tree, "otel_kvtransfer"), "engine": "stand-in", "shape": args.shape,
+                      "gc": args.gc,
                       "calls_per_block": args.calls,
                       "us_per_call": {"median": statistics.median(per_call), "min": min(per_call),
                                       "max": max(per_call)},
@@ -74,6 +82,37 @@ def main() -> int:
                                                                      collections.ns.items()},
                       "gc_us_per_call": round(sum(collections.ns.values()) / calls / 1e3, 3)}))
     return 0
+
+
+def _async_pair():
+    """A function of the sync call's four arguments that makes one async send: a submission of 8 descriptors,
+    then the wait for its id, each the package's own wrapper (`mooncake._async`, `mooncake._batch_status`) around a
+    stand-in that does nothing (its ids counting up)."""
+    import itertools
+
+    from common import register_transport
+
+    from otel_kvtransfer.engines import mooncake
+
+    ids = itertools.count(1)
+
+    def submit(self, *args):
+        return next(ids)
+
+    def status(self, *args):
+        return 0
+
+    stand_in = type("AsyncStandIn", (), {"batch_transfer_async_write": mooncake._async(submit, mooncake.WRITE, True),
+                                         "get_batch_transfer_status": mooncake._batch_status(status)})
+    engine = stand_in()
+    register_transport(engine)
+    srcs, dsts, lengths = list(range(8)), list(range(8)), [0] * 8
+    submit_batch, wait = engine.batch_transfer_async_write, engine.get_batch_transfer_status
+
+    def pair(session, *_):
+        return wait([submit_batch(session, srcs, dsts, lengths)])
+
+    return pair
 
 
 class GCCount:

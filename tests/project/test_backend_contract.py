@@ -504,6 +504,49 @@ def test_mooncake_hot_path_names_each_engines_own_transport_and_device(recording
     assert forms[0] is forms[1] and forms[4] is forms[5] and forms[0] is not forms[2]
 
 
+def test_mooncake_async_path_writes_what_the_constructors_build(recording, monkeypatch):
+    """The common async submission puts its pending entry in the table itself and its completion writes the
+    record out (`records.raw_async`): what they hand over must be what the constructors build from the same
+    values; a submission inside a transfer scope goes through `PendingTransfers.submit` and ends as that scope's
+    send."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    names = ("batch_transfer_async_write", "get_batch_transfer_status")
+    originals = {name: vars(engine_class)[name] for name in names}
+    engine, ids = object(), iter(range(101, 200))
+
+    try:
+        engine_class.batch_transfer_async_write = lambda self, *args: next(ids)
+        engine_class.get_batch_transfer_status = lambda self, *args: 0
+        assert backend.instrument() is True
+        before = clock.now_ns()
+        raw = engine_class.batch_transfer_async_write(engine, "10.0.0.1:15001", [1, 2], [3, 4], [4096, 1024])
+        with integration.transfer_scope(9, chunk_index=2):
+            scoped = engine_class.batch_transfer_async_write(engine, "10.0.0.1:15001", [5], [6], [512])
+        waited = clock.now_ns()
+        assert engine_class.get_batch_transfer_status(engine, [raw, scoped]) == 0
+        after = clock.now_ns()
+        recording.wrapper_errors()
+    finally:
+        backend.uninstrument()
+        for name, entry in originals.items():
+            setattr(engine_class, name, entry)
+    first, second = recording.records
+    assert first[records.KIND] == records.RAW_ASYNC
+    start, end, posted = first[records.ASYNC_START], first[records.ASYNC_END], first[records.ASYNC_POSTED]
+    assert before <= start <= posted <= waited <= first[records.ASYNC_WINDOW] <= end <= after
+    form = records.call_form(semconv.OP_WRITE, "tcp", "mooncake", None, "transfer_failed")
+    assert first == records.raw_async(start, end, 5120, 2, "10.0.0.1:15001", 0, None, form, None,
+                                      first[records.ASYNC_WINDOW], posted)
+    assert second[records.KIND] == records.SEND
+    (call,) = second[records.SEND_CALLS]
+    assert second[records.SEND_INFO][records.INFO_CHUNK] == 2
+    assert call[records.CALL_BYTES] == 512 and call[records.CALL_END] == end  # both seen ended by the one wait
+    assert set(call[records.CALL_EXTRA]) == {semconv.END_UNCERTAINTY_S, semconv.POST_S}
+
+
 def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monkeypatch):
     """The common call reads its thread's transfer scope only while some thread is in one (a count the scopes
     keep): a call on a thread outside any scope is a raw send even while another thread's scope is open, a call
