@@ -501,18 +501,15 @@ def _check_status(original: _Method) -> _Method:
 
 
 def _batch_status(original: _Method) -> _Method:
-    waiting, complete_all, base = _pending.entries, _pending.complete_all, clock.BASE
+    waiting, complete_all = _pending.entries, _pending.complete_all
 
     def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not waiting:
-            return original(self, *args, **kwargs)
-        since = monotonic_ns() + base  # the wait starts with the batches unfinished: their ends lie after it
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if waiting:
             try:
                 engine = id(self)
                 complete_all([(engine, batch_id) for batch_id in (args[0] if args else next(iter(kwargs.values())))],
-                             rc, None if rc == 0 else "transfer_failed", since)
+                             rc, None if rc == 0 else "transfer_failed")
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc

@@ -82,17 +82,15 @@ class PendingTransfers:
         self._ended(entry, now_ns(), seen.pop(handle, None) if seen else None, return_code, error_type)
         return True
 
-    def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str],
-                     since_ns: int) -> None:
-        """`complete` of each of `handles` still pending, all ended now, seen by a wait that began at `since_ns`
-        with them unfinished (their ends lie after it)."""
+    def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str]) -> None:
+        """`complete` of each of `handles` still pending, all ended now (one wait saw them end). A wait that
+        blocked until they ended is no poll that saw them running: they may have ended before it began, so each
+        one's window still reaches back to the last poll that did, or to its start."""
         entries, seen, end = self.entries, self._running_seen, now_ns()
         for handle in handles:
             entry = entries.pop(handle, None)
             if entry is not None:
-                last = seen.pop(handle, None) if seen else None
-                self._ended(entry, end, since_ns if last is None or last < since_ns else last, return_code,
-                            error_type)
+                self._ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
 
     def _ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
                error_type: Optional[str]) -> None:

@@ -513,18 +513,21 @@ def test_mooncake_async_path_writes_what_the_constructors_build(recording, monke
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
     engine_class = module.TransferEngine
-    names = ("batch_transfer_async_write", "get_batch_transfer_status")
+    names = ("batch_transfer_async_write", "get_batch_transfer_status", "transfer_check_status")
     originals = {name: vars(engine_class)[name] for name in names}
     engine, ids = object(), iter(range(101, 200))
 
     try:
         engine_class.batch_transfer_async_write = lambda self, *args: next(ids)
         engine_class.get_batch_transfer_status = lambda self, *args: 0
+        engine_class.transfer_check_status = lambda self, *args: 0  # still running
         assert backend.instrument() is True
         before = clock.now_ns()
         raw = engine_class.batch_transfer_async_write(engine, "10.0.0.1:15001", [1, 2], [3, 4], [4096, 1024])
         with integration.transfer_scope(9, chunk_index=2):
             scoped = engine_class.batch_transfer_async_write(engine, "10.0.0.1:15001", [5], [6], [512])
+        polled = clock.now_ns()
+        assert engine_class.transfer_check_status(engine, scoped) == 0
         waited = clock.now_ns()
         assert engine_class.get_batch_transfer_status(engine, [raw, scoped]) == 0
         after = clock.now_ns()
@@ -536,15 +539,18 @@ def test_mooncake_async_path_writes_what_the_constructors_build(recording, monke
     first, second = recording.records
     assert first[records.KIND] == records.RAW_ASYNC
     start, end, posted = first[records.ASYNC_START], first[records.ASYNC_END], first[records.ASYNC_POSTED]
-    assert before <= start <= posted <= waited <= first[records.ASYNC_WINDOW] <= end <= after
+    # No poll saw it running: its window reaches back to its start.
+    assert before <= start <= posted <= waited <= end <= after
     form = records.call_form(semconv.OP_WRITE, "tcp", "mooncake", None, "transfer_failed")
-    assert first == records.raw_async(start, end, 5120, 2, "10.0.0.1:15001", 0, None, form, None,
-                                      first[records.ASYNC_WINDOW], posted)
+    assert first == records.raw_async(start, end, 5120, 2, "10.0.0.1:15001", 0, None, form, None, start, posted)
     assert second[records.KIND] == records.SEND
     (call,) = second[records.SEND_CALLS]
     assert second[records.SEND_INFO][records.INFO_CHUNK] == 2
     assert call[records.CALL_BYTES] == 512 and call[records.CALL_END] == end  # both seen ended by the one wait
     assert set(call[records.CALL_EXTRA]) == {semconv.END_UNCERTAINTY_S, semconv.POST_S}
+    # A poll saw this one running: its window reaches back to that poll, not to its start.
+    window = end - call[records.CALL_EXTRA][semconv.END_UNCERTAINTY_S] * 1e9
+    assert polled - 1_000 <= window <= waited + 1_000
 
 
 def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monkeypatch):
