@@ -15,7 +15,8 @@ The prefill server runs with OTEL_KVTRANSFER_STUCK_S=2 and the console metric ex
 goes to the prefill log, as the WARNING lines do). The model is the serving tests' tiny Llama with more layers and
 KV heads (20 KiB of KV per token), so the 4000-token prompt's 78 MiB of KV is far more than the loopback
 sockets buffer (the prefill's engine call cannot finish while the decode is frozen), and its prefill computes
-for seconds (the window in which the test sees the request open and freezes the decode).
+for seconds (the window in which the test freezes the decode: once the decode awaits the KV, before the
+prefill's send starts).
 
 A deployment of its own (no Phoenix, no Prometheus): freezing the session-wide one would stall the other
 serving tests' requests. Here it costs one server start (1-3 minutes) and under a minute for the request: 3.5-4.5
@@ -38,16 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STUCK_S = 2
 TOKENS = 4000
 FROZEN_MAX_S = 90  # bounded: the stuck lines come within STUCK_S + the 1 s scan once the send hangs
-# sglang's prefill logs a batch of the prompt's tokens once the decode's destination reached it (its bootstrap done),
-# before the forward (seconds here) and the send: the moment to freeze the decode in. Our request span opens at the
-# sender's creation, which can come before the decode's destination arrived: a decode frozen then never sends it,
-# and no send starts at all.
-_PROMPT_BATCH = re.compile(r"Prefill batch, #new-seq: \d{1,6}, #new-token: (\d{1,9})")
-
-
-def _prompt_batch_logged(text: str) -> bool:
-    """The prefill has scheduled the prompt (sglang's health checks send one token, not half the prompt)."""
-    return any(int(tokens) >= TOKENS // 2 for tokens in _PROMPT_BATCH.findall(text))
+# Inside the namespace: freezes the decode the moment it awaits a prompt's KV (decode_freezer.py says how it knows).
+FREEZER = os.path.join(os.path.dirname(HERE), "sglang_serving", "decode_freezer.py")
 RID = "kvt-stuck-0"
 
 
@@ -96,6 +89,32 @@ def _scheduler_pids(deployment) -> list:
         except psutil.Error:
             continue
     return found
+
+
+def _freeze_when_awaiting_kv(deployment, pids, start_request, timeout_s=300) -> dict:
+    """Start the request (`start_request()`) and freeze `pids`, the decode's scheduler, the moment the decode holds
+    the prompt's KV slots and has told the prefill where to write them. Earlier, a frozen decode never tells it (the
+    prefill never schedules the prompt, and no send starts); later, the prefill's send may be over already (sglang
+    logs the prompt's batch after it queued the send, and 78 MiB crosses the loopback in tens of ms). From that
+    moment the prefill computes the prompt for seconds, and only then sends: its send always hangs."""
+    import subprocess
+    import sys
+
+    argv = deployment.nsenter + [sys.executable, FREEZER, deployment.servers["decode"].url, str(TOKENS // 2),
+                                 str(timeout_s), *(str(pid) for pid in pids)]
+    freezer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        watching = freezer.stdout.readline()  # it read the decode's load once: the request may go
+        assert watching.strip() == "watching", f"the decode freezer did not start: {watching!r}"
+        start_request()
+        out, _ = freezer.communicate(timeout=timeout_s + 60)
+    finally:
+        if freezer.poll() is None:
+            freezer.kill()
+            freezer.wait()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["frozen"], f"the decode never awaited the prompt's KV: {result}"
+    return result
 
 
 def _signal_all(pids, sig) -> None:
@@ -158,10 +177,6 @@ def frozen_run(tmp_path_factory):
                 answer["error"] = repr(exc)[:2000]
 
         client = threading.Thread(target=generate, daemon=True)
-        client.start()
-        # The prefill opens the request span (sglang's health checks use a fake sender and open none), then
-        # schedules the prompt once the decode's destination reached it: freeze the decode then (_PROMPT_BATCH),
-        # while the prefill computes the prompt (seconds here), before any of its KV moved.
         seen = {"text": "", "send": False, "request": False}
 
         def read():
@@ -170,17 +185,11 @@ def frozen_run(tmp_path_factory):
             for kind in ("send", "request"):
                 seen[kind] = seen[kind] or f"otel_kvtransfer: a {kind} open for" in new
 
-        def request_open():
-            read()
-            return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
-                       for a, v in console_points(console_json_objects(seen["text"]), "kv_transfer.inflight"))
-
-        wait_until(request_open, 300, "the prefill's request span to open")
-        wait_until(lambda: read() or _prompt_batch_logged(seen["text"]), 300, "the prefill to schedule the prompt")
         frozen = _scheduler_pids(deployment)
         assert frozen, "no decode scheduler process found"
-        _signal_all(frozen, signal.SIGSTOP)
+        _freeze_when_awaiting_kv(deployment, frozen, client.start)
         frozen_at = time.monotonic()
+        read()  # up to the freeze (and the few ms since: no send can have started in them)
         run["frozen_at_offset"] = tail.offset  # the log from here on was written while the decode was frozen
         run["send_reported_before_freeze"] = seen["send"]
 
@@ -257,19 +266,14 @@ def aborted_run(frozen_run):
         seen["text"] = (seen["text"] + tail.read())[-400_000:]
         return seen["text"]
 
-    def request_open():
-        return any(a.get("kv_transfer.inflight.kind") == "request" and v >= 1
-                   for a, v in console_points(console_json_objects(read()), "kv_transfer.inflight"))
-
     def send_stuck():
         return re.search(r"otel_kvtransfer: a send open for \d+ s is stuck: request key (\S+),", read())
 
     try:
-        client.start()
-        wait_until(request_open, 300, "the second request's span to open")
-        wait_until(lambda: _prompt_batch_logged(read()), 300, "the prefill to schedule the second prompt")
         frozen = _scheduler_pids(deployment)
-        _signal_all(frozen, signal.SIGSTOP)
+        assert frozen, "no decode scheduler process found"
+        _freeze_when_awaiting_kv(deployment, frozen, client.start)
+        read()
         seen["text"] = ""  # a send reported from here on hangs on the frozen decode
         run["room"] = wait_until(send_stuck, FROZEN_MAX_S, "the second request's send to hang").group(1)
         prefill, decode = deployment.servers["prefill"], deployment.servers["decode"]
