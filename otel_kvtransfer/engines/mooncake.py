@@ -228,13 +228,13 @@ FORM_AT = {WRITE: 1, READ: 2}  # op -> where a _Forms tuple holds that op's form
 def _forms_of(engine: Any) -> _Forms:
     """The forms of `engine`'s writes and reads; the answer kept for the next call (`_last_engine`)."""
     transport, extra = _engines.get(id(engine), _state["fallback"])
-    forms = (_no_engine, records.call_form(WRITE, transport, BACKEND, extra, "transfer_failed"),
-             records.call_form(READ, transport, BACKEND, extra, "transfer_failed"))
+    write = records.call_form(WRITE, transport, BACKEND, extra, "transfer_failed")
+    read = records.call_form(READ, transport, BACKEND, extra, "transfer_failed")
     try:
-        forms = (weakref.ref(engine), forms[1], forms[2])
-        _last_engine[0] = forms
+        forms = (weakref.ref(engine), write, read)
     except TypeError:  # an engine no weak reference can name (a test's stand-in): looked up every call
-        pass
+        return (_no_engine, write, read)
+    _last_engine[0] = forms
     return forms
 
 
