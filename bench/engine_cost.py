@@ -509,16 +509,11 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     out["transfer_cpu_us"] = own_cpu(b, rounds, calls)
     EngineTimer.install(type(b.engine), ("transfer_sync_write", "batch_transfer_sync_write",
                                          "batch_transfer_async_write", "get_batch_transfer_status"))
-    try:
+    try:  # both readings under the one shim, ours and vLLM's code in position
         calling = thread_cost(b, rounds, calls, shapes=ANCHOR_SHAPES)
-    finally:
-        b.off()
-        EngineTimer.remove()
-    EngineTimer.install(type(b.engine), ("transfer_sync_write", "batch_transfer_sync_write",
-                                         "batch_transfer_async_write", "get_batch_transfer_status"))
-    try:
         in_position = vllm_in_position(b, shapes, rounds, calls, MooncakeKVConnectorStats)
     finally:
+        b.off()
         EngineTimer.remove()
     for shape, (call, lengths) in shapes.items():
         sends = []
