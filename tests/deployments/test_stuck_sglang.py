@@ -27,6 +27,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -92,14 +94,11 @@ def _scheduler_pids(deployment) -> list:
 
 
 def _freeze_when_awaiting_kv(deployment, pids, start_request, timeout_s=300) -> dict:
-    """Start the request (`start_request()`) and freeze `pids`, the decode's scheduler, the moment the decode holds
-    the prompt's KV slots and has told the prefill where to write them. Earlier, a frozen decode never tells it (the
+    """Start the request (`start_request()`) and freeze `pids`, the decode's scheduler, once the decode holds the
+    prompt's KV slots and has told the prefill where to write them (decode_freezer.py). Earlier, a frozen decode never tells it (the
     prefill never schedules the prompt, and no send starts); later, the prefill's send may be over already (sglang
     logs the prompt's batch after it queued the send, and 78 MiB crosses the loopback in tens of ms). From that
     moment the prefill computes the prompt for seconds, and only then sends: its send always hangs."""
-    import subprocess
-    import sys
-
     argv = deployment.nsenter + [sys.executable, FREEZER, deployment.servers["decode"].url, str(TOKENS // 2),
                                  str(timeout_s), *(str(pid) for pid in pids)]
     freezer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
@@ -185,8 +184,7 @@ def frozen_run(tmp_path_factory):
             for kind in ("send", "request"):
                 seen[kind] = seen[kind] or f"otel_kvtransfer: a {kind} open for" in new
 
-        frozen = _scheduler_pids(deployment)
-        assert frozen, "no decode scheduler process found"
+        frozen = wait_until(lambda: _scheduler_pids(deployment), 60, "the decode's scheduler process")
         _freeze_when_awaiting_kv(deployment, frozen, client.start)
         frozen_at = time.monotonic()
         read()  # up to the freeze (and the few ms since: no send can have started in them)
@@ -270,8 +268,7 @@ def aborted_run(frozen_run):
         return re.search(r"otel_kvtransfer: a send open for \d+ s is stuck: request key (\S+),", read())
 
     try:
-        frozen = _scheduler_pids(deployment)
-        assert frozen, "no decode scheduler process found"
+        frozen = wait_until(lambda: _scheduler_pids(deployment), 60, "the decode's scheduler process")
         _freeze_when_awaiting_kv(deployment, frozen, client.start)
         read()
         seen["text"] = ""  # a send reported from here on hangs on the frozen decode
