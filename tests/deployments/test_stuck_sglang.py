@@ -95,10 +95,11 @@ def _scheduler_pids(deployment) -> list:
 
 def _freeze_when_awaiting_kv(deployment, pids, start_request, timeout_s=300) -> dict:
     """Start the request (`start_request()`) and freeze `pids`, the decode's scheduler, once the decode holds the
-    prompt's KV slots and has told the prefill where to write them (decode_freezer.py). Earlier, a frozen decode never tells it (the
-    prefill never schedules the prompt, and no send starts); later, the prefill's send may be over already (sglang
-    logs the prompt's batch after it queued the send, and 78 MiB crosses the loopback in tens of ms). From that
-    moment the prefill computes the prompt for seconds, and only then sends: its send always hangs."""
+    prompt's KV slots and has told the prefill where to write them (decode_freezer.py). Earlier, a frozen decode
+    never tells it (the prefill never schedules the prompt, and no send starts); later, the prefill's send may be
+    over already (sglang logs the prompt's batch after it queued the send, and 78 MiB crosses the loopback in tens
+    of ms). From that moment the prefill computes the prompt for seconds, and only then sends: its send always
+    hangs."""
     argv = deployment.nsenter + [sys.executable, FREEZER, deployment.servers["decode"].url, str(TOKENS // 2),
                                  str(timeout_s), *(str(pid) for pid in pids)]
     freezer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
