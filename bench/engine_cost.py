@@ -439,9 +439,13 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
         for order in _rotations(rounds):
             for mode in order:
                 b.mode("on" if mode == "on" else "off")
+                # A block of its own first, not measured: what follows a switch (the first call's look-ups of the
+                # engine, the recorder's first wake, the new helper still starting) comes once per instrument(),
+                # not per transfer, and blocks of 40 async sends would carry it as microseconds a send.
+                run(calls)
                 per[mode].append(run(calls))
                 if mode == "on":  # one send per call, except calls bound to one scope: one send per block
-                    b.transfers_on += 1 if shape.startswith("8 B write via") else shape_calls or calls
+                    b.transfers_on += 2 * (1 if shape.startswith("8 B write via") else shape_calls or calls)
         b.off()
         added_wall = [on[0] - off[0] for on, off in zip(per["on"], per["off"])]
         added_cpu = [on[1] - off[1] for on, off in zip(per["on"], per["off"])]
@@ -464,7 +468,8 @@ def thread_cost(b: Bench, rounds: int, calls: int, shapes=None) -> dict:
             # calls (the wrapper's own work, without the engine's polling), and its A/A.
             **({"added_outside_engine_us": statistics.median(on[4] - off[4] for on, off in zip(per["on"], per["off"]))
                 / 1e3, "aa_outside_engine_us": statistics.median(o2[4] - o1[4] for o1, o2 in zip(per["off"],
-                                                                                                  per["off2"])) / 1e3}
+                                                                                                  per["off2"])) / 1e3,
+                "added_outside_engine_us_rounds": [(on[4] - off[4]) / 1e3 for on, off in zip(per["on"], per["off"])]}
                if per["on"][0][4] is not None else {}),
             "calls_per_block": shape_calls or calls,
         }
@@ -491,9 +496,13 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     on the engine's threads: what our wrapper adds on the calling thread (on and off alternating, A/A beside),
     outside the engine's own calls (`EngineTimer`: a sync call's CPU follows its wait, which any work between calls
     moves by tens of us either way) and in all, and what our recorder's thread spends per record
-    (`recorder_cost`), from the same run."""
+    (`recorder_cost`), from the same run. Ours as installed (the async wrappers compiled where the package was
+    built with its C part), and the async shape again with the Python wrappers alone (OTEL_KVTRANSFER_HOT_PATH=
+    python): the ruler of goal 4's 30%."""
     import pickle
 
+    from otel_kvtransfer.config import HOT_PATH
+    from otel_kvtransfer.recording import compiled
     from otel_kvtransfer.wiring.startup import distribution_version
 
     try:
@@ -509,12 +518,18 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     out["transfer_cpu_us"] = own_cpu(b, rounds, calls)
     EngineTimer.install(type(b.engine), ("transfer_sync_write", "batch_transfer_sync_write",
                                          "batch_transfer_async_write", "get_batch_transfer_status"))
-    try:  # both readings under the one shim, ours and vLLM's code in position
-        calling = thread_cost(b, rounds, calls, shapes=ANCHOR_SHAPES)
+    try:  # every reading under the one shim: ours on each path, vLLM's code in position
+        calling = thread_cost(b, rounds, calls, shapes=ANCHOR_SHAPES)  # as installed: compiled where built
+        os.environ[HOT_PATH] = "python"  # read at each instrument(): the async wrappers in Python alone
+        try:
+            calling_python = thread_cost(b, rounds, calls, shapes=(ASYNC_BATCH,)) if compiled.available() else {}
+        finally:
+            del os.environ[HOT_PATH]
         in_position = vllm_in_position(b, shapes, rounds, calls, MooncakeKVConnectorStats)
     finally:
         b.off()
         EngineTimer.remove()
+    out["hot_path"] = "compiled" if compiled.available() else "python (this installation has no compiled part)"
     for shape, (call, lengths) in shapes.items():
         sends = []
         for _ in range(max(calls // 10, 20)):  # real sends, timed as vLLM's _send_blocks times them
@@ -552,6 +567,12 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
             "ours_engine_threads_us": ours["added_outside_engine_us"] + recorder["us_per_record"],
             **in_position[shape],
         }
+        python = calling_python.get(shape)
+        if python is not None:  # the same shape with the Python wrappers alone: goal 4's ruler
+            out["shapes"][shape].update({
+                "ours_python_added_outside_engine_us": python["added_outside_engine_us"],
+                "ours_python_aa_outside_engine_us": python["aa_outside_engine_us"],
+                "ours_python_added_outside_engine_us_rounds": python["added_outside_engine_us_rounds"]})
     return out
 
 

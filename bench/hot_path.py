@@ -14,7 +14,8 @@ run also prints how many there were of each generation and the time they took (`
 measures the same blocks with the GC disabled. `--calls` is how many records wait in the queue at a block's end
 (the recorder drains between blocks): 20,000 by default, ~1,000 nearer what waits between two drains in a
 deployment. `--shape async` times an async send instead: the package's submission and wait wrappers around
-stand-ins, one submission of 8 descriptors and the wait for its id a call.
+stand-ins, one submission of 8 descriptors and the wait for its id a call: compiled where the package was built
+with its C part, or with OTEL_KVTRANSFER_HOT_PATH=python the Python wrappers alone (the output says which).
 """
 
 import argparse
@@ -48,8 +49,12 @@ def main() -> int:
     from otel_kvtransfer.recording.recorder import RECORDER
 
     instrumentor = instrument_stand_ins()
+    async_wrappers = "python"
     if args.shape == "async":
         call = _async_pair()
+        compiled = sys.modules.get("otel_kvtransfer.recording.compiled")  # absent in trees before it
+        if compiled is not None and compiled.chosen() is not None:
+            async_wrappers = "compiled"
     else:
         engine = WrappedStandIn()
         register_transport(engine)
@@ -74,7 +79,7 @@ def main() -> int:
         instrumentor.uninstrument()
     calls = args.calls * args.blocks
     print(json.dumps({"package": os.path.join(tree, "otel_kvtransfer"), "engine": "stand-in", "shape": args.shape,
-                      "gc": args.gc,
+                      "gc": args.gc, "async_wrappers": async_wrappers,
                       "calls_per_block": args.calls,
                       "us_per_call": {"median": statistics.median(per_call), "min": min(per_call),
                                       "max": max(per_call)},

@@ -25,6 +25,10 @@ MAX_PEERS = "OTEL_KVTRANSFER_MAX_PEERS"
 STUCK_S = "OTEL_KVTRANSFER_STUCK_S"
 PIPELINE = "OTEL_KVTRANSFER_PIPELINE"
 LATE_WATCH_S = "OTEL_KVTRANSFER_LATE_WATCH_S"
+HOT_PATH = "OTEL_KVTRANSFER_HOT_PATH"
+# The engines' hottest wrappers (an async send's submission and wait): compiled where the package was built with
+# its C extension (recording/compiled.py), or the Python wrappers, which every call falls back to either way.
+HOT_PATHS = ("compiled", "python")
 PIPELINES = ("direct", "sdk")  # how: spans and metric points built directly, or through the SDK tracer/instruments
 
 
@@ -40,6 +44,7 @@ class Settings:
     max_peers: int = 64  # distinct peers on kv_transfer.peer.throughput per process; the rest are `other`
     stuck_s: float = 30.0  # an open transfer, request or peer wait older than this is reported as stuck
     late_watch_s: float = 30.0  # a peer wait that ended with an error waits this long for late KV before export
+    hot_path: str = "compiled"  # one of HOT_PATHS
 
 
 _Number = TypeVar("_Number", int, float)
@@ -85,4 +90,5 @@ def load() -> Settings:
         max_peers=_read(MAX_PEERS, int, Settings.max_peers, 1, 1 << 16),
         stuck_s=_read(STUCK_S, float, Settings.stuck_s, 0.01, 86_400 * 7),
         late_watch_s=_read(LATE_WATCH_S, float, Settings.late_watch_s, 0, 3600),
+        hot_path=_read_choice(HOT_PATH, HOT_PATHS, Settings.hot_path),
     )

@@ -16,7 +16,8 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 missing=()
 # libibverbs1, libnuma1: the Mooncake engine links them; g++: torch compiles CPU kernels when an MLA server warms
-# up; iproute2: ip and ss in the deployments' network namespaces
+# up, and its gcc builds this package's compiled part (pyproject.toml's ext-modules); iproute2: ip and ss in the
+# deployments' network namespaces
 for pkg in libibverbs1 libnuma1 g++ iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done

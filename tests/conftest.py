@@ -1,6 +1,6 @@
-"""The fixtures the tests share: instrumented in-memory telemetry, a meter provider with an in-memory reader, and a
-real Mooncake engine and receiver on 127.0.0.1. The helpers themselves live in tests/support/ (parts, telemetry,
-console, ...)."""
+"""The fixtures the tests share: instrumented in-memory telemetry, a meter provider with an in-memory reader, a
+real Mooncake engine and receiver on 127.0.0.1, and each path of the async wrappers. The helpers themselves live in
+tests/support/ (parts, telemetry, console, ...)."""
 
 import os
 
@@ -17,6 +17,19 @@ def telemetry():
     t = Telemetry().instrument()
     yield t
     t.uninstrument()
+
+
+@pytest.fixture(params=("compiled", "python"))
+def hot_path(request, monkeypatch):
+    """Each of the two paths the async wrappers have (otel_kvtransfer/recording/compiled.py): whatever instruments
+    after this fixture makes its wrappers on it. Ask for it before the fixture that instruments."""
+    from otel_kvtransfer import config
+    from otel_kvtransfer.recording import compiled
+
+    if request.param == "compiled":
+        require_part(compiled.available(), "the package's compiled part (pip install -e . with a C compiler)")
+    monkeypatch.setenv(config.HOT_PATH, request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, cast
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.recording import clock, inflight, integration, records, untimed
+from otel_kvtransfer.recording import clock, compiled, inflight, integration, records, untimed
 from otel_kvtransfer.recording.patching import (
     SUPPRESS_KEY,
     SUPPRESS_KEY_PLAIN,
@@ -446,7 +446,19 @@ def _common_async(original: _Method, op: str, batch: bool,
             own_error("record a Mooncake submission")
         return batch_id
 
-    return submit
+    built = compiled.chosen()
+    if built is None:
+        return submit
+
+    def refused(engine: Any, target_hostname: Any, buffer: Any, peer_buffer_address: Any, length: Any, start: int,
+                batch_id: Any) -> None:
+        _deliver(engine, (target_hostname, buffer, peer_buffer_address, length), {}, op, batch, start, batch_id,
+                 "submit_failed")
+
+    # The same common case without a Python frame; every other call goes to `submit` before the engine is called.
+    return cast(_Method, built.Submission(
+        original, submit, refused, own_error, recorder, context, integration.ENTERED, last, waiting, suppress,
+        suppress_plain, base, at, batch))
 
 
 def _general_async(original: _Method, op: Optional[str], batch: bool, nic_at: int,
@@ -503,18 +515,26 @@ def _check_status(original: _Method) -> _Method:
 def _batch_status(original: _Method) -> _Method:
     waiting, complete_all = _pending.entries, _pending.complete_all
 
+    def completed(self: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], rc: Any) -> None:
+        engine = id(self)
+        complete_all([(engine, batch_id) for batch_id in (args[0] if args else next(iter(kwargs.values())))],
+                     rc, None if rc == 0 else "transfer_failed")
+
     def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if waiting:
             try:
-                engine = id(self)
-                complete_all([(engine, batch_id) for batch_id in (args[0] if args else next(iter(kwargs.values())))],
-                             rc, None if rc == 0 else "transfer_failed")
+                completed(self, args, kwargs, rc)
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc
 
-    return get_batch_transfer_status
+    built = compiled.chosen()
+    if built is None:
+        return get_batch_transfer_status
+    # The common wait (one list of ids) ends its sends without a Python frame; `completed` takes any other.
+    return cast(_Method, built.BatchWait(original, completed, _pending.ended, own_error, RECORDER, waiting,
+                                         _pending.running_seen, records.RAW_ASYNC, clock.BASE))
 
 
 # --- 0.3.14's other shapes of the same transfers, and the CUDA stream's calls -------------------------------------

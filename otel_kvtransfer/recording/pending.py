@@ -33,7 +33,7 @@ class PendingTransfers:
         # handle -> what its submission knew. Public for the engines' wrappers to test (`if entries:`) before
         # anything else on each poll: a dict's truth costs no Python call, len() of this table one frame.
         self.entries: dict[Hashable, _Entry] = {}
-        self._running_seen: dict[Hashable, int] = {}  # handle -> when a poll last saw it still running
+        self.running_seen: dict[Hashable, int] = {}  # handle -> when a poll last saw it still running
         inflight.register_pending(self)
 
     def __len__(self) -> int:
@@ -62,7 +62,7 @@ class PendingTransfers:
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
         if handle in self.entries:
-            self._running_seen[handle] = now_ns()
+            self.running_seen[handle] = now_ns()
 
     def in_flight(self) -> Iterator[tuple[Hashable, inflight.Item]]:
         """(handle, (start_ns, key, peer, nbytes, backend)) of every submission still pending (inflight.py)."""
@@ -78,21 +78,21 @@ class PendingTransfers:
         entry = self.entries.pop(handle, None)
         if entry is None:
             return False
-        seen = self._running_seen
-        self._ended(entry, now_ns(), seen.pop(handle, None) if seen else None, return_code, error_type)
+        seen = self.running_seen
+        self.ended(entry, now_ns(), seen.pop(handle, None) if seen else None, return_code, error_type)
         return True
 
     def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str]) -> None:
         """`complete` of each of `handles` still pending, all ended now (one wait saw them end). A wait that
         blocked until they ended is no poll that saw them running: they may have ended before it began, so each
         one's window still reaches back to the last poll that did, or to its start."""
-        entries, seen, end = self.entries, self._running_seen, now_ns()
+        entries, seen, end = self.entries, self.running_seen, now_ns()
         for handle in handles:
             entry = entries.pop(handle, None)
             if entry is not None:
-                self._ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
+                self.ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
 
-    def _ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
+    def ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
                error_type: Optional[str]) -> None:
         """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never)."""
         start, nbytes, descriptors, peer, form, info, context, posted = entry
@@ -116,7 +116,7 @@ class PendingTransfers:
 
     def forget(self, handle: Hashable) -> None:
         """The handle was released without its completion being observed: counted as dropped."""
-        self._running_seen.pop(handle, None)
+        self.running_seen.pop(handle, None)
         if self.entries.pop(handle, None) is not None:
             RECORDER.drop("async_released")
 
@@ -125,4 +125,4 @@ class PendingTransfers:
         if self.entries:
             RECORDER.drop("async_uninstrumented", len(self.entries))
         self.entries.clear()
-        self._running_seen.clear()
+        self.running_seen.clear()

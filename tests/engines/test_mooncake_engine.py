@@ -1,5 +1,6 @@
 """Every Mooncake TransferEngine call becomes one kv_transfer.send span with exact bytes; real engine, two
-processes, TCP on 127.0.0.1."""
+processes, TCP on 127.0.0.1. The async tests run on both paths of the async wrappers (`hot_path`: compiled and
+Python)."""
 
 import threading
 import time
@@ -99,7 +100,7 @@ def test_opcode_argument_decides_op(telemetry, engine, receiver):
     assert [(s.attributes[semconv.OP], s.attributes[semconv.BYTES]) for s in spans] == [("write", 64), ("read", 32)]
 
 
-def test_async_submission_span_ends_when_completion_is_observed(telemetry, engine, receiver):
+def test_async_submission_span_ends_when_completion_is_observed(hot_path, telemetry, engine, receiver):
     # Bounds on the records' clock, which the spans carry: the wall clock may drift from it by microseconds.
     submitted = now_ns()
     batch_id = engine.engine.transfer_submit_write(receiver.session, engine.base, receiver.base_address, 8 << 20)
@@ -133,7 +134,7 @@ def test_async_submission_span_ends_when_completion_is_observed(telemetry, engin
     assert (point.count, point.sum) == (1, post)
 
 
-def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, receiver):
+def test_batch_async_span_ends_at_get_batch_transfer_status(hot_path, telemetry, engine, receiver):
     ids = [
         engine.engine.batch_transfer_async_write(
             receiver.session, [engine.base + i * 65536], [receiver.base_address + i * 65536], [65536])
@@ -154,7 +155,8 @@ def test_batch_async_span_ends_at_get_batch_transfer_status(telemetry, engine, r
                for s in spans)
 
 
-def test_an_async_submission_belongs_to_the_scope_or_span_current_at_its_submission(telemetry, engine, receiver):
+def test_an_async_submission_belongs_to_the_scope_or_span_current_at_its_submission(hot_path, telemetry, engine,
+                                                                                     receiver):
     """Where it ends (the poll) is not where it began: a submission made in a transfer scope is that request's
     send, one made under a span is that span's child, wherever and whenever the completion is seen."""
     from otel_kvtransfer import integration
@@ -195,7 +197,7 @@ def test_unreachable_session_is_an_error_span(telemetry, engine):
     assert sum(p.value for p in failures) == 1
 
 
-def test_failed_async_submission_is_an_error_span(telemetry, engine):
+def test_failed_async_submission_is_an_error_span(hot_path, telemetry, engine):
     batch_id = engine.engine.transfer_submit_write("127.0.0.1:1", engine.base, 0, 16)
     assert batch_id in (0, -1)
     span = _only(telemetry.spans(semconv.SPAN_SEND))

@@ -504,24 +504,53 @@ def test_mooncake_hot_path_names_each_engines_own_transport_and_device(recording
     assert forms[0] is forms[1] and forms[4] is forms[5] and forms[0] is not forms[2]
 
 
-def test_mooncake_async_path_writes_what_the_constructors_build(recording, monkeypatch):
+class _StandInEngine:
+    """What the async wrappers are called with in place of a TransferEngine: any object a weak reference can name
+    (the wrappers keep the last engine's forms by one), as a pybind engine is."""
+
+
+_ASYNC_CALLS = ("batch_transfer_async_write", "get_batch_transfer_status", "transfer_check_status")
+_COMPILED_TYPES = {"batch_transfer_async_write": "Submission", "get_batch_transfer_status": "BatchWait"}
+
+
+def _prime(engine_class, engine, recording):
+    """One send made and its record let go: the wrappers now know `engine` (they keep the last engine's forms,
+    and take a call on another engine, as the first after instrument(), the Python way)."""
+    from otel_kvtransfer.engines import mooncake
+
+    primer = engine_class.batch_transfer_async_write(engine, "10.0.0.9:15001", [1], [2], [8])
+    assert engine_class.get_batch_transfer_status(engine, [primer]) == 0
+    assert mooncake._last_engine[0][0]() is engine
+    recording.wrapper_errors()
+    recording.records.clear()
+
+
+def _assert_wrappers_of(engine_class, hot_path):
+    """The async wrappers on the class are the ones `hot_path` makes (a test of one path never runs the other)."""
+    for name, compiled_type in _COMPILED_TYPES.items():
+        made = type(vars(engine_class)[name])
+        assert (made.__name__ == compiled_type) is (hot_path == "compiled"), (name, made)
+
+
+def test_mooncake_async_path_writes_what_the_constructors_build(hot_path, recording, monkeypatch):
     """The common async submission puts its pending entry in the table itself and its completion writes the
     record out (`records.raw_async`): what they hand over must be what the constructors build from the same
-    values; a submission inside a transfer scope goes through `PendingTransfers.submit` and ends as that scope's
-    send."""
+    values, on the compiled path and the Python one; a submission inside a transfer scope goes through
+    `PendingTransfers.submit` and ends as that scope's send."""
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
     backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
     engine_class = module.TransferEngine
-    names = ("batch_transfer_async_write", "get_batch_transfer_status", "transfer_check_status")
-    originals = {name: vars(engine_class)[name] for name in names}
-    engine, ids = object(), iter(range(101, 200))
+    originals = {name: vars(engine_class)[name] for name in _ASYNC_CALLS}
+    engine, ids = _StandInEngine(), iter(range(101, 200))
 
     try:
         engine_class.batch_transfer_async_write = lambda self, *args: next(ids)
         engine_class.get_batch_transfer_status = lambda self, *args: 0
         engine_class.transfer_check_status = lambda self, *args: 0  # still running
         assert backend.instrument() is True
+        _assert_wrappers_of(engine_class, hot_path)
+        _prime(engine_class, engine, recording)
         before = clock.now_ns()
         raw = engine_class.batch_transfer_async_write(engine, "10.0.0.1:15001", [1, 2], [3, 4], [4096, 1024])
         with integration.transfer_scope(9, chunk_index=2):
@@ -551,6 +580,101 @@ def test_mooncake_async_path_writes_what_the_constructors_build(recording, monke
     # A poll saw this one running: its window reaches back to that poll, not to its start.
     window = end - call[records.CALL_EXTRA][semconv.END_UNCERTAINTY_S] * 1e9
     assert polled - 1_000 <= window <= waited + 1_000
+
+
+def test_mooncake_async_wrappers_take_every_other_case_alike_on_both_paths(hot_path, recording, monkeypatch):
+    """What the common case does not cover goes the same way on both paths: a submission inside
+    suppress_instrumentation() is the engine's alone; one past a full table is counted as dropped; a refused one
+    (0) is a failed send at once; a raising one raises the engine's own exception and leaves nothing pending; one
+    called with keywords or a numpy length is parsed as ever; a wait with ids in a tuple, or by keyword, ends
+    them; ids nobody submitted are no sends; a length the wrapper cannot count is its own error, counted, the
+    engine's answer returned; the recorder stopped, the engine is called straight through."""
+    import numpy as np
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    from otel_kvtransfer.engines import mooncake
+
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    monkeypatch.setenv(config.MAX_PENDING_ASYNC, "3")
+    RECORDER.stop()
+    recording = Recording()  # started again: the table's bound read from the variable above
+    backend, (module,) = _load("otel_kvtransfer.engines.mooncake")
+    engine_class = module.TransferEngine
+    originals = {name: vars(engine_class)[name] for name in _ASYNC_CALLS}
+    engine, ids, calls = _StandInEngine(), iter(range(501, 600)), []
+    failure = RuntimeError("the engine's own")
+    answers = {}  # a submission's peer -> what the stand-in answers instead of a new id
+
+    def submit(self, peer, *args, **kwargs):
+        calls.append(peer)
+        answer = answers.get(peer)
+        if isinstance(answer, BaseException):
+            raise answer
+        return next(ids) if answer is None else answer
+
+    def write(peer, length=(4096,), **kwargs):
+        return engine_class.batch_transfer_async_write(engine, peer, [1], [2], list(length), **kwargs)
+
+    pending = mooncake._pending.entries
+    try:
+        engine_class.batch_transfer_async_write = submit
+        engine_class.get_batch_transfer_status = lambda self, *args, **kwargs: 0
+        engine_class.transfer_check_status = lambda self, *args: 1
+        assert backend.instrument() is True
+        _assert_wrappers_of(engine_class, hot_path)
+        _prime(engine_class, engine, recording)
+        with suppress_instrumentation():
+            quiet = write("quiet:1")
+        assert not pending
+        answers["refused:1"] = 0
+        assert write("refused:1") == 0
+        answers["raising:1"] = failure
+        with pytest.raises(RuntimeError) as raised:
+            write("raising:1")
+        assert raised.value is failure and not pending
+        bad = write("bad:1", ("not a length",))  # the wrapper's own failure: counted, the id still returned
+        assert bad > 0 and not pending and recording.wrapper_errors() == 1
+        first = [write("common:1", (4096, 1024)),
+                 engine_class.batch_transfer_async_write(engine, "keyword:1", [1], [2], lengths=[512]),
+                 write("numpy:1", (np.int64(7), np.int64(8)))]
+        full = write("full:1")  # the table holds 3
+        assert len(pending) == 3 and full not in {key[1] for key in pending}
+        assert engine_class.get_batch_transfer_status(engine, tuple(first[:2])) == 0
+        assert engine_class.get_batch_transfer_status(engine, batch_id_list=[first[2], 999, full]) == 0
+        assert not pending
+        RECORDER.active = False  # as between stop() and start(): nothing recorded, the engine still called
+        try:
+            off = write("off:1")
+            assert engine_class.get_batch_transfer_status(engine, [off]) == 0
+        finally:
+            RECORDER.active = True
+        assert not pending
+        assert recording.wrapper_errors() == 1
+    finally:
+        backend.uninstrument()
+        for name, entry in originals.items():
+            setattr(engine_class, name, entry)
+    assert calls == ["10.0.0.9:15001", "quiet:1", "refused:1", "raising:1", "bad:1", "common:1", "keyword:1",
+                     "numpy:1", "full:1", "off:1"]
+    assert quiet > 0 and off > 0
+    assert recording.drops == {"async_pending_full": 1, "wrapper_error": 1}
+    sends = {}
+    for record in recording.records:
+        if record[records.KIND] == records.RAW_ASYNC:
+            start, end, window, posted = (record[records.ASYNC_START], record[records.ASYNC_END],
+                                          record[records.ASYNC_WINDOW], record[records.ASYNC_POSTED])
+            assert start <= posted <= end and window == start
+            sends[record[records.ASYNC_PEER]] = (record[records.ASYNC_BYTES], record[records.ASYNC_DESCRIPTORS],
+                                                 record[records.ASYNC_ERROR])
+        else:  # the refused submission's send, ended at once
+            assert record[records.KIND] == records.RAW_CALL
+            call = record[records.RAW_CALL_FIELDS]
+            sends[call[records.CALL_PEER]] = (call[records.CALL_BYTES], call[records.CALL_DESCRIPTORS],
+                                              call[records.CALL_ERROR])
+    assert sends == {"refused:1": (4096, 1, "submit_failed"), "common:1": (5120, 2, None),
+                     "keyword:1": (512, 1, None), "numpy:1": (15, 2, None)}
+    assert all(type(nbytes) is int for nbytes, _, _ in sends.values())
 
 
 def test_a_raw_call_stays_raw_while_another_thread_is_in_a_scope(recording, monkeypatch):

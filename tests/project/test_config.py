@@ -17,6 +17,27 @@ RANGES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_settings(monkeypatch):
+    """Each test starts from no OTEL_KVTRANSFER_* at all (a suite may run with some set, as CI's pass with the
+    Python wrappers sets OTEL_KVTRANSFER_HOT_PATH)."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("OTEL_KVTRANSFER_")]:
+        monkeypatch.delenv(name)
+
+
+def test_the_hot_path_is_one_of_its_choices(monkeypatch, caplog):
+    for raw, chosen in (("compiled", "compiled"), (" Python ", "python")):
+        monkeypatch.setenv(config.HOT_PATH, raw)
+        assert config.load().hot_path == chosen
+    monkeypatch.setenv(config.HOT_PATH, "native")
+    with caplog.at_level("WARNING", logger="otel_kvtransfer.config"):
+        assert config.load() == DEFAULTS and DEFAULTS.hot_path == "compiled"
+    (record,) = caplog.records
+    assert config.HOT_PATH in record.getMessage() and "compiled, python" in record.getMessage()
+
+
 @pytest.mark.parametrize("name, field, low, high, outside", RANGES, ids=[x[0] for x in RANGES])
 def test_each_setting_accepts_its_range_and_rejects_beyond(monkeypatch, name, field, low, high, outside):
     for value in (low, high):

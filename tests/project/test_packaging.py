@@ -50,7 +50,8 @@ def _copy_build_inputs(dest):
         src = os.path.join(ROOT, rel)
         target = os.path.join(dest, rel)
         if os.path.isdir(src):
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+            # no built module either: the wheel's compiled part must come from its C source
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so"))
         else:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copy2(src, target)
@@ -65,17 +66,21 @@ def _setuptools_supports_pep639() -> bool:
     return bool(major) and int(major.group()) >= 77
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
+def _build_wheel(tmp_path_factory, env=None):
     src = str(tmp_path_factory.mktemp("src"))
     out = str(tmp_path_factory.mktemp("wheel"))
     _copy_build_inputs(src)
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", out, src]
     if _setuptools_supports_pep639():
         argv.insert(4, "--no-build-isolation")  # offline and fast; otherwise pip fetches setuptools >= 77
-    _run(argv)
+    _run(argv, env=env)
     (name,) = [n for n in os.listdir(out) if n.endswith(".whl")]
     return os.path.join(out, name)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return _build_wheel(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +222,38 @@ def test_dashboard_and_alert_rules_ship_in_the_wheel(wheel, venv):
         with open(os.path.join(data, *DATA_DIR, name), "rb") as installed, \
                 open(os.path.join(ROOT, "dashboards", name), "rb") as source:
             assert installed.read() == source.read(), name
+
+
+COMPILED = "otel_kvtransfer/recording/_async_compiled."
+SAYS_COMPILED = ("import json; from otel_kvtransfer.recording import compiled; "
+                 "print(json.dumps([compiled.available(), compiled.chosen() is not None]))")
+
+
+def test_the_compiled_part_is_built_from_source_into_the_wheel(wheel, venv):
+    """The async send's compiled wrappers: built from their C source (the copy the build reads has no built
+    module), in the wheel, and what the installed package takes."""
+    with zipfile.ZipFile(wheel) as archive:
+        built = [n for n in archive.namelist() if n.startswith(COMPILED) and n.endswith(".so")]
+    assert len(built) == 1, built
+    assert _in_venv(venv, SAYS_COMPILED) == [True, True]
+
+
+def test_a_build_without_a_c_compiler_installs_the_python_path(tmp_path_factory, venv):
+    """No compiler (CC names one that fails): the build still makes a wheel, without the compiled part, and the
+    package installed from it runs the Python wrappers."""
+    wheel = _build_wheel(tmp_path_factory, env=dict(os.environ, CC="false", LDSHARED="false"))
+    with zipfile.ZipFile(wheel) as archive:
+        assert not [n for n in archive.namelist() if n.startswith(COMPILED) and n.endswith(".so")]
+    python = os.path.join(str(tmp_path_factory.mktemp("plain")), "venv")
+    _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", python])
+    # the packaging venv's dependencies, this wheel on top: a venv of its own, the shared one keeps the compiled
+    site = _in_venv(venv, "import json, sysconfig; print(json.dumps(sysconfig.get_path('purelib')))")
+    target = str(tmp_path_factory.mktemp("plain-site"))
+    _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, wheel])
+    code = f"import sys; sys.path[:0] = [{target!r}, {site!r}]; " + SAYS_COMPILED
+    with tempfile.TemporaryDirectory() as cwd:
+        result = _run([os.path.join(python, "bin", "python"), "-I", "-c", code], timeout=120, cwd=cwd)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [False, False]
 
 
 def test_instruments_any_gates_auto_instrumentation(venv, wheel_metadata):

@@ -350,7 +350,8 @@ def test_one_poisoned_span_loses_only_itself(monkeypatch, engine, receiver):
 
 def test_garbage_in_every_setting_at_once_still_records(monkeypatch, engine, receiver):
     for name, garbage in [(config.QUEUE_SIZE, "-1"), (config.FLUSH_INTERVAL_MS, "nan"),
-                          (config.REQUEST_TTL_S, "\x01\u00fc"), (config.MAX_PENDING_ASYNC, "9" * 40)]:
+                          (config.REQUEST_TTL_S, "\x01\u00fc"), (config.MAX_PENDING_ASYNC, "9" * 40),
+                          (config.HOT_PATH, "native")]:
         monkeypatch.setenv(name, garbage)
     exporter = InMemorySpanExporter()
     setup = _Setup(SimpleSpanProcessor(exporter))

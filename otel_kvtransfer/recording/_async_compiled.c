@@ -1,0 +1,711 @@
+/* The async send's two hot calls, compiled: the common submission and the batch wait.
+
+   Each type here stands on a pybind engine class in place of the package's Python wrapper of one call and does
+   only that wrapper's common case, the same work with the same result (an entry in the pending table, a RAW_ASYNC
+   record on the recorder's queue), without a Python frame. Anything else goes to the Python wrapper it was made
+   with, which handles every case: the compiled path decides before it calls the engine whether the call is
+   its to take, so the engine is never called twice. otel_kvtransfer/recording/compiled.py says when it is used;
+   the Python path stays the reference (tests/project/test_backend_contract.py runs both). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <limits.h>
+#include <stddef.h>
+#include <time.h>
+
+/* time.monotonic_ns() on Linux: CLOCK_MONOTONIC, the records' clock before clock.BASE is added */
+static inline long long
+monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static PyObject *str_active, *str_queue, *str_capacity, *str_idle, *str_record, *str_append, *str_settings,
+    *str_max_pending, *str_transfer_failed, *str_drop, *str_pending_full, *zero;
+
+/* The record on the recorder's queue as `Recorder.record` would put it (its contract lets a wrapper append
+   while there is room and the thread is awake); otherwise through `record` itself. 0, or -1 with an error set. */
+static int
+hand_over(PyObject *recorder, PyObject *rec)
+{
+    PyObject *queue = PyObject_GetAttr(recorder, str_queue);
+    if (queue == NULL)
+        return -1;
+    int room = -1;
+    Py_ssize_t waiting = PyObject_Length(queue);
+    PyObject *capacity = waiting < 0 ? NULL : PyObject_GetAttr(recorder, str_capacity);
+    if (capacity != NULL) {
+        Py_ssize_t most = PyLong_AsSsize_t(capacity);
+        Py_DECREF(capacity);
+        if (!(most == -1 && PyErr_Occurred())) {
+            room = waiting < most;
+            if (room) {
+                PyObject *idle = PyObject_GetAttr(recorder, str_idle);
+                int sleeping = idle == NULL ? -1 : PyObject_IsTrue(idle);
+                Py_XDECREF(idle);
+                room = sleeping < 0 ? -1 : !sleeping;
+            }
+        }
+    }
+    PyObject *done = NULL;
+    if (room == 1)
+        done = PyObject_CallMethodOneArg(queue, str_append, rec);
+    else if (room == 0)
+        done = PyObject_CallMethodOneArg(recorder, str_record, rec);
+    Py_DECREF(queue);
+    if (done == NULL)
+        return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* dict.pop(key, None) in one lookup (a tuple key hashes anew on every lookup): a new reference, Py_None when the
+   key is absent, NULL with an error set. */
+static PyObject *
+pop_item(PyObject *dict, PyObject *key)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *found = NULL;
+    if (PyDict_Pop(dict, key, &found) < 0)
+        return NULL;
+    return found == NULL ? Py_NewRef(Py_None) : found;
+#else
+    return _PyDict_Pop(dict, key, Py_None);
+#endif
+}
+
+/* The sign of an engine's answer, an int in the common case: -1, 0 or 1; -2 with an error set. */
+static int
+sign_of(PyObject *value)
+{
+    if (PyLong_CheckExact(value)) {
+        int overflow;
+        long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow)
+            return overflow;
+        if (number == -1 && PyErr_Occurred())
+            return -2;
+        return (number > 0) - (number < 0);
+    }
+    int below = PyObject_RichCompareBool(value, zero, Py_LT);
+    if (below != 0)
+        return below < 0 ? -2 : -1;
+    int equal = PyObject_RichCompareBool(value, zero, Py_EQ);
+    return equal < 0 ? -2 : !equal;
+}
+
+/* A new tuple of `n` items, each a new reference given to it (NULL items: the tuple is not made, the rest
+   released): Py_BuildValue's work without parsing its format on every call. */
+static PyObject *
+tuple_of(Py_ssize_t n, PyObject **items)
+{
+    PyObject *made = NULL;
+    int complete = 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        complete = complete && items[i] != NULL;
+    if (complete)
+        made = PyTuple_New(n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (made != NULL)
+            PyTuple_SET_ITEM(made, i, items[i]);
+        else
+            Py_XDECREF(items[i]);
+    }
+    return made;
+}
+
+/* own_error(what): counted and logged by the package. The error being raised is made the handled exception
+   while it runs (its log line reads sys.exc_info()), then cleared: nothing of it reaches the engine's caller. */
+static void
+own_error(PyObject *report, const char *what)
+{
+    PyObject *exc_type, *exc, *tb, *saved_type, *saved, *saved_tb;
+    PyErr_Fetch(&exc_type, &exc, &tb);
+    PyErr_NormalizeException(&exc_type, &exc, &tb);
+    if (exc != NULL && tb != NULL)
+        PyException_SetTraceback(exc, tb);
+    PyErr_GetExcInfo(&saved_type, &saved, &saved_tb);
+    PyErr_SetExcInfo(exc_type, exc, tb);  /* steals the three */
+    PyObject *done = PyObject_CallFunction(report, "s", what);
+    Py_XDECREF(done);
+    PyErr_Clear();
+    PyErr_SetExcInfo(saved_type, saved, saved_tb);
+}
+
+/* (bytes, descriptors) of a common call's last argument: a batch's list of lengths, or one length. */
+static int
+count_lengths(PyObject *length, int batch, PyObject **nbytes, Py_ssize_t *descriptors)
+{
+    if (!batch) {
+        *descriptors = 1;
+        *nbytes = PyLong_CheckExact(length) ? Py_NewRef(length) : PyNumber_Long(length);  /* int(), as Python */
+        return *nbytes == NULL ? -1 : 0;
+    }
+    PyObject *seq = PySequence_Fast(length, "lengths are no sequence");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    long long total = 0;
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {  /* ints summed in C while no sum could overflow */
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item))
+            break;
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || value < 0 || total > LLONG_MAX - value)
+            break;
+        total += value;
+    }
+    PyObject *sum = PyLong_FromLongLong(total);
+    for (; sum != NULL && i < n; i++) {  /* the rest as sum() adds them */
+        PyObject *next = PyNumber_Add(sum, items[i]);
+        Py_DECREF(sum);
+        sum = next;
+    }
+    Py_DECREF(seq);
+    if (sum != NULL && !PyLong_CheckExact(sum)) {
+        Py_SETREF(sum, PyNumber_Long(sum));
+    }
+    *nbytes = sum;
+    *descriptors = n;
+    return sum == NULL ? -1 : 0;
+}
+
+/* --- the common submission ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;        /* attributes (the patcher's mark) */
+    PyObject *original;    /* the engine's own method */
+    PyObject *fallback;    /* the Python wrapper: every call this one does not take */
+    PyObject *refused;     /* refused(engine, its four arguments, start, batch_id): a submission the engine refused */
+    PyObject *report;      /* own_error */
+    PyObject *recorder;
+    PyObject *context;     /* the current context, read without a Python frame */
+    PyObject *entered;     /* integration.ENTERED: while its item is not 0 some thread is in a scope */
+    PyObject *last;        /* the last engine's forms: [(weak reference, write form, read form)] */
+    PyObject *waiting;     /* the pending table's entries */
+    PyObject *suppress;
+    PyObject *suppress_plain;
+    long long base;        /* clock.BASE */
+    Py_ssize_t at;         /* where the forms tuple holds this op's form */
+    int batch;
+} Submission;
+
+static int
+Submission_traverse(Submission *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->refused);
+    Py_VISIT(self->report);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->context);
+    Py_VISIT(self->entered);
+    Py_VISIT(self->last);
+    Py_VISIT(self->waiting);
+    Py_VISIT(self->suppress);
+    Py_VISIT(self->suppress_plain);
+    return 0;
+}
+
+static int
+Submission_clear(Submission *self)
+{
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->refused);
+    Py_CLEAR(self->report);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->context);
+    Py_CLEAR(self->entered);
+    Py_CLEAR(self->last);
+    Py_CLEAR(self->waiting);
+    Py_CLEAR(self->suppress);
+    Py_CLEAR(self->suppress_plain);
+    return 0;
+}
+
+static void
+Submission_dealloc(Submission *self)
+{
+    PyObject_GC_UnTrack(self);
+    Submission_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* 1: some thread may be in a transfer scope, or the item is no int; 0: none is (ENTERED's item is 0) */
+static int
+scopes_entered(PyObject *entered)
+{
+    if (!PyList_CheckExact(entered) || PyList_GET_SIZE(entered) < 1)
+        return 1;
+    PyObject *depth = PyList_GET_ITEM(entered, 0);
+    if (!PyLong_CheckExact(depth))
+        return 1;
+    long value = PyLong_AsLong(depth);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 1;
+    }
+    return value != 0;
+}
+
+/* 1: recording; 0: not; -1: error */
+static int
+is_active(PyObject *recorder)
+{
+    PyObject *active = PyObject_GetAttr(recorder, str_active);
+    if (active == NULL)
+        return -1;
+    int on = PyObject_IsTrue(active);
+    Py_DECREF(active);
+    return on;
+}
+
+/* 1: inside suppress_instrumentation(); 0: not; -1: error */
+static int
+suppressed(PyObject *ctx, PyObject *key, PyObject *plain)
+{
+    if (PyDict_GET_SIZE(ctx) == 0)
+        return 0;
+    PyObject *flag = PyDict_GetItemWithError(ctx, key);  /* borrowed */
+    if (flag == NULL && PyErr_Occurred())
+        return -1;
+    int on = flag == NULL ? 0 : PyObject_IsTrue(flag);
+    if (on != 0)
+        return on;
+    flag = PyDict_GetItemWithError(ctx, plain);
+    if (flag == NULL && PyErr_Occurred())
+        return -1;
+    return flag == NULL ? 0 : PyObject_IsTrue(flag);
+}
+
+/* Room in the pending table: 1, or 0 when it holds max_pending_async, -1 error */
+static int
+table_room(PyObject *recorder, PyObject *waiting)
+{
+    PyObject *settings = PyObject_GetAttr(recorder, str_settings);
+    if (settings == NULL)
+        return -1;
+    PyObject *most = PyObject_GetAttr(settings, str_max_pending);
+    Py_DECREF(settings);
+    if (most == NULL)
+        return -1;
+    Py_ssize_t limit = PyLong_AsSsize_t(most);
+    Py_DECREF(most);
+    if (limit == -1 && PyErr_Occurred())
+        return -1;
+    return PyDict_GET_SIZE(waiting) < limit;
+}
+
+static PyObject *
+Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || nargs != 5 || !PyDict_CheckExact(self->waiting))
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    int on = is_active(self->recorder);
+    if (on <= 0) {
+        if (on < 0)
+            PyErr_Clear();
+        return PyObject_Vectorcall(on == 0 ? self->original : self->fallback, args, nargsf, NULL);
+    }
+    PyObject *ctx = PyObject_CallNoArgs(self->context);
+    if (ctx == NULL) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
+    }
+    if (!PyDict_Check(ctx) || scopes_entered(self->entered)) {  /* a scope's submission, or no dict context */
+        Py_DECREF(ctx);
+        return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
+    }
+    int quiet = suppressed(ctx, self->suppress, self->suppress_plain);
+    if (quiet != 0) {  /* inside suppress_instrumentation(): the engine alone */
+        Py_DECREF(ctx);
+        if (quiet < 0)
+            PyErr_Clear();
+        return PyObject_Vectorcall(quiet == 1 ? self->original : self->fallback, args, nargsf, NULL);
+    }
+    /* the forms of the last engine's calls, when this is that engine (else Python looks them up and keeps them) */
+    PyObject *engine = args[0];
+    PyObject *forms = PyList_CheckExact(self->last) && PyList_GET_SIZE(self->last) > 0
+                          ? PyList_GET_ITEM(self->last, 0) : NULL;
+    PyObject *named = NULL;
+    if (forms != NULL && PyTuple_CheckExact(forms) && PyTuple_GET_SIZE(forms) > self->at) {
+        Py_INCREF(forms);
+        named = PyObject_CallNoArgs(PyTuple_GET_ITEM(forms, 0));
+    }
+    else
+        forms = NULL;
+    if (named != engine) {
+        Py_XDECREF(named);
+        Py_XDECREF(forms);
+        PyErr_Clear();
+        Py_DECREF(ctx);
+        return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
+    }
+    Py_DECREF(named);
+    PyObject *form = Py_NewRef(PyTuple_GET_ITEM(forms, self->at));  /* kept: a call may replace the forms */
+    Py_DECREF(forms);
+
+    long long start = monotonic_ns() + self->base;
+    PyObject *batch_id = PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    long long posted = monotonic_ns() + self->base;
+    if (batch_id == NULL) {  /* as the Python wrapper: a raising submission is the caller's to see */
+        Py_DECREF(form);
+        Py_DECREF(ctx);
+        return NULL;
+    }
+    PyObject *nbytes = NULL, *key = NULL, *entry = NULL;
+    Py_ssize_t descriptors = 0;
+    int failed = PyObject_Not(batch_id);  /* Mooncake answers a failed submission with 0 or -1 */
+    if (failed == 0) {
+        int sign = sign_of(batch_id);
+        failed = sign == -2 ? -1 : sign < 0;
+    }
+    if (failed < 0)
+        goto error;
+    if (failed) {
+        PyObject *done = PyObject_CallFunction(self->refused, "OOOOOLO", engine, args[1], args[2], args[3], args[4],
+                                               start, batch_id);
+        if (done == NULL)
+            goto error;
+        Py_DECREF(done);
+        goto out;
+    }
+    int room = table_room(self->recorder, self->waiting);
+    if (room <= 0) {  /* a full table: the send is counted as dropped, as PendingTransfers.submit counts it */
+        PyObject *done = room < 0 ? NULL : PyObject_CallMethodOneArg(self->recorder, str_drop, str_pending_full);
+        if (done == NULL)
+            goto error;
+        Py_DECREF(done);
+        goto out;
+    }
+    if (count_lengths(args[4], self->batch, &nbytes, &descriptors) < 0)
+        goto error;
+    key = tuple_of(2, (PyObject *[]){PyLong_FromVoidPtr(engine), Py_NewRef(batch_id)});
+    if (key == NULL)
+        goto error;
+    entry = tuple_of(8, (PyObject *[]){PyLong_FromLongLong(start), Py_NewRef(nbytes), PyLong_FromSsize_t(descriptors),
+                                       Py_NewRef(args[1]), Py_NewRef(form), Py_NewRef(Py_None),
+                                       Py_NewRef(PyDict_GET_SIZE(ctx) ? ctx : Py_None), PyLong_FromLongLong(posted)});
+    if (entry == NULL || PyDict_SetItem(self->waiting, key, entry) < 0)
+        goto error;
+    goto out;
+error:
+    own_error(self->report, "record a Mooncake submission");
+out:
+    Py_XDECREF(nbytes);
+    Py_XDECREF(key);
+    Py_XDECREF(entry);
+    Py_DECREF(form);
+    Py_DECREF(ctx);
+    return batch_id;
+}
+
+static PyObject *
+Submission_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+static PyObject *
+bind(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static int
+Submission_init(Submission *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"original", "fallback", "refused", "report", "recorder", "context", "entered", "last",
+                            "waiting", "suppress", "suppress_plain", "base", "at", "batch", NULL};
+    PyObject *original, *fallback, *refused, *report, *recorder, *context, *entered, *last, *waiting, *suppress,
+        *plain;
+    long long base;
+    Py_ssize_t at;
+    int batch;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!OOLnp", names, &original, &fallback, &refused,
+                                     &report, &recorder, &context, &entered, &last, &PyDict_Type, &waiting,
+                                     &suppress, &plain, &base, &at, &batch))
+        return -1;
+    Py_XSETREF(self->original, Py_NewRef(original));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    Py_XSETREF(self->refused, Py_NewRef(refused));
+    Py_XSETREF(self->report, Py_NewRef(report));
+    Py_XSETREF(self->recorder, Py_NewRef(recorder));
+    Py_XSETREF(self->context, Py_NewRef(context));
+    Py_XSETREF(self->entered, Py_NewRef(entered));
+    Py_XSETREF(self->last, Py_NewRef(last));
+    Py_XSETREF(self->waiting, Py_NewRef(waiting));
+    Py_XSETREF(self->suppress, Py_NewRef(suppress));
+    Py_XSETREF(self->suppress_plain, Py_NewRef(plain));
+    self->base = base;
+    self->at = at;
+    self->batch = batch;
+    self->vectorcall = (vectorcallfunc)Submission_vectorcall;
+    return 0;
+}
+
+static PyMemberDef Submission_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(Submission, original), READONLY, "the engine's own method"},
+    {NULL}};
+
+static PyGetSetDef Submission_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict},
+    {NULL}};
+
+static PyTypeObject SubmissionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtransfer.recording._async_compiled.Submission",
+    .tp_doc = "An engine's common async submission, timed and put in the pending table without a Python frame.",
+    .tp_basicsize = sizeof(Submission),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Submission_init,
+    .tp_dealloc = (destructor)Submission_dealloc,
+    .tp_traverse = (traverseproc)Submission_traverse,
+    .tp_clear = (inquiry)Submission_clear,
+    .tp_call = Submission_call,
+    .tp_descr_get = bind,
+    .tp_vectorcall_offset = offsetof(Submission, vectorcall),
+    .tp_dictoffset = offsetof(Submission, dict),
+    .tp_members = Submission_members,
+    .tp_getset = Submission_getset,
+};
+
+/* --- the batch wait -------------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;
+    PyObject *original;
+    PyObject *completed;   /* completed(engine, args, kwargs, rc): the Python wrapper's work after the call */
+    PyObject *ended;       /* PendingTransfers.ended: an entry this one does not build the record of */
+    PyObject *report;
+    PyObject *recorder;
+    PyObject *waiting;     /* the pending table's entries */
+    PyObject *seen;        /* handle -> when a poll last saw it running */
+    PyObject *raw_async;   /* records.RAW_ASYNC */
+    long long base;
+} BatchWait;
+
+static int
+BatchWait_traverse(BatchWait *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->dict);
+    Py_VISIT(self->original);
+    Py_VISIT(self->completed);
+    Py_VISIT(self->ended);
+    Py_VISIT(self->report);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->waiting);
+    Py_VISIT(self->seen);
+    Py_VISIT(self->raw_async);
+    return 0;
+}
+
+static int
+BatchWait_clear(BatchWait *self)
+{
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->completed);
+    Py_CLEAR(self->ended);
+    Py_CLEAR(self->report);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->waiting);
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->raw_async);
+    return 0;
+}
+
+static void
+BatchWait_dealloc(BatchWait *self)
+{
+    PyObject_GC_UnTrack(self);
+    BatchWait_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The send of one ended entry: its RAW_ASYNC record built here (PendingTransfers.ended's common case), or by
+   `_ended` itself for an entry of a scope (it carries the request's info). 0, or -1 with an error set. */
+static int
+end_entry(BatchWait *self, PyObject *entry, PyObject *handle, long long end, PyObject *rc, PyObject *error)
+{
+    PyObject *running = Py_None;  /* when a poll last saw it running; popped from the table as it ends */
+    PyObject *popped = NULL;
+    if (PyDict_GET_SIZE(self->seen)) {
+        popped = PyDict_GetItemWithError(self->seen, handle);
+        if (popped == NULL && PyErr_Occurred())
+            return -1;
+        if (popped != NULL) {
+            Py_INCREF(popped);
+            if (PyDict_DelItem(self->seen, handle) < 0) {
+                Py_DECREF(popped);
+                return -1;
+            }
+            running = popped;
+        }
+    }
+    PyObject *rec;
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 8 || PyTuple_GET_ITEM(entry, 5) != Py_None) {
+        PyObject *done = PyObject_CallFunction(self->ended, "OLOOO", entry, end, running, rc, error);
+        Py_XDECREF(popped);
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+        return 0;
+    }
+    PyObject *start = PyTuple_GET_ITEM(entry, 0);
+    PyObject **kept = ((PyTupleObject *)entry)->ob_item;
+    rec = tuple_of(12, (PyObject *[]){Py_NewRef(self->raw_async), Py_NewRef(start), PyLong_FromLongLong(end),
+                                      Py_NewRef(kept[1]), Py_NewRef(kept[2]), Py_NewRef(kept[3]), Py_NewRef(rc),
+                                      Py_NewRef(error), Py_NewRef(kept[4]), Py_NewRef(kept[6]),
+                                      Py_NewRef(running == Py_None ? start : running), Py_NewRef(kept[7])});
+    Py_XDECREF(popped);
+    if (rec == NULL)
+        return -1;
+    int done = hand_over(self->recorder, rec);
+    Py_DECREF(rec);
+    return done;
+}
+
+static PyObject *
+BatchWait_vectorcall(BatchWait *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *rc = PyObject_Vectorcall(self->original, args, nargsf, kwnames);  /* blocks until the batches end */
+    if (rc == NULL || !PyDict_GET_SIZE(self->waiting))
+        return rc;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || nargs != 2 || !PyList_CheckExact(args[1])) {  /* any other shape: Python's */
+        PyObject *given = PyTuple_New(nargs - 1 > 0 ? nargs - 1 : 0);
+        PyObject *named = PyDict_New();
+        PyObject *done = NULL;
+        if (given != NULL && named != NULL) {
+            for (Py_ssize_t i = 1; i < nargs; i++)
+                PyTuple_SET_ITEM(given, i - 1, Py_NewRef(args[i]));
+            Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+            int ok = 0;
+            for (Py_ssize_t i = 0; i < keywords && ok == 0; i++)
+                ok = PyDict_SetItem(named, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
+            if (ok == 0)
+                done = PyObject_CallFunctionObjArgs(self->completed, nargs ? args[0] : Py_None, given, named, rc,
+                                                    NULL);
+        }
+        Py_XDECREF(given);
+        Py_XDECREF(named);
+        if (done == NULL)
+            own_error(self->report, "observe a Mooncake completion");
+        Py_XDECREF(done);
+        return rc;
+    }
+    long long end = monotonic_ns() + self->base;
+    int sign = sign_of(rc);  /* 0: every batch done */
+    PyObject *error = sign == 0 ? Py_None : str_transfer_failed;
+    PyObject *engine = sign == -2 ? NULL : PyLong_FromVoidPtr(args[0]);
+    PyObject *ids = args[1];
+    for (Py_ssize_t i = 0; engine != NULL && i < PyList_GET_SIZE(ids); i++) {
+        PyObject *handle = PyTuple_Pack(2, engine, PyList_GET_ITEM(ids, i));
+        if (handle == NULL)
+            break;
+        PyObject *entry = pop_item(self->waiting, handle);
+        int failed = entry == NULL || (entry != Py_None && end_entry(self, entry, handle, end, rc, error) < 0);
+        Py_XDECREF(entry);
+        Py_DECREF(handle);
+        if (failed)
+            break;
+    }
+    Py_XDECREF(engine);
+    if (PyErr_Occurred())
+        own_error(self->report, "observe a Mooncake completion");
+    return rc;
+}
+
+static int
+BatchWait_init(BatchWait *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"original", "completed", "ended", "report", "recorder", "waiting", "seen", "raw_async",
+                            "base", NULL};
+    PyObject *original, *completed, *ended, *report, *recorder, *waiting, *seen, *raw_async;
+    long long base;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO!O!OL", names, &original, &completed, &ended, &report,
+                                     &recorder, &PyDict_Type, &waiting, &PyDict_Type, &seen, &raw_async, &base))
+        return -1;
+    Py_XSETREF(self->original, Py_NewRef(original));
+    Py_XSETREF(self->completed, Py_NewRef(completed));
+    Py_XSETREF(self->ended, Py_NewRef(ended));
+    Py_XSETREF(self->report, Py_NewRef(report));
+    Py_XSETREF(self->recorder, Py_NewRef(recorder));
+    Py_XSETREF(self->waiting, Py_NewRef(waiting));
+    Py_XSETREF(self->seen, Py_NewRef(seen));
+    Py_XSETREF(self->raw_async, Py_NewRef(raw_async));
+    self->base = base;
+    self->vectorcall = (vectorcallfunc)BatchWait_vectorcall;
+    return 0;
+}
+
+static PyMemberDef BatchWait_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(BatchWait, original), READONLY, "the engine's own method"},
+    {NULL}};
+
+static PyTypeObject BatchWaitType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtransfer.recording._async_compiled.BatchWait",
+    .tp_doc = "An engine's batch wait, ending the pending table's sends it saw end without a Python frame.",
+    .tp_basicsize = sizeof(BatchWait),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)BatchWait_init,
+    .tp_dealloc = (destructor)BatchWait_dealloc,
+    .tp_traverse = (traverseproc)BatchWait_traverse,
+    .tp_clear = (inquiry)BatchWait_clear,
+    .tp_call = Submission_call,
+    .tp_descr_get = bind,
+    .tp_vectorcall_offset = offsetof(BatchWait, vectorcall),
+    .tp_dictoffset = offsetof(BatchWait, dict),
+    .tp_members = BatchWait_members,
+    .tp_getset = Submission_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_async_compiled",
+    "The async send's common submission and batch wait, compiled (otel_kvtransfer.recording.compiled).", -1, NULL};
+
+PyMODINIT_FUNC
+PyInit__async_compiled(void)
+{
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&str_active, "active"}, {&str_queue, "queue"}, {&str_capacity, "capacity"}, {&str_idle, "idle"},
+        {&str_record, "record"}, {&str_append, "append"}, {&str_settings, "settings"},
+        {&str_max_pending, "max_pending_async"}, {&str_transfer_failed, "transfer_failed"}, {&str_drop, "drop"},
+        {&str_pending_full, "async_pending_full"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
+    if ((zero = PyLong_FromLong(0)) == NULL)
+        return NULL;
+    if (PyType_Ready(&SubmissionType) < 0 || PyType_Ready(&BatchWaitType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Submission", (PyObject *)&SubmissionType) < 0 ||
+        PyModule_AddObjectRef(m, "BatchWait", (PyObject *)&BatchWaitType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
