@@ -26,10 +26,46 @@ monotonic_ns(void)
 static PyObject *str_active, *str_queue, *str_capacity, *str_idle, *str_record, *str_append, *str_settings,
     *str_max_pending, *str_transfer_failed, *str_drop, *str_pending_full, *zero;
 
+/* What a wrapper reads on every call and what it keeps of it between calls: id() of the last engine it saw, the
+   recorder's settings and their bound of the pending table, the recorder's queue and its bound `append`. Each is
+   checked against what is there now (a fork makes a new queue, start() new settings) and read again when not. */
+typedef struct {
+    void *engine;              /* compared only, never dereferenced: id() of whatever object is there now */
+    PyObject *engine_id;
+    PyObject *settings;
+    Py_ssize_t limit;
+    PyObject *queue;
+    PyObject *append;
+} Kept;
+
+static void
+kept_clear(Kept *kept)
+{
+    Py_CLEAR(kept->engine_id);
+    Py_CLEAR(kept->settings);
+    Py_CLEAR(kept->queue);
+    Py_CLEAR(kept->append);
+    kept->engine = NULL;
+}
+
+/* id(engine), a borrowed reference kept until the next engine; NULL with an error set. */
+static PyObject *
+engine_id(Kept *kept, PyObject *engine)
+{
+    if (kept->engine_id == NULL || kept->engine != (void *)engine) {
+        PyObject *made = PyLong_FromVoidPtr(engine);
+        if (made == NULL)
+            return NULL;
+        Py_XSETREF(kept->engine_id, made);
+        kept->engine = engine;
+    }
+    return kept->engine_id;
+}
+
 /* The record on the recorder's queue as `Recorder.record` would put it (its contract lets a wrapper append
    while there is room and the thread is awake); otherwise through `record` itself. 0, or -1 with an error set. */
 static int
-hand_over(PyObject *recorder, PyObject *rec)
+hand_over(Kept *kept, PyObject *recorder, PyObject *rec)
 {
     PyObject *queue = PyObject_GetAttr(recorder, str_queue);
     if (queue == NULL)
@@ -51,8 +87,17 @@ hand_over(PyObject *recorder, PyObject *rec)
         }
     }
     PyObject *done = NULL;
+    if (room == 1 && kept->queue != queue) {  /* a queue not seen before: its append found once */
+        PyObject *append = PyObject_GetAttr(queue, str_append);
+        if (append == NULL)
+            room = -1;
+        else {
+            Py_XSETREF(kept->append, append);
+            Py_XSETREF(kept->queue, Py_NewRef(queue));
+        }
+    }
     if (room == 1)
-        done = PyObject_CallMethodOneArg(queue, str_append, rec);
+        done = PyObject_CallOneArg(kept->append, rec);
     else if (room == 0)
         done = PyObject_CallMethodOneArg(recorder, str_record, rec);
     Py_DECREF(queue);
@@ -196,6 +241,7 @@ typedef struct {
     long long base;        /* clock.BASE */
     Py_ssize_t at;         /* where the forms tuple holds this op's form */
     int batch;
+    Kept kept;
 } Submission;
 
 static int
@@ -213,6 +259,10 @@ Submission_traverse(Submission *self, visitproc visit, void *arg)
     Py_VISIT(self->waiting);
     Py_VISIT(self->suppress);
     Py_VISIT(self->suppress_plain);
+    Py_VISIT(self->kept.engine_id);
+    Py_VISIT(self->kept.settings);
+    Py_VISIT(self->kept.queue);
+    Py_VISIT(self->kept.append);
     return 0;
 }
 
@@ -231,6 +281,7 @@ Submission_clear(Submission *self)
     Py_CLEAR(self->waiting);
     Py_CLEAR(self->suppress);
     Py_CLEAR(self->suppress_plain);
+    kept_clear(&self->kept);
     return 0;
 }
 
@@ -291,20 +342,24 @@ suppressed(PyObject *ctx, PyObject *key, PyObject *plain)
 
 /* Room in the pending table: 1, or 0 when it holds max_pending_async, -1 error */
 static int
-table_room(PyObject *recorder, PyObject *waiting)
+table_room(Kept *kept, PyObject *recorder, PyObject *waiting)
 {
     PyObject *settings = PyObject_GetAttr(recorder, str_settings);
     if (settings == NULL)
         return -1;
-    PyObject *most = PyObject_GetAttr(settings, str_max_pending);
+    if (settings != kept->settings) {  /* settings are frozen: their bound read once an object */
+        PyObject *most = PyObject_GetAttr(settings, str_max_pending);
+        Py_ssize_t limit = most == NULL ? -1 : PyLong_AsSsize_t(most);
+        Py_XDECREF(most);
+        if (limit == -1 && PyErr_Occurred()) {
+            Py_DECREF(settings);
+            return -1;
+        }
+        Py_XSETREF(kept->settings, Py_NewRef(settings));
+        kept->limit = limit;
+    }
     Py_DECREF(settings);
-    if (most == NULL)
-        return -1;
-    Py_ssize_t limit = PyLong_AsSsize_t(most);
-    Py_DECREF(most);
-    if (limit == -1 && PyErr_Occurred())
-        return -1;
-    return PyDict_GET_SIZE(waiting) < limit;
+    return PyDict_GET_SIZE(waiting) < kept->limit;
 }
 
 static PyObject *
@@ -382,7 +437,7 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
         Py_DECREF(done);
         goto out;
     }
-    int room = table_room(self->recorder, self->waiting);
+    int room = table_room(&self->kept, self->recorder, self->waiting);
     if (room <= 0) {  /* a full table: the send is counted as dropped, as PendingTransfers.submit counts it */
         PyObject *done = room < 0 ? NULL : PyObject_CallMethodOneArg(self->recorder, str_drop, str_pending_full);
         if (done == NULL)
@@ -392,7 +447,8 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     }
     if (count_lengths(args[4], self->batch, &nbytes, &descriptors) < 0)
         goto error;
-    key = tuple_of(2, (PyObject *[]){PyLong_FromVoidPtr(engine), Py_NewRef(batch_id)});
+    PyObject *id = engine_id(&self->kept, engine);
+    key = tuple_of(2, (PyObject *[]){id == NULL ? NULL : Py_NewRef(id), Py_NewRef(batch_id)});
     if (key == NULL)
         goto error;
     entry = tuple_of(8, (PyObject *[]){PyLong_FromLongLong(start), Py_NewRef(nbytes), PyLong_FromSsize_t(descriptors),
@@ -500,6 +556,7 @@ typedef struct {
     PyObject *seen;        /* handle -> when a poll last saw it running */
     PyObject *raw_async;   /* records.RAW_ASYNC */
     long long base;
+    Kept kept;
 } BatchWait;
 
 static int
@@ -514,6 +571,10 @@ BatchWait_traverse(BatchWait *self, visitproc visit, void *arg)
     Py_VISIT(self->waiting);
     Py_VISIT(self->seen);
     Py_VISIT(self->raw_async);
+    Py_VISIT(self->kept.engine_id);
+    Py_VISIT(self->kept.settings);
+    Py_VISIT(self->kept.queue);
+    Py_VISIT(self->kept.append);
     return 0;
 }
 
@@ -529,6 +590,7 @@ BatchWait_clear(BatchWait *self)
     Py_CLEAR(self->waiting);
     Py_CLEAR(self->seen);
     Py_CLEAR(self->raw_async);
+    kept_clear(&self->kept);
     return 0;
 }
 
@@ -569,16 +631,22 @@ end_entry(BatchWait *self, PyObject *entry, PyObject *handle, long long end, PyO
         Py_DECREF(done);
         return 0;
     }
-    PyObject *start = PyTuple_GET_ITEM(entry, 0);
-    PyObject **kept = ((PyTupleObject *)entry)->ob_item;
-    rec = tuple_of(12, (PyObject *[]){Py_NewRef(self->raw_async), Py_NewRef(start), PyLong_FromLongLong(end),
-                                      Py_NewRef(kept[1]), Py_NewRef(kept[2]), Py_NewRef(kept[3]), Py_NewRef(rc),
-                                      Py_NewRef(error), Py_NewRef(kept[4]), Py_NewRef(kept[6]),
-                                      Py_NewRef(running == Py_None ? start : running), Py_NewRef(kept[7])});
+    /* records.raw_async: the start on the records' clock, the other times in ns from it */
+    PyObject **held = ((PyTupleObject *)entry)->ob_item;
+    long long start = PyLong_AsLongLong(held[0]);
+    long long seen = running == Py_None ? 0 : PyLong_AsLongLong(running);
+    long long posted = held[7] == Py_None ? 0 : PyLong_AsLongLong(held[7]);
     Py_XDECREF(popped);
+    if (PyErr_Occurred())
+        return -1;
+    rec = tuple_of(12, (PyObject *[]){Py_NewRef(self->raw_async), Py_NewRef(held[0]),
+                                      PyLong_FromLongLong(end - start), Py_NewRef(held[1]), Py_NewRef(held[2]), Py_NewRef(held[3]), Py_NewRef(rc),
+                                      Py_NewRef(error), Py_NewRef(held[4]), Py_NewRef(held[6]),
+                                      running == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(seen - start),
+                                      held[7] == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(posted - start)});
     if (rec == NULL)
         return -1;
-    int done = hand_over(self->recorder, rec);
+    int done = hand_over(&self->kept, self->recorder, rec);
     Py_DECREF(rec);
     return done;
 }
@@ -615,7 +683,7 @@ BatchWait_vectorcall(BatchWait *self, PyObject *const *args, size_t nargsf, PyOb
     long long end = monotonic_ns() + self->base;
     int sign = sign_of(rc);  /* 0: every batch done */
     PyObject *error = sign == 0 ? Py_None : str_transfer_failed;
-    PyObject *engine = sign == -2 ? NULL : PyLong_FromVoidPtr(args[0]);
+    PyObject *engine = sign == -2 ? NULL : engine_id(&self->kept, args[0]);  /* borrowed */
     PyObject *ids = args[1];
     for (Py_ssize_t i = 0; engine != NULL && i < PyList_GET_SIZE(ids); i++) {
         PyObject *handle = PyTuple_Pack(2, engine, PyList_GET_ITEM(ids, i));
@@ -628,7 +696,6 @@ BatchWait_vectorcall(BatchWait *self, PyObject *const *args, size_t nargsf, PyOb
         if (failed)
             break;
     }
-    Py_XDECREF(engine);
     if (PyErr_Occurred())
         own_error(self->report, "observe a Mooncake completion");
     return rc;

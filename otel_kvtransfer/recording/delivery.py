@@ -20,7 +20,7 @@ from collections import deque
 from itertools import repeat
 from typing import Callable, Optional, Protocol
 
-from otel_kvtransfer.recording.records import Record
+from otel_kvtransfer.recording.records import INFLIGHT, KIND, Record
 from otel_kvtransfer.recording.sink import Sink, log_own_error
 
 _logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class Drained(Protocol):
     """What the drains use of their recorder (`recorder.Recorder`)."""
 
     queue: deque[Record]
+    snapshot: Optional[Record]  # the latest in-flight scan, delivered after what is queued
     sink: Optional[Sink]
 
     def drop(self, reason: str, count: int = 1) -> None: ...
@@ -144,10 +145,20 @@ class Delivery:
                     batch.append(pop())
         except IndexError:  # another drain's exit emptied it meanwhile
             pass
+        recorder = self._recorder
+        snapshot = recorder.snapshot
+        if snapshot is not None:  # the scan made right before this drain: after what was queued, as it used to be
+            recorder.snapshot = None
+            batch.append(snapshot)
         return batch
 
     def _requeue(self, rest: list[Record]) -> None:
-        self._recorder.queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
+        recorder = self._recorder
+        if rest and rest[-1][KIND] == INFLIGHT:  # an undelivered scan goes back to its slot, unless a newer is there
+            scan = rest.pop()
+            if recorder.snapshot is None:
+                recorder.snapshot = scan
+        recorder.queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
 
     def _deliver(self, batch: list[Record], sink: Sink, deadline: float) -> bool:
         """Hand the batch to the builder: in one list (the builder process's link, whose writes are bounded), or

@@ -96,18 +96,18 @@ class PendingTransfers:
                error_type: Optional[str]) -> None:
         """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never)."""
         start, nbytes, descriptors, peer, form, info, context, posted = entry
-        window = start if running_seen is None else running_seen
         if info is not None:
             extra = form[records.FORM_EXTRA]
-            own = records.async_figures(start, end, window, posted)
+            own = records.async_figures(start, end, start if running_seen is None else running_seen, posted)
             call = records.call(start, end, nbytes, descriptors, form[records.FORM_OP], peer,
                                 form[records.FORM_PROTOCOL], return_code, error_type, self.backend,
                                 {**extra, **own} if extra else own)
             RECORDER.record(records.send(info, [call], context))
             return
         # records.raw_async(...), written out: one record, no call in between
-        rec = (records.RAW_ASYNC, start, end, nbytes, descriptors, peer, return_code, error_type, form, context,
-               window, posted)
+        rec = (records.RAW_ASYNC, start, end - start, nbytes, descriptors, peer, return_code, error_type, form,
+               context, None if running_seen is None else running_seen - start,
+               None if posted is None else posted - start)
         queue = RECORDER.queue
         if len(queue) < RECORDER.capacity and not RECORDER.idle:
             queue.append(rec)  # Recorder.record's common case, as its contract allows

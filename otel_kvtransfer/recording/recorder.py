@@ -52,6 +52,10 @@ class Recorder:
         self.active = False  # read on the hot path: the wrappers call straight through when False
         self.watcher: Optional[inflight.Watcher] = None  # while instrumented
         self.queue: deque[Record] = deque()
+        # The latest in-flight scan not yet delivered (an INFLIGHT record): one slot beside the queue that the next
+        # drain empties. A newer scan replaces it (what is in flight now supersedes what was), so a full queue
+        # never drops a scan, and a drop of `queue_full` is always a record the engine or a framework made.
+        self.snapshot: Optional[Record] = None
         self.capacity = settings.queue_size
         self.idle = False
         self.wake = threading.Event()
@@ -154,7 +158,7 @@ class Recorder:
             try:
                 rec = watcher.scan()
                 if rec is not None:
-                    self.record(rec)
+                    self.snapshot = rec
             except Exception:
                 self.drop("wrapper_error")
                 _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)
@@ -191,6 +195,7 @@ class Recorder:
     def _after_fork_in_child(self) -> None:
         # The parent delivers what it queued; the child starts empty with fresh locks and its own thread.
         self.queue = deque()
+        self.snapshot = None
         self._drops = DropCounts()
         self.wake = threading.Event()
         self.idle = False

@@ -149,14 +149,16 @@ def monotonic_call(rec: Record, offset: int) -> Call:
             form[FORM_BACKEND], form[FORM_EXTRA])
 
 
-# RAW_ASYNC: (RAW_ASYNC, start, end, bytes, descriptors, peer, return code, error, form, context, window start,
-# posted): an async submission outside any transfer scope, ended when its completion was seen, on the records'
-# clock. The submission's own two figures travel as times, not yet as the attributes they become (the builder makes
-# them: no dict per transfer on the engine's threads): `kv_transfer.end_uncertainty_s` from the window's start (when
-# a poll last saw it running, or its start) to its end, `kv_transfer.post_s` from its start to when the submitting
-# call returned (`posted`, None when unknown).
+# RAW_ASYNC: (RAW_ASYNC, start, duration, bytes, descriptors, peer, return code, error, form, context, seen running,
+# post): an async submission outside any transfer scope, ended when its completion was seen; `start` on the records'
+# clock, the other times in ns from it. The submission's own two figures travel as times, not yet as the attributes
+# they become (the builder makes them: no dict per transfer on the engine's threads): `kv_transfer.end_uncertainty_s`
+# from when a poll last saw it running (`seen_running`; None: no poll did, its whole send) to its end,
+# `kv_transfer.post_s` the time inside the submitting call (`post`, None when unknown). Times from the start are
+# small numbers: pickle writes each in a few bytes where a time on the records' clock takes eight and a conversion
+# (a third of what the recorder's thread spends pickling an async send).
 ASYNC_START = 1
-ASYNC_END = 2
+ASYNC_DURATION = 2
 ASYNC_BYTES = 3
 ASYNC_DESCRIPTORS = 4
 ASYNC_PEER = 5
@@ -164,15 +166,15 @@ ASYNC_RETURN_CODE = 6
 ASYNC_ERROR = 7
 ASYNC_FORM = 8  # its call_form: its error is ASYNC_ERROR, not FORM_FAILED (a poll says how it failed)
 ASYNC_CONTEXT = 9
-ASYNC_WINDOW = 10
-ASYNC_POSTED = 11
+ASYNC_SEEN_RUNNING = 10
+ASYNC_POST = 11
 
 
-def raw_async(start: int, end: int, nbytes: Union[int, Iterable[int]], descriptors: int, peer: Any,
-              return_code: Any, error: Optional[str], form: Form, context: "Optional[Context]", window: int,
-              posted: Optional[int]) -> Record:
-    return (RAW_ASYNC, start, end, nbytes, descriptors, peer, return_code, error, form, context or None, window,
-            posted)
+def raw_async(start: int, duration: int, nbytes: Union[int, Iterable[int]], descriptors: int, peer: Any,
+              return_code: Any, error: Optional[str], form: Form, context: "Optional[Context]",
+              seen_running: Optional[int], post: Optional[int]) -> Record:
+    return (RAW_ASYNC, start, duration, nbytes, descriptors, peer, return_code, error, form, context or None,
+            seen_running, post)
 
 
 def async_figures(start: int, end: int, window: int, posted: Optional[int]) -> Attributes:
@@ -183,10 +185,19 @@ def async_figures(start: int, end: int, window: int, posted: Optional[int]) -> A
     return own
 
 
+def async_times(rec: Record) -> tuple[int, int, int, Optional[int]]:
+    """(start, end, window start, posted) of a RAW_ASYNC record, each on the records' clock (posted: None when
+    unknown)."""
+    start, seen, post = rec[ASYNC_START], rec[ASYNC_SEEN_RUNNING], rec[ASYNC_POST]
+    return (start, start + rec[ASYNC_DURATION], start if seen is None else start + seen,
+            None if post is None else start + post)
+
+
 def async_call(rec: Record) -> Call:
     """The `call` a RAW_ASYNC record holds, its own attributes (`async_figures`) added to its form's extra."""
-    form, start, end = rec[ASYNC_FORM], rec[ASYNC_START], rec[ASYNC_END]
-    own, extra = async_figures(start, end, rec[ASYNC_WINDOW], rec[ASYNC_POSTED]), form[FORM_EXTRA]
+    form = rec[ASYNC_FORM]
+    start, end, window, posted = async_times(rec)
+    own, extra = async_figures(start, end, window, posted), form[FORM_EXTRA]
     return (start, end, rec[ASYNC_BYTES], rec[ASYNC_DESCRIPTORS], form[FORM_OP], rec[ASYNC_PEER], form[FORM_PROTOCOL],
             rec[ASYNC_RETURN_CODE], rec[ASYNC_ERROR], form[FORM_BACKEND], {**extra, **own} if extra else own)
 

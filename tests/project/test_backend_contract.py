@@ -567,11 +567,12 @@ def test_mooncake_async_path_writes_what_the_constructors_build(hot_path, record
             setattr(engine_class, name, entry)
     first, second = recording.records
     assert first[records.KIND] == records.RAW_ASYNC
-    start, end, posted = first[records.ASYNC_START], first[records.ASYNC_END], first[records.ASYNC_POSTED]
+    start, end, window, posted = records.async_times(first)
     # No poll saw it running: its window reaches back to its start.
-    assert before <= start <= posted <= waited <= end <= after
+    assert before <= start <= posted <= waited <= end <= after and window == start
     form = records.call_form(semconv.OP_WRITE, "tcp", "mooncake", None, "transfer_failed")
-    assert first == records.raw_async(start, end, 5120, 2, "10.0.0.1:15001", 0, None, form, None, start, posted)
+    assert first == records.raw_async(start, end - start, 5120, 2, "10.0.0.1:15001", 0, None, form, None, None,
+                                      posted - start)
     assert second[records.KIND] == records.SEND
     (call,) = second[records.SEND_CALLS]
     assert second[records.SEND_INFO][records.INFO_CHUNK] == 2
@@ -662,8 +663,7 @@ def test_mooncake_async_wrappers_take_every_other_case_alike_on_both_paths(hot_p
     sends = {}
     for record in recording.records:
         if record[records.KIND] == records.RAW_ASYNC:
-            start, end, window, posted = (record[records.ASYNC_START], record[records.ASYNC_END],
-                                          record[records.ASYNC_WINDOW], record[records.ASYNC_POSTED])
+            start, end, window, posted = records.async_times(record)
             assert start <= posted <= end and window == start
             sends[record[records.ASYNC_PEER]] = (record[records.ASYNC_BYTES], record[records.ASYNC_DESCRIPTORS],
                                                  record[records.ASYNC_ERROR])

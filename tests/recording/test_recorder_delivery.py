@@ -2,6 +2,7 @@
 rooms that never conclude are evicted and counted, uninstrument restores the engine exactly."""
 
 import os
+import time
 
 import pytest
 from opentelemetry.instrumentation.utils import suppress_instrumentation
@@ -13,6 +14,7 @@ from support.waiting import wait_until
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.recording.recorder import RECORDER
+from otel_kvtransfer.recording.records import INFLIGHT, INFLIGHT_AT
 
 
 def test_force_flush_delivers_every_recorded_transfer(monkeypatch, engine, receiver):
@@ -52,6 +54,86 @@ def test_full_queue_drops_are_counted(monkeypatch, engine, receiver):
         assert telemetry.dropped() == {"queue_full": 15}
     finally:
         telemetry.uninstrument()
+
+
+class _ListSink:
+    """A sink that keeps what it is handed; `pause` s per record, `during` run once at the first one (what the
+    recorder's thread may do while another thread's drain is handing records over)."""
+
+    batched = False
+
+    def __init__(self):
+        self.taken, self.drops, self.pause, self.during = [], {}, 0.0, None
+
+    def take(self, rec):
+        self.taken.append(rec)
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+        time.sleep(self.pause)
+
+    def tick(self):
+        pass
+
+    def count_drops(self, reason, count):
+        self.drops[reason] = self.drops.get(reason, 0) + count
+
+
+class _Scans:
+    """A watcher whose every scan finds something in flight (the recorder's slot is what is under test)."""
+
+    def __init__(self):
+        self.made = 0
+
+    def due(self):
+        return True
+
+    def scan(self):
+        from otel_kvtransfer.recording import records
+
+        self.made += 1
+        return records.inflight(self.made, 1, self.made, [])
+
+
+def test_an_in_flight_scan_is_never_a_dropped_record_and_one_at_most_waits():
+    """The recorder's scan of what is in flight waits in one slot beside the queue: a full queue never drops it (a
+    `queue_full` drop is always a record an engine or a framework made, so spans + drops == calls under overload),
+    the next drain hands it over after what was queued, and one a drain's deadline left waits again unless a newer
+    scan took its place (what is in flight now supersedes what was)."""
+    from otel_kvtransfer.recording.recorder import Recorder
+
+    recorder, sink, scans = Recorder(config.Settings(queue_size=3)), _ListSink(), _Scans()
+    recorder.sink, recorder.watcher = sink, scans
+    for name in ("a", "b", "c", "d"):
+        recorder.record((name,))
+    recorder._watch_inflight()  # the queue is full
+    recorder.report_drops()
+    assert sink.drops == {"queue_full": 1}  # "d" alone
+    assert recorder.drain()
+    assert [rec[0] for rec in sink.taken] == ["a", "b", "c", INFLIGHT] and sink.taken[-1][INFLIGHT_AT] == 1
+    # A drain its deadline stops after one record: the rest queued again, in order, the scan back in its slot.
+    sink.taken.clear()
+    recorder.record(("e",))
+    recorder.record(("f",))
+    recorder._watch_inflight()
+    sink.pause = 0.2
+    assert not recorder.drain(timeout_s=0.05)
+    assert [rec[0] for rec in sink.taken] == ["e"] and list(recorder.queue) == [("f",)]
+    assert recorder.snapshot[INFLIGHT_AT] == 2
+    # The recorder's thread scans again while another drain is stopped: the newer scan is the one that waits.
+    sink.taken.clear()
+    recorder.record(("g",))
+    sink.during = recorder._watch_inflight
+    assert not recorder.drain(timeout_s=0.05)
+    assert [rec[0] for rec in sink.taken] == ["f"] and list(recorder.queue) == [("g",)]
+    assert recorder.snapshot[INFLIGHT_AT] == 3
+    sink.taken.clear()
+    sink.pause = 0.0
+    assert recorder.drain()
+    assert [rec[0] for rec in sink.taken] == ["g", INFLIGHT] and sink.taken[-1][INFLIGHT_AT] == 3
+    assert recorder.snapshot is None and not recorder.queue
+    recorder.report_drops()
+    assert sink.drops == {"queue_full": 1}
 
 
 def test_rooms_that_never_conclude_are_evicted_and_counted(monkeypatch):

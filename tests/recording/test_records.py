@@ -39,10 +39,11 @@ LAYOUTS = {
                                         "descriptors": r.MONO_DESCRIPTORS, "peer": r.MONO_PEER,
                                         "return_code": r.MONO_RETURN_CODE, "form": r.MONO_FORM,
                                         "context": r.MONO_CONTEXT}),
-    r.raw_async: (r.RAW_ASYNC, {"start": r.ASYNC_START, "end": r.ASYNC_END, "nbytes": r.ASYNC_BYTES,
+    r.raw_async: (r.RAW_ASYNC, {"start": r.ASYNC_START, "duration": r.ASYNC_DURATION, "nbytes": r.ASYNC_BYTES,
                                 "descriptors": r.ASYNC_DESCRIPTORS, "peer": r.ASYNC_PEER,
                                 "return_code": r.ASYNC_RETURN_CODE, "error": r.ASYNC_ERROR, "form": r.ASYNC_FORM,
-                                "context": r.ASYNC_CONTEXT, "window": r.ASYNC_WINDOW, "posted": r.ASYNC_POSTED}),
+                                "context": r.ASYNC_CONTEXT, "seen_running": r.ASYNC_SEEN_RUNNING,
+                                "post": r.ASYNC_POST}),
     r.call_form: (None, {"op": r.FORM_OP, "protocol": r.FORM_PROTOCOL, "backend": r.FORM_BACKEND,
                          "extra": r.FORM_EXTRA, "failed": r.FORM_FAILED}),
 }
@@ -89,8 +90,9 @@ def test_an_async_raw_call_holds_the_call_its_form_and_times_complete():
     from otel_kvtransfer import semconv
 
     form = r.call_form("write", "tcp", "mooncake", {"kv_transfer.nic": "mlx5_0"}, "transfer_failed")
-    rec = r.raw_async(1_000, 9_000, 4096, 2, "10.0.0.1:15001", -2, "timeout", form, Context(), 5_000, 1_500)
+    rec = r.raw_async(1_000, 8_000, 4096, 2, "10.0.0.1:15001", -2, "timeout", form, Context(), 4_000, 500)
     assert rec[r.ASYNC_CONTEXT] is None
+    assert r.async_times(rec) == (1_000, 9_000, 5_000, 1_500)  # each time back on the records' clock
     # The window from the last poll that saw it running, and the time inside the submitting call, as attributes
     # beside the form's extra; the error the poll gave, not the form's.
     assert r.async_call(rec) == r.call(1_000, 9_000, 4096, 2, "write", "10.0.0.1:15001", "tcp", -2, "timeout",
@@ -98,9 +100,13 @@ def test_an_async_raw_call_holds_the_call_its_form_and_times_complete():
                                                     semconv.POST_S: 5e-7})
     assert form[r.FORM_EXTRA] == {"kv_transfer.nic": "mlx5_0"}  # the shared form is left as it was
     # Posted after the end it was seen at (another thread's poll): posting took at most the whole send.
-    late = r.raw_async(1_000, 9_000, 0, 1, "p", 0, None, r.call_form("read", None, "mooncake", None, "x"), None,
-                       1_000, 12_000)
+    late = r.raw_async(1_000, 8_000, 0, 1, "p", 0, None, r.call_form("read", None, "mooncake", None, "x"), None,
+                       None, 11_000)
+    assert r.async_times(late) == (1_000, 9_000, 1_000, 12_000)  # no poll saw it running: the window is all of it
     assert r.async_call(late)[r.CALL_EXTRA] == {semconv.END_UNCERTAINTY_S: 8e-6, semconv.POST_S: 8e-6}
+    # Posting time unknown: no post_s.
+    unknown = r.raw_async(1_000, 8_000, 0, 1, "p", 0, None, form, None, None, None)
+    assert set(r.async_call(unknown)[r.CALL_EXTRA]) == {"kv_transfer.nic", semconv.END_UNCERTAINTY_S}
 
 
 def test_the_kinds_are_distinct():
