@@ -1,11 +1,11 @@
 """Whether the engines' hottest wrappers run compiled.
 
 An async send costs its engine's calling thread two wrapped calls and an entry in the pending table; in Python
-that is two frames of bytecode around two engine calls, three times what vLLM's own statistics cost around the
-same pair (docs/cost.md). `_async_compiled` (C, built from source at install where a compiler is, optional)
-takes the common case of both calls without a Python frame and hands everything else to the Python wrapper it
-is made around, which stays the reference. A package built without it, or OTEL_KVTRANSFER_HOT_PATH=python, runs
-the Python wrappers alone.
+that is two frames of bytecode around two engine calls, about twice what vLLM's own statistics cost around the
+same pair (docs/cost.md, "The async send, compiled"). `_async_compiled` (C, built from source at install where a
+compiler is, optional) takes the common case of both calls without a Python frame and hands everything else to
+the Python wrapper it is made around, which stays the reference. A package built without it, or
+OTEL_KVTRANSFER_HOT_PATH=python, runs the Python wrappers alone.
 """
 
 from types import ModuleType

@@ -44,10 +44,13 @@ class Drained(Protocol):
     """What the drains use of their recorder (`recorder.Recorder`)."""
 
     queue: deque[Record]
-    snapshot: Optional[Record]  # the latest in-flight scan, delivered after what is queued
     sink: Optional[Sink]
 
     def drop(self, reason: str, count: int = 1) -> None: ...
+
+    def keep_scan(self, rec: Record) -> None: ...  # the latest in-flight scan, delivered after what is queued
+
+    def take_scan(self) -> Optional[Record]: ...
 
     def report_drops(self) -> None: ...
 
@@ -145,19 +148,19 @@ class Delivery:
                     batch.append(pop())
         except IndexError:  # another drain's exit emptied it meanwhile
             pass
-        recorder = self._recorder
-        snapshot = recorder.snapshot
-        if snapshot is not None:  # the scan made right before this drain: after what was queued, as it used to be
-            recorder.snapshot = None
-            batch.append(snapshot)
+        scan = self._recorder.take_scan()
+        if scan is not None:  # the scan made right before this drain: after what was queued, as it used to be
+            batch.append(scan)
         return batch
 
     def _requeue(self, rest: list[Record]) -> None:
         recorder = self._recorder
-        if rest and rest[-1][KIND] == INFLIGHT:  # an undelivered scan goes back to its slot, unless a newer is there
+        if rest and rest[-1][KIND] == INFLIGHT:  # an undelivered scan goes back to its slot
             scan = rest.pop()
-            if recorder.snapshot is None:
-                recorder.snapshot = scan
+            newer = recorder.take_scan()  # made meanwhile: it supersedes this one, which keeps its stuck reports
+            recorder.keep_scan(scan)
+            if newer is not None:
+                recorder.keep_scan(newer)
         recorder.queue.extendleft(reversed(rest))  # one C call: no engine thread's append lands in between
 
     def _deliver(self, batch: list[Record], sink: Sink, deadline: float) -> bool:

@@ -33,7 +33,8 @@ class PendingTransfers:
         # handle -> what its submission knew. Public for the engines' wrappers to test (`if entries:`) before
         # anything else on each poll: a dict's truth costs no Python call, len() of this table one frame.
         self.entries: dict[Hashable, _Entry] = {}
-        self.running_seen: dict[Hashable, int] = {}  # handle -> when a poll last saw it still running
+        # handle -> when a poll last saw it still running; public for the compiled wait, which pops it as `ended`
+        self.running_seen: dict[Hashable, int] = {}
         inflight.register_pending(self)
 
     def __len__(self) -> int:
@@ -93,8 +94,9 @@ class PendingTransfers:
                 self.ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
 
     def ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
-               error_type: Optional[str]) -> None:
-        """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never)."""
+              error_type: Optional[str]) -> None:
+        """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never). The
+        compiled wait (`_async_compiled.BatchWait`) calls it for an entry of a transfer scope."""
         start, nbytes, descriptors, peer, form, info, context, posted = entry
         if info is not None:
             extra = form[records.FORM_EXTRA]

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otel_kvtransfer import config
-from otel_kvtransfer.recording import inflight
+from otel_kvtransfer.recording import inflight, records
 from otel_kvtransfer.recording.delivery import EXIT_DRAIN_TIMEOUT_S, Delivery, DrainOutcome
 from otel_kvtransfer.recording.drops import DropCounts
 from otel_kvtransfer.recording.records import Record
@@ -53,9 +53,11 @@ class Recorder:
         self.watcher: Optional[inflight.Watcher] = None  # while instrumented
         self.queue: deque[Record] = deque()
         # The latest in-flight scan not yet delivered (an INFLIGHT record): one slot beside the queue that the next
-        # drain empties. A newer scan replaces it (what is in flight now supersedes what was), so a full queue
-        # never drops a scan, and a drop of `queue_full` is always a record the engine or a framework made.
+        # drain empties (`keep_scan`, `take_scan`). A newer scan takes the place of an older one (what is in flight
+        # now supersedes what was; the older one's stuck reports, each made once, are carried over), so a full
+        # queue never drops a scan, and a drop of `queue_full` is always a record the engine or a framework made.
         self.snapshot: Optional[Record] = None
+        self._scan_lock = threading.Lock()  # the recorder's thread keeps a scan while another thread drains
         self.capacity = settings.queue_size
         self.idle = False
         self.wake = threading.Event()
@@ -158,10 +160,27 @@ class Recorder:
             try:
                 rec = watcher.scan()
                 if rec is not None:
-                    self.snapshot = rec
+                    self.keep_scan(rec)
             except Exception:
                 self.drop("wrapper_error")
                 _logger.debug("otel_kvtransfer could not scan what is in flight", exc_info=True)
+
+    def keep_scan(self, rec: Record) -> None:
+        """`rec`, an in-flight scan, waits for the next drain in place of any older one not delivered yet."""
+        with self._scan_lock:
+            older = self.snapshot
+            if older is not None and older[records.INFLIGHT_STUCK]:
+                rec = records.inflight(rec[records.INFLIGHT_AT], rec[records.INFLIGHT_COUNT],
+                                       rec[records.INFLIGHT_OLDEST],
+                                       older[records.INFLIGHT_STUCK] + rec[records.INFLIGHT_STUCK],
+                                       rec[records.INFLIGHT_CONNECTS])
+            self.snapshot = rec
+
+    def take_scan(self) -> Optional[Record]:
+        """The scan waiting for a drain, taken from its slot (None: none waits)."""
+        with self._scan_lock:
+            rec, self.snapshot = self.snapshot, None
+        return rec
 
     # --- delivery (delivery.py) ---------------------------------------------------------------------------
     def drain(self, timeout_s: Optional[float] = None, flushing: bool = False) -> bool:
@@ -196,6 +215,7 @@ class Recorder:
         # The parent delivers what it queued; the child starts empty with fresh locks and its own thread.
         self.queue = deque()
         self.snapshot = None
+        self._scan_lock = threading.Lock()
         self._drops = DropCounts()
         self.wake = threading.Event()
         self.idle = False

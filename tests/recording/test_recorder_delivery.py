@@ -14,7 +14,7 @@ from support.waiting import wait_until
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.recording.records import INFLIGHT, INFLIGHT_AT
+from otel_kvtransfer.recording.records import INFLIGHT, INFLIGHT_AT, INFLIGHT_STUCK
 
 
 def test_force_flush_delivers_every_recorded_transfer(monkeypatch, engine, receiver):
@@ -91,15 +91,16 @@ class _Scans:
     def scan(self):
         from otel_kvtransfer.recording import records
 
-        self.made += 1
-        return records.inflight(self.made, 1, self.made, [])
+        self.made += 1  # each scan finds one more call stuck, reported in that scan alone (as the watcher does)
+        return records.inflight(self.made, 1, self.made, [("stuck", self.made)])
 
 
 def test_an_in_flight_scan_is_never_a_dropped_record_and_one_at_most_waits():
     """The recorder's scan of what is in flight waits in one slot beside the queue: a full queue never drops it (a
     `queue_full` drop is always a record an engine or a framework made, so spans + drops == calls under overload),
     the next drain hands it over after what was queued, and one a drain's deadline left waits again unless a newer
-    scan took its place (what is in flight now supersedes what was)."""
+    scan took its place (what is in flight now supersedes what was, and carries the stuck reports of the scan it
+    replaced: each is made once)."""
     from otel_kvtransfer.recording.recorder import Recorder
 
     recorder, sink, scans = Recorder(config.Settings(queue_size=3)), _ListSink(), _Scans()
@@ -131,6 +132,7 @@ def test_an_in_flight_scan_is_never_a_dropped_record_and_one_at_most_waits():
     sink.pause = 0.0
     assert recorder.drain()
     assert [rec[0] for rec in sink.taken] == ["g", INFLIGHT] and sink.taken[-1][INFLIGHT_AT] == 3
+    assert sink.taken[-1][INFLIGHT_STUCK] == [("stuck", 2), ("stuck", 3)]  # the replaced scan's report kept
     assert recorder.snapshot is None and not recorder.queue
     recorder.report_drops()
     assert sink.drops == {"queue_full": 1}
