@@ -288,26 +288,35 @@ def _otlp_attributes(item) -> dict:
 
 
 def test_our_send_time_and_vllms_xfer_time_differ_by_at_most_the_end_uncertainty(pair):
-    """NIXL: vLLM times each transfer handle from its post until its own poll sees it done; so do we, and a
-    polled end is late by at most `kv_transfer.end_uncertainty_s`. Over all handles, the two totals differ by no
-    more than the sum of those windows (plus 1 ms per handle for the two clocks' reading points)."""
+    """NIXL: vLLM times each transfer handle from its post until its own poll sees it done (NIXL's own timers, in
+    C++); so do we, around the Python calls, and a polled end is late by at most `kv_transfer.end_uncertainty_s`.
+    Our send also holds the Python side of the post that NIXL's post timer does not (the binding, and any wait for
+    the GIL between our clock and NIXL's: one run saw 20 ms of it on a 213 ms post, under CI's load), and both
+    sides measure the post: ours `kv_transfer.post_s`, vLLM's `vllm:nixl_post_time_seconds`. Over all handles the
+    two totals differ by no more than the windows plus that difference of posts (plus 1 ms per handle for the two
+    clocks' reading points)."""
     if pair.connector != "nixl":
         pytest.skip("vLLM exports a transfer-time histogram for its NIXL connector only")
     keys = [pair.key_of(r) for r in _before_the_metrics(pair)]
     sends = [s for key in keys for s in pair.named(pair.facts["initiator"], "kv_transfer.send", key)]
-    calls = {}
+    calls, posts = {}, {}
     for send in sends:  # split sends share their handle's times: one handle, one figure
-        calls[(send.start_time_unix_nano, send.end_time_unix_nano)] = send.attributes.get(
-            "kv_transfer.end_uncertainty_s", 0.0)
+        handle = (send.start_time_unix_nano, send.end_time_unix_nano)
+        calls[handle] = send.attributes.get("kv_transfer.end_uncertainty_s", 0.0)
+        posts[handle] = send.attributes.get("kv_transfer.post_s", 0.0)  # none: a post that raised
     ours = sum((end - start) / 1e9 for start, end in calls)
     window = sum(calls.values())
-    theirs = harness.prometheus_value(pair.results["metrics"]["decode"], "vllm:nixl_xfer_time_seconds_sum")
-    assert calls
+    metrics = pair.results["metrics"]["decode"]
+    theirs = harness.prometheus_value(metrics, "vllm:nixl_xfer_time_seconds_sum")
+    their_posts = harness.prometheus_value(metrics, "vllm:nixl_post_time_seconds_sum")
+    python_side = sum(posts.values()) - their_posts  # of the posts: ours around the call, NIXL's inside it
+    assert calls and their_posts > 0 and python_side >= -0.001 * len(calls), (sum(posts.values()), their_posts)
     # A post that finished inside transfer() ends exactly (no window: on a quiet machine every one may); a polled
     # end says how late it may be, never more than its send lasted.
     for (start, end), uncertainty in calls.items():
         assert 0 <= uncertainty <= (end - start) / 1e9, (start, end, uncertainty)
-    assert abs(ours - theirs) <= window + 0.001 * len(calls), (ours, theirs, window)
+    assert abs(ours - theirs) <= window + max(python_side, 0.0) + 0.001 * len(calls), (ours, theirs, window,
+                                                                                      python_side)
 
 
 # vLLM's kv_role -> what the start-up line says (the NIXL pair runs kv_both engines).
