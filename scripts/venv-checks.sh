@@ -10,6 +10,11 @@ has_modules() {  # VENV MODULE...
 sys.exit(not all(importlib.util.find_spec(name) for name in sys.argv[1:]))' "$@" >/dev/null 2>&1
 }
 
+# True when VENV imports the compiled part (asked from another directory: the checkout itself is no module there).
+compiled_built() {  # VENV
+  (cd / && "$1/bin/python" -I -c 'import otel_kvtransfer.recording._async_compiled') >/dev/null 2>&1
+}
+
 # The compiled part (otel_kvtransfer/recording/_async_compiled.c) is built into the checkout by the install: its
 # source is in the stamp, and where a C compiler is the checkout counts as installed only with it built.
 checkout_stamp() {
@@ -26,8 +31,7 @@ checkout_installed() {  # VENV
 spec = importlib.util.find_spec("otel_kvtransfer")
 here = spec is not None and spec.origin is not None and os.path.dirname(os.path.dirname(spec.origin))
 sys.exit(not (here and os.path.samefile(here, sys.argv[1])))' "$ROOT") >/dev/null 2>&1 || return 1
-  ! command -v cc >/dev/null || (cd / && "$venv/bin/python" -I -c 'import otel_kvtransfer.recording._async_compiled') \
-    >/dev/null 2>&1
+  ! command -v cc >/dev/null || compiled_built "$venv"
 }
 
 # This checkout into VENV, editable, unless it is there already.
@@ -36,7 +40,7 @@ install_checkout() {  # VENV WHO (the script's name, for its error line)
   checkout_installed "$venv" && return 0
   "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true
   "$venv/bin/python" -c "import otel_kvtransfer" || { echo "$who: otel_kvtransfer did not install" >&2; exit 1; }
-  if command -v cc >/dev/null && ! (cd / && "$venv/bin/python" -I -c 'import otel_kvtransfer.recording._async_compiled'); then
+  if command -v cc >/dev/null && ! compiled_built "$venv"; then
     echo "$who: a C compiler is here but otel_kvtransfer's compiled part did not build (pip install -v -e . says why)" >&2
     exit 1
   fi

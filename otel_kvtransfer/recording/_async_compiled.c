@@ -48,6 +48,16 @@ kept_clear(Kept *kept)
     kept->engine = NULL;
 }
 
+static int
+kept_traverse(Kept *kept, visitproc visit, void *arg)
+{
+    Py_VISIT(kept->engine_id);
+    Py_VISIT(kept->settings);
+    Py_VISIT(kept->queue);
+    Py_VISIT(kept->append);
+    return 0;
+}
+
 /* id(engine), a borrowed reference kept until the next engine; NULL with an error set. */
 static PyObject *
 engine_id(Kept *kept, PyObject *engine)
@@ -259,11 +269,7 @@ Submission_traverse(Submission *self, visitproc visit, void *arg)
     Py_VISIT(self->waiting);
     Py_VISIT(self->suppress);
     Py_VISIT(self->suppress_plain);
-    Py_VISIT(self->kept.engine_id);
-    Py_VISIT(self->kept.settings);
-    Py_VISIT(self->kept.queue);
-    Py_VISIT(self->kept.append);
-    return 0;
+    return kept_traverse(&self->kept, visit, arg);
 }
 
 static int
@@ -571,11 +577,7 @@ BatchWait_traverse(BatchWait *self, visitproc visit, void *arg)
     Py_VISIT(self->waiting);
     Py_VISIT(self->seen);
     Py_VISIT(self->raw_async);
-    Py_VISIT(self->kept.engine_id);
-    Py_VISIT(self->kept.settings);
-    Py_VISIT(self->kept.queue);
-    Py_VISIT(self->kept.append);
-    return 0;
+    return kept_traverse(&self->kept, visit, arg);
 }
 
 static int
