@@ -5,9 +5,11 @@ tests/support/ (parts, telemetry, console, ...)."""
 import os
 
 import pytest
+from support import compiled_module
 from support.parts import mooncake_importable, require_part
 from support.telemetry import Telemetry, in_memory_metrics
 
+compiled_module.load_chosen()  # a sanitizer build of the compiled part, when scripts/stress-compiled.sh names one
 # Mooncake logs every connection at INFO; the tests only need its errors.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 

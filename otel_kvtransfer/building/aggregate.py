@@ -13,6 +13,7 @@ from otel_kvtransfer import semconv
 
 Interval = Tuple[int, int]
 NS_PER_S = 1_000_000_000
+MAX_COUNT = (1 << 63) - 1  # the largest integer OTLP carries (int64): byte and descriptor counts stop there
 
 
 def union(intervals: Iterable[Interval]) -> List[Interval]:
@@ -98,14 +99,18 @@ class RequestAggregate:
         self.replica = 1
 
     def add_send(self, start_ns: int, end_ns: int, nbytes: int, replica_factor: Optional[int] = 1,
-                 chunk_index: Optional[Hashable] = None) -> None:
+                 chunk_index: Optional[Hashable] = None) -> bool:
+        """Add one send; True when the request's bytes cannot hold it: they stop at MAX_COUNT (no OTLP integer
+        holds more)."""
         self.sends.append((start_ns, end_ns))
         if chunk_index is not None:
             self.chunks.add(chunk_index)
-        self.bytes += nbytes
+        capped = self.bytes + nbytes > MAX_COUNT
+        self.bytes = min(self.bytes + nbytes, MAX_COUNT)
         self.logical += logical_share(nbytes, replica_factor)
         self.transfers += 1
         self.replica = max(self.replica, int(replica_factor or 1))
+        return capped
 
     def add_compute(self, start_ns: int, end_ns: int) -> None:
         self.compute.append((start_ns, end_ns))
@@ -120,7 +125,7 @@ class RequestAggregate:
         busy_ns = length(busy)
         out: Dict[str, Any] = {
             "bytes": self.bytes,
-            "logical_bytes": int(round(self.logical)),
+            "logical_bytes": min(int(round(self.logical)), MAX_COUNT),
             "transfer_count": self.transfers,
             "chunk_count": len(self.chunks),
             "replica_factor": self.replica,

@@ -25,7 +25,11 @@ A span file must never hurt the process that writes it, and what it loses is nev
   flush or an exit through a BatchSpanProcessor never waits on a slow disk batch after batch; `force_flush()`
   waits for a pending write at most its own timeout and returns False while it is pending;
 * a line never continues a torn one: when the file does not end with a newline (a full disk, a crash) the next
-  line starts with one, so the reader skips only the torn line;
+  line starts with one, so the reader skips only the torn line. The look at the file's end and the write are made
+  under an exclusive advisory lock (flock) that every writer of the file takes: another process's append in
+  progress shows a size whose last byte is inside its line (the kernel grows the file page by page), which read
+  without the lock took for a torn line and left an empty line after it. A lock not had within LOCK_WAIT_S (a
+  writer stopped while holding it) is done without;
 * a file renamed or removed under it (log rotation) is noticed at the next batch, which goes to a new file at
   the path;
 * no line is longer than MAX_LINE, the reader's limit: a batch that would be is split, and a span that alone
@@ -45,6 +49,11 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no lock, the look at the file's end may see another append in progress
+    fcntl = None  # type: ignore[assignment]
+
 from google.protobuf import json_format
 from opentelemetry import metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -59,6 +68,7 @@ DROP_REASON = "span_file"
 # The longest line the writer writes and the reader reads (one limit, so every written line reads back). It also
 # bounds what reading one line may cost (docs/tools.md); a batch longer than this is split over several lines.
 MAX_LINE = 16 << 20
+LOCK_WAIT_S = 1.0  # how long a write waits for another writer's lock on the file before it goes on without
 _LOG = logging.getLogger(__name__)
 
 # Causes logged once per exporter, whatever is written between (a span that cannot be encoded is about that span).
@@ -218,16 +228,49 @@ class _FileWriter:
             self.close()
         if self.fd is None:
             self._open()
+        fd = cast(int, self.fd)  # (opened above)
+        locked = _lock(fd)  # no other writer's append in progress while the end is looked at
         try:
             if self._ends_torn():  # never continue a torn line: this line starts on a line of its own
                 data = b"\n" + data
             view = memoryview(data)
             while view:  # one write() per batch keeps lines of concurrent processes whole
-                view = view[os.write(cast(int, self.fd), view):]  # (opened above)
+                view = view[os.write(fd, view):]
         except OSError as exc:
+            if locked:
+                _unlock(fd)  # before a close: the number may be another file's right after
+                locked = False
             if exc.errno in (errno.EBADF, errno.ESTALE):
                 self.close()
             raise _Failure(f"write:{exc.errno}", f"write failed: {exc.strerror or exc}") from None
+        finally:
+            if locked:
+                _unlock(fd)
+
+
+def _lock(fd: int) -> bool:
+    """The file's exclusive advisory lock, waited for at most LOCK_WAIT_S; False without it (no lock on this
+    system or filesystem, or another writer held it all that time)."""
+    if fcntl is None:
+        return False
+    give_up = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:  # another writer's append: microseconds, as a rule
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(0.001)
+        except OSError:  # a filesystem without locks
+            return False
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:  # closed after a failed write: the lock went with it
+        pass
 
 
 class OtlpJsonFileSpanExporter(SpanExporter):

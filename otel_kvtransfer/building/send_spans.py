@@ -9,6 +9,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.building import late
+from otel_kvtransfer.building.aggregate import MAX_COUNT
 from otel_kvtransfer.building.builder_part import (
     OK,
     TIME_LIMIT,
@@ -86,22 +87,25 @@ class SendSpans(BuilderPart):
             first = figures.first
             state = self._open_request(key, figures.start, now,
                                        backend=first[r.CALL_BACKEND] if first is not None else None)
-        state.aggregate.add_send(figures.start, figures.end, figures.nbytes, info[r.INFO_REPLICA],
-                                 info[r.INFO_CHUNK])
+        if state.aggregate.add_send(figures.start, figures.end, figures.nbytes, info[r.INFO_REPLICA],
+                                    info[r.INFO_CHUNK]):
+            self._on_drop("invalid_length", 1)  # the request's bytes past what OTLP carries: kept at its most
         if figures.failure and state.failure is None:
             state.failure = figures.failure
         attrs = attributes(figures, info, state.labels, state.statics, self._peer_parsers)
         self._send_span(state.parent, attrs, figures)
 
     def _check(self, figures: SendFigures) -> None:
-        """The first call of a backend marked as such, and negative lengths counted and clamped: an engine asked
-        to move a negative length moved no such bytes."""
+        """The first call of a backend marked as such, and lengths OTLP cannot carry counted and clamped: an engine
+        asked to move a negative length moved no such bytes, and a count past int64 (an unsigned array's wrapped
+        -1, a float table read as integers) is no count of anything moved; an integer OTLP cannot encode would fail
+        the whole metric export its exemplar is in."""
         first = figures.first
         if first is not None and first[r.CALL_BACKEND] in self._first_backends:
             figures.first = self._mark_first(first)
-        if figures.nbytes < 0 or figures.descriptors < 0:
+        if not (0 <= figures.nbytes <= MAX_COUNT and 0 <= figures.descriptors <= MAX_COUNT):
             self._on_drop("invalid_length", 1)
-            figures.nbytes, figures.descriptors = max(figures.nbytes, 0), max(figures.descriptors, 0)
+            figures.nbytes, figures.descriptors = _length(figures.nbytes), _length(figures.descriptors)
 
     def _raw_send(self, figures: SendFigures, context: Optional[Context]) -> None:
         """A send outside any transfer scope: under the context current at its engine call."""
@@ -130,3 +134,10 @@ class SendSpans(BuilderPart):
         self._metrics.late(attrs, span_context)
         self._late_lines.send(ended, key, attrs.get(semconv.BACKEND), first[r.CALL_PEER] if first else None, late_s)
         self._metrics.send(attrs, start, end, figures.nbytes, figures.descriptors, failure, span_context)
+
+
+def _length(value: Any) -> int:
+    """A count clamped into 0..MAX_COUNT, an int (NaN: 0)."""
+    if value > MAX_COUNT:
+        return MAX_COUNT
+    return int(value) if value > 0 else 0

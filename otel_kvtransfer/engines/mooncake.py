@@ -24,7 +24,7 @@ import os
 import weakref
 from time import monotonic_ns
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple, cast
 
 from otel_kvtransfer import semconv
 from otel_kvtransfer.recording import clock, compiled, inflight, integration, records, untimed
@@ -141,7 +141,7 @@ _engines: Dict[int, _Transport] = {}
 # read on the hot path: (transport, extra) of engines initialised before us
 _state: Dict[str, _Transport] = {"fallback": (None, None)}
 _devices: List[str] = []  # every device given to initialize() in this process, in order (configured_devices())
-_hinted: Dict[Any, Dict[str, str]] = {}  # nic_hint -> its call extra, one constant dict per device named
+_hinted: Dict[str, Dict[str, str]] = {}  # nic_hint's name -> its call extra, one constant dict per device named
 MAX_DEVICES = 64
 
 
@@ -192,16 +192,20 @@ def _call(engine: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], op: Option
     transport, extra = _engines.get(id(engine), _state["fallback"])
     hint = args[nic_at] if len(args) > nic_at else kwargs.get("nic_hint") if kwargs else None
     if hint:
-        extra = _hinted.get(hint) or _hint_extra(hint)
+        extra = (_hinted.get(hint) if type(hint) is str else None) or _hint_extra(hint)
     return records.call(start, end, lengths, descriptors, op, session, transport, rc, error_type, BACKEND, extra)
 
 
 def _hint_extra(hint: Any) -> Dict[str, str]:
     """The call extra of a send whose caller named its device: one constant dict per name (the builder shares a
-    shape's attributes between the sends that carry the same dict's items)."""
-    if len(_hinted) >= 256:  # a host has a few NICs; a caller inventing names costs a new dict each, no more
-        _hinted.clear()
-    extra = _hinted[hint] = {semconv.NIC: str(hint)[:64]}
+    shape's attributes between the sends that carry the same dict's items), kept by the name as it is shown, cut:
+    never by the caller's object (a hint of a megabyte, or one whose hashing runs code of its own)."""
+    name = str(hint)[:64]
+    extra = _hinted.get(name)
+    if extra is None:
+        if len(_hinted) >= 256:  # a host has a few NICs; a caller inventing names costs a new dict each, no more
+            _hinted.clear()
+        extra = _hinted[name] = {semconv.NIC: name}
     return extra
 
 
@@ -440,8 +444,11 @@ def _common_async(original: _Method, op: str, batch: bool,
                 _pending.submit((id(self), batch_id), start, nbytes, descriptors, op, target_hostname, form[1],
                                 form[3], posted_ns=posted)
             else:  # PendingTransfers.submit's common case, written out
-                waiting[(id(self), batch_id)] = (start, nbytes, descriptors, target_hostname, form, None,
-                                                 ctx or None, posted)
+                handle, entry = (id(self), batch_id), (start, nbytes, descriptors, target_hostname, form, None,
+                                                       ctx or None, posted)
+                earlier = waiting.setdefault(handle, entry)
+                if earlier is not entry:  # an id still in the table, given out again
+                    _pending.reused(handle, earlier, entry)
         except Exception:
             own_error("record a Mooncake submission")
         return batch_id
@@ -457,8 +464,8 @@ def _common_async(original: _Method, op: str, batch: bool,
 
     # The same common case without a Python frame; every other call goes to `submit` before the engine is called.
     return cast(_Method, built.Submission(
-        original, submit, refused, own_error, recorder, context, integration.ENTERED, last, waiting, suppress,
-        suppress_plain, base, at, batch))
+        original, submit, refused, own_error, recorder, context, integration.ENTERED, last, waiting, _pending.reused,
+        suppress, suppress_plain, base, at, batch))
 
 
 def _general_async(original: _Method, op: Optional[str], batch: bool, nic_at: int,
@@ -494,17 +501,19 @@ def _check_status(original: _Method) -> _Method:
     waiting = _pending.entries
 
     def transfer_check_status(self: Any, *args: Any, **kwargs: Any) -> Any:
+        called = clock.now_ns()  # a submission posted after this, under the same id, is not this poll's
         rc = original(self, *args, **kwargs)
         if waiting:
             try:
                 batch_id = args[0] if args else next(iter(kwargs.values()))
                 # 1 completed, -1 failed (both free the batch id), -2 timed out, 0 still running.
                 if rc == 1:
-                    _pending.complete((id(self), batch_id), rc, None)
+                    _pending.complete((id(self), batch_id), rc, None, called)
                 elif rc == 0:
                     _pending.seen_running((id(self), batch_id))
                 elif rc < 0:
-                    _pending.complete((id(self), batch_id), rc, "timeout" if rc == -2 else "transfer_failed")
+                    _pending.complete((id(self), batch_id), rc, "timeout" if rc == -2 else "transfer_failed",
+                                      called)
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc
@@ -513,18 +522,20 @@ def _check_status(original: _Method) -> _Method:
 
 
 def _batch_status(original: _Method) -> _Method:
-    waiting, complete_all = _pending.entries, _pending.complete_all
+    waiting, complete_all, base = _pending.entries, _pending.complete_all, clock.BASE
 
-    def completed(self: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], rc: Any) -> None:
+    def completed(self: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], rc: Any, called: int) -> None:
+        # `called`: when the wait began; a submission posted after it under the same id is not this wait's
         engine = id(self)
         complete_all([(engine, batch_id) for batch_id in (args[0] if args else next(iter(kwargs.values())))],
-                     rc, None if rc == 0 else "transfer_failed")
+                     rc, None if rc == 0 else "transfer_failed", called)
 
     def get_batch_transfer_status(self: Any, *args: Any, **kwargs: Any) -> Any:
+        called = monotonic_ns() + base  # clock.now_ns(), inline
         rc = original(self, *args, **kwargs)  # blocks until the batches complete, fail or time out
         if waiting:
             try:
-                completed(self, args, kwargs, rc)
+                completed(self, args, kwargs, rc, called)
             except Exception:
                 own_error("observe a Mooncake completion")
         return rc
@@ -533,8 +544,8 @@ def _batch_status(original: _Method) -> _Method:
     if built is None:
         return get_batch_transfer_status
     # The common wait (one list of ids) ends its sends without a Python frame; `completed` takes any other.
-    return cast(_Method, built.BatchWait(original, completed, _pending.ended, own_error, RECORDER, waiting,
-                                         _pending.running_seen, records.RAW_ASYNC, clock.BASE))
+    return cast(_Method, built.BatchWait(original, completed, _pending.ended, _pending.reclaim, own_error, RECORDER,
+                                         waiting, _pending.running_seen, records.RAW_ASYNC, base))
 
 
 # --- 0.3.14's other shapes of the same transfers, and the CUDA stream's calls -------------------------------------
@@ -542,8 +553,8 @@ def _batch_status(original: _Method) -> _Method:
 # thread once the call returned: a caller may well refill the same arrays for its next call (not having to build
 # them per call is what they are for), so a reference kept for the builder could read the next call's lengths.
 # numpy sums an array of thousands in a few microseconds; a pages table's lengths are one column of F rows (F
-# fields, a few to a few hundred). Scatter lists are lists, as the classic calls' lengths: the engine copies them,
-# the reference is kept and the builder sums them (_ScatterLengths).
+# fields, a few to a few hundred). Scatter lists are summed the same way: a scatter's caller may refill its lists
+# before it drains the ticket, so the send's bytes are read as the call returns, never later.
 
 
 def _array_total(array: Any) -> Tuple[int, int]:
@@ -551,8 +562,14 @@ def _array_total(array: Any) -> Tuple[int, int]:
     the values of its buffer through a memoryview (array.array, a memoryview: rare, and a Python loop)."""
     size = getattr(array, "size", None)
     if type(size) is int:  # numpy (its size is a Python int; a torch tensor's is a method, and has no buffer)
-        return int(array.sum()), size
-    values = memoryview(array).cast("B").cast("q")
+        total = int(array.sum())
+        # numpy's integer sum wraps (an unsigned -1 and 4,096 sum to 4,095); its float sum does not: where they
+        # part, the exact sum, for the builder to count and clamp
+        if abs(float(array.sum(dtype=float)) - total) > 1e-6 * abs(total) + 1.0:
+            total = sum(array.tolist())
+        return total, size
+    view = memoryview(array)
+    values = view.cast("B").cast("Q" if view.format in ("Q", "L", "<Q", "=Q") and view.itemsize == 8 else "q")
     return sum(values), len(values)
 
 
@@ -561,37 +578,26 @@ def _arrays_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, i
     return _array_total(args[3] if len(args) > 3 else kwargs["lengths"])
 
 
+_EIGHT_BYTE_INTEGERS = frozenset("qQlL")
+
+
 def _pages_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, int]:
     """(bytes, descriptors) of a *_pages call. `fields` is a C-contiguous [F, 5] table of (src_base, src_stride,
     dst_base, dst_stride, length) rows and the engine makes descriptor (f, i) of `length` bytes for every field f
     and page i: pages x the fields' lengths summed, in pages x F descriptors (checked at the receiver by
     tests/engines/test_mooncake_cuda13.py)."""
     pages = memoryview(args[1] if len(args) > 1 else kwargs["src_pages"]).nbytes >> 3
-    table = memoryview(args[3] if len(args) > 3 else kwargs["fields"]).cast("B").cast("q")
+    fields = memoryview(args[3] if len(args) > 3 else kwargs["fields"])
+    table = fields.cast("B").cast("q")
+    if fields.format.lstrip("@=<") not in _EIGHT_BYTE_INTEGERS or fields.itemsize != 8:  # a float table's bits
+        return -1, pages * (len(table) // 5)  # are no lengths: counted by the builder as invalid_length
     return pages * sum(table[4::5]), pages * (len(table) // 5)
 
 
-class _ScatterLengths:
-    """A scatter call's length lists (one per base address) as the caller gave them, for the builder to sum: `sum()`
-    of it is the bytes (it iterates each list's total), and it travels to the builder process as the list of those
-    totals. Nothing is summed or copied on the calling thread."""
-
-    __slots__ = ("lists",)
-
-    def __init__(self, lists: Sequence[Sequence[int]]) -> None:
-        self.lists = lists
-
-    def __iter__(self) -> Iterator[int]:
-        return map(sum, self.lists)
-
-    def __reduce__(self) -> Tuple[type, Tuple[List[int]]]:
-        return list, (list(self),)
-
-
-def _scatter_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[_ScatterLengths, int]:
-    """(bytes, descriptors) of a scatter call: its length lists, kept; one descriptor per length."""
+def _scatter_count(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[int, int]:
+    """(bytes, descriptors) of a scatter call: its length lists summed as it returns; one descriptor per length."""
     lengths = args[7] if len(args) > 7 else kwargs["lengths"]
-    return _ScatterLengths(lengths), sum(map(len, lengths))
+    return sum(map(sum, lengths)), sum(map(len, lengths))
 
 
 def _emit(scope: Optional[TransferScope], context: Optional[Context], call: records.Call) -> None:
@@ -946,7 +952,8 @@ MODULE = "mooncake.engine"
 SPEC = EngineSpec(
     name=BACKEND,
     # Every published build (each installs the same `mooncake` package): CUDA 12 (the plain name), CPU, CUDA 13, AWS
-    # EFA (three), ROCm, Ascend NPU, Moore Threads MUSA. One list: wiring/package.py builds `instruments-any` from it.
+    # EFA (three), ROCm, Ascend NPU, Moore Threads MUSA, and TokenSpeed's fork (CUDA 13). One list: wiring/package.py
+    # builds `instruments-any` from it.
     distributions=(
         "mooncake-transfer-engine",
         "mooncake-transfer-engine-non-cuda",
@@ -957,6 +964,7 @@ SPEC = EngineSpec(
         "mooncake-transfer-engine-rocm",
         "mooncake-transfer-engine-npu",
         "mooncake-transfer-engine-musa",
+        "tokenspeed-mooncake",
     ),
     supported=">=0.3",  # the releases whose TransferEngine has the calls wrapped here (0.3.13 tested)
     patches=(Patch(MODULE, _patch),),  # now if `mooncake.engine` is imported, else as soon as it is

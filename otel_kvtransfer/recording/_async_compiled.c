@@ -58,7 +58,9 @@ kept_traverse(Kept *kept, visitproc visit, void *arg)
     return 0;
 }
 
-/* id(engine), a borrowed reference kept until the next engine; NULL with an error set. */
+/* id(engine): a new reference, NULL with an error set. The kept one is shared by every thread calling this
+   wrapper (one per method of the class, so every engine's): another thread may replace it whenever this one runs
+   Python code, so a caller owns what it is given, never borrows the kept one. */
 static PyObject *
 engine_id(Kept *kept, PyObject *engine)
 {
@@ -69,7 +71,7 @@ engine_id(Kept *kept, PyObject *engine)
         Py_XSETREF(kept->engine_id, made);
         kept->engine = engine;
     }
-    return kept->engine_id;
+    return Py_NewRef(kept->engine_id);
 }
 
 /* The record on the recorder's queue as `Recorder.record` would put it (its contract lets a wrapper append
@@ -106,8 +108,11 @@ hand_over(Kept *kept, PyObject *recorder, PyObject *rec)
             Py_XSETREF(kept->queue, Py_NewRef(queue));
         }
     }
-    if (room == 1)
-        done = PyObject_CallOneArg(kept->append, rec);
+    if (room == 1) {  /* owned while it runs: the call may let another thread replace the kept one */
+        PyObject *append = Py_NewRef(kept->append);
+        done = PyObject_CallOneArg(append, rec);
+        Py_DECREF(append);
+    }
     else if (room == 0)
         done = PyObject_CallMethodOneArg(recorder, str_record, rec);
     Py_DECREF(queue);
@@ -172,22 +177,76 @@ tuple_of(Py_ssize_t n, PyObject **items)
     return made;
 }
 
-/* own_error(what): counted and logged by the package. The error being raised is made the handled exception
-   while it runs (its log line reads sys.exc_info()), then cleared: nothing of it reaches the engine's caller. */
+/* The exception being raised, normalised, with its traceback: a new reference, taken from the thread. */
+static PyObject *
+take_raised(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value != NULL && tb != NULL)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+/* `exc` (stolen) raised again on the thread. */
 static void
+give_raised(PyObject *exc)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+/* After a failed read before the engine is called: 1 when what is raised is no Exception (an interrupt: left
+   raised for the caller, as in the Python wrapper, whose read would raise it before the engine's call); else
+   cleared, 0. */
+static int
+interrupted(void)
+{
+    PyObject *exc = take_raised();
+    if (exc != NULL && !PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) {
+        give_raised(exc);
+        return 1;
+    }
+    Py_XDECREF(exc);
+    return 0;
+}
+
+/* own_error(what): counted and logged by the package. The error being raised is made the handled exception
+   while it runs (its log line reads sys.exc_info()), then cleared: nothing of it reaches the engine's caller.
+   0; or -1 when what is raised is no Exception (KeyboardInterrupt, SystemExit): left raised, as the Python
+   wrapper's `except Exception` lets it through, so Ctrl-C reaches the engine's caller. */
+static int
 own_error(PyObject *report, const char *what)
 {
-    PyObject *exc_type, *exc, *tb, *saved_type, *saved, *saved_tb;
-    PyErr_Fetch(&exc_type, &exc, &tb);
-    PyErr_NormalizeException(&exc_type, &exc, &tb);
-    if (exc != NULL && tb != NULL)
-        PyException_SetTraceback(exc, tb);
+    PyObject *exc = take_raised();
+    if (exc != NULL && !PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) {
+        give_raised(exc);
+        return -1;
+    }
+    PyObject *saved_type, *saved, *saved_tb;
     PyErr_GetExcInfo(&saved_type, &saved, &saved_tb);
-    PyErr_SetExcInfo(exc_type, exc, tb);  /* steals the three */
+    if (exc != NULL)  /* steals the three */
+        PyErr_SetExcInfo(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
     PyObject *done = PyObject_CallFunction(report, "s", what);
+    PyObject *late = done == NULL ? take_raised() : NULL;  /* an interrupt may land in the report itself */
     Py_XDECREF(done);
-    PyErr_Clear();
     PyErr_SetExcInfo(saved_type, saved, saved_tb);
+    if (late == NULL || PyObject_TypeCheck(late, (PyTypeObject *)PyExc_Exception)) {
+        Py_XDECREF(late);
+        return 0;
+    }
+    give_raised(late);
+    return -1;
 }
 
 /* (bytes, descriptors) of a common call's last argument: a batch's list of lengths, or one length. */
@@ -217,10 +276,13 @@ count_lengths(PyObject *length, int batch, PyObject **nbytes, Py_ssize_t *descri
         total += value;
     }
     PyObject *sum = PyLong_FromLongLong(total);
-    for (; sum != NULL && i < n; i++) {  /* the rest as sum() adds them */
-        PyObject *next = PyNumber_Add(sum, items[i]);
-        Py_DECREF(sum);
-        sum = next;
+    /* The rest as sum() adds them. An item's own __add__ or __radd__ may change the list: each item is owned
+       while it is added and the length read anew, as sum()'s iterator does (the item array may have moved). */
+    for (; sum != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *next = PyNumber_Add(sum, item);
+        Py_DECREF(item);
+        Py_SETREF(sum, next);
     }
     Py_DECREF(seq);
     if (sum != NULL && !PyLong_CheckExact(sum)) {
@@ -246,6 +308,7 @@ typedef struct {
     PyObject *entered;     /* integration.ENTERED: while its item is not 0 some thread is in a scope */
     PyObject *last;        /* the last engine's forms: [(weak reference, write form, read form)] */
     PyObject *waiting;     /* the pending table's entries */
+    PyObject *reused;      /* PendingTransfers.reused: an id the engine handed out again while still in the table */
     PyObject *suppress;
     PyObject *suppress_plain;
     long long base;        /* clock.BASE */
@@ -267,6 +330,7 @@ Submission_traverse(Submission *self, visitproc visit, void *arg)
     Py_VISIT(self->entered);
     Py_VISIT(self->last);
     Py_VISIT(self->waiting);
+    Py_VISIT(self->reused);
     Py_VISIT(self->suppress);
     Py_VISIT(self->suppress_plain);
     return kept_traverse(&self->kept, visit, arg);
@@ -285,6 +349,7 @@ Submission_clear(Submission *self)
     Py_CLEAR(self->entered);
     Py_CLEAR(self->last);
     Py_CLEAR(self->waiting);
+    Py_CLEAR(self->reused);
     Py_CLEAR(self->suppress);
     Py_CLEAR(self->suppress_plain);
     kept_clear(&self->kept);
@@ -376,15 +441,13 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
         return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     int on = is_active(self->recorder);
     if (on <= 0) {
-        if (on < 0)
-            PyErr_Clear();
+        if (on < 0 && interrupted())
+            return NULL;
         return PyObject_Vectorcall(on == 0 ? self->original : self->fallback, args, nargsf, NULL);
     }
     PyObject *ctx = PyObject_CallNoArgs(self->context);
-    if (ctx == NULL) {
-        PyErr_Clear();
-        return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
-    }
+    if (ctx == NULL)
+        return interrupted() ? NULL : PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
     if (!PyDict_Check(ctx) || scopes_entered(self->entered)) {  /* a scope's submission, or no dict context */
         Py_DECREF(ctx);
         return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
@@ -392,8 +455,8 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     int quiet = suppressed(ctx, self->suppress, self->suppress_plain);
     if (quiet != 0) {  /* inside suppress_instrumentation(): the engine alone */
         Py_DECREF(ctx);
-        if (quiet < 0)
-            PyErr_Clear();
+        if (quiet < 0 && interrupted())
+            return NULL;
         return PyObject_Vectorcall(quiet == 1 ? self->original : self->fallback, args, nargsf, NULL);
     }
     /* the forms of the last engine's calls, when this is that engine (else Python looks them up and keeps them) */
@@ -410,8 +473,9 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     if (named != engine) {
         Py_XDECREF(named);
         Py_XDECREF(forms);
-        PyErr_Clear();
         Py_DECREF(ctx);
+        if (PyErr_Occurred() && interrupted())
+            return NULL;
         return PyObject_Vectorcall(self->fallback, args, nargsf, NULL);
     }
     Py_DECREF(named);
@@ -453,18 +517,29 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     }
     if (count_lengths(args[4], self->batch, &nbytes, &descriptors) < 0)
         goto error;
-    PyObject *id = engine_id(&self->kept, engine);
-    key = tuple_of(2, (PyObject *[]){id == NULL ? NULL : Py_NewRef(id), Py_NewRef(batch_id)});
+    key = tuple_of(2, (PyObject *[]){engine_id(&self->kept, engine), Py_NewRef(batch_id)});
     if (key == NULL)
         goto error;
     entry = tuple_of(8, (PyObject *[]){PyLong_FromLongLong(start), Py_NewRef(nbytes), PyLong_FromSsize_t(descriptors),
                                        Py_NewRef(args[1]), Py_NewRef(form), Py_NewRef(Py_None),
                                        Py_NewRef(PyDict_GET_SIZE(ctx) ? ctx : Py_None), PyLong_FromLongLong(posted)});
-    if (entry == NULL || PyDict_SetItem(self->waiting, key, entry) < 0)
+    if (entry == NULL)
         goto error;
+    PyObject *earlier = PyDict_SetDefault(self->waiting, key, entry);  /* borrowed */
+    if (earlier == NULL)
+        goto error;
+    if (earlier != entry) {  /* an id still in the table, handed out again: PendingTransfers.reused sorts it out */
+        Py_INCREF(earlier);
+        PyObject *done = PyObject_CallFunctionObjArgs(self->reused, key, earlier, entry, NULL);
+        Py_DECREF(earlier);
+        if (done == NULL)
+            goto error;
+        Py_DECREF(done);
+    }
     goto out;
 error:
-    own_error(self->report, "record a Mooncake submission");
+    if (own_error(self->report, "record a Mooncake submission") < 0)
+        Py_CLEAR(batch_id);  /* an interrupt: raised to the caller in place of the answer, as in Python */
 out:
     Py_XDECREF(nbytes);
     Py_XDECREF(key);
@@ -488,19 +563,32 @@ bind(PyObject *self, PyObject *obj, PyObject *type)
     return PyMethod_New(self, obj);
 }
 
+/* A wrapper's fields are read without a reference of the call's own while it runs: made once, never re-made
+   under a call in flight. 0, or -1 with an error set when `original` is set already. */
+static int
+made_once(PyObject *original)
+{
+    if (original == NULL)
+        return 0;
+    PyErr_SetString(PyExc_TypeError, "this wrapper is made once: make a new one");
+    return -1;
+}
+
 static int
 Submission_init(Submission *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"original", "fallback", "refused", "report", "recorder", "context", "entered", "last",
-                            "waiting", "suppress", "suppress_plain", "base", "at", "batch", NULL};
-    PyObject *original, *fallback, *refused, *report, *recorder, *context, *entered, *last, *waiting, *suppress,
-        *plain;
+                            "waiting", "reused", "suppress", "suppress_plain", "base", "at", "batch", NULL};
+    PyObject *original, *fallback, *refused, *report, *recorder, *context, *entered, *last, *waiting, *reused,
+        *suppress, *plain;
     long long base;
     Py_ssize_t at;
     int batch;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!OOLnp", names, &original, &fallback, &refused,
+    if (made_once(self->original))
+        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOO!OOOLnp", names, &original, &fallback, &refused,
                                      &report, &recorder, &context, &entered, &last, &PyDict_Type, &waiting,
-                                     &suppress, &plain, &base, &at, &batch))
+                                     &reused, &suppress, &plain, &base, &at, &batch))
         return -1;
     Py_XSETREF(self->original, Py_NewRef(original));
     Py_XSETREF(self->fallback, Py_NewRef(fallback));
@@ -511,6 +599,7 @@ Submission_init(Submission *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->entered, Py_NewRef(entered));
     Py_XSETREF(self->last, Py_NewRef(last));
     Py_XSETREF(self->waiting, Py_NewRef(waiting));
+    Py_XSETREF(self->reused, Py_NewRef(reused));
     Py_XSETREF(self->suppress, Py_NewRef(suppress));
     Py_XSETREF(self->suppress_plain, Py_NewRef(plain));
     self->base = base;
@@ -556,6 +645,7 @@ typedef struct {
     PyObject *original;
     PyObject *completed;   /* completed(engine, args, kwargs, rc): the Python wrapper's work after the call */
     PyObject *ended;       /* PendingTransfers.ended: an entry this one does not build the record of */
+    PyObject *reclaim;     /* PendingTransfers.reclaim: an entry posted after the wait began (a reused id) */
     PyObject *report;
     PyObject *recorder;
     PyObject *waiting;     /* the pending table's entries */
@@ -572,6 +662,7 @@ BatchWait_traverse(BatchWait *self, visitproc visit, void *arg)
     Py_VISIT(self->original);
     Py_VISIT(self->completed);
     Py_VISIT(self->ended);
+    Py_VISIT(self->reclaim);
     Py_VISIT(self->report);
     Py_VISIT(self->recorder);
     Py_VISIT(self->waiting);
@@ -587,6 +678,7 @@ BatchWait_clear(BatchWait *self)
     Py_CLEAR(self->original);
     Py_CLEAR(self->completed);
     Py_CLEAR(self->ended);
+    Py_CLEAR(self->reclaim);
     Py_CLEAR(self->report);
     Py_CLEAR(self->recorder);
     Py_CLEAR(self->waiting);
@@ -653,69 +745,135 @@ end_entry(BatchWait *self, PyObject *entry, PyObject *handle, long long end, PyO
     return done;
 }
 
+/* The common wait's ids, as a tuple of their own (the list is the caller's to change while sends end): a new
+   reference; NULL, without an error, for any other shape (Python's). Ids and answer exact ints: hashing and
+   comparing them runs no Python code. */
+static PyObject *
+common_ids(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject *rc)
+{
+    if (kwnames != NULL || nargs != 2 || !PyList_CheckExact(args[1]) || !PyLong_CheckExact(rc))
+        return NULL;
+    PyObject *ids = PyList_AsTuple(args[1]);
+    if (ids == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ids); i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(ids, i))) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+    return ids;
+}
+
+/* 1 when the entry was posted after `called`: no send of a wait that began then (the engine freed its id in
+   that wait and handed it out again before the wait returned) */
+static int
+posted_after(PyObject *entry, long long called)
+{
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 8 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 7)))
+        return 0;
+    long long posted = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 7));
+    if (posted == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return posted > called;
+}
+
+/* The common wait's sends ended: 0, or -1 with an error set. Every object it holds across the Python code an
+   entry's end may run (PendingTransfers.ended, Recorder.record, PendingTransfers.reclaim) is its own. */
+static int
+end_common(BatchWait *self, PyObject *engine, PyObject *ids, PyObject *rc, long long called)
+{
+    long long end = monotonic_ns() + self->base;
+    int done = PyObject_RichCompareBool(rc, zero, Py_EQ);  /* 0: every batch done */
+    if (done < 0)
+        return -1;
+    PyObject *error = done ? Py_None : str_transfer_failed;
+    PyObject *id = engine_id(&self->kept, engine);
+    if (id == NULL)
+        return -1;
+    int failed = 0;
+    for (Py_ssize_t i = 0; !failed && i < PyTuple_GET_SIZE(ids); i++) {
+        PyObject *handle = PyTuple_Pack(2, id, PyTuple_GET_ITEM(ids, i));
+        PyObject *entry = handle == NULL ? NULL : pop_item(self->waiting, handle);
+        failed = entry == NULL;
+        if (!failed && entry != Py_None) {
+            if (posted_after(entry, called)) {
+                PyObject *back = PyObject_CallFunction(self->reclaim, "OOLOO", handle, entry, end, rc, error);
+                failed = back == NULL;
+                Py_XDECREF(back);
+            }
+            else
+                failed = end_entry(self, entry, handle, end, rc, error) < 0;
+        }
+        Py_XDECREF(entry);
+        Py_XDECREF(handle);
+    }
+    Py_DECREF(id);
+    return failed ? -1 : 0;
+}
+
+/* Any other shape of wait: the Python wrapper's work after the call. 0, or -1 with an error set. */
+static int
+end_other(BatchWait *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject *rc,
+          long long called)
+{
+    PyObject *given = PyTuple_New(nargs - 1 > 0 ? nargs - 1 : 0);
+    PyObject *named = PyDict_New();
+    PyObject *done = NULL;
+    if (given != NULL && named != NULL) {
+        for (Py_ssize_t i = 1; i < nargs; i++)
+            PyTuple_SET_ITEM(given, i - 1, Py_NewRef(args[i]));
+        Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+        int ok = 0;
+        for (Py_ssize_t i = 0; i < keywords && ok == 0; i++)
+            ok = PyDict_SetItem(named, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
+        if (ok == 0)
+            done = PyObject_CallFunction(self->completed, "OOOOL", nargs ? args[0] : Py_None, given, named, rc,
+                                         called);
+    }
+    Py_XDECREF(given);
+    Py_XDECREF(named);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
 static PyObject *
 BatchWait_vectorcall(BatchWait *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
+    long long called = monotonic_ns() + self->base;
     PyObject *rc = PyObject_Vectorcall(self->original, args, nargsf, kwnames);  /* blocks until the batches end */
     if (rc == NULL || !PyDict_GET_SIZE(self->waiting))
         return rc;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL || nargs != 2 || !PyList_CheckExact(args[1])) {  /* any other shape: Python's */
-        PyObject *given = PyTuple_New(nargs - 1 > 0 ? nargs - 1 : 0);
-        PyObject *named = PyDict_New();
-        PyObject *done = NULL;
-        if (given != NULL && named != NULL) {
-            for (Py_ssize_t i = 1; i < nargs; i++)
-                PyTuple_SET_ITEM(given, i - 1, Py_NewRef(args[i]));
-            Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
-            int ok = 0;
-            for (Py_ssize_t i = 0; i < keywords && ok == 0; i++)
-                ok = PyDict_SetItem(named, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
-            if (ok == 0)
-                done = PyObject_CallFunctionObjArgs(self->completed, nargs ? args[0] : Py_None, given, named, rc,
-                                                    NULL);
-        }
-        Py_XDECREF(given);
-        Py_XDECREF(named);
-        if (done == NULL)
-            own_error(self->report, "observe a Mooncake completion");
-        Py_XDECREF(done);
-        return rc;
-    }
-    long long end = monotonic_ns() + self->base;
-    int sign = sign_of(rc);  /* 0: every batch done */
-    PyObject *error = sign == 0 ? Py_None : str_transfer_failed;
-    PyObject *engine = sign == -2 ? NULL : engine_id(&self->kept, args[0]);  /* borrowed */
-    PyObject *ids = args[1];
-    for (Py_ssize_t i = 0; engine != NULL && i < PyList_GET_SIZE(ids); i++) {
-        PyObject *handle = PyTuple_Pack(2, engine, PyList_GET_ITEM(ids, i));
-        if (handle == NULL)
-            break;
-        PyObject *entry = pop_item(self->waiting, handle);
-        int failed = entry == NULL || (entry != Py_None && end_entry(self, entry, handle, end, rc, error) < 0);
-        Py_XDECREF(entry);
-        Py_DECREF(handle);
-        if (failed)
-            break;
-    }
-    if (PyErr_Occurred())
-        own_error(self->report, "observe a Mooncake completion");
+    PyObject *ids = common_ids(args, nargs, kwnames, rc);
+    int failed = ids == NULL ? end_other(self, args, nargs, kwnames, rc, called)
+                             : end_common(self, args[0], ids, rc, called);
+    Py_XDECREF(ids);
+    if (failed && own_error(self->report, "observe a Mooncake completion") < 0)
+        Py_CLEAR(rc);  /* an interrupt: raised to the caller in place of the answer, as in Python */
     return rc;
 }
 
 static int
 BatchWait_init(BatchWait *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"original", "completed", "ended", "report", "recorder", "waiting", "seen", "raw_async",
-                            "base", NULL};
-    PyObject *original, *completed, *ended, *report, *recorder, *waiting, *seen, *raw_async;
+    static char *names[] = {"original", "completed", "ended", "reclaim", "report", "recorder", "waiting", "seen",
+                            "raw_async", "base", NULL};
+    PyObject *original, *completed, *ended, *reclaim, *report, *recorder, *waiting, *seen, *raw_async;
     long long base;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO!O!OL", names, &original, &completed, &ended, &report,
-                                     &recorder, &PyDict_Type, &waiting, &PyDict_Type, &seen, &raw_async, &base))
+    if (made_once(self->original))
+        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO!O!OL", names, &original, &completed, &ended, &reclaim,
+                                     &report, &recorder, &PyDict_Type, &waiting, &PyDict_Type, &seen, &raw_async,
+                                     &base))
         return -1;
     Py_XSETREF(self->original, Py_NewRef(original));
     Py_XSETREF(self->completed, Py_NewRef(completed));
     Py_XSETREF(self->ended, Py_NewRef(ended));
+    Py_XSETREF(self->reclaim, Py_NewRef(reclaim));
     Py_XSETREF(self->report, Py_NewRef(report));
     Py_XSETREF(self->recorder, Py_NewRef(recorder));
     Py_XSETREF(self->waiting, Py_NewRef(waiting));

@@ -9,14 +9,21 @@ exactly the device's. Device and host clocks drift apart slowly: while brackets 
 again every MAX_ANCHOR_INTERVAL_S at the latest (every MIN_ANCHOR_INTERVAL_S until it has measured the drift), and
 sooner when the drift rate measured between anchors would make the drift reach DRIFT_BUDGET_NS (25 us) in between;
 with the anchor's own 25 us, an event's host time stays within 50 us of the truth.
+
+Only the resolver's thread takes anchors; other threads read them (`times`, for a request that ends) from copies
+of the kept ones, so no lock is held across a device call. A device that raises while an anchor is taken gets no
+anchor until MAX_ANCHOR_INTERVAL_S later (counted in `stats`): its brackets keep their host times, counted by the
+device clock, never a failure retried every pass.
 """
 
+import logging
 from collections import deque
-from threading import Lock
 from time import monotonic
 from typing import Any, Iterable, Optional, Protocol
 
 from otel_kvtransfer.recording.clock import now_ns
+
+_logger = logging.getLogger(__name__)
 
 ANCHOR_WINDOW_NS = 50_000  # an anchor's record-to-seen window: its host time is right to half of this
 ANCHOR_TRIES = 8  # records per anchoring before giving up until the next pass
@@ -64,8 +71,8 @@ class _DeviceAnchors:
 
     __slots__ = ("stream", "kept", "rate", "due_s")
 
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
+    def __init__(self) -> None:
+        self.stream: Any = None  # made on the first anchoring (a device call: never under a lock)
         self.kept: deque[_Anchor] = deque(maxlen=KEPT_ANCHORS)
         # (host - device) / device elapsed, over the longest span of kept anchors; None: unknown
         self.rate: Optional[float] = None
@@ -73,20 +80,23 @@ class _DeviceAnchors:
 
     def nearest(self, host_ns: int) -> Optional[_Anchor]:
         best = None
-        for anchor in self.kept:
+        for anchor in tuple(self.kept):  # a copy: the resolver may be keeping one meanwhile
             if best is None or abs(anchor.host_ns - host_ns) < abs(best.host_ns - host_ns):
                 best = anchor
         return best
 
     def keep(self, anchor: _Anchor) -> None:
-        """A new anchor, the drift measured against the oldest kept, and when the next one is due."""
+        """A new anchor, the drift measured against the oldest kept, and when the next one is due (raises what
+        reading the events raises, before anything is kept)."""
+        rate = self.rate
         if self.kept:
             base = self.kept[0]
             host_ns = anchor.host_ns - base.host_ns
             if host_ns >= DRIFT_BASELINE_S * 1e9:
                 device_ns = base.event.elapsed_time(anchor.event) * 1e6
                 if device_ns > 0:
-                    self.rate = (host_ns - device_ns) / device_ns
+                    rate = (host_ns - device_ns) / device_ns
+        self.rate = rate
         self.kept.append(anchor)
         # Until a drift rate is measured (anchors DRIFT_BASELINE_S apart), anchor as often as allowed.
         interval = MIN_ANCHOR_INTERVAL_S if self.rate is None else MAX_ANCHOR_INTERVAL_S
@@ -96,33 +106,38 @@ class _DeviceAnchors:
 
 
 class Anchors:
-    """The anchors of one device module (torch.cuda, or a stand-in shaped like it), per device. `lock` is the
-    device clock's: everything here but taking an anchor runs under it."""
+    """The anchors of one device module (torch.cuda, or a stand-in shaped like it), per device. Anchors are taken
+    on one thread only (the device clock's resolver); `times` may be called from any."""
 
-    def __init__(self, device_module: DeviceModule, lock: Lock) -> None:
+    def __init__(self, device_module: DeviceModule) -> None:
         self._module = device_module
-        self._lock = lock
         self._by_device: dict[Optional[int], _DeviceAnchors] = {}  # device index -> its anchors
-        self._counts = {"anchors": 0, "refused": 0}
+        self._counts = {"anchors": 0, "refused": 0, "failed": 0}
         self._windows: deque[int] = deque(maxlen=1024)
 
     def anchor_if_due(self, device: Optional[int]) -> None:
-        """A new anchor for `device` when one is due (the lock taken here, not held while the anchor is taken:
-        settling a request never waits for that spin)."""
-        with self._lock:
-            anchors = self._by_device.get(device)
-            if anchors is None:
-                module = self._module
-                anchors = self._by_device[device] = _DeviceAnchors(
-                    module.Stream() if device is None else module.Stream(device=device))
+        """A new anchor for `device` when one is due. Never raises: a device that fails here is left alone until
+        MAX_ANCHOR_INTERVAL_S later."""
+        anchors = self._by_device.get(device)
+        if anchors is None:
+            anchors = self._by_device[device] = _DeviceAnchors()
         if monotonic() < anchors.due_s:
             return
-        anchor = self._take(anchors.stream)
-        with self._lock:
+        try:
+            if anchors.stream is None:
+                module = self._module
+                anchors.stream = module.Stream() if device is None else module.Stream(device=device)
+            anchor = self._take(anchors.stream)
             if anchor is None:  # again soon; brackets wait (or keep their host times past their give-up time)
                 anchors.due_s = monotonic() + MIN_ANCHOR_INTERVAL_S
             else:
                 anchors.keep(anchor)
+                self._counts["anchors"] += 1
+                self._windows.append(anchor.window_ns)
+        except Exception:
+            self._counts["failed"] += 1
+            anchors.due_s = monotonic() + MAX_ANCHOR_INTERVAL_S
+            _logger.debug("otel_kvtransfer could not take a device clock anchor", exc_info=True)
 
     def _take(self, stream: Any) -> Optional[_Anchor]:
         best = None
@@ -144,9 +159,6 @@ class Anchors:
                     break
         if best is None:
             self._counts["refused"] += 1
-            return None
-        self._counts["anchors"] += 1
-        self._windows.append(best.window_ns)
         return best
 
     def times(self, device: Optional[int], host_start: int, starts: Iterable[TimingEvent],
@@ -168,9 +180,10 @@ class Anchors:
 
     def stats(self) -> dict[str, Any]:
         windows = sorted(self._windows)
-        rates = [a.rate for a in self._by_device.values() if a.rate is not None]
+        rates = [a.rate for a in list(self._by_device.values()) if a.rate is not None]
         return {
             "anchors": self._counts["anchors"], "anchorings_refused": self._counts["refused"],
+            "anchorings_failed": self._counts["failed"],
             "anchor_window_median_ns": windows[len(windows) // 2] if windows else None,
             "anchor_window_max_ns": windows[-1] if windows else None,
             "drift_ppm": [-rate * 1e6 for rate in rates],  # how much faster the device's clock runs than the host's

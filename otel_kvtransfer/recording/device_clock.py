@@ -16,8 +16,15 @@ makes no span): `settle(key)`, called when a request ends (integration.end_reque
 pending for it: on the device's clock where its events completed, else with the launch's host times
 (`kv_transfer.compute.clock` = host) and counted in `kv_transfer.instrumentation.dropped` as
 `device_compute_unresolved`. The same fallback and count for a bracket whose events have not completed
-GIVE_UP_S after its launch (a device that hangs); at most `max_pending` brackets wait, a bracket beyond that is
-recorded with its host times at once, counted as `device_compute_full`.
+GIVE_UP_S after its launch (a device that hangs), for one whose events the device fails to read (a query or
+elapsed time that raises: recorded at once, never retried), and for device times outside the window the host saw
+the work in (a launch's start to when its end was seen complete) by more than IMPLAUSIBLE_NS (a clock that went
+backwards or jumped); at most `max_pending` brackets wait, a bracket beyond that is recorded with its host times at
+once, counted as `device_compute_full`.
+
+Settling never waits for the device: no lock is held across a device call, so a request that ends never waits for
+the resolver's queries, and `settle` itself makes at most SETTLE_QUERIES queries (none while the device answers
+slowly: SLOW_IN_A_ROW queries in a row slower than SLOW_QUERY_NS); what it does not read keeps its host times, counted.
 
 Only CUDA devices (torch.cuda: NVIDIA, and AMD through HIP) are read; any other device keeps the host's times.
 torch is never imported here: a device is looked up only in a torch the engine already imported.
@@ -44,6 +51,11 @@ POLL_S = 0.005  # how often the resolver queries pending brackets (each pass: on
 IDLE_WAIT_S = 1.0  # how long the resolver sleeps with nothing pending (a bracket wakes it at once)
 GIVE_UP_S = 60.0  # a bracket whose events have not completed by then keeps its host times (counted)
 MAX_PENDING = 4096  # brackets waiting for their events; beyond it a bracket keeps its host times (counted)
+SETTLE_QUERIES = 8  # event queries one request's end may make (a forward's end events: one per stream)
+SLOW_QUERY_NS = 5_000_000  # a query slower than this, SLOW_IN_A_ROW times in a row (not one wait for the GIL):
+SLOW_IN_A_ROW = 3  # a slow device, which a request's end does not query
+CLOSE_BUDGET_NS = 100_000_000  # the queries close() may still make; what it cannot read keeps its host times
+IMPLAUSIBLE_NS = 10_000_000  # device times further than this outside the host's window are a misread clock
 FULL = "device_compute_full"
 UNRESOLVED = "device_compute_unresolved"
 
@@ -51,7 +63,7 @@ UNRESOLVED = "device_compute_unresolved"
 class _Bracket:
     """One launch: its start and end events, the host's times around it (the fallback), the keys it served."""
 
-    __slots__ = ("keys", "starts", "ends", "host_start", "host_end", "chunk", "device")
+    __slots__ = ("keys", "starts", "ends", "host_start", "host_end", "chunk", "device", "seen")
 
     def __init__(self, keys: list[records.Key], starts: tuple[TimingEvent, ...], ends: tuple[TimingEvent, ...],
                  host_start: int, host_end: int, chunk: Optional[int], device: Optional[int]) -> None:
@@ -62,10 +74,12 @@ class _Bracket:
         self.host_end = host_end
         self.chunk = chunk
         self.device = device
+        self.seen: Optional[int] = None  # the records' clock when a query first saw its end events complete
 
 
 # What begin() hands to end(): (host time before the launch, its start events or None, the device's index)
 _Token = tuple[int, Optional[tuple[TimingEvent, ...]], Optional[int]]
+_WAIT = "wait"  # a bracket's events not complete yet (or no anchor yet): neither device nor host times now
 
 
 def _good_key(key: object) -> TypeGuard[records.Key]:
@@ -88,8 +102,10 @@ class DeviceClock:
         self._incoming: deque[_Bracket] = deque()  # brackets from engine threads (append is atomic: no lock there)
         self._pending: dict[int, _Bracket] = {}  # id -> _Bracket, oldest first
         self._by_key: dict[records.Key, set[int]] = {}  # key -> {id of a pending bracket serving it}
-        self._lock = threading.Lock()  # the pending table, and every record made from it
-        self._anchors = Anchors(device, self._lock)
+        self._lock = threading.Lock()  # the pending table, and every record made from it; never held across a
+        # device call
+        self._anchors = Anchors(device)
+        self._slow_run = 0  # queries in a row slower than SLOW_QUERY_NS
         self._wake = threading.Event()
         self._idle = False
         self._stopping = False
@@ -157,25 +173,40 @@ class DeviceClock:
 
     # --- a request ends (any thread) ---------------------------------------------------------------------------
     def settle(self, key: records.Key) -> None:
-        """Record now what is pending for `key` (its request ends): never waits for the device."""
+        """Record now what is pending for `key` (its request ends): never waits for the device (a bounded number of
+        queries, none while the device is slow; no lock held across one)."""
         if not self._pending and not self._incoming:
             return
-        with self._lock:
+        brackets = []
+        with self._lock:  # the key's brackets taken out of the table: the resolver records them for other keys only
             self._absorb()
-            ids = self._by_key.pop(key, None)
-            for bracket_id in ids or ():
+            for bracket_id in self._by_key.pop(key, ()):
                 bracket = self._pending.get(bracket_id)
                 if bracket is None:
                     continue
-                times = self._device_times(bracket) if self._complete(bracket) else None
-                if times is None:
-                    RECORDER.drop(UNRESOLVED)
-                    self._record([key], bracket.host_start, bracket.host_end, bracket.chunk, semconv.CLOCK_HOST)
-                else:
-                    self._record([key], times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
                 bracket.keys.remove(key)
                 if not bracket.keys:
                     del self._pending[bracket_id]
+                brackets.append(bracket)
+        if not brackets:
+            return
+        queries = SETTLE_QUERIES
+        found = []
+        for bracket in brackets:
+            times: Any = _WAIT
+            if bracket.seen is not None:
+                times = self._times(bracket)
+            elif self._slow_run < SLOW_IN_A_ROW and queries >= len(bracket.ends):
+                queries -= len(bracket.ends)
+                times = self._read(bracket)
+            found.append((bracket, times))
+        with self._lock:
+            for bracket, times in found:
+                if isinstance(times, tuple):
+                    self._record([key], times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
+                else:
+                    RECORDER.drop(UNRESOLVED)
+                    self._record([key], bracket.host_start, bracket.host_end, bracket.chunk, semconv.CLOCK_HOST)
 
     # --- the resolver ------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -207,9 +238,7 @@ class DeviceClock:
             devices = {b.device for b in self._pending.values()}
         for device in devices:
             self._anchors.anchor_if_due(device)
-        with self._lock:
-            self._absorb()
-            self._resolve(now_ns())
+        self._resolve(now_ns())
 
     def _absorb(self) -> None:
         """Brackets from the engine threads into the table (under the lock)."""
@@ -221,37 +250,83 @@ class DeviceClock:
             for key in bracket.keys:
                 self._by_key.setdefault(key, set()).add(bracket_id)
 
-    def _resolve(self, now: int) -> None:
-        for bracket_id, bracket in list(self._pending.items()):
-            times = self._device_times(bracket) if self._complete(bracket) else None
-            if times is not None:
-                self._record(bracket.keys, times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
-            elif now - bracket.host_end > self._give_up_ns:
-                RECORDER.drop(UNRESOLVED, len(bracket.keys))
-                self._record(bracket.keys, bracket.host_start, bracket.host_end, bracket.chunk, semconv.CLOCK_HOST)
+    def _resolve(self, now: int, deadline: Optional[int] = None) -> None:
+        """Each pending bracket read (outside the lock: a request that ends meanwhile does not wait for the device;
+        past `deadline`, or while the device is slow, no more queries), then recorded under it for the keys it still
+        serves: device times, or host times once it failed or gave up."""
+        with self._lock:
+            self._absorb()
+            pending = list(self._pending.items())
+        found = []
+        for bracket_id, bracket in pending:
+            if bracket.seen is None and deadline is not None and (
+                    self._slow_run >= SLOW_IN_A_ROW or now_ns() >= deadline):
+                times: Any = _WAIT
             else:
-                continue
-            del self._pending[bracket_id]
-            for key in bracket.keys:
-                ids = self._by_key.get(key)
-                if ids is not None:
-                    ids.discard(bracket_id)
-                    if not ids:
-                        del self._by_key[key]
+                times = self._read(bracket)
+            found.append((bracket_id, bracket, times))
+        with self._lock:
+            for bracket_id, bracket, times in found:
+                if self._pending.get(bracket_id) is not bracket:
+                    continue  # settled meanwhile by the end of the last request it served
+                if isinstance(times, tuple):
+                    self._record(bracket.keys, times[0], times[1], bracket.chunk, semconv.CLOCK_DEVICE)
+                elif times is None or now - bracket.host_end > self._give_up_ns:
+                    RECORDER.drop(UNRESOLVED, len(bracket.keys))
+                    self._record(bracket.keys, bracket.host_start, bracket.host_end, bracket.chunk,
+                                 semconv.CLOCK_HOST)
+                else:
+                    continue
+                del self._pending[bracket_id]
+                for key in bracket.keys:
+                    ids = self._by_key.get(key)
+                    if ids is not None:
+                        ids.discard(bracket_id)
+                        if not ids:
+                            del self._by_key[key]
 
-    @staticmethod
-    def _complete(bracket: _Bracket) -> bool:
-        # A stream runs in order: its end event done means its start event is too.
-        return all(event.query() for event in bracket.ends)
+    def _read(self, bracket: _Bracket) -> Any:
+        """Query a bracket's end events (a stream runs in order: its end event done means its start event is too):
+        its device times; _WAIT while not complete; None where the device fails to answer (host times)."""
+        if bracket.seen is None:
+            seen = now_ns()
+            try:
+                for event in bracket.ends:
+                    asked = now_ns()
+                    done = event.query()
+                    seen = now_ns()
+                    self._slow_run = self._slow_run + 1 if seen - asked > SLOW_QUERY_NS else 0
+                    if not done:
+                        return _WAIT
+            except Exception:
+                _logger.debug("otel_kvtransfer could not query a timing event", exc_info=True)
+                return None
+            bracket.seen = seen
+        return self._times(bracket)
 
-    def _device_times(self, bracket: _Bracket) -> Optional[tuple[int, int]]:
-        """(start, end) on the records' clock (`device_anchors`); None without an anchor, or events unread."""
+    def _times(self, bracket: _Bracket) -> Any:
+        """(start, end) of a complete bracket on the records' clock (`device_anchors`), kept inside the host's
+        window (its launch's start to when its end was seen): _WAIT without an anchor yet; None where reading the
+        events fails or their times lie far outside that window."""
+        seen = bracket.seen
+        if seen is None:
+            return _WAIT
         try:
-            return self._anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
+            times = self._anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
         except Exception:
-            RECORDER.drop("wrapper_error")
             _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
             return None
+        if times is None:
+            return _WAIT
+        start, end = times
+        if start < bracket.host_start - IMPLAUSIBLE_NS or end > seen + IMPLAUSIBLE_NS:
+            _logger.debug("otel_kvtransfer: device times %d..%d outside the host's window %d..%d", start, end,
+                          bracket.host_start, seen)
+            return None
+        # The work began after its launch did and had ended when the query saw it: within the anchor's error,
+        # clamping moves the times towards the truth.
+        start = min(max(start, bracket.host_start), seen)
+        return start, min(max(end, start), seen)
 
     def _record(self, keys: Sequence[records.Key], start: int, end: int, chunk: Optional[int], clock: str) -> None:
         self._counts["device" if clock == semconv.CLOCK_DEVICE else "host"] += len(keys)
@@ -271,9 +346,7 @@ class DeviceClock:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
-        with self._lock:
-            self._absorb()
-            self._resolve(now_ns() + self._give_up_ns + 1)
+        self._resolve(now_ns() + self._give_up_ns + 1, now_ns() + CLOSE_BUDGET_NS)
 
 
 # --- the process's clocks ----------------------------------------------------------------------------------------
@@ -343,9 +416,14 @@ def use_device_module(module: Optional[DeviceModule], kind: str = "cuda", **opti
 
 
 def settle(key: records.Key) -> None:
-    """A request ends: what its device brackets still hold is recorded now, before its end record."""
-    for clock in _live:
-        clock.settle(key)
+    """A request ends: what its device brackets still hold is recorded now, before its end record. Never raises:
+    the end record comes after it whatever the device does."""
+    for clock in tuple(_live):
+        try:
+            clock.settle(key)
+        except Exception:
+            RECORDER.drop("wrapper_error")
+            _logger.debug("otel_kvtransfer could not settle a request's device compute", exc_info=True)
 
 
 def _forget_after_fork() -> None:

@@ -40,7 +40,7 @@ from functools import partial
 from operator import index as _integer
 from threading import get_ident
 from types import TracebackType
-from typing import Any, Callable, Iterable, Literal, Optional, ParamSpec
+from typing import Any, Callable, Final, Iterable, Literal, Optional, ParamSpec
 
 from opentelemetry.context import Context
 
@@ -151,12 +151,15 @@ ENTERED = [0]
 
 
 def current_scope() -> Optional[TransferScope]:
-    return THREAD.scope
+    scope = THREAD.scope
+    if scope is not None and scope.after_end:  # its request ended while this thread was in it
+        scope = _recover(THREAD)
+    return scope
 
 
 def current_key() -> Optional[records.Key]:
     """The request key of this thread's transfer scope, or None (no scope, or one that names no request)."""
-    info = getattr(THREAD.scope, "info", None)
+    info = getattr(current_scope(), "info", None)
     return info[records.INFO_KEY] if info else None
 
 
@@ -206,7 +209,8 @@ if hasattr(os, "register_at_fork"):
 # (taken before they are queued, so an interrupted exit records its send once or, when it lands between the two,
 # not at all, never twice). A retry of those steps is always safe; an interrupted exit retries them before it lets
 # the interrupt go on.
-ENTRY_PREVIOUS, ENTRY_SCOPE = 0, 1
+ENTRY_PREVIOUS: Final = 0
+ENTRY_SCOPE: Final = 1
 _Entry = tuple[Optional["TransferScope"], "TransferScope"]
 
 
@@ -226,6 +230,24 @@ def _innermost(saved: list[_Entry], scope: TransferScope) -> Optional[_Entry]:
         if entry[ENTRY_SCOPE] is scope:
             return entry
     return None
+
+
+# Every scope some thread is in (insertion-ordered, used as a set), changed under _DEPTH_LOCK as its first entry
+# comes and its last goes: where the end of a request finds the scopes it still has entered (_end_scopes_of).
+_OPEN: dict[TransferScope, None] = {}
+
+# How often leaving is tried again when an interrupt lands in the retry itself (a storm of them).
+_RETRIES = 8
+
+
+def _room_for(recs: list[records.Record]) -> list[records.Record]:
+    """The records of a scope that fit in the recorder's queue now (under _DEPTH_LOCK); the rest are counted
+    (`queue_full`)."""
+    room = RECORDER.capacity - len(RECORDER.queue)
+    if len(recs) > room:
+        RECORDER.drop("queue_full", len(recs) - max(room, 0))
+        return recs[:max(room, 0)]
+    return recs
 
 
 def _leave(scope: TransferScope, thread: PerThread, entry: Optional[_Entry],
@@ -251,20 +273,78 @@ def _leave(scope: TransferScope, thread: PerThread, entry: Optional[_Entry],
                 scope.error_type = exc_type.__qualname__
             del inside[j]
             ENTERED[0] -= 1
+            if not inside:
+                _OPEN.pop(scope, None)
         if inside or not (scope.calls or scope.error_type):
             return
-        recs = scope._records(scope.calls, scope.error_type, (scope._entered_ns, now_ns())) \
-            if RECORDER.active else []
+        recs = _room_for(scope._records(scope.calls, scope.error_type, (scope._entered_ns, now_ns()))
+                         if RECORDER.active else [])
         queue = RECORDER.queue
-        room = RECORDER.capacity - len(queue)
-        if len(recs) > room:
-            RECORDER.drop("queue_full", len(recs) - max(room, 0))
-            recs = recs[:max(room, 0)]
         scope.calls, scope.error_type = [], None  # taken: from here to the append below, nothing that runs a
         queue.extend(recs)  # signal handler (one C call: the hand-off Recorder.record makes)
     if recs and RECORDER.idle:  # the recorder's thread sleeps long: wake it, as Recorder.record does
         RECORDER.idle = False
         RECORDER.wake.set()
+
+
+class _AfterEnd(list):  # type: ignore[type-arg]
+    """The calls of a scope whose request ended while a thread was still in it: each engine call added to it is
+    recorded at once, a send of its own (late, under its request), so no call waits in a scope that may never be
+    left. Engine wrappers add to a scope's calls through `append`."""
+
+    __slots__ = ("scope",)
+
+    def __init__(self, scope: TransferScope) -> None:
+        super().__init__()
+        self.scope = scope
+
+    def append(self, call: records.Call) -> None:
+        try:
+            self.scope.record_apart(call)
+        except Exception:
+            RECORDER.drop("api_error")
+
+
+def _end_scopes_of(key: records.Key) -> None:
+    """The scopes of a request still entered when it ends. Leaving one can be abandoned (an interrupt landing in
+    its exit, or in what finishes an interrupted exit), or its thread is still in it (a send late past its
+    request). Either way its send is recorded now with what it holds, the scope counted (`scope_left_open`), and
+    every later engine call in it recorded at once (_AfterEnd): no scope swallows a thread's calls past its
+    request's end. A thread still in it leaves it at its exit, or as soon as it asks for its scope again
+    (current_scope(), entering a scope)."""
+    if not _OPEN:
+        return
+    queued = False
+    with _DEPTH_LOCK:
+        found = [scope for scope in _OPEN if not scope.after_end and key in scope._keys()]
+        for scope in found:
+            recs = _room_for(scope._records(scope.calls, scope.error_type, (scope._entered_ns, now_ns()))
+                             if scope.calls or scope.error_type else [])
+            scope.after_end = True
+            scope.calls, scope.error_type = _AfterEnd(scope), None
+            RECORDER.queue.extend(recs)
+            queued = queued or bool(recs)
+    if found:
+        RECORDER.drop("scope_left_open", len(found))
+    if queued and RECORDER.idle:
+        RECORDER.idle = False
+        RECORDER.wake.set()
+
+
+def _recover(thread: PerThread) -> Optional[TransferScope]:
+    """This thread leaves the scopes it is in (innermost first) whose request has ended (_end_scopes_of); returns
+    the scope it is in after."""
+    try:
+        saved = thread.saved
+        while saved and saved[-1][ENTRY_SCOPE].after_end:
+            entry = saved[-1]
+            _leave(entry[ENTRY_SCOPE], thread, entry, None)
+        scope = thread.scope
+        if scope is not None and scope.after_end:  # its entry already gone (a leaving cut short)
+            thread.scope = saved[-1][ENTRY_SCOPE] if saved else None
+    except Exception:
+        RECORDER.drop("api_error")
+    return thread.scope
 
 
 class TransferScope:
@@ -274,14 +354,19 @@ class TransferScope:
     on any number of threads, or nested, it is recorded once, when the last of them leaves it.
     """
 
-    __slots__ = ("info", "calls", "error_type", "_inside", "_entered_ns")
+    __slots__ = ("info", "calls", "error_type", "after_end", "_inside", "_entered_ns")
 
     def __init__(self, info: Optional[records.Info]) -> None:
         self.info = info
         self.calls: list[records.Call] = []
         self.error_type: Optional[str] = None
+        self.after_end = False  # its request ended while a thread was in it (_end_scopes_of)
         self._inside: list[_Entry] = []  # the entries (of every thread) into it not left yet
         self._entered_ns: Optional[int] = None
+
+    def _keys(self) -> tuple[records.Key, ...]:
+        """The requests its sends belong to."""
+        return (self.info[records.INFO_KEY],) if self.info else ()
 
     def set_error(self, error_type: str) -> None:
         """Mark the transfer failed without (or besides) an engine error, e.g. an unreachable session."""
@@ -296,12 +381,15 @@ class TransferScope:
         # The thread takes the scope last, and gives it back if an interrupt lands half-way: `with` calls
         # __exit__ only after __enter__ returned.
         thread = THREAD
+        if thread.scope is not None and thread.scope.after_end:
+            _recover(thread)
         previous, saved = thread.scope, thread.saved
         depth, entry = len(saved), (thread.scope, self)
         try:
             with _DEPTH_LOCK:
                 if not self._inside:
                     self._entered_ns = now_ns()
+                    _OPEN[self] = None
                 ENTERED[0] += 1  # first: counted before any thread can be in it
                 self._inside.append(entry)
             saved.append(entry)
@@ -314,6 +402,8 @@ class TransferScope:
                 if j >= 0:
                     del self._inside[j]
                     ENTERED[0] -= 1
+                if not self._inside:
+                    _OPEN.pop(self, None)
             raise
         return self
 
@@ -326,11 +416,16 @@ class TransferScope:
             _leave(self, THREAD, entry, exc_type)
         except BaseException as failure:
             # Half-way out (an interrupt, or a failure of ours): the rest of leaving, then the interrupt goes on.
-            try:
-                found = locals().get("entry")  # unset when the interrupt came first
-                _leave(self, THREAD, found if found is not None else _innermost(THREAD.saved, self), exc_type)
-            except Exception:
-                pass
+            # Another interrupt landing in that rest is the first one's: leaving is tried again, not given up.
+            for _ in range(_RETRIES):
+                try:
+                    found = locals().get("entry")  # unset when the interrupt came first
+                    _leave(self, THREAD, found if found is not None else _innermost(THREAD.saved, self), exc_type)
+                    break
+                except Exception:
+                    break
+                except BaseException:  # the first interrupt is raised below
+                    continue
             if not isinstance(failure, Exception):
                 raise
             RECORDER.drop("api_error")
@@ -370,6 +465,8 @@ class _Leaving:
     armed: Optional[weakref.ref[Callable[..., bool]]]
 
     def __init__(self, scope: TransferScope, thread: PerThread) -> None:
+        if thread.scope is not None and thread.scope.after_end:  # as __enter__ will: the depth is the one after
+            _recover(thread)
         self.scope, self.thread, self.depth = scope, thread, len(thread.saved)
         self.exc_type = self.entry = self.armed = None
 
@@ -382,18 +479,28 @@ class _Leaving:
         return self.entry
 
     def finish(self, _ref: object = None) -> None:
-        """The rest of leaving, once the `with` let go of its exit: runs only when the exit did not complete."""
-        try:
-            _leave(self.scope, self.thread, self.own_entry(), self.exc_type)
-        except Exception:
-            RECORDER.drop("api_error")
+        """The rest of leaving, once the `with` let go of its exit: runs only when the exit did not complete. An
+        interrupt landing here would be printed and ignored (a weak reference's callback): leaving is tried again
+        instead. One landing before this runs at all is the request's end's to find (_end_scopes_of)."""
+        for _ in range(_RETRIES):
+            try:
+                _leave(self.scope, self.thread, self.own_entry(), self.exc_type)
+                return
+            except Exception:
+                RECORDER.drop("api_error")
+                return
+            except BaseException:  # raised here it would only be ignored
+                continue
 
 
 def _guarded_exit(leaving: _Leaving, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                   tb: Optional[TracebackType]) -> bool:
     try:
         leaving.exc_type = exc_type
-        _leave(leaving.scope, leaving.thread, leaving.own_entry(), exc_type)
+        entry = leaving.own_entry()
+        if entry is None:  # called by hand after a hand-made __enter__: its exit was looked up inside the scope
+            entry = _innermost(leaving.thread.saved, leaving.scope)
+        _leave(leaving.scope, leaving.thread, entry, exc_type)
     except Exception:  # a failure of ours: counted, never raised into the engine
         RECORDER.drop("api_error")
     leaving.armed = None  # done: the `with` letting go of its exit now runs nothing (an interrupt skips this)
@@ -444,6 +551,9 @@ class SplitTransferScope(TransferScope):
     def __init__(self, shares: list[tuple[records.Info, int, int]]) -> None:
         super().__init__(None)
         self.shares = shares  # [(info, bytes, descriptors)]
+
+    def _keys(self) -> tuple[records.Key, ...]:
+        return tuple(info[records.INFO_KEY] for info, _, _ in self.shares)
 
     def _records(self, calls: list[records.Call], error: Optional[str],
                  times: Optional[records.ScopeTimes]) -> list[records.Record]:
@@ -573,6 +683,7 @@ def end_request(key: records.Key, *, error_type: Optional[str] = None, end_ns: O
     """Conclude the request: success, or failure with `error_type`."""
     if RECORDER.active:
         key = _key(key)
+        _end_scopes_of(key)  # its sends before its end
         device_clock.settle(key)  # its compute still on the device's clock goes first: after the end, no span
         RECORDER.record(records.end_request(key, _time(end_ns), error_type and str(error_type)[:128]))
 

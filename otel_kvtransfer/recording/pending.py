@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 ENTRY_START: Final = 0
 ENTRY_PEER: Final = 3
 ENTRY_INFO: Final = 5
+ENTRY_POSTED: Final = 7
 _Entry = tuple[int, Union[int, Iterable[int]], int, Any, records.Form, Optional[records.Info], "Optional[Context]",
                Optional[int]]
 
@@ -35,6 +36,10 @@ class PendingTransfers:
         self.entries: dict[Hashable, _Entry] = {}
         # handle -> when a poll last saw it still running; public for the compiled wait, which pops it as `ended`
         self.running_seen: dict[Hashable, int] = {}
+        # handle -> earlier entries, oldest first, of a handle the engine gave out again while it was still here
+        # (`reused`), each waiting for the wait that freed it to return (`reclaim`); `aside` counts them all
+        self.superseded: dict[Hashable, list[_Entry]] = {}
+        self.aside = 0
         inflight.register_pending(self)
 
     def __len__(self) -> int:
@@ -58,7 +63,40 @@ class PendingTransfers:
             if info is None:  # a payload scope (no request): its labels on the send
                 extra = scope.label(extra)
         form = records.call_form(op, protocol, self.backend, extra, "transfer_failed")
-        self.entries[handle] = (start_ns, nbytes, descriptors, peer, form, info, context or None, posted_ns)
+        entry: _Entry = (start_ns, nbytes, descriptors, peer, form, info, context or None, posted_ns)
+        earlier = self.entries.setdefault(handle, entry)
+        if earlier is not entry:
+            self.reused(handle, earlier, entry)
+
+    def reused(self, handle: Hashable, earlier: _Entry, entry: _Entry) -> None:
+        """The engine gave out `handle` again while its `earlier` submission was still in the table: Mooncake
+        frees a batch id inside the wait that sees it end, and may hand it to another thread's submission before
+        that wait returns. `entry` takes the handle; the earlier send is kept aside for its wait (`reclaim`), not
+        overwritten. Bounded with the table: past `max_pending_async` kept aside, the earlier one is counted
+        dropped (`async_pending_full`). The compiled submission calls it too."""
+        self.entries[handle] = entry
+        if self.aside >= RECORDER.settings.max_pending_async:
+            RECORDER.drop("async_pending_full")
+            return
+        self.superseded.setdefault(handle, []).append(earlier)
+        self.aside += 1
+
+    def reclaim(self, handle: Hashable, entry: _Entry, end: int, return_code: Any,
+                error_type: Optional[str]) -> None:
+        """A wait that began before `entry` was posted found it under its handle: not its send (the handle was
+        given out again during the wait). `entry` goes back; the wait's own send is the oldest kept aside under
+        the handle, if any, and it ended before the handle was given out again: by `entry`'s posting at the
+        latest. The compiled wait calls it too."""
+        self.entries[handle] = entry
+        aside = self.superseded.get(handle)
+        if not aside:
+            return
+        earlier = aside.pop(0)
+        self.aside -= 1
+        if not aside:
+            del self.superseded[handle]
+        posted = entry[ENTRY_POSTED]
+        self.ended(earlier, end if posted is None else min(end, posted), None, return_code, error_type)
 
     def seen_running(self, handle: Hashable) -> None:
         """A poll saw the transfer unfinished: its end, when a later poll sees it, lies after this moment."""
@@ -71,26 +109,41 @@ class PendingTransfers:
             info, peer = entry[ENTRY_INFO], entry[ENTRY_PEER]
             yield handle, (entry[ENTRY_START], info[records.INFO_KEY] if info else None,
                            peer if isinstance(peer, str) else None, entry[1], self.backend)
+        for handle, aside in list(self.superseded.items()):
+            for entry in list(aside):
+                info, peer = entry[ENTRY_INFO], entry[ENTRY_PEER]
+                yield handle, (entry[ENTRY_START], info[records.INFO_KEY] if info else None,
+                               peer if isinstance(peer, str) else None, entry[1], self.backend)
 
-    def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str]) -> bool:
+    def complete(self, handle: Hashable, return_code: Any, error_type: Optional[str],
+                 called: Optional[int] = None) -> bool:
         """The submission ended (error_type None: success); False when it was not pending. Its end was seen by
         a poll: the true end lies between the previous poll that saw it running (or its start) and now, and
-        the send says how wide that window is (`kv_transfer.end_uncertainty_s`)."""
+        the send says how wide that window is (`kv_transfer.end_uncertainty_s`). `called`: when the poll began
+        (an entry posted after it is not the poll's: `reclaim`)."""
         entry = self.entries.pop(handle, None)
         if entry is None:
             return False
+        if called is not None and _posted_after(entry, called):
+            self.reclaim(handle, entry, now_ns(), return_code, error_type)
+            return True
         seen = self.running_seen
         self.ended(entry, now_ns(), seen.pop(handle, None) if seen else None, return_code, error_type)
         return True
 
-    def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str]) -> None:
+    def complete_all(self, handles: Iterable[Hashable], return_code: Any, error_type: Optional[str],
+                     called: Optional[int] = None) -> None:
         """`complete` of each of `handles` still pending, all ended now (one wait saw them end). A wait that
         blocked until they ended is no poll that saw them running: they may have ended before it began, so each
         one's window still reaches back to the last poll that did, or to its start."""
         entries, seen, end = self.entries, self.running_seen, now_ns()
         for handle in handles:
             entry = entries.pop(handle, None)
-            if entry is not None:
+            if entry is None:
+                continue
+            if called is not None and _posted_after(entry, called):
+                self.reclaim(handle, entry, end, return_code, error_type)
+            else:
                 self.ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
 
     def ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
@@ -124,7 +177,15 @@ class PendingTransfers:
 
     def abandon(self) -> None:
         """Uninstrument: completions of what is pending will never be observed; count them."""
-        if self.entries:
-            RECORDER.drop("async_uninstrumented", len(self.entries))
+        if self.entries or self.aside:
+            RECORDER.drop("async_uninstrumented", len(self.entries) + self.aside)
         self.entries.clear()
         self.running_seen.clear()
+        self.superseded.clear()
+        self.aside = 0
+
+
+def _posted_after(entry: _Entry, called: int) -> bool:
+    """Whether `entry` was posted after a wait that began at `called`: then it is no send of that wait's."""
+    posted = entry[ENTRY_POSTED]
+    return posted is not None and posted > called

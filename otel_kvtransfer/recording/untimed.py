@@ -7,6 +7,11 @@ it: the counter `kv_transfer.instrumentation.untimed_calls` (`kv_transfer.backen
 WARNING per call name per process on its first use. The start-up line names those found by the time it is
 printed; those found later (an engine imported after the line) are named in one WARNING when they are found.
 The call itself, its return value and its exception pass through untouched.
+
+A call's name comes from the engine's class (any string a class can hold): lines and the counter show it
+escaped (one line, no terminal control) and cut to MAX_NAME characters; at most MAX_LINES first-use lines per
+backend, then one line saying that the rest are only counted; a line naming calls found late names at most
+MAX_LISTED of them.
 """
 
 import logging
@@ -23,6 +28,23 @@ _found: Dict[str, List[str]] = {}  # backend -> the untimed call names found on 
 _warned: Set[Tuple[str, str]] = set()  # (backend, name) whose first use was logged in this process
 _count: Dict[str, Optional[Callable[[str, str], None]]] = {"add": None}  # set by the instrumentor
 _announced = {"done": False}  # the start-up line went out: later finds get a line of their own
+_lines: Dict[str, int] = {}  # backend -> first-use WARNING lines written since it was instrumented
+
+MAX_NAME = 64  # characters of a call name shown in a line or a counter's attribute
+MAX_LINES = 32  # first-use WARNING lines per backend; past it one line says the rest are only counted
+MAX_LISTED = 16  # names listed in the line naming calls found after the start-up line
+
+
+def shown(name: str) -> str:
+    """A call name for a line or an attribute: non-printable characters escaped (one line, no terminal control),
+    at most MAX_NAME characters of it and its length when cut."""
+    text = name if type(name) is str else str(name)
+    cut = text[:MAX_NAME]
+    if not cut.isprintable():
+        cut = ascii(cut)[1:-1]  # \\n, \\x1b, \\u2028...: escapes, never the characters
+    if len(text) <= MAX_NAME and len(cut) <= MAX_NAME:
+        return cut
+    return f"{cut[:MAX_NAME]}... ({len(text)} characters)"
 
 
 def public_calls(cls: type) -> List[str]:
@@ -61,7 +83,7 @@ def wrap_unknown(patcher: Patcher, cls: type, backend: str, timed: Iterable[str]
             if patcher.wrap(owner, name, _counting(backend, name)):
                 wrapped.append(name)
         except Exception:  # a class that refuses the attribute: say so, never stop the patch
-            own_error(f"wrap {cls.__name__}.{name} to count it")
+            own_error(f"wrap {shown(cls.__name__)}.{shown(name)} to count it")
     if wrapped:
         _remember(backend, wrapped)
     return wrapped
@@ -74,34 +96,45 @@ def _remember(backend: str, names: List[str]) -> None:
         known.extend(new)
         late = _announced["done"] and new
     if late:
+        listed = ", ".join(shown(name) for name in new[:MAX_LISTED])
+        more = f" and {len(new) - MAX_LISTED} more" if len(new) > MAX_LISTED else ""
         _logger.warning("otel_kvtransfer: %s calls this package does not time, counted in "
-                        "kv_transfer.instrumentation.untimed_calls: %s", backend, ", ".join(new))
+                        "kv_transfer.instrumentation.untimed_calls: %s%s", shown(backend), listed, more)
 
 
 def _counting(backend: str, name: str) -> WraptWrapper:
+    label = shown(name)  # what the counter and the line show of it, made once
+
     def untimed(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:
-            _used(backend, name)
+            _used(backend, name, label)
         except Exception:
-            own_error(f"count the untimed call {name}")
+            own_error(f"count the untimed call {label}")
         return wrapped(*args, **kwargs)
 
     return untimed
 
 
-def _used(backend: str, name: str) -> None:
+def _used(backend: str, name: str, label: str) -> None:
     add = _count["add"]
     if add is not None:
-        add(backend, name)
+        add(backend, label)
     key = (backend, name)
     if key not in _warned:
         with _lock:
             first = key not in _warned
             _warned.add(key)
-        if first:
+            line = _lines.get(backend, 0) if first else MAX_LINES + 1
+            if first and line <= MAX_LINES:
+                _lines[backend] = line + 1
+        if line < MAX_LINES:
             _logger.warning("otel_kvtransfer: %s %s() is a call this package does not time: whatever bytes it "
                             "moves are in no span or metric; counted in kv_transfer.instrumentation.untimed_calls "
-                            "(logged once per call per process)", backend, name)
+                            "(logged once per call per process)", backend, label)
+        elif line == MAX_LINES:
+            _logger.warning("otel_kvtransfer: %s more calls this package does not time are in use (%s() first); "
+                            "no more lines name them: they are counted in kv_transfer.instrumentation.untimed_calls",
+                            backend, label)
 
 
 def count_with(add: Optional[Callable[[str, str], None]]) -> None:
@@ -126,12 +159,14 @@ def forget(backend: str) -> None:
     with _lock:
         _found.pop(backend, None)
         _warned.difference_update({key for key in _warned if key[0] == backend})
+        _lines.pop(backend, None)
 
 
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()
     _warned.clear()  # one WARNING per call name per process: the child is a process of its own
+    _lines.clear()
     _announced["done"] = False  # and prints a start-up line of its own
 
 

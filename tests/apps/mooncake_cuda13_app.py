@@ -292,6 +292,20 @@ def _run(engine_class, receiver, tracer):
         entry["marker"] = format(marker.get_span_context().span_id, "016x")
         entry["answer"] = type(engine.submit_scatter_write(session, *ticket_args)).__name__
     calls.append(entry)
+
+
+    def refilled_before_drain(method):
+        """The caller refills its length lists for its next call before it drains this one's ticket."""
+        def submit(*arguments):
+            ticket = method(*arguments)
+            for lengths in arguments[-1]:
+                lengths[:] = [1] * len(lengths)
+            return ticket
+        return submit
+
+    by_base, lb_, rb_ = scatter_writes([[4096], [4096]])
+    scatter_call("submit_scatter_write refilled before drain", "write", by_base, lb_, rb_,
+                 refilled_before_drain(engine.submit_scatter_write), polls=drain)
     by_base, lb_, rb_ = scatter_writes([[4096, 12345], [777]])
     scatter_call("scatter_transfer_sync_write_with_ticket", "write", by_base, lb_, rb_,
                  lambda *a: str(engine.scatter_transfer_sync_write_with_ticket(*a).status))

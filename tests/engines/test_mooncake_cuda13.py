@@ -285,7 +285,7 @@ def _check_every_kind(result: dict, spans: list) -> None:
                  "batch_transfer_sync_write_arrays", "batch_transfer_async_read_arrays",
                  "batch_transfer_sync_read_pages", "submit_scatter_read drain",
                  "scatter_transfer_sync_read_with_ticket", "submit_scatter_write drain(0) polls",
-                 "transfer_read_on_cuda"):
+                 "submit_scatter_write refilled before drain", "transfer_read_on_cuda"):
         assert kind in kinds
     for call in result["calls"]:
         kind = call["kind"]

@@ -155,6 +155,24 @@ def test_batch_async_span_ends_at_get_batch_transfer_status(hot_path, telemetry,
                for s in spans)
 
 
+def test_a_blocking_batch_wait_ends_the_send_when_it_returns_not_when_it_is_called(hot_path, telemetry, engine,
+                                                                                   receiver):
+    """64 MiB over loopback TCP takes tens of ms: a wait made at once blocks until the batch is done, and the send
+    ends when the wait saw it end, in the later half of the wait, not when the wait began."""
+    from otel_kvtransfer.recording import clock
+
+    batch = engine.engine.batch_transfer_async_write(receiver.session, [engine.base], [receiver.base_address],
+                                                     [64 << 20])
+    assert batch > 0
+    called = clock.now_ns()
+    assert engine.engine.get_batch_transfer_status([batch]) == 0
+    returned = clock.now_ns()
+    (span,) = telemetry.spans(semconv.SPAN_SEND)
+    assert span.attributes[semconv.BYTES] == 64 << 20
+    assert span.start_time < called
+    assert called + (returned - called) // 2 < span.end_time <= returned
+
+
 def test_an_async_submission_belongs_to_the_scope_or_span_current_at_its_submission(hot_path, telemetry, engine,
                                                                                      receiver):
     """Where it ends (the poll) is not where it began: a submission made in a transfer scope is that request's
