@@ -122,8 +122,9 @@ hand_over(Kept *kept, PyObject *recorder, PyObject *rec)
     return 0;
 }
 
-/* dict.pop(key, None) in one lookup (a tuple key hashes anew on every lookup): a new reference, Py_None when the
-   key is absent, NULL with an error set. */
+/* dict.pop(key, None): a new reference, Py_None when the key is absent, NULL with an error set. Public API only:
+   one lookup where the interpreter has PyDict_Pop (3.13), a lookup and a deletion before (the wait's keys are
+   tuples of exact ints, which hash and compare without running Python code). */
 static PyObject *
 pop_item(PyObject *dict, PyObject *key)
 {
@@ -133,7 +134,15 @@ pop_item(PyObject *dict, PyObject *key)
         return NULL;
     return found == NULL ? Py_NewRef(Py_None) : found;
 #else
-    return _PyDict_Pop(dict, key, Py_None);
+    PyObject *found = PyDict_GetItemWithError(dict, key);  /* borrowed: owned before the deletion */
+    if (found == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_INCREF(found);
+    if (PyDict_DelItem(dict, key) < 0) {
+        Py_DECREF(found);
+        return NULL;
+    }
+    return found;
 #endif
 }
 
@@ -907,12 +916,12 @@ static PyTypeObject BatchWaitType = {
     .tp_getset = Submission_getset,
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_async_compiled",
-    "The async send's common submission and batch wait, compiled (otel_kvtransfer.recording.compiled).", -1, NULL};
-
-PyMODINIT_FUNC
-PyInit__async_compiled(void)
+/* The module's one-time set-up (multi-phase initialisation). The types are static and the interned names global:
+   the wrappers stand on one engine class of one interpreter, so the module says it runs in the main interpreter
+   only, and with the GIL: a wrapper's kept state (the last engine's id, the queue's append, the settings' bound)
+   is read and replaced without a lock of its own. */
+static int
+module_exec(PyObject *m)
 {
     struct { PyObject **slot; const char *text; } names[] = {
         {&str_active, "active"}, {&str_queue, "queue"}, {&str_capacity, "capacity"}, {&str_idle, "idle"},
@@ -920,19 +929,35 @@ PyInit__async_compiled(void)
         {&str_max_pending, "max_pending_async"}, {&str_transfer_failed, "transfer_failed"}, {&str_drop, "drop"},
         {&str_pending_full, "async_pending_full"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
-            return NULL;
-    if ((zero = PyLong_FromLong(0)) == NULL)
-        return NULL;
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return -1;
+    if (zero == NULL && (zero = PyLong_FromLong(0)) == NULL)
+        return -1;
     if (PyType_Ready(&SubmissionType) < 0 || PyType_Ready(&BatchWaitType) < 0)
-        return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL)
-        return NULL;
+        return -1;
     if (PyModule_AddObjectRef(m, "Submission", (PyObject *)&SubmissionType) < 0 ||
-        PyModule_AddObjectRef(m, "BatchWait", (PyObject *)&BatchWaitType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+        PyModule_AddObjectRef(m, "BatchWait", (PyObject *)&BatchWaitType) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL}};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_async_compiled",
+    "The async send's common submission and batch wait, compiled (otel_kvtransfer.recording.compiled).", 0, NULL,
+    module_slots};
+
+PyMODINIT_FUNC
+PyInit__async_compiled(void)
+{
+    return PyModuleDef_Init(&module);
 }
