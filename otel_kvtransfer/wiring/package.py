@@ -3,11 +3,12 @@
 `_instruments` (every entry required) is empty: no single distribution is required. `_instruments_any` lists the
 distributions any one of which makes this instrumentation useful: every published build of every engine and
 framework in the registry, as each backend's spec declares them (`SPEC.distributions`, also its `DISTRIBUTIONS`:
-Mooncake ships nine builds, NIXL three, vLLM two), at the backend's minimum version (`SPEC.supported`). That is
-the one list: pyproject.toml's `instruments-any` extra must say the same (tests/project/test_packaging.py checks it),
-because `opentelemetry-instrument` (opentelemetry-instrumentation >= 0.57b0) reads that extra from the installed
-metadata and loads the instrumentor only where one of them is installed. `KVTransferInstrumentor().instrument()`
-called by hand checks `_instruments` only, and instruments whatever engine and framework modules are importable.
+Mooncake ships ten builds, TokenSpeed's fork among them, NIXL three, vLLM two), at the backend's minimum version
+(`SPEC.supported`). That is the one list: pyproject.toml's `instruments-any` extra must say the same
+(tests/project/test_packaging.py checks it), because `opentelemetry-instrument` (opentelemetry-instrumentation >=
+0.57b0) reads that extra from the installed metadata and loads the instrumentor only where one of them is
+installed. `KVTransferInstrumentor().instrument()` called by hand checks `_instruments` only, and instruments
+whatever engine and framework modules are importable.
 
 Minimum versions only: which framework releases are instrumented is the framework gate's decision
 (otel_kvtransfer.wiring.activation: the declared range, and past it the check of every patch target as its module

@@ -7,11 +7,13 @@ declared dependencies is cached under ~/.cache/otel-kvtransfer/packaging-venv, k
 wheel itself is reinstalled on every run.
 """
 
+import concurrent.futures
 import email
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,10 +68,10 @@ def _setuptools_supports_pep639() -> bool:
     return bool(major) and int(major.group()) >= 77
 
 
-def _build_wheel(tmp_path_factory, env=None):
+def _build_wheel(tmp_path_factory, env=None, copy=_copy_build_inputs):
     src = str(tmp_path_factory.mktemp("src"))
     out = str(tmp_path_factory.mktemp("wheel"))
-    _copy_build_inputs(src)
+    copy(src)
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", out, src]
     if _setuptools_supports_pep639():
         argv.insert(4, "--no-build-isolation")  # offline and fast; otherwise pip fetches setuptools >= 77
@@ -345,3 +347,160 @@ def test_faults_doc_poisoned_span_row_matches_the_test():
     (row,) = [r for r in _fault_rows() if "test_one_poisoned_span_loses_only_itself" in r]
     words = {9: "nine", 10: "ten"}
     assert words.get(count, str(count)) in row and "nine" not in row.replace(words.get(count, ""), "")
+
+
+# --- the install line of README.md and docs/deploy.md, and the wheel with every extra, from a clean clone --------
+
+INSTALL_DOCS = ("README.md", "docs/deploy.md")
+# Every extra pyproject.toml declares, by how the test below takes it (a new extra must be placed in one):
+INSTALLED_EXTRAS = ("otlp", "auto", "timeline", "test")  # installed for real, with every dependency (small)
+RESOLVED_EXTRAS = ("mooncake", "mooncake-cpu", "demo")  # an engine wheel each: resolved with their dependencies only
+# sglang: torch and ~200 more packages (gigabytes; minutes to resolve); instruments-any: every engine and framework
+# build, never installed together (vLLM and SGLang pin different torch; the MUSA engine has wheels for Python 3.10
+# alone): each requirement's name resolved alone (--no-deps), for any Python the package declares.
+NAMES_ONLY_EXTRAS = ("sglang", "instruments-any")
+
+# What a virtualenv holds: every distribution's version, this package's requirements, where it imports from, its
+# entry points.
+_INSTALLED = (
+    "import importlib.metadata as m, importlib.util, json\n"
+    "print(json.dumps({'versions': {d.metadata['Name']: d.version for d in m.distributions()},\n"
+    "                  'requires': m.distribution('otel_kvtransfer').requires or [],\n"
+    "                  'origin': importlib.util.find_spec('otel_kvtransfer').origin,\n"
+    "                  'entry_points': sorted({e.group + ':' + e.name\n"
+    "                                          for d in m.distributions() for e in d.entry_points})}))")
+
+
+def _install_line(doc):
+    """The first `pip install` line of `doc` (the command, without its comment)."""
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as handle:
+        found = re.search(r"^(pip install \S+)", handle.read(), re.M)
+    assert found, f"{doc} has no install line"
+    return found.group(1)
+
+
+def _copy_clone(dest):
+    """What a clone of this tree holds, as it is now: the files git tracks and the new ones it does not ignore (no
+    build output, virtualenv, egg-info or compiled module)."""
+    require_part(shutil.which("git") is not None, "git (the clean clone is the files git lists)")
+    listed = _run(["git", "-C", ROOT, "ls-files", "-z", "--cached", "--others", "--exclude-standard"]).stdout
+    for rel in filter(None, listed.split("\0")):
+        src = os.path.join(ROOT, rel)
+        if os.path.isfile(src) and not os.path.islink(src):  # a tracked file deleted in the tree is not in it
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+
+
+def _extra_requirements(requires, extra):
+    from packaging.requirements import Requirement
+
+    found = []
+    for text in requires:
+        requirement = Requirement(text)
+        if requirement.marker is not None and requirement.marker.evaluate({"extra": extra}) \
+                and not requirement.marker.evaluate({"extra": ""}):
+            found.append(requirement)
+    return found
+
+
+def _unsatisfied(info, extras):
+    """This package's dependencies and the requirements of `extras` that the venv lacks or holds at a version outside
+    their range."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    versions = {canonicalize_name(name): version for name, version in info["versions"].items()}
+    wanted = [Requirement(t) for t in info["requires"] if Requirement(t).marker is None]
+    wanted += [r for extra in extras for r in _extra_requirements(info["requires"], extra)]
+    missing = []
+    for requirement in wanted:
+        have = versions.get(canonicalize_name(requirement.name))
+        if have is None or not requirement.specifier.contains(have, prereleases=True):
+            missing.append((str(requirement), have))
+    return missing
+
+
+def test_the_install_line_works_as_written_in_a_clean_clone(tmp_path_factory):
+    """The install line of README.md and docs/deploy.md (`pip install '.[auto,otlp]'`, the same in both), run as
+    written in a clean copy of the clone, in a new virtualenv with the pip it comes with: every dependency from the
+    package registry; the package installed (not linked to the clone), both extras' requirements satisfied,
+    `opentelemetry-instrument`, the distro's configurator and the OTLP exporters there, `pip check` clean. The
+    published name is the future form: both files say so beside it."""
+    lines = {doc: _install_line(doc) for doc in INSTALL_DOCS}
+    assert len(set(lines.values())) == 1, lines
+    line = lines[INSTALL_DOCS[0]]
+    assert line.startswith("pip install '.["), line  # until it is on the registry, from the clone
+    for doc in INSTALL_DOCS:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as handle:
+            text = handle.read()
+        assert re.search(r"PyPI.*pip install 'otel_kvtransfer\[auto,otlp\]'", text), doc
+    clone = str(tmp_path_factory.mktemp("clone"))
+    _copy_clone(clone)
+    venv = os.path.join(str(tmp_path_factory.mktemp("newcomer")), "venv")
+    _run([sys.executable, "-m", "venv", venv])
+    argv = shlex.split(line)
+    _run([os.path.join(venv, "bin", argv[0]), *argv[1:]], timeout=900, cwd=clone)
+
+    python = os.path.join(venv, "bin", "python")
+    info = _in_venv(python, _INSTALLED)
+    assert os.path.realpath(info["origin"]).startswith(os.path.realpath(venv) + os.sep), info["origin"]
+    extras = re.search(r"\[([^\]]+)\]", line).group(1).split(",")
+    assert sorted(extras) == ["auto", "otlp"]
+    assert _unsatisfied(info, extras) == []
+    assert {"opentelemetry_instrumentor:kv_transfer", "opentelemetry_configurator:configurator",
+            "opentelemetry_traces_exporter:otlp", "opentelemetry_metrics_exporter:otlp"} <= set(info["entry_points"])
+    assert os.path.isfile(os.path.join(venv, "bin", "opentelemetry-instrument"))
+    _run([python, "-m", "pip", "check"])
+
+
+def test_the_wheel_installs_with_every_extra_into_a_clean_virtualenv(tmp_path_factory):
+    """The wheel built from a clean copy of the clone, into a new virtualenv (bounded time, network from the package
+    registry only): INSTALLED_EXTRAS installed for real with every dependency, each requirement then satisfied;
+    RESOLVED_EXTRAS resolved with their dependencies (`pip install --dry-run --report`: each requirement resolved
+    to a release in its range, nothing downloaded but metadata); NAMES_ONLY_EXTRAS with --no-deps, each requirement's
+    name resolved alone to a release in its range for one of the Pythons the package declares (sglang pulls
+    gigabytes; instruments-any is every engine and framework, never installed together)."""
+    from packaging.utils import canonicalize_name
+    from support import version_canary
+
+    declared = set(_pyproject()["project"]["optional-dependencies"])
+    assert declared == set(INSTALLED_EXTRAS + RESOLVED_EXTRAS + NAMES_ONLY_EXTRAS)
+    wheel = _build_wheel(tmp_path_factory, copy=_copy_clone)
+    venv = os.path.join(str(tmp_path_factory.mktemp("extras")), "venv")
+    python = os.path.join(venv, "bin", "python")
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--quiet"]
+    _run([*pip, f"{wheel}[{','.join(INSTALLED_EXTRAS)}]"], timeout=900)
+    info = _in_venv(python, _INSTALLED)
+    assert _unsatisfied(info, INSTALLED_EXTRAS) == []
+
+    report = str(tmp_path_factory.mktemp("report") / "report.json")
+    _run([*pip, "--dry-run", "--ignore-installed", "--report", report, f"{wheel}[{','.join(RESOLVED_EXTRAS)}]"],
+         timeout=900)
+    with open(report, encoding="utf-8") as handle:
+        resolved = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+                    for item in json.load(handle)["install"]}
+    for extra in RESOLVED_EXTRAS:
+        requirements = _extra_requirements(info["requires"], extra)
+        assert requirements, extra
+        for requirement in requirements:
+            version = resolved.get(canonicalize_name(requirement.name))
+            assert version and requirement.specifier.contains(version, prereleases=True), (extra, str(requirement))
+
+    def resolves(requirement):
+        """(Python, release) of the first declared Python, this one first, with a wheel in the range."""
+        for python_version in version_canary._fetch_order([]):
+            releases = version_canary.releases(requirement.name, python_version)
+            inside = [v for v in releases if requirement.specifier.contains(v, prereleases=True)]
+            if inside:
+                return python_version, inside[0]
+        return None
+
+    names_only = [r for extra in NAMES_ONLY_EXTRAS for r in _extra_requirements(info["requires"], extra)]
+    assert len(names_only) > len(NAMES_ONLY_EXTRAS)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            found = dict(zip(map(str, names_only), pool.map(resolves, names_only)))
+    except version_canary.RegistryUnreachable as error:
+        require_part(False, f"the package registry ({error})")
+    assert [r for r, where in found.items() if where is None] == [], found

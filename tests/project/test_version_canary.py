@@ -1,15 +1,18 @@
 """The release canary (tests/support/version_canary.py, run by scripts/canary.sh in CI): its declared targets match what
-the patch functions wrap, it passes on the newest releases, a release that breaks a wrapper fails it, and a
-registry that cannot be reached is one line that fails only under CI=true.
+the patch functions wrap, it passes on the newest releases (the newest for any Python the package declares), a
+release that breaks a wrapper fails it, and a registry that cannot be reached is one line that fails only under
+CI=true.
 """
 
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 from support import version_canary
 from support.parts import mooncake_importable, require_part
 from support.paths import ROOT
@@ -155,3 +158,52 @@ def test_bad_arguments_are_one_line_and_exit_2():
 def test_ci_runs_the_canary():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as handle:
         assert "scripts/canary.sh" in handle.read()
+
+
+def test_the_pythons_asked_are_every_one_the_package_declares():
+    """From pyproject.toml's requires-python minimum to the newest release line, the running one among them."""
+    from packaging.specifiers import SpecifierSet
+
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as handle:
+        declared = SpecifierSet(re.search(r'^requires-python\s*=\s*"([^"]+)"', handle.read(), re.M).group(1))
+    pythons = version_canary.declared_pythons()
+    minors = [int(p.split(".")[1]) for p in pythons]
+    assert minors == list(range(minors[0], minors[-1] + 1)) and all(p in declared for p in pythons)
+    assert f"3.{minors[0] - 1}" not in declared
+    assert "%d.%d" % sys.version_info[:2] in pythons and minors[-1] >= version_canary.NEWEST_PYTHON[1]
+
+
+def test_the_newest_release_is_the_newest_for_any_python_and_its_line_says_which():
+    assert version_canary.newest({"3.10": ["0.3.13.post1", "0.3.13", "0.0.0.1"], "3.11": ["0.0.0.1"],
+                                  "3.12": []}) == ("0.3.13.post1", ["3.10"])
+    assert version_canary.newest({"3.10": ["1.0"], "3.11": ["1.1", "1.0"], "3.12": ["1.1"]}) == ("1.1",
+                                                                                                 ["3.11", "3.12"])
+    assert version_canary.newest({"3.10": [], "3.11": []}) == (None, [])
+    assert version_canary.pythons_text(["3.10", "3.11", "3.12", "3.14"]) == "3.10-3.12, 3.14"
+    assert version_canary.pythons_text(["3.10"]) == "3.10"
+    # a wheel is fetched for a Python that has one; a release asked for by name, for each declared one in turn
+    running = "%d.%d" % sys.version_info[:2]
+    assert version_canary._fetch_order(["3.10"]) == ["3.10"]
+    assert version_canary._fetch_order([]) == [running] + [p for p in version_canary.declared_pythons() if p != running]
+
+
+def test_a_build_published_for_one_python_is_found_from_any():
+    """On the real registry: mooncake-transfer-engine-musa 0.3.13.post1 (a real engine) has wheels for Python 3.10
+    alone, and 3.11 sees only the 0.0.0.1 placeholder; the canary, run from this Python, checks the engine and says
+    for which Python its wheels are. A Python a build has no wheel for is an empty list, not an unreachable
+    registry."""
+    musa = "mooncake-transfer-engine-musa"
+    try:
+        for_310, for_311 = (version_canary.releases(musa, python) for python in ("3.10", "3.11"))
+        assert version_canary.releases("tokenspeed-mooncake", "3.9") == []  # it requires Python >= 3.10
+    except version_canary.RegistryUnreachable as error:
+        require_part(False, f"the package registry ({error})")
+    assert "0.3.13.post1" in for_310 and "0.3.13.post1" not in for_311 and "0.0.0.1" in for_311
+    done = subprocess.run([sys.executable, CANARY, "--only", musa], capture_output=True, text=True, timeout=900,
+                          check=False)
+    (line,) = done.stdout.strip().splitlines()
+    if "cannot be reached" in line:
+        require_part(False, "the package registry: " + line)
+    found = re.match(rf"canary: {musa} (\S+) \(wheels for Python ([^)]+)\): every patch target present", line)
+    assert found and done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert Version(found.group(1)) >= Version("0.3.13.post1") and "3.10" in found.group(2), line

@@ -2,31 +2,37 @@
 against what the wrappers patch and read, statically: the next release that breaks a wrapper fails the day it is
 published, long before anyone runs it.
 
-For each library: `pip index versions` names the newest release; `pip download --no-deps --only-binary=:all:`
-fetches its wheel (never installed, never imported by the canary; no CUDA stack comes along); its Python files are
-unpacked into a cache outside the clone, keyed by version, and the wheel is deleted; the targets are checked on the
-source with `otel_kvtransfer.wiring.targets.missing_in_source` (ast). vLLM's targets are the ones its gate checks at
-run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and the engines' are declared below and kept in step
-with their patch functions by tests/project/test_version_canary.py. Mooncake's engine is a compiled extension: its
-method names are looked up in the binary's string table (pybind11 keeps them there).
+For each library: `pip index versions --only-binary=:all: --python-version X.Y`, asked for every Python this package
+declares (pyproject.toml's requires-python, up to NEWEST_PYTHON), names the newest release with a wheel for any of
+them (a build may be published for one Python only: mooncake-transfer-engine-musa 0.3.13.post1 is for 3.10 alone,
+while 3.11 and later see only its 0.0.0.1); `pip download --no-deps --only-binary=:all: --python-version X.Y`
+fetches that release's wheel for one of those Pythons (never installed, never imported by the canary; no CUDA
+stack comes along); its Python files are unpacked into a cache outside the clone, keyed by version, and the wheel
+is deleted; the targets are checked on the source with `otel_kvtransfer.wiring.targets.missing_in_source` (ast).
+vLLM's targets are the ones its gate checks at run time (otel_kvtransfer/frameworks/vllm/targets.py); sglang's and
+the engines' are declared below and kept in step with their patch functions by tests/project/test_version_canary.py.
+Mooncake's engine is a compiled extension: its method names are looked up in the binary's string table (pybind11
+keeps them there).
 
 Every published build of each engine is read, its newest release each (the build names are the engine modules'
-DISTRIBUTIONS): Mooncake's nine (CUDA 12, CPU, CUDA 13, three EFA, ROCm, NPU, MUSA), each wheel's own compiled
-engine; NIXL's three (`nixl` chooses a build at import time: its code is the `nixl-cu12` release of the same number;
-`nixl-cu12` and `nixl-cu13` are read as they are). A build whose newest release lies below the engine's supported
-range is said so in its line and is no failure: `instruments-any` asks for the range's minimum, so such a release
-never switches the instrumentation on (mooncake-transfer-engine-musa's only release, 0.0.0.1, is a placeholder that
-installs no `mooncake` package at all: its line says it holds no engine).
+DISTRIBUTIONS): Mooncake's ten (CUDA 12, CPU, CUDA 13, three EFA, ROCm, NPU, MUSA, TokenSpeed's fork), each wheel's
+own compiled engine; NIXL's three (`nixl` chooses a build at import time: its code is the `nixl-cu12` release of
+the same number; `nixl-cu12` and `nixl-cu13` are read as they are). A build whose newest release lies below the
+engine's supported range is said so in its line and is no failure: `instruments-any` asks for the range's minimum,
+so such a release never switches the instrumentation on (a placeholder release that installs no `mooncake` package
+at all, as mooncake-transfer-engine-musa 0.0.0.1 is, says in its line that it holds no engine).
 
     python tests/support/version_canary.py [--only NAME ...] [--version NAME==X.Y.Z ...]
 
-One line per library; exit 1 when a required target is missing. A registry that cannot be reached is said in
-one line and fails only under CI=true. Cache: $KVT_CANARY_CACHE, default
+One line per library, naming the Pythons its release has wheels for; exit 1 when a required target is missing, or
+when a build has no wheel for any declared Python. A registry that cannot be reached is said in one line and fails
+only under CI=true. Cache: $KVT_CANARY_CACHE, default
 ${XDG_CACHE_HOME:-~/.cache}/otel-kvtransfer/canary/<distribution>/<version>/.
 """
 
 import argparse
 import ast
+import concurrent.futures
 import os
 import re
 import shutil
@@ -34,13 +40,14 @@ import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))  # the checkout: its package is the one checked
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from otel_kvtransfer.engines import mooncake as mooncake_engine
@@ -48,6 +55,7 @@ from otel_kvtransfer.engines import nixl as nixl_engine
 from otel_kvtransfer.wiring.targets import Target, missing_in_source
 
 PIP_TIMEOUT_S = 60  # per pip command (the biggest wheel, vLLM's, is ~340 MB)
+NEWEST_PYTHON = (3, 15)  # the newest CPython release line: raise it when the next one is out
 _VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]{0,40}$")
 _MAX_SOURCE = 8 << 20  # bytes of one source file read for the check
 
@@ -185,39 +193,130 @@ def cache_root() -> str:
     return os.path.join(base, "otel-kvtransfer", "canary")
 
 
-def _pip(*args: str) -> subprocess.CompletedProcess:
+def _pip(*args: str, timeout_s: float = PIP_TIMEOUT_S * 10) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--timeout", "20",
                "--retries", "1"]
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S * 10, check=False)
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as error:
-        raise RegistryUnreachable(f"pip {args[0]} took longer than {PIP_TIMEOUT_S * 10} s") from error
+        raise RegistryUnreachable(f"pip {args[0]} took longer than {timeout_s:.0f} s") from error
 
 
-def releases(distribution: str) -> List[str]:
-    """The releases on the registry, newest first (`pip index versions`, the ordinary client)."""
-    done = _pip("index", "versions", distribution)
+def declared_pythons() -> List[str]:
+    """Every Python release line this package declares it runs on (pyproject.toml's requires-python), from its
+    minimum up to NEWEST_PYTHON, or the running one where that is newer."""
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as handle:
+        found = re.search(r'^requires-python\s*=\s*"([^"]+)"', handle.read(), re.MULTILINE)
+    if not found:
+        raise ValueError("pyproject.toml declares no requires-python")
+    declared = SpecifierSet(found.group(1))
+    newest = max(NEWEST_PYTHON, tuple(sys.version_info[:2]))
+    return [f"3.{minor}" for minor in range(newest[1] + 1) if f"3.{minor}" in declared]
+
+
+# What pip prints when it reached the registry and found nothing for that Python, and what it prints when it did not
+# reach it (a connection that failed is retried, a page that could not be read is said).
+_NO_WHEEL = "No matching distribution found"
+_NOT_REACHED = ("Retrying", "Could not fetch URL", "NewConnectionError", "timed out")
+
+
+def releases(distribution: str, python: str) -> List[str]:
+    """The releases on the registry with a wheel for Python `python` (X.Y) on this platform, newest first (`pip index
+    versions`, the ordinary client); empty when there is none for that Python."""
+    done = _pip("index", "versions", distribution, "--only-binary=:all:", "--python-version", python,
+                timeout_s=PIP_TIMEOUT_S)
     found = re.search(r"^Available versions: (.+)$", done.stdout, re.MULTILINE)
-    if done.returncode != 0 or not found:
-        last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
-        raise RegistryUnreachable(f"no release list for {distribution}: {last}")
-    return [v.strip() for v in found.group(1).split(",") if _VERSION.match(v.strip())][:1000]
+    if done.returncode == 0 and found:
+        return [v.strip() for v in found.group(1).split(",") if _VERSION.match(v.strip())][:1000]
+    if _NO_WHEEL in done.stderr and not any(sign in done.stderr for sign in _NOT_REACHED):
+        return []
+    last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+    raise RegistryUnreachable(f"no release list for {distribution} (Python {python}): {last}")
 
 
-def resolve(library: "Library", version: Optional[str]) -> Tuple[str, str, str]:
-    """(release, release of the wheel that holds the code, a note when they differ)."""
-    version = version or releases(library.name)[0]
+def releases_by_python(distribution: str) -> Dict[str, List[str]]:
+    """Each declared Python's releases of `distribution`: one look-up per Python, asked side by side, each bounded by
+    pip's own network timeout and PIP_TIMEOUT_S."""
+    pythons = declared_pythons()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(pythons)) as pool:
+        return dict(zip(pythons, pool.map(lambda python: releases(distribution, python), pythons)))
+
+
+def _order(version: str) -> Version:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return Version("0")
+
+
+def newest(by_python: Dict[str, List[str]]) -> Tuple[Optional[str], List[str]]:
+    """(the newest release with a wheel for any of the Pythons, the Pythons it has a wheel for)."""
+    known = {version for versions in by_python.values() for version in versions}
+    if not known:
+        return None, []
+    best = max(known, key=_order)
+    return best, [python for python, versions in by_python.items() if best in versions]
+
+
+def pythons_text(pythons: List[str]) -> str:
+    """"3.10-3.15", "3.10", "3.10-3.12, 3.14": runs of consecutive release lines joined."""
+    minors = sorted(int(python.split(".")[1]) for python in pythons)
+    runs: List[List[int]] = []
+    for minor in minors:
+        if runs and minor == runs[-1][-1] + 1:
+            runs[-1].append(minor)
+        else:
+            runs.append([minor])
+    return ", ".join(f"3.{run[0]}" + (f"-3.{run[-1]}" if len(run) > 1 else "") for run in runs)
+
+
+@dataclass
+class Resolved:
+    version: str  # the release checked for (the newest, or the one asked for)
+    code_version: str  # the release of the wheel that holds the code
+    note: str = ""  # said when the two differ
+    wheels_for: List[str] = field(default_factory=list)  # the Pythons `version` has wheels for (empty: not asked)
+    fetch_for: List[str] = field(default_factory=list)  # the Pythons to fetch the code's wheel for, in turn
+
+
+class NoWheel(Exception):
+    pass
+
+
+def resolve(library: "Library", version: Optional[str]) -> Resolved:
+    """The release to check: `version`, or the newest with a wheel for any declared Python."""
+    if version is None:
+        version, wheels_for = newest(releases_by_python(library.name))
+        if version is None:
+            raise NoWheel(f"no wheel on the registry for Python {pythons_text(declared_pythons())} on this platform")
+    else:
+        wheels_for = []  # asked for by name: fetched for whichever declared Python has it, nothing looked up
     if library.code == library.name:
-        return version, version, ""
-    published = releases(library.code)
-    if version in published:
-        return version, version, ""
-    return version, published[0], (f"; {library.name} {version} needs {library.code} {version}, which the registry "
-                                   f"does not have: checked {library.code} {published[0]}")
+        return Resolved(version, version, "", wheels_for, wheels_for)
+    published = releases_by_python(library.code)
+    fetch_for = [python for python, versions in published.items() if version in versions]
+    if fetch_for:
+        return Resolved(version, version, "", wheels_for, fetch_for)
+    code_version, fetch_for = newest(published)
+    if code_version is None:
+        raise NoWheel(f"{library.code}, which holds its code, has no wheel for Python "
+                      f"{pythons_text(declared_pythons())} on this platform")
+    return Resolved(version, code_version, (f"; {library.name} {version} needs {library.code} {version}, which the "
+                                            f"registry does not have: checked {library.code} {code_version}"),
+                    wheels_for, fetch_for)
 
 
-def source_dir(library: Library, version: str) -> str:
-    """The release's unpacked code (downloaded once per version; the wheel itself is not kept)."""
+def _fetch_order(pythons: Sequence[str]) -> List[str]:
+    """The Pythons to try for a wheel: those given (the running one first where it is among them), else every
+    declared one, the running one first."""
+    running = "%d.%d" % sys.version_info[:2]
+    candidates = list(pythons) or declared_pythons()
+    return sorted(candidates, key=lambda python: python != running)
+
+
+def source_dir(library: Library, version: str, pythons: Sequence[str] = ()) -> str:
+    """The release's unpacked code (downloaded once per version, for the first of `pythons` that has a wheel of it;
+    the wheel itself is not kept)."""
     if not _VERSION.match(version):
         raise ValueError(f"not a version: {version[:60]!r}")
     home = os.path.join(cache_root(), library.code, version)
@@ -227,8 +326,13 @@ def source_dir(library: Library, version: str) -> str:
     shutil.rmtree(home, ignore_errors=True)
     os.makedirs(src)
     wheels = os.path.join(home, "wheels")
-    done = _pip("download", "--no-deps", "--only-binary=:all:", "--no-cache-dir", "-d", wheels,
-                f"{library.code}=={version}")
+    for python in _fetch_order(pythons):
+        done = _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", python, "--no-cache-dir",
+                    "-d", wheels, f"{library.code}=={version}")
+        if done.returncode == 0:
+            break
+        if _NO_WHEEL not in done.stderr or any(sign in done.stderr for sign in _NOT_REACHED):
+            break  # not a missing wheel for this Python: no other Python will fare better
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
         raise RegistryUnreachable(f"could not download {library.code}=={version}: {last}")
@@ -284,9 +388,9 @@ def _binary_names(src: str, pattern: str, names: Tuple[str, ...]) -> List[str]:
     return [n for n in names if not any(n.encode() + b"\0" in blob for blob in blobs)]
 
 
-def check(library: Library, version: str) -> Tuple[List[str], List[str]]:
-    """(required pieces missing, optional pieces missing) of `library` at `version`."""
-    src = source_dir(library, version)
+def check(library: Library, version: str, pythons: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
+    """(required pieces missing, optional pieces missing) of `library` at `version` (its wheel for one of `pythons`)."""
+    src = source_dir(library, version, pythons)
     if library.binary:
         _, required, optional = library.binary
         return _binary_names(src, library.binary[0], required), _binary_names(src, library.binary[0], optional)
@@ -314,18 +418,25 @@ def main(argv=None) -> int:
     for name in options.only or list(LIBRARIES):
         library = LIBRARIES[name]
         try:
-            version, code_version, note = resolve(library, pinned.get(name))
-            absent, newer_absent = check(library, code_version)
+            resolved = resolve(library, pinned.get(name))
+            absent, newer_absent = check(library, resolved.code_version, resolved.fetch_for)
         except RegistryUnreachable as error:
             unreachable = True
             print(f"canary: {name}: the package registry cannot be reached ({error})"
                   + ("" if in_ci else "; not a failure outside CI"))
             continue
+        except NoWheel as error:
+            failed = True
+            print(f"canary: {name}: FAILED, {error}")
+            continue
         except (OSError, zipfile.BadZipFile, SyntaxError, ValueError) as error:
             failed = True
             print(f"canary: {name}: could not read its release ({type(error).__name__}: {str(error)[:200]})")
             continue
-        if below_supported(library, version):
+        version, note = resolved.version, resolved.note
+        if resolved.wheels_for:
+            version += f" (wheels for Python {pythons_text(resolved.wheels_for)})"
+        if below_supported(library, resolved.version):
             held = "holds no engine" if any("no engine binary" in a for a in absent) else (
                 "lacks " + ", ".join(absent[:6]) if absent else "has every patch target")
             print(f"canary: {name} {version}: below the supported range ({library.supported}): never instrumented; "
