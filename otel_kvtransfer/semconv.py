@@ -99,6 +99,8 @@ GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 WELL_KNOWN_TRANSPORTS = frozenset({"tcp", "udp", "pipe", "unix", "quic"})
 
 # Values.
+BACKEND_MOONCAKE = "mooncake"  # kv_transfer.backend of each transfer engine (its spec's name)
+BACKEND_NIXL = "nixl"
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 PAYLOAD_KV = "kv"

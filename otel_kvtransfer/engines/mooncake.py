@@ -66,7 +66,7 @@ _Transport = Tuple[Optional[str], Optional[Dict[str, str]]]
 
 _logger = logging.getLogger(__name__)
 
-BACKEND = "mooncake"  # SPEC's name (below), a global here because every call tuple carries it
+BACKEND = semconv.BACKEND_MOONCAKE  # SPEC's name (below), a global here because every call tuple carries it
 WRITE, READ = semconv.OP_WRITE, semconv.OP_READ
 
 # method -> (op, or None when the opcode argument decides; batch call?)

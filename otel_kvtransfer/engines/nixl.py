@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger(__name__)
 
-BACKEND = "nixl"  # SPEC's name (below), a global here because every call tuple carries it
+BACKEND = semconv.BACKEND_NIXL  # SPEC's name (below), a global here because every call tuple carries it
 PEER_AGENT = "nixl.remote_agent"  # NIXL peers are agent names, not addresses
 
 _LOCAL_AGENTS = ("", "NIXL_INIT_AGENT")

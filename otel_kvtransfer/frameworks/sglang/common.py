@@ -4,13 +4,12 @@ sglang class, sglang's poll states, failure kinds, and sglang's own request span
 from typing import Any, Dict, Optional
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.engines import mooncake, nixl
 from otel_kvtransfer.recording.patching import Patcher
 from otel_kvtransfer.wiring import startup
 
 FRAMEWORK = "sglang"
 RID = "sglang.rid"
-MOONCAKE, NIXL = mooncake.BACKEND, nixl.BACKEND
+MOONCAKE, NIXL = semconv.BACKEND_MOONCAKE, semconv.BACKEND_NIXL  # the engines' names, not their modules
 
 patcher = Patcher(FRAMEWORK)
 classes: Dict[str, type] = {}  # "chunk" -> sglang's TransferKVChunk, filled as modules are patched
