@@ -6,7 +6,12 @@
 #   - PyPI `arize-phoenix` in its OWN virtualenv under the same cache dir, for tests/deployments/test_trace_store.py
 #   - Debian `iproute2` (the `ip` tool that brings loopback up inside `unshare --net`), util-linux (unshare,
 #     nsenter), python3-venv where the python lacks ensurepip
-# Works as root on a fresh Debian machine. Prints the paths the tests look at.
+#   - Jaeger v2 and the OpenTelemetry Collectors of collector/agent.yaml and collector/gateway.yaml, built with the
+#     Go toolchain from the Go module proxy: the checked-in modules collector/jaeger/, collector/otelcol-agent/ and
+#     collector/otelcol-gateway/ (their go.sum pin every dependency) into $CACHE/go-bin/<name>-<version>/, with the
+#     Go module and build caches under $CACHE/go (a rebuild after an edit compiles only what changed)
+# Works as root on a fresh Debian machine. Prints the paths the tests look at; the last lines are
+# `jaeger=<path>`, `otelcol=<path>` (the agent) and `otelcol-gateway=<path>`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,3 +75,6 @@ echo "prometheus: $(command -v prometheus)"
 echo "promtool:   $(command -v promtool)"
 echo "tsc:        $NODE_DIR/node_modules/.bin/tsc"
 echo "phoenix:    $PHOENIX_VENV/bin/phoenix"
+
+# --- Jaeger and the Collectors, from the Go module proxy (scripts/setup-go-binaries.sh) ---------------
+bash "$ROOT/scripts/setup-go-binaries.sh"

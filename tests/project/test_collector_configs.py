@@ -1,7 +1,8 @@
 """collector/*: every Collector config parses, names only components that otelcol-contrib 0.159.0 ships (list in
 collector/otelcol-contrib-components.yaml, read from the release manifest and the components' metadata.yaml),
-and every pipeline reference resolves. No collector binary installs on these machines, so this is the check; the
-compose file, Prometheus, Tempo and Grafana provisioning files are checked against each other the same way."""
+and every pipeline reference resolves (the compose file's image); the compose file, Prometheus, Tempo and Grafana
+provisioning files are checked against each other the same way. The Collectors built here run the configs for real:
+tests/deployments/test_collector_stack.py."""
 
 import os
 import re
