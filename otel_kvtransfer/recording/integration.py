@@ -308,10 +308,10 @@ class _AfterEnd(list):  # type: ignore[type-arg]
 def _end_scopes_of(key: records.Key) -> None:
     """The scopes of a request still entered when it ends. Leaving one can be abandoned (an interrupt landing in
     its exit, or in what finishes an interrupted exit), or its thread is still in it (a send late past its
-    request). Either way its send is recorded now with what it holds, the scope counted (`scope_left_open`), and
-    every later engine call in it recorded at once (_AfterEnd): no scope swallows a thread's calls past its
-    request's end. A thread still in it leaves it at its exit, or as soon as it asks for its scope again
-    (current_scope(), entering a scope)."""
+    request). Either way its send is recorded now with what it holds, and every later engine call in it recorded
+    at once (_AfterEnd): no scope swallows a thread's calls past its request's end, and nothing is dropped (the two
+    cases look alike from here, and the second is an ordinary abort: no drop is counted for either). A thread still
+    in it leaves it at its exit, or as soon as it asks for its scope again (current_scope(), entering a scope)."""
     if not _OPEN:
         return
     queued = False
@@ -324,8 +324,6 @@ def _end_scopes_of(key: records.Key) -> None:
             scope.calls, scope.error_type = _AfterEnd(scope), None
             RECORDER.queue.extend(recs)
             queued = queued or bool(recs)
-    if found:
-        RECORDER.drop("scope_left_open", len(found))
     if queued and RECORDER.idle:
         RECORDER.idle = False
         RECORDER.wake.set()

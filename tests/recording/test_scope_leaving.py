@@ -6,7 +6,7 @@ and on a full queue, every send queued or counted.
 - Leaving can be abandoned (an interrupt landing as the exit starts, or as what finishes an abandoned exit starts):
   a trace function raises KeyboardInterrupt at one point where CPython runs signal handlers (a function's start,
   after a call or a backward jump) per round, for every point. A scope left attached to its thread is found when
-  its request ends: its send recorded, the scope counted (`scope_left_open`), and the thread out of it as soon as
+  its request ends: its send recorded (nothing dropped), and the thread out of it as soon as
   it asks for its scope again; its calls in between are sends of their own, not swallowed.
 - A scope's leave on a full queue queues what fits and counts the rest as `queue_full`: spans + drops = sends.
 """
@@ -190,7 +190,7 @@ def _interrupt_the_exit(scope, seam):
 def _check_rounds(telemetry, rounds, first_key, before):
     leaked = sum(1 for left_attached, _ in rounds if left_attached)
     assert leaked, "no interrupt left a scope attached: the test did not reach what it checks"
-    assert telemetry.dropped().get("scope_left_open", 0) == leaked
+    assert telemetry.dropped() == {}  # a scope left open loses nothing: its send is recorded at its request's end
     assert (integration.ENTERED[0], list(integration._OPEN)) == before
     sends = _sends(telemetry)
     assert [s for s in sends if s[1] is None] == [(RAW, None)] * len(rounds)  # no raw call swallowed
@@ -259,7 +259,7 @@ def test_a_request_ended_while_another_thread_is_in_its_scope_records_what_it_ha
     if failure:
         raise failure[0]
     assert sorted(_sends(telemetry)) == [(IN_SCOPE, str(key)), (LATE, str(key))]
-    assert telemetry.dropped() == {"scope_left_open": 1}
+    assert telemetry.dropped() == {}  # an ordinary abort: nothing lost, nothing counted as dropped
     assert _entered() == before
 
 
