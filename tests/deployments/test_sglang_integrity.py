@@ -18,6 +18,7 @@ prefill stores its digest, the metadata that carries it to the decode, the decod
 drop of the request and its log line are sglang's own.
 """
 
+import itertools
 import math
 import os
 import re
@@ -246,9 +247,18 @@ def test_requests_that_waited_for_kv_memory_show_the_wait_the_decode_logged(burs
     by_sglang = sorted(ours, key=lambda room: sglang[room][1])
     quick, waited = by_sglang[:2], by_sglang[2:]
     assert max(sglang[r][1] for r in quick) < 0.1 * min(sglang[r][1] for r in waited), sglang
-    # ours: the same two near zero, the same three waiting, in the same order
+    # ours: the same two near zero, the same three waiting, in the order of sglang's own waits (its bootstrap +
+    # alloc, what ours measures), where those differ by more than the give of either measurement: requests given
+    # memory at one scheduler poll wait alike, and either may come first (their alloc parts alone, which `waited`
+    # is sorted by, can order them otherwise than their whole waits)
     assert max(ours[r][0] for r in quick) < 0.1 * min(ours[r][0] for r in waited), ours
-    assert sorted(waited, key=lambda r: ours[r][0]) == waited
+
+    def theirs(room):
+        return sglang[room][0] + sglang[room][1]
+
+    for a, b in itertools.combinations(waited, 2):
+        if abs(theirs(a) - theirs(b)) > 0.2 * max(theirs(a), theirs(b)):
+            assert (ours[a][0] < ours[b][0]) == (theirs(a) < theirs(b)), (a, b, ours, sglang)
     for room in ours:
         wait, receive = ours[room]
         bootstrap, alloc, transfer = sglang[room]
