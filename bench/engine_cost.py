@@ -502,7 +502,7 @@ def anchor_cost(b: Bench, rounds: int, calls: int) -> dict:
     import pickle
 
     from otel_kvtransfer.config import HOT_PATH
-    from otel_kvtransfer.recording import compiled
+    from otel_kvtransfer.engines.mooncake import compiled
     from otel_kvtransfer.wiring.startup import distribution_version
 
     try:

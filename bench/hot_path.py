@@ -52,7 +52,8 @@ def main() -> int:
     async_wrappers = "python"
     if args.shape == "async":
         call = _async_pair()
-        compiled = sys.modules.get("otel_kvtransfer.recording.compiled")  # absent in trees before it
+        compiled = (sys.modules.get("otel_kvtransfer.engines.mooncake.compiled")  # the chooser's place in the wing,
+                    or sys.modules.get("otel_kvtransfer.recording.compiled"))  # in trees before it; absent earlier
         if compiled is not None and compiled.chosen() is not None:
             async_wrappers = "compiled"
     else:

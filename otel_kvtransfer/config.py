@@ -27,7 +27,7 @@ PIPELINE = "OTEL_KVTRANSFER_PIPELINE"
 LATE_WATCH_S = "OTEL_KVTRANSFER_LATE_WATCH_S"
 HOT_PATH = "OTEL_KVTRANSFER_HOT_PATH"
 # The engines' hottest wrappers (an async send's submission and wait): compiled where the package was built with
-# its C extension (recording/compiled.py), or the Python wrappers, which every call falls back to either way.
+# its C extension (engines/mooncake/compiled.py), or the Python wrappers, which every call falls back to either way.
 HOT_PATHS = ("compiled", "python")
 PIPELINES = ("direct", "sdk")  # how: spans and metric points built directly, or through the SDK tracer/instruments
 

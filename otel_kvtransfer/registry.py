@@ -1,9 +1,9 @@
-"""The backends the package knows, by module name: a new transfer engine is one module in `engines/` and a line in
-ENGINES, a new serving framework one package in `frameworks/` and a line in FRAMEWORKS. Loaded by name, so the
-code that loads them (the instrumentor, the builder process) depends on none of them. Each one declares itself in
-one frozen spec (`SPEC`: a `recording.patching.EngineSpec` or `FrameworkSpec`) and patches through one
-`wiring.activation.LazyPatcher` driven by it; tests/project/test_backend_contract.py holds every one listed here to that
-contract on the real libraries.
+"""The backends the package knows, by module name: a new transfer engine is one module (or package) in `engines/`
+and a line in ENGINES, a new serving framework one package in `frameworks/` and a line in FRAMEWORKS. Loaded by
+name, so the code that loads them (the instrumentor, the builder process) depends on none of them. Each one
+declares itself in one frozen spec (`SPEC`: a `recording.patching.EngineSpec` or `FrameworkSpec`) and patches
+through one `wiring.lazy_patcher.LazyPatcher` driven by it; tests/project/test_backend_contract.py holds every one
+listed here to that contract on the real libraries.
 """
 
 import importlib
@@ -16,7 +16,8 @@ _logger = logging.getLogger(__name__)
 # Each exposes SPEC, instrument() -> bool, uninstrument(), modules(), patcher, and the views of its spec
 # (DISTRIBUTIONS, SUPPORTED; an engine's BACKEND, SETUP_IN_FIRST_CALL, peer_attributes; a framework's FRAMEWORK).
 ENGINES = ("otel_kvtransfer.engines.mooncake", "otel_kvtransfer.engines.nixl")
-FRAMEWORKS = ("otel_kvtransfer.frameworks.sglang", "otel_kvtransfer.frameworks.vllm")
+FRAMEWORKS = ("otel_kvtransfer.frameworks.sglang", "otel_kvtransfer.frameworks.vllm",
+              "otel_kvtransfer.frameworks.vllm_ascend")
 
 
 def load(names: Iterable[str]) -> List[ModuleType]:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The release canary: the newest release of vllm, sglang and every published build of Mooncake and NIXL (the
+# The release canary: the newest release of vllm, vllm-ascend, sglang and every published build of Mooncake and NIXL (the
 # engine modules' DISTRIBUTIONS) from the package registry, for any Python this package declares (requires-python:
 # one `pip index versions --python-version X.Y` per Python and build, each with a timeout), every patch target of
 # this package checked against its real source or compiled engine (read statically: wheels are downloaded with
 # `pip download --no-deps --python-version X.Y`, unpacked, never installed; no CUDA stack). One line per library or
-# build, naming the Pythons its release has wheels for.
+# build, naming the Pythons its release has wheels for. vllm-ascend publishes some releases as an sdist only: its
+# newest is read from its sdist (pip runs its metadata step in a small build virtualenv of the canary's own).
 #
 #   bash scripts/canary.sh [--only NAME ...] [--version NAME==X.Y.Z ...]
 #

@@ -1,103 +1,21 @@
 #!/usr/bin/env bash
-# Builds the virtualenv the tests on Mooncake 0.3.14 run in (idempotent, fast when up to date): only
-# mooncake-transfer-engine-cuda13 0.3.14 (the one build of that release), NVIDIA's CUDA 13 runtime wheel, numpy and
-# pytest (scripts/requirements-mooncake-cuda13.txt), and this checkout with its `auto` extra (OpenTelemetry pinned by
-# scripts/requirements-test.txt).
+# Builds the virtualenv the tests on Mooncake 0.3.14 run in: only mooncake-transfer-engine-cuda13 0.3.14 (the one
+# build of that release), NVIDIA's CUDA 13 runtime wheel, numpy and pytest (scripts/requirements-mooncake-cuda13.txt),
+# and this checkout with its `auto` extra; a stand-in CUDA driver, the engine and runtime real
+# (scripts/cuda13-engine-venv.sh says how, and which LD_LIBRARY_PATH its processes need).
 #
-# A CPU machine has no CUDA driver, and the engine library links libcuda.so.1: a stand-in is built here, from a C
-# file generated from the driver functions the installed engine imports (`nm -D --undefined-only`), one function
-# each, returning 100 (CUDA_ERROR_NO_DEVICE). Only the driver is a stand-in; the engine, its TCP transport and the
-# CUDA runtime are the real ones. Every process of this venv needs the stand-in and the runtime on LD_LIBRARY_PATH;
-# the folders are written, as one line, to $VENV/kvt-ld-library-path:
-#
-#   LD_LIBRARY_PATH="$(cat "$VENV/kvt-ld-library-path")" "$VENV/bin/python" ...
-#
-# Location: $KVT_MC14_VENV, default ${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/mooncake-cuda13-venv. Rebuilt
-# when missing, broken, or when its inputs change (a stamp file records their hash). Prints the venv's python on
-# its last line.
+# Location: $KVT_MC14_VENV, default ${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/mooncake-cuda13-venv. Prints
+# the venv's python on its last line.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${KVT_MC14_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/mooncake-cuda13-venv}"
-PYTHON="${PYTHON:-python3}"
 # shellcheck source=venv-checks.sh
 source "$ROOT/scripts/venv-checks.sh"
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-quiet_pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | grep -v "^WARNING: Location\|^  \|^$\|!!" >&2 || true; }
+# shellcheck source=cuda13-engine-venv.sh
+source "$ROOT/scripts/cuda13-engine-venv.sh"
 
-# What the engine library links (`readelf -d mooncake/engine.so`): libibverbs.so.1, libmlx5.so.1 (Debian's
-# ibverbs-providers), libnuma.so.1, libcurl.so.4; gcc, libc6-dev and binutils (nm) build the stand-in driver.
-missing=()
-for pkg in libibverbs1 ibverbs-providers libnuma1 libcurl4 gcc libc6-dev binutils; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup-mooncake-cuda13: installing ${missing[*]} (apt)" >&2
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
-
-DRIVER="$VENV/standin-driver"
-PATH_FILE="$VENV/kvt-ld-library-path"
-check='import mooncake.engine, numpy, pytest, opentelemetry.distro, opentelemetry.sdk'
-# The engine imported with the venv's own library path (a venv that lost a piece fails it and is rebuilt).
-engine_loads() {
-  [ -f "$PATH_FILE" ] && [ -f "$DRIVER/libcuda.so.1" ] \
-    && LD_LIBRARY_PATH="$(cat "$PATH_FILE")" "$VENV/bin/python" -c "$check" >/dev/null 2>&1
-}
-
-inputs=("$ROOT/scripts/requirements-mooncake-cuda13.txt" "$ROOT/scripts/requirements-test.txt"
-        "$ROOT/scripts/setup-mooncake-cuda13.sh")
-want="$(cat "${inputs[@]}" | sha256sum | cut -c1-16)-$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-have="$(cat "$VENV/.kvt-stamp" 2>/dev/null || true)"
-if [ "$want" != "$have" ] || ! engine_loads; then
-  echo "setup-mooncake-cuda13: building the virtualenv at $VENV (Mooncake 0.3.14 CUDA 13 build; ~1 minute) ..." >&2
-  rm -rf "$VENV"
-  mkdir -p "$(dirname "$VENV")"
-  "$PYTHON" -m venv "$VENV"
-  quiet_pip install -q --upgrade pip
-  quiet_pip install -q -r "$ROOT/scripts/requirements-mooncake-cuda13.txt"
-  # This checkout with the extra a user installs (`pip install '.[auto]'`), editable: the venv follows the clone.
-  # The stamp is read first: a pyproject.toml edited while pip builds makes the next run install it again.
-  stamp="$(checkout_stamp)"
-  quiet_pip install -q -c "$ROOT/scripts/requirements-test.txt" -e "$ROOT[auto]"
-  echo "$stamp" > "$VENV/.kvt-checkout"
-
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  engine_so="$site/mooncake/engine.so"
-  runtime="$site/nvidia/cu13/lib"
-  [ -f "$engine_so" ] || { echo "setup-mooncake-cuda13: no mooncake/engine.so in $site" >&2; exit 1; }
-  [ -f "$runtime/libcudart.so.13" ] || { echo "setup-mooncake-cuda13: no libcudart.so.13 in $runtime" >&2; exit 1; }
-
-  # The stand-in driver: one function per driver symbol (cu + a capital letter; cuda* are the runtime's, curl_*
-  # libcurl's) the engine imports, generated from the engine itself so a new release's new calls are covered.
-  mkdir -p "$DRIVER"
-  symbols="$(nm -D --undefined-only "$engine_so" | awk '{print $NF}' | sed 's/@.*//' | grep -E '^cu[A-Z]' | sort -u)"
-  [ -n "$symbols" ] || { echo "setup-mooncake-cuda13: the engine imports no CUDA driver symbol" >&2; exit 1; }
-  {
-    echo "/* Generated by scripts/setup-mooncake-cuda13.sh from \`nm -D --undefined-only mooncake/engine.so\`."
-    echo "   A stand-in CUDA driver for machines with no GPU: every call answers CUDA_ERROR_NO_DEVICE. */"
-    echo "#define CUDA_ERROR_NO_DEVICE 100"
-    echo "static const char no_device[] = \"CUDA_ERROR_NO_DEVICE (stand-in driver: no GPU)\";"
-    for symbol in $symbols; do
-      case "$symbol" in
-        cuGetErrorName|cuGetErrorString)  # (error, const char **text): a caller that prints the text reads a real one
-          echo "int $symbol(int error, const char **text) { (void)error; if (text) *text = no_device; return CUDA_ERROR_NO_DEVICE; }" ;;
-        *)
-          echo "int $symbol(void) { return CUDA_ERROR_NO_DEVICE; }" ;;
-      esac
-    done
-  } > "$DRIVER/libcuda_standin.c"
-  gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$DRIVER/libcuda.so.1" "$DRIVER/libcuda_standin.c"
-  echo "$DRIVER:$runtime" > "$PATH_FILE"
-  unresolved="$(LD_LIBRARY_PATH="$(cat "$PATH_FILE")" ldd "$engine_so" | grep 'not found' || true)"
-  [ -z "$unresolved" ] || { echo "setup-mooncake-cuda13: the engine still misses: $unresolved" >&2; exit 1; }
-  engine_loads || { echo "setup-mooncake-cuda13: the virtualenv did not come out whole (see the output above)" >&2
-                    exit 1; }
-  echo "setup-mooncake-cuda13: stand-in driver with $(echo "$symbols" | wc -l) functions at $DRIVER" >&2
-  echo "$want" > "$VENV/.kvt-stamp"
-fi
-# This checkout itself, unless the venv (maybe shared between checkouts: CI caches it) has it already.
-install_checkout "$VENV" setup-mooncake-cuda13
-echo "setup-mooncake-cuda13: its processes need LD_LIBRARY_PATH=$(cat "$PATH_FILE")" >&2
-echo "$VENV/bin/python"
+cuda13_engine_venv setup-mooncake-cuda13 \
+  "${KVT_MC14_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-kvtransfer/mooncake-cuda13-venv}" \
+  "$ROOT/scripts/requirements-mooncake-cuda13.txt" \
+  'import mooncake.engine, numpy, pytest, opentelemetry.distro, opentelemetry.sdk' \
+  "Mooncake 0.3.14 CUDA 13 build" "${BASH_SOURCE[0]}"

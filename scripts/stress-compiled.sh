@@ -10,7 +10,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${KVT_PYTHON:-$(bash "$ROOT/scripts/setup.sh" | tail -n 1)}"
-SOURCE="${KVT_STRESS_SOURCE:-$ROOT/otel_kvtransfer/recording/_async_compiled.c}"
+SOURCE="${KVT_STRESS_SOURCE:-$ROOT/otel_kvtransfer/engines/mooncake/_async_compiled.c}"
 SECONDS_PER_RUN="${KVT_STRESS_SECONDS:-8}"
 [ -r "$SOURCE" ] || { echo "stress: no C source at $SOURCE" >&2; exit 2; }
 command -v unshare >/dev/null && command -v ip >/dev/null \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Mooncake async send's wrappers in Python alone (OTEL_KVTRANSFER_HOT_PATH=python), where scripts/test.sh ran
-# them compiled (the package's C part, otel_kvtransfer/recording/compiled.py): every test module that makes one of
-# the async calls, found by name here so a new one joins by itself. The rest of the suite never reaches those two
-# wrappers (a second pass would run the same code again), and the whole deployments' async calls are made inside
+# them compiled (the package's C part, otel_kvtransfer/engines/mooncake/compiled.py): every test module that makes
+# one of the async calls, found by name here so a new one joins by itself. The rest of the suite never reaches those
+# two wrappers (a second pass would run the same code again), and the whole deployments' async calls are made inside
 # transfer scopes, which both paths hand to the same Python code. Runs after scripts/test.sh (its set-up scripts
 # answer at once from their caches).
 #

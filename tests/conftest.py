@@ -23,10 +23,10 @@ def telemetry():
 
 @pytest.fixture(params=("compiled", "python"))
 def hot_path(request, monkeypatch):
-    """Each of the two paths the async wrappers have (otel_kvtransfer/recording/compiled.py): whatever instruments
-    after this fixture makes its wrappers on it. Ask for it before the fixture that instruments."""
+    """Each of the two paths the async wrappers have (otel_kvtransfer/engines/mooncake/compiled.py): whatever
+    instruments after this fixture makes its wrappers on it. Ask for it before the fixture that instruments."""
     from otel_kvtransfer import config
-    from otel_kvtransfer.recording import compiled
+    from otel_kvtransfer.engines.mooncake import compiled
 
     if request.param == "compiled":
         require_part(compiled.available(), "the package's compiled part (pip install -e . with a C compiler)")

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from otel_kvtransfer import semconv
 
@@ -204,43 +204,46 @@ def link_figure(before: List[Optional[float]], after: List[Optional[float]]) -> 
                     "measured before and after the requests"}
 
 
+def _transfer_worker(work: "queue.Queue", result: Dict[str, Any], room, engine, src, destinations, cfg: DemoConfig,
+                     kvt) -> None:
+    """Like sglang's transfer worker: take a chunk, send it to each destination in turn."""
+    aux_offset = cfg.kv_bytes  # aux lives after the KV in both buffers
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        index, start_token, tokens, is_last, early = item
+        for dest in destinations:
+            srcs, dsts, lens = _pages(start_token, tokens, cfg, src.ctypes.data, dest.receiver.base_address)
+            with kvt.transfer_scope(room, chunk_index=index, payload="kv", destination_index=dest.index,
+                                    replica_factor=len(destinations), is_last_chunk=is_last,
+                                    prefix_early_send=early):
+                rc = engine.batch_transfer_sync_write(dest.receiver.session, srcs, dsts, lens)
+            if rc != 0:
+                result["error"] = "transfer_failed"
+            if is_last:
+                with kvt.transfer_scope(room, chunk_index=index, payload="aux", destination_index=dest.index,
+                                        replica_factor=len(destinations), is_last_chunk=True):
+                    rc = engine.transfer_sync_write(dest.receiver.session, src.ctypes.data + aux_offset,
+                                                    dest.receiver.base_address + aux_offset, cfg.aux_bytes)
+                if rc != 0:
+                    result["error"] = "aux_send_failed"
+        if is_last:
+            result["done_ns"] = time.time_ns()
+
+
 def run_request(room, engine, src, destinations, cfg: DemoConfig, kvt, backend: str):
     """One request: early prefix send, chunked compute overlapping the previous chunk's send, aux on the last."""
     work: "queue.Queue" = queue.Queue()
     result: Dict[str, Any] = {"error": None}
     chunks = ([(cfg.prefix_tokens, True)] if cfg.prefix_tokens else []) + [(t, False) for t in cfg.chunk_tokens]
-    aux_offset = cfg.kv_bytes  # aux lives after the KV in both buffers
-
-    def transfer_worker():
-        # Like sglang's transfer worker: take a chunk, send it to each destination in turn.
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            index, start_token, tokens, is_last, early = item
-            for dest in destinations:
-                srcs, dsts, lens = _pages(start_token, tokens, cfg, src.ctypes.data, dest.receiver.base_address)
-                with kvt.transfer_scope(room, chunk_index=index, payload="kv", destination_index=dest.index,
-                                        replica_factor=len(destinations), is_last_chunk=is_last,
-                                        prefix_early_send=early):
-                    rc = engine.batch_transfer_sync_write(dest.receiver.session, srcs, dsts, lens)
-                if rc != 0:
-                    result["error"] = "transfer_failed"
-                if is_last:
-                    with kvt.transfer_scope(room, chunk_index=index, payload="aux", destination_index=dest.index,
-                                            replica_factor=len(destinations), is_last_chunk=True):
-                        rc = engine.transfer_sync_write(dest.receiver.session, src.ctypes.data + aux_offset,
-                                                        dest.receiver.base_address + aux_offset, cfg.aux_bytes)
-                    if rc != 0:
-                        result["error"] = "aux_send_failed"
-            if is_last:
-                result["done_ns"] = time.time_ns()
 
     for dest in destinations:
         dest.receiver.begin_receive(room, expected_bytes=cfg.kv_bytes + cfg.aux_bytes)
     started = time.time_ns()
     kvt.begin_request(room, backend=backend, start_ns=started)
-    worker = threading.Thread(target=transfer_worker, name="transfer-worker", daemon=True)
+    worker = threading.Thread(target=_transfer_worker, args=(work, result, room, engine, src, destinations, cfg, kvt),
+                              name="transfer-worker", daemon=True)
     worker.start()
     token = 0
     last_enqueue_ns = started
@@ -313,19 +316,9 @@ def format_table(rows, link) -> str:
 def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     import numpy as np
 
-    from otel_kvtransfer.demo.loopback import ReceiverProcess, digest
-    from otel_kvtransfer.recording import integration as kvt
     from otel_kvtransfer.wiring.instrumentor import KVTransferInstrumentor
 
-    Receiver: Type[ReceiverProcess]  # the chosen engine's
-    open_engine: Callable[..., Any]
-    if cfg.engine == "nixl":
-        from otel_kvtransfer.demo.nixl_loopback import Receiver, open_engine
-        from otel_kvtransfer.engines.nixl import BACKEND
-    else:
-        from otel_kvtransfer.demo.loopback import Receiver, open_engine
-        from otel_kvtransfer.engines.mooncake import BACKEND
-
+    Receiver, open_engine, backend = _engine_parts(cfg)
     # Mooncake logs every connection at INFO through glog; keep the demo's terminal for the demo's own output.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -333,14 +326,7 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     if os.path.exists(span_file):
         os.remove(span_file)
     size = cfg.kv_bytes + cfg.aux_bytes
-    print(f"demo: {cfg.requests} requests of {cfg.request_tokens} tokens ({cfg.kv_bytes / 2**20:.0f} MiB KV), "
-          f"fan-out {cfg.fanout}, over {'NIXL (UCX)' if cfg.engine == 'nixl' else 'Mooncake TCP'} on 127.0.0.1",
-          file=progress)
-    if cfg.engine == "nixl":
-        print("demo: note: UCX is limited to the loopback device (UCX_NET_DEVICES=lo)", file=progress)
-    else:
-        print("demo: note: Mooncake's handshake listener binds all interfaces even when initialised with "
-              "127.0.0.1", file=progress)
+    _announce(cfg, progress)
     tracer_provider, meter_provider = _setup_tracing(cfg, span_file)
     instrumentor = KVTransferInstrumentor()
     receivers = []
@@ -358,47 +344,43 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
         before = [link_round(engine, receivers[0], src.ctypes.data, cfg) for _ in range(LINK_ROUNDS)]
         instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
         destinations = [_Destination(r, i) for i, r in enumerate(receivers)]
-        legacy = []
-        expected = digest(src)
-        verified = True
-        for n in range(cfg.requests):
-            room = 1000 + n
-            for receiver in receivers:  # wipe the decode buffers, so each request's bytes are checked on their own
-                receiver.fill(0)
-            legacy.append(run_request(room, engine, src, destinations, cfg, kvt, BACKEND))
-            ok = legacy[-1]["error"] is None and all(r.digest(0, size) == expected for r in receivers)
-            verified = verified and ok
-            print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done, bytes verified on "
-                  f"{len(receivers)} decode engine(s): {'yes' if ok else 'NO'}", file=progress)
+        legacy, verified = _run_requests(engine, src, destinations, cfg, backend, progress)
         after = [link_round(engine, receivers[0], src.ctypes.data, cfg) for _ in range(LINK_ROUNDS)]
         link = link_figure(before, after)
-        capacity = link["best_bytes_per_s"]
     finally:
         instrumentor.uninstrument()
         tracer_provider.shutdown()
         meter_provider.shutdown()
         for receiver in receivers:
             receiver.stop()
+    return _summary(cfg, span_file, legacy, link, verified, progress)
+
+
+def _run_requests(engine, src, destinations, cfg: DemoConfig, backend: str, progress) -> Tuple[list, bool]:
+    """The demo's requests one after another, each one's bytes checked at every decode engine: (each request's
+    own figures, whether every request's bytes arrived whole)."""
+    from otel_kvtransfer.demo.loopback import digest
+    from otel_kvtransfer.recording import integration as kvt
+
+    legacy, expected, verified = [], digest(src), True
+    receivers = [dest.receiver for dest in destinations]
+    for n in range(cfg.requests):
+        room = 1000 + n
+        for receiver in receivers:  # wipe the decode buffers, so each request's bytes are checked on their own
+            receiver.fill(0)
+        legacy.append(run_request(room, engine, src, destinations, cfg, kvt, backend))
+        ok = legacy[-1]["error"] is None and all(r.digest(0, src.nbytes) == expected for r in receivers)
+        verified = verified and ok
+        print(f"demo: request {n + 1}/{cfg.requests} (room {room}) done, bytes verified on "
+              f"{len(receivers)} decode engine(s): {'yes' if ok else 'NO'}", file=progress)
+    return legacy, verified
+
+
+def _summary(cfg: DemoConfig, span_file: str, legacy: list, link: dict, verified: bool, progress) -> dict:
+    """The run's results beside its request spans, written to results.json and table.txt in the output folder."""
     spans = _request_spans(span_file)
-    rows = []
-    for item in legacy:
-        attrs = spans.get(str(item["room"]), {})
-        rows.append({
-            "room": item["room"],
-            "chunks": attrs.get("kv_transfer.chunk_count", 0),
-            "transfers": attrs.get("kv_transfer.transfer_count", 0),
-            "wire_bytes": attrs.get("kv_transfer.bytes", 0),
-            "logical_bytes": attrs.get("kv_transfer.logical_bytes", 0),
-            "busy_s": attrs.get("kv_transfer.busy_s", 0.0),
-            "true_gib_s": attrs.get("kv_transfer.throughput", 0.0) / GIB,
-            "overlap_ratio": attrs.get("kv_transfer.compute_overlap_ratio", 0.0),
-            "tail_s": attrs.get(semconv.TAIL_S),
-            "tail_queued_s": attrs.get(semconv.TAIL_QUEUED_S),
-            "legacy_gib_s": item["legacy_gib_s"],
-            "enqueue_to_done_gib_s": item["enqueue_to_done_gib_s"],
-            "error": item["error"],
-        })
-    summary = {"config": cfg.__dict__, "link_capacity_bytes_per_s": capacity, "link": link,
+    rows = [_row(item, spans.get(str(item["room"]), {})) for item in legacy]
+    summary = {"config": cfg.__dict__, "link_capacity_bytes_per_s": link["best_bytes_per_s"], "link": link,
                "bytes_verified": verified, "requests": rows, "span_file": span_file}
     with open(os.path.join(cfg.out_dir, "results.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2)
@@ -408,6 +390,49 @@ def run(cfg: DemoConfig, progress=sys.stderr) -> dict:
     summary["table"] = table
     summary["next_steps"] = _timeline_pointer(span_file, progress)
     return summary
+
+
+def _engine_parts(cfg: DemoConfig) -> Tuple[Type[Any], Callable[..., Any], str]:
+    """(its receiver process's class, what opens it here, its backend name) of the engine the demo runs."""
+    if cfg.engine == "nixl":
+        from otel_kvtransfer.demo import nixl_loopback
+        from otel_kvtransfer.engines.nixl import BACKEND as NIXL
+
+        return nixl_loopback.Receiver, nixl_loopback.open_engine, NIXL
+    from otel_kvtransfer.demo import loopback
+    from otel_kvtransfer.engines.mooncake import BACKEND as MOONCAKE
+
+    return loopback.Receiver, loopback.open_engine, MOONCAKE
+
+
+def _announce(cfg: DemoConfig, progress) -> None:
+    print(f"demo: {cfg.requests} requests of {cfg.request_tokens} tokens ({cfg.kv_bytes / 2**20:.0f} MiB KV), "
+          f"fan-out {cfg.fanout}, over {'NIXL (UCX)' if cfg.engine == 'nixl' else 'Mooncake TCP'} on 127.0.0.1",
+          file=progress)
+    if cfg.engine == "nixl":
+        print("demo: note: UCX is limited to the loopback device (UCX_NET_DEVICES=lo)", file=progress)
+    else:
+        print("demo: note: Mooncake's handshake listener binds all interfaces even when initialised with "
+              "127.0.0.1", file=progress)
+
+
+def _row(item: Dict[str, Any], attrs: Dict[str, Any]) -> Dict[str, Any]:
+    """One request's row of the table: what the demo measured beside what its request span says."""
+    return {
+        "room": item["room"],
+        "chunks": attrs.get("kv_transfer.chunk_count", 0),
+        "transfers": attrs.get("kv_transfer.transfer_count", 0),
+        "wire_bytes": attrs.get("kv_transfer.bytes", 0),
+        "logical_bytes": attrs.get("kv_transfer.logical_bytes", 0),
+        "busy_s": attrs.get("kv_transfer.busy_s", 0.0),
+        "true_gib_s": attrs.get("kv_transfer.throughput", 0.0) / GIB,
+        "overlap_ratio": attrs.get("kv_transfer.compute_overlap_ratio", 0.0),
+        "tail_s": attrs.get(semconv.TAIL_S),
+        "tail_queued_s": attrs.get(semconv.TAIL_QUEUED_S),
+        "legacy_gib_s": item["legacy_gib_s"],
+        "enqueue_to_done_gib_s": item["enqueue_to_done_gib_s"],
+        "error": item["error"],
+    }
 
 
 def _timeline_pointer(span_file: str, progress) -> List[str]:

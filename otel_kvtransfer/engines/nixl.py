@@ -40,7 +40,7 @@ from otel_kvtransfer.recording.patching import (
 )
 from otel_kvtransfer.recording.pending import PendingTransfers
 from otel_kvtransfer.recording.recorder import RECORDER
-from otel_kvtransfer.wiring.activation import LazyPatcher
+from otel_kvtransfer.wiring.lazy_patcher import LazyPatcher
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -195,7 +195,7 @@ class DeviceClock:
         for bracket in brackets:
             times: Any = _WAIT
             if bracket.seen is not None:
-                times = self._times(bracket)
+                times = _bracket_times(self._anchors, bracket)
             elif self._slow_run < SLOW_IN_A_ROW and queries >= len(bracket.ends):
                 queries -= len(bracket.ends)
                 times = self._read(bracket)
@@ -302,31 +302,7 @@ class DeviceClock:
                 _logger.debug("otel_kvtransfer could not query a timing event", exc_info=True)
                 return None
             bracket.seen = seen
-        return self._times(bracket)
-
-    def _times(self, bracket: _Bracket) -> Any:
-        """(start, end) of a complete bracket on the records' clock (`device_anchors`), kept inside the host's
-        window (its launch's start to when its end was seen): _WAIT without an anchor yet; None where reading the
-        events fails or their times lie far outside that window."""
-        seen = bracket.seen
-        if seen is None:
-            return _WAIT
-        try:
-            times = self._anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
-        except Exception:
-            _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
-            return None
-        if times is None:
-            return _WAIT
-        start, end = times
-        if start < bracket.host_start - IMPLAUSIBLE_NS or end > seen + IMPLAUSIBLE_NS:
-            _logger.debug("otel_kvtransfer: device times %d..%d outside the host's window %d..%d", start, end,
-                          bracket.host_start, seen)
-            return None
-        # The work began after its launch did and had ended when the query saw it: within the anchor's error,
-        # clamping moves the times towards the truth.
-        start = min(max(start, bracket.host_start), seen)
-        return start, min(max(end, start), seen)
+        return _bracket_times(self._anchors, bracket)
 
     def _record(self, keys: Sequence[records.Key], start: int, end: int, chunk: Optional[int], clock: str) -> None:
         self._counts["device" if clock == semconv.CLOCK_DEVICE else "host"] += len(keys)
@@ -347,6 +323,31 @@ class DeviceClock:
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
         self._resolve(now_ns() + self._give_up_ns + 1, now_ns() + CLOSE_BUDGET_NS)
+
+
+def _bracket_times(anchors: Anchors, bracket: _Bracket) -> Any:
+    """(start, end) of a complete bracket on the records' clock (`device_anchors`), kept inside the host's
+    window (its launch's start to when its end was seen): _WAIT without an anchor yet; None where reading the
+    events fails or their times lie far outside that window."""
+    seen = bracket.seen
+    if seen is None:
+        return _WAIT
+    try:
+        times = anchors.times(bracket.device, bracket.host_start, bracket.starts, bracket.ends)
+    except Exception:
+        _logger.debug("otel_kvtransfer could not read a timing event", exc_info=True)
+        return None
+    if times is None:
+        return _WAIT
+    start, end = times
+    if start < bracket.host_start - IMPLAUSIBLE_NS or end > seen + IMPLAUSIBLE_NS:
+        _logger.debug("otel_kvtransfer: device times %d..%d outside the host's window %d..%d", start, end,
+                      bracket.host_start, seen)
+        return None
+    # The work began after its launch did and had ended when the query saw it: within the anchor's error,
+    # clamping moves the times towards the truth.
+    start = min(max(start, bracket.host_start), seen)
+    return start, min(max(end, start), seen)
 
 
 # --- the process's clocks ----------------------------------------------------------------------------------------

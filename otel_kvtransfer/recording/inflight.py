@@ -98,23 +98,7 @@ class Watcher:
         self.scans += 1
         records_clock.refresh()  # once a second, off the hot path: the wall clock's step since start (clock.py)
         now_ns = records_clock.now_ns() if now_ns is None else now_ns
-        items: Dict[tuple[Any, ...], Item] = {}
-        if _WRAPPERS:
-            me = threading.get_ident()
-            ident: Hashable  # a thread's here, an item's below
-            frame: Optional[FrameType]
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                depth = 0
-                while frame is not None and depth < 4:  # the wrapper is the top frame, or just below
-                    describe = _WRAPPERS.get(frame.f_code)
-                    if describe is not None:
-                        item = describe(frame.f_locals)
-                        if item is not None:
-                            items[("call", ident, item[0])] = item
-                        break
-                    frame, depth = frame.f_back, depth + 1
+        items = _calls_in_progress() if _WRAPPERS else {}
         for pending in list(_PENDING):
             for handle, item in pending.in_flight():
                 items[("async", id(pending), handle, item[0])] = item
@@ -143,3 +127,24 @@ class Watcher:
             return None
         self._last_count = len(items)
         return r.inflight(now_ns, sends, oldest, stuck, (connects, oldest_connect))
+
+
+def _calls_in_progress() -> Dict[tuple[Any, ...], Item]:
+    """("call", thread, start) -> item of every sync call some other thread is inside now, read from its wrapper's
+    frame (the top frame, or one just below it)."""
+    items: Dict[tuple[Any, ...], Item] = {}
+    me = threading.get_ident()
+    frame: Optional[FrameType]
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        depth = 0
+        while frame is not None and depth < 4:  # the wrapper is the top frame, or just below
+            describe = _WRAPPERS.get(frame.f_code)
+            if describe is not None:
+                item = describe(frame.f_locals)
+                if item is not None:
+                    items[("call", ident, item[0])] = item
+                break
+            frame, depth = frame.f_back, depth + 1
+    return items

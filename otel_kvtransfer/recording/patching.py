@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import wrapt
+from opentelemetry.context import Context
 
 from otel_kvtransfer.recording.recorder import RECORDER
 from otel_kvtransfer.sdk_internals import SUPPRESS_KEY as SUPPRESS_KEY  # re-exported: the engines read it here
@@ -33,10 +34,25 @@ _MARK = "__otel_kvtransfer__"
 # The current context in one C call where the runtime allows; wrappers read suppress_instrumentation()'s two
 # keys from it (`is_instrumentation_enabled()` fetches it twice, through six Python frames).
 current_context = context_getter()
+_NO_CONTEXT = Context()  # what the guard answers when the runtime has no context at all
+
+
+def recording_context() -> "Optional[Context]":
+    """The one guard, "record now?": the current context when the call is to be recorded (instrumented, and not
+    inside `suppress_instrumentation()`), else None. Every wrapper asks it but the two per-transfer calls whose
+    guard is written out (engines/mooncake's `sync.common` and `submissions.common`, and their compiled twin): one
+    Python frame fewer per transfer."""
+    if not RECORDER.active:
+        return None
+    ctx = current_context()
+    if ctx and (ctx.get(SUPPRESS_KEY) or ctx.get(SUPPRESS_KEY_PLAIN)):
+        return None
+    return _NO_CONTEXT if ctx is None else ctx
 
 
 def active() -> bool:
-    """Record now? (instrumented, and not inside `suppress_instrumentation()`)."""
+    """Record now? The same guard as `recording_context`, answered yes or no: the `when` of `observe_call` and the
+    NIXL wrappers' test, a body of its own so that each of their calls costs one Python frame, as it did."""
     if not RECORDER.active:
         return False
     ctx = current_context()
@@ -100,7 +116,7 @@ class BackendSpec:
     """One backend, declared once: its name, the builds and releases it covers, what it patches.
 
     Every engine module and framework package sets `SPEC` to one of these (an `EngineSpec` or a `FrameworkSpec`),
-    patches through `wiring.activation.LazyPatcher(SPEC, patcher)` (its `HOOKS`), and keeps its module-level names
+    patches through `wiring.lazy_patcher.LazyPatcher(SPEC, patcher)` (its `HOOKS`), and keeps its module-level names
     as views of it (`DISTRIBUTIONS`, `SUPPORTED`, `modules()`, ...). The fields with a default are hooks, each
     saying what a backend may add: a backend sets the ones it needs, and the defaults do nothing.
     """
@@ -136,7 +152,7 @@ class EngineSpec(BackendSpec):
 
 @dataclass(frozen=True)
 class FrameworkSpec(BackendSpec):
-    """A serving framework (registry.FRAMEWORKS). Its releases are gated (wiring.activation.LazyPatcher): below
+    """A serving framework (registry.FRAMEWORKS). Its releases are gated (wiring.lazy_patcher.LazyPatcher): below
     `supported`, one warning and nothing patched; past it, patched where every target checks out (one warning)."""
 
     version_gate: ClassVar[bool] = True

@@ -20,12 +20,19 @@ if TYPE_CHECKING:
 # posted_ns), `form` the `records.call_form` of its op, protocol, backend and extra. An engine's wrapper may put
 # an entry in `entries` itself (one Python frame less per submission) where `submit` would: outside any transfer
 # scope (`integration.ENTERED` 0) and with room in the table.
+# The compiled part reads these positions (engines/mooncake/compiled.py, `layout()`).
 ENTRY_START: Final = 0
+ENTRY_BYTES: Final = 1
+ENTRY_DESCRIPTORS: Final = 2
 ENTRY_PEER: Final = 3
+ENTRY_FORM: Final = 4
 ENTRY_INFO: Final = 5
+ENTRY_CONTEXT: Final = 6
 ENTRY_POSTED: Final = 7
-_Entry = tuple[int, Union[int, Iterable[int]], int, Any, records.Form, Optional[records.Info], "Optional[Context]",
-               Optional[int]]
+ENTRY_SIZE: Final = 8
+# The entry's type, its one declaration: a wrapper that writes an entry out annotates it with this.
+Entry = tuple[int, Union[int, Iterable[int]], int, Any, records.Form, Optional[records.Info], "Optional[Context]",
+              Optional[int]]
 
 
 class PendingTransfers:
@@ -33,12 +40,12 @@ class PendingTransfers:
         self.backend = backend
         # handle -> what its submission knew. Public for the engines' wrappers to test (`if entries:`) before
         # anything else on each poll: a dict's truth costs no Python call, len() of this table one frame.
-        self.entries: dict[Hashable, _Entry] = {}
+        self.entries: dict[Hashable, Entry] = {}
         # handle -> when a poll last saw it still running; public for the compiled wait, which pops it as `ended`
         self.running_seen: dict[Hashable, int] = {}
         # handle -> earlier entries, oldest first, of a handle the engine gave out again while it was still here
         # (`reused`), each waiting for the wait that freed it to return (`reclaim`); `aside` counts them all
-        self.superseded: dict[Hashable, list[_Entry]] = {}
+        self.superseded: dict[Hashable, list[Entry]] = {}
         self.aside = 0
         inflight.register_pending(self)
 
@@ -63,12 +70,12 @@ class PendingTransfers:
             if info is None:  # a payload scope (no request): its labels on the send
                 extra = scope.label(extra)
         form = records.call_form(op, protocol, self.backend, extra, "transfer_failed")
-        entry: _Entry = (start_ns, nbytes, descriptors, peer, form, info, context or None, posted_ns)
+        entry: Entry = (start_ns, nbytes, descriptors, peer, form, info, context or None, posted_ns)
         earlier = self.entries.setdefault(handle, entry)
         if earlier is not entry:
             self.reused(handle, earlier, entry)
 
-    def reused(self, handle: Hashable, earlier: _Entry, entry: _Entry) -> None:
+    def reused(self, handle: Hashable, earlier: Entry, entry: Entry) -> None:
         """The engine gave out `handle` again while its `earlier` submission was still in the table: Mooncake
         frees a batch id inside the wait that sees it end, and may hand it to another thread's submission before
         that wait returns. `entry` takes the handle; the earlier send is kept aside for its wait (`reclaim`), not
@@ -81,7 +88,7 @@ class PendingTransfers:
         self.superseded.setdefault(handle, []).append(earlier)
         self.aside += 1
 
-    def reclaim(self, handle: Hashable, entry: _Entry, end: int, return_code: Any,
+    def reclaim(self, handle: Hashable, entry: Entry, end: int, return_code: Any,
                 error_type: Optional[str]) -> None:
         """A wait that began before `entry` was posted found it under its handle: not its send (the handle was
         given out again during the wait). `entry` goes back; the wait's own send is the oldest kept aside under
@@ -146,7 +153,7 @@ class PendingTransfers:
             else:
                 self.ended(entry, end, seen.pop(handle, None) if seen else None, return_code, error_type)
 
-    def ended(self, entry: _Entry, end: int, running_seen: Optional[int], return_code: Any,
+    def ended(self, entry: Entry, end: int, running_seen: Optional[int], return_code: Any,
               error_type: Optional[str]) -> None:
         """The send of a submission that ended at `end`, last seen running at `running_seen` (None: never). The
         compiled wait (`_async_compiled.BatchWait`) calls it for an entry of a transfer scope."""
@@ -160,9 +167,9 @@ class PendingTransfers:
             RECORDER.record(records.send(info, [call], context))
             return
         # records.raw_async(...), written out: one record, no call in between
-        rec = (records.RAW_ASYNC, start, end - start, nbytes, descriptors, peer, return_code, error_type, form,
-               context, None if running_seen is None else running_seen - start,
-               None if posted is None else posted - start)
+        rec: records.RawAsync = (records.RAW_ASYNC, start, end - start, nbytes, descriptors, peer, return_code,
+                                 error_type, form, context, None if running_seen is None else running_seen - start,
+                                 None if posted is None else posted - start)
         queue = RECORDER.queue
         if len(queue) < RECORDER.capacity and not RECORDER.idle:
             queue.append(rec)  # Recorder.record's common case, as its contract allows
@@ -185,7 +192,7 @@ class PendingTransfers:
         self.aside = 0
 
 
-def _posted_after(entry: _Entry, called: int) -> bool:
+def _posted_after(entry: Entry, called: int) -> bool:
     """Whether `entry` was posted after a wait that began at `called`: then it is no send of that wait's."""
     posted = entry[ENTRY_POSTED]
     return posted is not None and posted > called

@@ -35,8 +35,8 @@ CONNECT = 8  # one explicit set-up call towards a peer (NIXL's add_remote_agent,
 LATE_ARRIVAL = 9  # the peer saw KV of a wait of its that had already ended (a read of KV it had freed)
 RAW_CALL = 10  # one engine call outside any transfer scope: a send of its own, in one flat tuple
 PEER_OUTCOME = 11  # what the peer found out about its KV after its wait ended (a framework's integrity check)
-RAW_MONOTONIC = 12  # a RAW_CALL whose two times are `time.monotonic_ns()` as the engine thread read them
-RAW_ASYNC = 13  # an async submission outside any transfer scope, ended: a RAW_CALL whose own attributes are times
+RAW_MONOTONIC: Final = 12  # a RAW_CALL whose two times are `time.monotonic_ns()` as the engine thread read them
+RAW_ASYNC: Final = 13  # an async submission outside any scope, ended: a RAW_CALL whose own attributes are times
 KIND = 0
 
 # The constructors below are plain functions that return the tuple, in the order of the positions above them:
@@ -73,7 +73,7 @@ def info(key: Key, chunk: int, payload: str, destination: int, replica: int, is_
 
 # One engine call, as an engine wrapper times it. `call` below is the one definition of its shape, and
 # `raw_call` of a call made outside any transfer scope. An engine's hot path may write either out instead of
-# calling it (a call is one more Python frame per transfer: engines/mooncake.py's sync wrapper does);
+# calling it (a call is one more Python frame per transfer: engines/mooncake/sync.py's wrapper does);
 # tests/project/test_backend_contract.py checks that what it writes is what these build.
 CALL_START = 0  # clock.now_ns(): every time in a record is on the records' clock (clock.py)
 CALL_END = 1
@@ -136,8 +136,13 @@ def call_form(op: str, protocol: Optional[str], backend: str, extra: Optional[At
     return (op, protocol, backend, extra, failed)
 
 
+# The record's type, its one declaration: a hot path that writes the tuple out annotates it with this, so the
+# checker holds what it writes to the positions above (no cost when it runs: a local's annotation is not evaluated).
+RawMonotonic = tuple[int, int, int, int, int, Any, Any, Form, "Optional[Context]"]
+
+
 def raw_monotonic(start: int, end: int, nbytes: int, descriptors: int, peer: Any, return_code: Any, form: Form,
-                  context: "Optional[Context]") -> Record:
+                  context: "Optional[Context]") -> RawMonotonic:
     return (RAW_MONOTONIC, start, end, nbytes, descriptors, peer, return_code, form, context or None)
 
 
@@ -168,11 +173,15 @@ ASYNC_FORM = 8  # its call_form: its error is ASYNC_ERROR, not FORM_FAILED (a po
 ASYNC_CONTEXT = 9
 ASYNC_SEEN_RUNNING = 10
 ASYNC_POST = 11
+ASYNC_SIZE = 12  # the record's length (the compiled wait builds it: engines/mooncake/compiled.py, `layout()`)
+# The record's type, its one declaration (as RawMonotonic's): recording/pending.py writes it out.
+RawAsync = tuple[int, int, int, Union[int, Iterable[int]], int, Any, Any, Optional[str], Form, "Optional[Context]",
+                 Optional[int], Optional[int]]
 
 
 def raw_async(start: int, duration: int, nbytes: Union[int, Iterable[int]], descriptors: int, peer: Any,
               return_code: Any, error: Optional[str], form: Form, context: "Optional[Context]",
-              seen_running: Optional[int], post: Optional[int]) -> Record:
+              seen_running: Optional[int], post: Optional[int]) -> RawAsync:
     return (RAW_ASYNC, start, duration, nbytes, descriptors, peer, return_code, error, form, context or None,
             seen_running, post)
 

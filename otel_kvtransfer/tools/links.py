@@ -368,6 +368,17 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
+def _peer_text_row(peer: dict) -> tuple:
+    """One peer's row of the text table (format_text's columns)."""
+    where = label(peer[semconv.SERVER_ADDRESS], 40) + ("" if peer[semconv.SERVER_PORT] is None
+                                                       else f":{label(peer[semconv.SERVER_PORT], 8)}")
+    per_descriptor = peer["per_descriptor_s"]
+    return (where, str(peer["calls"]), fmt_rate(peer["bandwidth"]), fmt_ms(peer["fixed_s"]),
+            "-" if per_descriptor is None else f"{per_descriptor * 1e6:.3g} us",
+            _ratio(peer["spread"]["median_relative"]), _ratio(peer["spread"]["p90_relative"]),
+            str(peer["far_above"]["count"]))
+
+
 def format_text(model: dict, limit: Optional[int] = PEERS_SHOWN) -> str:
     """The model as text: a row for each of the first `limit` peers listed (None: all listed), then one line for
     the peers not shown."""
@@ -375,15 +386,7 @@ def format_text(model: dict, limit: Optional[int] = PEERS_SHOWN) -> str:
     lines = [f"{label(model['file'], 200)}: {model['span_count']} spans, {model['send_count']} sends "
              f"({model['failed_sends']} failed, not fitted), {model['peer_count']} peers", ""]
     header = ("peer", "calls", "bandwidth", "fixed", "per descriptor", "spread p50", "p90", "far above")
-    rows = []
-    for peer in shown_peers:
-        where = label(peer[semconv.SERVER_ADDRESS], 40) + ("" if peer[semconv.SERVER_PORT] is None
-                                                           else f":{label(peer[semconv.SERVER_PORT], 8)}")
-        per_descriptor = peer["per_descriptor_s"]
-        rows.append((where, str(peer["calls"]), fmt_rate(peer["bandwidth"]), fmt_ms(peer["fixed_s"]),
-                     "-" if per_descriptor is None else f"{per_descriptor * 1e6:.3g} us",
-                     _ratio(peer["spread"]["median_relative"]), _ratio(peer["spread"]["p90_relative"]),
-                     str(peer["far_above"]["count"])))
+    rows = [_peer_text_row(peer) for peer in shown_peers]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines.append("  ".join("-" * w for w in widths))

@@ -107,22 +107,9 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: 
     if origin_ns is None:
         origin_ns = min((s.start_time_unix_nano for s in spans), default=0)
 
-    # Processes: one per resource; the OS pid when it is unique, else a small number.
-    resources: Dict[Tuple[Any, ...], dict] = {}
     tails = sorted(tails, key=lambda t: (t.start_time_unix_nano, t.end_time_unix_nano))
+    pid_of, events = _processes([*spans, *tails])
     span: Any  # a Span or a TailSlice
-    for span in [*spans, *tails]:
-        resources.setdefault(_process_key(span.resource), span.resource)
-    os_pids = [r.get("process.pid") for r in resources.values()]
-    use_os_pid = all(isinstance(p, int) and 0 < p < 1 << 31 for p in os_pids) and len(set(os_pids)) == len(os_pids)
-    pid_of, events = {}, []
-    for index, (key, resource) in enumerate(sorted(resources.items(), key=lambda kv: engine_label(kv[1]))):
-        pid = resource["process.pid"] if use_os_pid else index + 1
-        pid_of[key] = pid
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"name": engine_label(resource)}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"sort_index": index}})
 
     # Lanes, each packed into non-overlapping tracks (threads).
     lanes: Dict[tuple, List[Any]] = {}
@@ -153,6 +140,25 @@ def trace_events(spans: Iterable[Span], origin_ns: Optional[int] = None, tails: 
         other["spans_not_drawn_note"] = ("of requests with more sends or computes than --max-sends-per-request, "
                                          "only the first by start are here")
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _processes(spans: List[Any]) -> Tuple[Dict[Tuple[Any, ...], int], List[dict]]:
+    """(process key -> pid, the processes' metadata events): one process per resource; the OS pid when it is
+    unique, else a small number."""
+    resources: Dict[Tuple[Any, ...], dict] = {}
+    for span in spans:
+        resources.setdefault(_process_key(span.resource), span.resource)
+    os_pids = [r.get("process.pid") for r in resources.values()]
+    use_os_pid = all(isinstance(p, int) and 0 < p < 1 << 31 for p in os_pids) and len(set(os_pids)) == len(os_pids)
+    pid_of, events = {}, []
+    for index, (key, resource) in enumerate(sorted(resources.items(), key=lambda kv: engine_label(kv[1]))):
+        pid = resource["process.pid"] if use_os_pid else index + 1
+        pid_of[key] = pid
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": engine_label(resource)}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": index}})
+    return pid_of, events
 
 
 def _event(span: Span, pid: int, tid: int, origin_ns: int) -> dict:

@@ -639,15 +639,11 @@ def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterat
                                                   "file may hold")
             foreign = _Foreign()
             try:
-                spans = _parse_line(raw, foreign)
+                spans = _spans_of_line(name, number, raw, foreign)
             except _TornLine as exc:
                 skipped.add(number)
                 first_torn = first_torn or (number, str(exc))
                 continue
-            except _LineError as exc:
-                raise SpanFileError(name, number, str(exc)) from None
-            except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
-                raise SpanFileError(name, number, f"bad value: {bounded(str(exc))}") from None
             if foreign.count:
                 skipped.foreign.add(number, foreign.count)
             for span in spans:
@@ -660,12 +656,29 @@ def _read(source: SpanSource, progress, limit_bytes, skipped: Skipped) -> Iterat
         if progress is not None:
             progress(done, max(total, done), count)
     if count == 0:
-        if skipped.backwards.count:  # whole lines, but not one span that can be drawn
-            raise SpanFileError(name, skipped.backwards.lines[0], f"every span ({skipped.backwards.count}) ends "
-                                                                  "before it starts: no span to read")
-        if first_torn is not None:  # nothing but broken lines: not a span file, whatever began like one
-            raise SpanFileError(name, first_torn[0], f"{first_torn[1]}; no line of the file is a whole span line")
-        raise SpanFileError(name, None, "is empty: no spans")
+        _nothing_read(name, skipped, first_torn)
+
+
+def _spans_of_line(name: str, number: int, raw: bytes, foreign: "_Foreign") -> list:
+    """The spans of one line; a line that is no span line raises its one SpanFileError (a torn one, _TornLine)."""
+    try:
+        return _parse_line(raw, foreign)
+    except _TornLine:
+        raise
+    except _LineError as exc:
+        raise SpanFileError(name, number, str(exc)) from None
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:  # from the protobuf runtime
+        raise SpanFileError(name, number, f"bad value: {bounded(str(exc))}") from None
+
+
+def _nothing_read(name: str, skipped: Skipped, first_torn) -> None:
+    """A source that gave no span: the one line saying why."""
+    if skipped.backwards.count:  # whole lines, but not one span that can be drawn
+        raise SpanFileError(name, skipped.backwards.lines[0], f"every span ({skipped.backwards.count}) ends "
+                                                              "before it starts: no span to read")
+    if first_torn is not None:  # nothing but broken lines: not a span file, whatever began like one
+        raise SpanFileError(name, first_torn[0], f"{first_torn[1]}; no line of the file is a whole span line")
+    raise SpanFileError(name, None, "is empty: no spans")
 
 
 def read_spans(path, progress: Optional[Progress] = None, skipped: Optional[Skipped] = None) -> list:

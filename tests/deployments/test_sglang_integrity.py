@@ -29,7 +29,7 @@ import time
 import pytest
 from support import sglang_runs
 from support.parts import IN_CI, require_part
-from support.sglang_runs import RECEIVE, Run
+from support.sglang_runs import RECEIVE, REQUEST, Run
 
 CHECKSUM = ["--disaggregation-enable-kv-checksum"]
 INJECT = "SGLANG_TEST_DISAGG_KV_CHECKSUM_MISMATCH_PROB"
@@ -296,3 +296,147 @@ def test_the_allocation_wait_histogram_agrees_with_sglangs_own(burst, verified):
     assert min(abs(math.log(max(w, 1e-6) * 1e3 / boundary)) for w in waits) > math.log(1.5)
     above_sglang = buckets[float("inf")] - buckets[boundary]
     assert above_sglang == sum(1 for w in waits if w * 1e3 > boundary) >= BURST - 2
+
+
+# --- a request the router retries -------------------------------------------------------------------------------
+
+RETRIED_RID = "retried-0"
+# The counters the docs say count attempts (docs/telemetry.md, "Retried requests"), as Prometheus names them, and the
+# spans each counts per attempt: (server, span name, which of those spans).
+ATTEMPT_COUNTERS = {
+    "kv_transfer.request.duration": ("kv_transfer_request_duration_seconds_count", "prefill", "kv_transfer.request"),
+    "kv_transfer.receive.duration": ("kv_transfer_receive_duration_seconds_count", "decode-mismatch",
+                                     "kv_transfer.receive"),
+    "kv_transfer.integrity_mismatches": ("kv_transfer_integrity_mismatches_total", "decode-mismatch",
+                                         "kv_transfer.receive"),
+}
+# One /generate inside the namespace: its status, and its body (streamed: the last data chunk before [DONE]).
+_POST = """
+import json, sys, urllib.error, urllib.request
+url = sys.argv[1]
+assert url.startswith("http://127.0.0.1:")
+http = urllib.request.Request(url, data=sys.stdin.read().encode(), headers={"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(http, timeout=300) as answer:
+        status, lines = answer.status, answer.read(1 << 20).decode(errors="replace").splitlines()
+except urllib.error.HTTPError as failed:
+    status, lines = failed.code, failed.read(65536).decode(errors="replace").splitlines()
+chunks = [line[5:].strip() for line in lines if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+print(json.dumps({"status": status, "body": chunks[-1] if chunks else "\\n".join(lines)}))
+"""
+
+
+def _router_counter(deployment, port, name) -> float:
+    """The sum of a counter's series in an sglang-router's own Prometheus exposition."""
+    text = deployment.client("text", f"http://127.0.0.1:{port}/metrics")["text"]
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([\d.e+-]+)$", text, re.MULTILINE))
+
+
+def _through_the_mismatch_router(deployment, rid, stream):
+    """One 64-token prompt with this rid through the router whose only decode refuses every KV: (the answer, the
+    rooms of its attempts, in sglang's own mismatch lines)."""
+    import json
+    import sys
+
+    from sglang_serving import deployment as dep
+
+    (request,) = dep.prompts(1, 64, 4, repeat_every=0, seed=31, rid_prefix="unused")
+    body = {"rid": rid, "input_ids": request["input_ids"], "stream": stream,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    code, out, err = deployment.run_in_namespace(
+        [sys.executable, "-c", _POST, f"http://127.0.0.1:{MISMATCH_ROUTER_PORT}/generate"], timeout=600,
+        input_text=json.dumps(body))
+    assert code == 0, err[-2000:]
+    line = rf"KV checksum mismatch req={re.escape(rid)} bootstrap_room=(\d+) "
+    return json.loads(out), [int(m.group(1)) for m in re.finditer(line, _log(deployment, "decode-mismatch"))]
+
+
+@pytest.fixture(scope="module")
+def retried(deployment, burst):
+    """One client request with its own rid, not streamed, through the router whose only decode drops every
+    request: sglang-router retries the decode's 5xx with the same body (the same rid) and a new bootstrap room,
+    until its attempts run out. The attempts are read from sglang's own mismatch lines (rid and room)."""
+    from sglang_serving import deployment as dep
+
+    metrics_port = dep.ROUTER_METRICS_PORT + 1  # the second router's (tests/sglang_serving/deployment.py)
+    answer, rooms = _through_the_mismatch_router(deployment, RETRIED_RID, stream=False)
+    run = _settled(deployment, [{"room": room} for room in rooms], [answer], "decode-mismatch")
+    deadline = time.monotonic() + 30
+    while len(_rid_spans(run, REQUEST, "prefill")) < len(rooms) and time.monotonic() < deadline:
+        time.sleep(1)  # the prefill's request spans, exported every 0.5 s
+        run.spans = run.read_spans()
+    run.rooms = rooms
+    run.router = {name: _router_counter(deployment, metrics_port, name)
+                  for name in ("smg_router_requests_total", "smg_worker_retries_total")}
+    return run
+
+
+def _rid_spans(run, name, role):
+    return [s for s in run.named(name, role) if s.attributes.get("sglang.rid") == RETRIED_RID]
+
+
+def test_the_router_retried_the_request_with_a_new_room_per_attempt(retried):
+    assert retried.results[0]["status"] == 500, retried.results  # the last attempt's answer
+    attempts = len(retried.rooms)
+    assert attempts >= 2 and len(set(retried.rooms)) == attempts, retried.rooms
+    # the router's own view: one client request, each attempt after the first a retry (of both workers)
+    assert retried.router["smg_router_requests_total"] == 1, retried.router
+    assert retried.router["smg_worker_retries_total"] == 2 * (attempts - 1), retried.router
+
+
+def test_every_attempt_carries_the_clients_rid_on_both_sides(retried):
+    rooms = set(retried.rooms)
+    requests = _rid_spans(retried, REQUEST, "prefill")
+    assert sorted(s.attributes["kv_transfer.bootstrap_room"] for s in requests) == sorted(rooms)
+    for request in requests:
+        sends = retried.children(request, "kv_transfer.send")
+        assert sends and all(s.attributes.get("sglang.rid") == RETRIED_RID for s in sends), request.attributes
+        assert request.is_error is False  # the prefill's transfer succeeded; the decode refused what arrived
+    receives = _rid_spans(retried, RECEIVE, "decode-mismatch")
+    assert sorted(s.attributes["kv_transfer.bootstrap_room"] for s in receives) == sorted(rooms)
+    for receive in receives:
+        assert receive.attributes["kv_transfer.integrity"] == "mismatch"
+        # each attempt's two sides are stitched by its room into one trace
+        (request,) = [s for s in requests if s.attributes["kv_transfer.bootstrap_room"]
+                      == receive.attributes["kv_transfer.bootstrap_room"]]
+        assert receive.trace_id == request.trace_id
+    # nothing of another request carries the rid (the spans found by it are this request's attempts, all of them)
+    assert {s.attributes["kv_transfer.bootstrap_room"] for _, s in retried.spans
+            if s.attributes.get("sglang.rid") == RETRIED_RID} == rooms
+
+
+def _documented_as_attempts() -> str:
+    """docs/telemetry.md's "Retried requests" paragraph."""
+    from support.paths import ROOT
+
+    with open(os.path.join(ROOT, "docs", "telemetry.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    found = re.search(r"^## Retried requests\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
+    assert found, "docs/telemetry.md has no '## Retried requests' section"
+    return found.group(1)
+
+
+def test_the_counters_count_attempts_as_the_docs_say(retried):
+    """Each counter the docs name as counting attempts moved once per attempt span of its server (all of that
+    server's spans so far: the earlier requests' and the retried request's attempts), not once per client request."""
+    doc = _documented_as_attempts()
+    attempts = len(retried.rooms)
+    for otel_name, (prom_name, server, span_name) in ATTEMPT_COUNTERS.items():
+        assert f"`{otel_name}`" in doc, otel_name
+        spans = retried.named(span_name, server)
+        if otel_name == "kv_transfer.integrity_mismatches":
+            spans = [s for s in spans if s.attributes.get("kv_transfer.integrity") == "mismatch"]
+        assert len([s for s in spans if s.attributes.get("sglang.rid") == RETRIED_RID]) == attempts
+        counted = _prom_total(retried.deployment, f'{prom_name}{{service="sglang-{server}"}}', len(spans))
+        assert counted == len(spans), (otel_name, counted, len(spans))
+
+
+def test_a_streamed_request_is_one_attempt_that_ends_in_abort(retried):
+    """The router retries on the decode's status, which a streamed request has sent (200) before the decode verifies
+    its KV: the mismatch reaches the client inside the stream, and there is no second attempt."""
+    import json
+
+    answer, rooms = _through_the_mismatch_router(retried.deployment, "retried-streamed-0", stream=True)
+    assert answer["status"] == 200, answer
+    assert json.loads(answer["body"])["meta_info"]["finish_reason"]["type"] == "abort", answer
+    assert len(rooms) == 1, rooms

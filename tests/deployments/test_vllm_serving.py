@@ -14,6 +14,13 @@ SIGTERM to each API server a second after the last answer, which makes vLLM SIGK
 The pairs run one after the other, once per pytest session (a session fixture per connector; about 3-5 minutes
 each).
 
+Each pair's servers also export OTLP to the real agent Collector (collector/agent.yaml), which exports to a real
+Jaeger (collector/jaeger.yaml), both started in the pair's network namespace before the servers (the Stack of
+test_collector_stack.py; the pair driver joins its namespace); and vLLM traces requests itself
+(`--otlp-traces-endpoint`, the same agent). Two requests per pair come with a client's `traceparent` (pair.TRACED):
+vLLM's own `llm_request` spans and ours are then one trace, the client's; the others keep the synthetic per-key
+trace. Each request's trace is read back from Jaeger's query API and compared with the span files.
+
 One test-only stand-in, because this machine has no GPU: vLLM's MooncakeConnectorWorker asks
 `torch.accelerator.current_device_index()`, which raises on a CPU-only torch; tests/vllm_serving/standin/ is a
 vLLM plugin (a dist-info folder on PYTHONPATH, loaded by vLLM's own plugin loader in every vLLM process) that
@@ -21,19 +28,30 @@ answers 0 when no accelerator exists. Nothing else is replaced: real vLLM schedu
 Mooncake and NIXL engines moving the KV between two processes.
 
 With CI=true a missing vLLM virtualenv fails these tests (`bash scripts/setup-vllm.sh` builds it; KVT_VLLM_PYTHON
-names its python).
+names its python), and so do missing Jaeger and agent binaries (`bash scripts/setup-observability.sh`).
 """
 
+import functools
 import json
 import os
+import shutil
 
 import pytest
 from support import netns
+from support.observability.parts import wait_until
 from support.parts import require_part
+from test_collector_stack import COLLECTOR, Stack, agent_env, find_binary, jaeger_trace, start_jaeger, tags_of
 from vllm_serving import harness
-from vllm_serving.pair import NIXL_SIDE_PORTS
+from vllm_serving.pair import NIXL_SIDE_PORTS, TRACED
+
+from otel_kvtransfer import semconv
+from otel_kvtransfer.building.stitching import key_span_id, key_trace_id
 
 MODEL_NAME = "kvt-tiny-llama"
+AGENT_HEALTH = "http://127.0.0.1:13133/"
+OTLP_ENDPOINT = "http://127.0.0.1:4317"  # the agent's OTLP gRPC receiver, in the pair's namespace
+SERVICES = {"prefill": "vllm-prefill", "decode": "vllm-decode"}  # pair.py's OTEL_SERVICE_NAME per server
+VLLM_REQUEST_SPAN = "llm_request"  # vLLM's own span of a request (`--otlp-traces-endpoint`)
 
 # What each connector is: who initiates, the initiator's role, the op, the peer's waiting span and its role.
 CONNECTORS = {
@@ -47,9 +65,10 @@ CONNECTORS = {
 class PairRun:
     """What one pair left: its results, the spans of both servers, and vLLM's own figures."""
 
-    def __init__(self, connector: str, out_dir: str, results: dict):
+    def __init__(self, connector: str, out_dir: str, results: dict, stack: Stack):
         from otel_kvtransfer.tools.spanfile import read_spans
 
+        self.stack = stack  # Jaeger and the agent, still running: the tests read Jaeger's query API
         self.connector = connector
         self.facts = CONNECTORS[connector]
         self.out_dir = out_dir
@@ -75,21 +94,34 @@ class PairRun:
         return harness.blocks_of(request["prompt_tokens"], self.block_size) * harness.block_bytes(self.block_size)
 
 
-def _pair(connector: str, tmp_path_factory) -> PairRun:
+def _pair(connector: str, out_dir: str, stack: Stack) -> PairRun:
+    python = harness.vllm_python()
+    jaeger, agent = find_binary("jaeger", "KVT_JAEGER"), find_binary("otelcol-agent", "KVT_OTELCOL")
+    start_jaeger(stack, jaeger)
+    stack.start("agent", [agent, "--config", os.path.join(COLLECTOR, "agent.yaml")], agent_env())
+    stack.wait_healthy("agent", AGENT_HEALTH)
+    results = harness.run_pair(python, connector, out_dir, nsenter=stack.nsenter, otlp_endpoint=OTLP_ENDPOINT)
+    if "error" in results:
+        pytest.fail(f"the {connector} pair did not serve: {str(results['error'])[:3000]}")
+    return PairRun(connector, out_dir, results, stack)
+
+
+@pytest.fixture(scope="session", params=sorted(CONNECTORS))
+def pair(request, tmp_path_factory):
     python = harness.vllm_python()
     netns.require_tools()
     require_part(harness.vllm_ready(python),
                  f"the vLLM virtualenv at {python} (run `bash scripts/setup-vllm.sh`, or set KVT_VLLM_PYTHON)")
-    out_dir = str(tmp_path_factory.mktemp(f"vllm-{connector}"))
-    results = harness.run_pair(python, connector, out_dir)
-    if "error" in results:
-        pytest.fail(f"the {connector} pair did not serve: {str(results['error'])[:3000]}")
-    return PairRun(connector, out_dir, results)
-
-
-@pytest.fixture(scope="session", params=sorted(CONNECTORS))
-def pair(request, tmp_path_factory) -> PairRun:
-    return _pair(request.param, tmp_path_factory)
+    require_part(bool(find_binary("jaeger", "KVT_JAEGER") and find_binary("otelcol-agent", "KVT_OTELCOL")
+                      and shutil.which("nsenter")),
+                 "Jaeger and the agent Collector built from the Go module proxy (bash scripts/setup-observability.sh), "
+                 "and nsenter (util-linux)")
+    out_dir = str(tmp_path_factory.mktemp(f"vllm-{request.param}"))
+    stack = Stack(out_dir)  # jaeger.log and agent.log beside the servers' logs
+    try:
+        yield _pair(request.param, out_dir, stack)
+    finally:
+        stack.stop()  # after the servers (run_pair stopped them): every span they exported has been read
 
 
 def _before_the_metrics(pair) -> list:
@@ -333,7 +365,7 @@ def test_each_servers_log_says_the_instrumentation_is_on_with_its_role_and_rank(
         with_role = [line for line in lines if "; role " in line]
         assert len(with_role) == 1, lines
         assert f"; role {_STARTUP_ROLES[pair.connector][role]}, kv_transfer.tp_rank 0 (vllm); " in with_role[0]
-        assert "patched: vllm 0.32" in with_role[0] and "spans: kvtransfer_file (" in with_role[0]
+        assert "patched: vllm 0.32" in with_role[0] and "spans: kvtransfer_file,otlp (" in with_role[0]
 
 
 def test_every_span_carries_the_rank_and_every_send_its_peers(pair):
@@ -382,3 +414,136 @@ def test_the_decode_sets_its_prefill_up_once_before_its_first_read(pair):
     sends = [s for s in pair.spans["decode"] if s.name == "kv_transfer.send"]
     assert {s.attributes["nixl.remote_agent"] for s in sends} == {added.attributes["nixl.remote_agent"]}
     assert handshake.end_time_unix_nano <= min(s.start_time_unix_nano for s in sends)
+
+
+# --- end to end: the agent Collector and Jaeger --------------------------------------------------------------------
+
+def _ours_in_trace(pair, trace_id: str) -> list:
+    """(role, span) of every span of ours the two span files hold for a trace."""
+    return [(role, s) for role in ("prefill", "decode") for s in pair.spans[role]
+            if s.trace_id == trace_id and s.name.startswith("kv_transfer.")]
+
+
+def _jaeger_trace_holding(pair, trace_id: str, span_ids: set) -> dict:
+    """The trace from Jaeger's query API once it holds every one of `span_ids` (bounded)."""
+
+    def complete():
+        trace = jaeger_trace(pair.stack, trace_id, min_spans=len(span_ids), timeout=30)
+        return trace if span_ids <= {s["spanID"] for s in trace["spans"]} else None
+
+    return wait_until(complete, 90, 1.0, what=f"trace {trace_id} in Jaeger with {len(span_ids)} spans of ours")
+
+
+def _service(trace: dict, span: dict) -> str:
+    return trace["processes"][span["processID"]]["serviceName"]
+
+
+def _parents(span: dict) -> list:
+    return [r["spanID"] for r in span["references"] if r["refType"] == "CHILD_OF"]
+
+
+def test_each_requests_trace_in_jaeger_has_both_servers_and_every_span_of_the_span_files(pair):
+    """Through the agent into Jaeger: each request's trace has both services, our request span with its sends
+    (their exact bytes), the peer's waiting span, and exactly the spans of ours the span files hold for that trace,
+    with the same names and parents."""
+    facts = pair.facts
+    for request in pair.results["requests"]:
+        key = pair.key_of(request)
+        span = pair.request_span(key)
+        ours = _ours_in_trace(pair, span.trace_id)
+        trace = _jaeger_trace_holding(pair, span.trace_id, {s.span_id for _, s in ours})
+        by_id = {s["spanID"]: s for s in trace["spans"]}
+        for role, mine in ours:
+            got = by_id[mine.span_id]
+            assert got["operationName"] == mine.name
+            assert _parents(got) == ([mine.parent_span_id] if mine.parent_span_id else []), (mine.name, key)
+            assert _service(trace, got) == SERVICES[role]
+            tags = tags_of(got["tags"])
+            for name in (semconv.BYTES, semconv.REQUEST_KEY):
+                assert tags.get(name) == mine.attributes.get(name), (mine.name, name)
+        assert sum(1 for s in trace["spans"] if s["operationName"].startswith("kv_transfer.")) == len(ours)
+        assert {_service(trace, s) for s in trace["spans"]} >= set(SERVICES.values())
+
+        got_request = by_id[span.span_id]
+        assert _service(trace, got_request) == SERVICES[facts["initiator"]]
+        sends = pair.named(facts["initiator"], semconv.SPAN_SEND, key)
+        assert sends
+        for send in sends:
+            got = by_id[send.span_id]
+            assert _parents(got) == [span.span_id]
+            assert tags_of(got["tags"])[semconv.BYTES] == send.attributes[semconv.BYTES]
+        assert tags_of(got_request["tags"])[semconv.BYTES] == sum(s.attributes[semconv.BYTES] for s in sends) \
+            == pair.expected_bytes(request)
+        (peer,) = pair.named(facts["waiter"], facts["peer"], key)
+        got_peer = by_id[peer.span_id]
+        assert got_peer["operationName"] == facts["peer"]
+        assert _service(trace, got_peer) == SERVICES[facts["waiter"]]
+        assert tags_of(got_peer["tags"])[semconv.ROLE] == facts["peer_role"]
+
+
+def _chain_reaches(by_id: dict, span: dict, target: str) -> bool:
+    """Up the CHILD_OF references from `span` (bounded), is `target` reached?"""
+    for _ in range(16):
+        parents = _parents(span)
+        if target in parents:
+            return True
+        if not parents or parents[0] not in by_id:
+            return False
+        span = by_id[parents[0]]
+    return False
+
+
+def _with_vllms_spans(pair, trace_id: str, ours: list):
+    """(the trace, vLLM's own request spans in it) once Jaeger holds ours and one of vLLM's per server."""
+    trace = _jaeger_trace_holding(pair, trace_id, {s.span_id for _, s in ours})
+    found = [s for s in trace["spans"] if s["operationName"] == VLLM_REQUEST_SPAN]
+    return (trace, found) if len(found) >= 2 else None
+
+
+def test_a_clients_traceparent_joins_vllms_own_spans_and_ours_in_one_trace(pair):
+    """The requests sent with a client's traceparent (to both servers, as a proxy forwards it): vLLM's own
+    `llm_request` span of each server and our request, send and receive / serve spans all carry the client's
+    trace id in Jaeger, each of vLLM's spans and our top spans under the client's span."""
+    facts = pair.facts
+    traced = [r for r in pair.results["requests"] if r.get("client_trace")]
+    assert [r["index"] for r in traced] == list(TRACED)
+    for request in traced:
+        client = request["client_trace"]
+        key = pair.key_of(request)
+        span = pair.request_span(key)
+        (peer,) = pair.named(facts["waiter"], facts["peer"], key)
+        sends = pair.named(facts["initiator"], semconv.SPAN_SEND, key)
+        assert {s.trace_id for s in (span, peer, *sends)} == {client["trace_id"]}
+        assert span.parent_span_id == peer.parent_span_id == client["span_id"]
+        ours = _ours_in_trace(pair, client["trace_id"])
+        assert {s.span_id for _, s in ours} == {s.span_id for s in (span, peer, *sends)}
+
+        trace, vllms = wait_until(functools.partial(_with_vllms_spans, pair, client["trace_id"], ours), 90, 1.0,
+                                  what=f"vLLM's own spans in trace {client['trace_id']}")
+        by_id = {s["spanID"]: s for s in trace["spans"]}
+        assert len(vllms) == 2 and all(_parents(s) == [client["span_id"]] for s in vllms)
+        assert all(s["traceID"].rjust(32, "0") == client["trace_id"] for s in trace["spans"])
+        # one per server, each naming the request that server answered (vLLM's id: the response id + "-<choice>")
+        roles = {role for role, service in SERVICES.items() for s in vllms if _service(trace, s) == service}
+        assert roles == set(SERVICES)
+        for got in vllms:
+            (role,) = [r for r, service in SERVICES.items() if _service(trace, got) == service]
+            assert str(tags_of(got["tags"])["gen_ai.request.id"]).startswith(request[f"{role}_response_id"] + "-")
+        for mine in (span, peer, *sends):
+            assert _chain_reaches(by_id, by_id[mine.span_id], client["span_id"]), mine.name
+
+
+def test_requests_without_a_traceparent_keep_their_synthetic_per_key_trace(pair):
+    """No traceparent: both sides' top spans under the synthetic parent of the request key, as before, and none of
+    vLLM's own request spans in that trace."""
+    facts = pair.facts
+    plain = [r for r in pair.results["requests"] if not r.get("client_trace")]
+    assert len(plain) == len(pair.results["requests"]) - len(TRACED)
+    for request in plain:
+        key = pair.key_of(request)
+        span = pair.request_span(key)
+        (peer,) = pair.named(facts["waiter"], facts["peer"], key)
+        assert span.trace_id == peer.trace_id == f"{key_trace_id(key):032x}"
+        assert span.parent_span_id == peer.parent_span_id == f"{key_span_id(key):016x}"
+        trace = _jaeger_trace_holding(pair, span.trace_id, {span.span_id, peer.span_id})
+        assert not [s for s in trace["spans"] if s["operationName"] == VLLM_REQUEST_SPAN]

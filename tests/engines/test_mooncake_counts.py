@@ -5,6 +5,7 @@ import array
 
 import numpy as np
 
+from otel_kvtransfer import semconv
 from otel_kvtransfer.engines import mooncake
 
 
@@ -34,7 +35,7 @@ def test_nic_hints_are_kept_by_their_shown_name_bounded():
     try:
         for i in range(300):
             extra = mooncake._hint_extra(f"{i:04d}" + "x" * (1 << 20))
-            assert len(extra[mooncake.semconv.NIC]) == 64
+            assert len(extra[semconv.NIC]) == 64
         assert len(mooncake._hinted) <= 256
         assert all(type(key) is str and len(key) <= 64 for key in mooncake._hinted)
 
@@ -45,7 +46,7 @@ def test_nic_hints_are_kept_by_their_shown_name_bounded():
             def __str__(self):
                 return "mlx5_7"
 
-        assert mooncake._hint_extra(Unhashable()) == {mooncake.semconv.NIC: "mlx5_7"}
+        assert mooncake._hint_extra(Unhashable()) == {semconv.NIC: "mlx5_7"}
         assert mooncake._hint_extra("mlx5_7") is mooncake._hint_extra(Unhashable())
     finally:
         mooncake._hinted.clear()

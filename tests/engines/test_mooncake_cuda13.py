@@ -14,7 +14,6 @@ every byte moved are real. The `*_on_cuda` calls need a CUDA stream: here they f
 With CI=true a missing virtualenv fails these tests instead of skipping them.
 """
 
-import functools
 import glob
 import json
 import os
@@ -24,7 +23,7 @@ import subprocess
 import sys
 
 import pytest
-from support import netns
+from support import cuda13_venvs, netns
 from support.instrumented_app import spans_when
 from support.parts import require_part
 from support.paths import APPS, ROOT, TESTS
@@ -40,32 +39,13 @@ DEAD_PORT = 1  # the apps' peer that is not there
 
 
 def mc14_python() -> str:
-    explicit = os.environ.get("KVT_MC14_PYTHON")
-    if explicit:
-        return explicit
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    venv = os.environ.get("KVT_MC14_VENV") or os.path.join(cache, "otel-kvtransfer", "mooncake-cuda13-venv")
-    return os.path.join(venv, "bin", "python")
+    return cuda13_venvs.python_of(cuda13_venvs.MC14)
 
 
-def _library_path(python: str) -> str:
-    """The stand-in driver's and the CUDA runtime's folders, as the set-up script wrote them for the venv."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(python)), "kvt-ld-library-path"), encoding="utf-8") as f:
-        return f.read().strip()[:4096]
-
-
-@functools.lru_cache(maxsize=None)
 def mc14_ready(python: str) -> bool:
-    if not os.path.isfile(python):
-        return False
-    probe = ("import importlib.metadata as m, mooncake.engine, numpy, otel_kvtransfer, pytest, opentelemetry.distro\n"
-             "assert m.version('mooncake-transfer-engine-cuda13') == '0.3.14'")
-    try:
-        env = dict(os.environ, LD_LIBRARY_PATH=_library_path(python))
-        return subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=120,
-                              check=False).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return cuda13_venvs.ready(python, "import importlib.metadata as m, mooncake.engine, numpy, otel_kvtransfer, "
+                                      "pytest, opentelemetry.distro\n"
+                                      "assert m.version('mooncake-transfer-engine-cuda13') == '0.3.14'")
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +56,7 @@ def mc14():
     require_part(mc14_ready(python), f"the Mooncake 0.3.14 (CUDA 13 build) virtualenv at {python} "
                                      "(run `bash scripts/setup-mooncake-cuda13.sh`, or set KVT_MC14_PYTHON)")
     netns.require_tools()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update({"LD_LIBRARY_PATH": _library_path(python), "MC_LOG_LEVEL": "ERROR", "MC_FORCE_TCP": "1"})
-    return python, netns.with_pythonpath(env, APPS, ROOT)
+    return python, netns.with_pythonpath(cuda13_venvs.engine_env(python), APPS, ROOT)
 
 
 def _in_mc14(mc14, test_name: str) -> None:
@@ -94,7 +72,7 @@ def _in_mc14(mc14, test_name: str) -> None:
 def test_only_the_cuda_driver_is_a_stand_in(mc14):
     """The engine library loads the stand-in for libcuda.so.1 alone: the CUDA runtime is NVIDIA's own (its wheel),
     every other library the engine links is the system's or the wheel's, and the stand-in defines exactly the
-    driver calls the engine imports."""
+    driver calls the package's libraries import."""
     require_part(all(shutil.which(tool) for tool in ("ldd", "nm")), "ldd and nm (binutils)")
     python, env = mc14
     engine = subprocess.run([python, "-c", "import mooncake.engine as m; print(m.__file__)"], env=env,
@@ -115,8 +93,12 @@ def test_only_the_cuda_driver_is_a_stand_in(mc14):
                              check=True).stdout
         return {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
 
-    imported = {s for s in symbols("--undefined-only", path=engine) if re.match(r"^cu[A-Z]", s)}
-    assert len(imported) > 10 and symbols("--defined-only", path=os.path.join(standin, "libcuda.so.1")) == imported
+    # every library of the package (the engine and the store and allocators it may load beside it)
+    libraries = glob.glob(os.path.join(os.path.dirname(engine), "*.so"))
+    imported = {s for library in libraries for s in symbols("--undefined-only", path=library)
+                if re.match(r"^cu[A-Z]", s)}
+    assert engine in libraries and len(imported) > 10
+    assert symbols("--defined-only", path=os.path.join(standin, "libcuda.so.1")) == imported
 
 
 # --- what the wrappers read, against the real 0.3.14 module ---------------------------------------------------------

@@ -13,7 +13,6 @@ they fail as on a host without a GPU (real), and are failed sends. With CI=true 
 tests instead of skipping them.
 """
 
-import functools
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import shutil
 import subprocess
 
 import pytest
-from support import netns
+from support import cuda13_venvs, netns
 from support.instrumented_app import spans_when
 from support.parts import require_part
 from support.paths import APPS
@@ -34,32 +33,12 @@ RUN_TIMEOUT_S = 300
 
 
 def tokenspeed_python() -> str:
-    explicit = os.environ.get("KVT_TOKENSPEED_PYTHON")
-    if explicit:
-        return explicit
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    venv = os.environ.get("KVT_TOKENSPEED_VENV") or os.path.join(cache, "otel-kvtransfer", "tokenspeed-mooncake-venv")
-    return os.path.join(venv, "bin", "python")
+    return cuda13_venvs.python_of(cuda13_venvs.TOKENSPEED)
 
 
-def _library_path(python: str) -> str:
-    """The stand-in driver's and the CUDA runtime's folders, as the set-up script wrote them for the venv."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(python)), "kvt-ld-library-path"), encoding="utf-8") as f:
-        return f.read().strip()[:4096]
-
-
-@functools.lru_cache(maxsize=None)
 def tokenspeed_ready(python: str) -> bool:
-    if not os.path.isfile(python):
-        return False
-    probe = ("import importlib.metadata as m, mooncake.engine, numpy, otel_kvtransfer, opentelemetry.distro\n"
-             f"m.version({BUILD!r})")
-    try:
-        env = dict(os.environ, LD_LIBRARY_PATH=_library_path(python))
-        return subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=120,
-                              check=False).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return cuda13_venvs.ready(python, "import importlib.metadata as m, mooncake.engine, numpy, otel_kvtransfer, "
+                                      f"opentelemetry.distro\nm.version({BUILD!r})")
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +49,7 @@ def venv():
     require_part(tokenspeed_ready(python), f"the tokenspeed-mooncake virtualenv at {python} (run "
                                            "`bash scripts/setup-tokenspeed-mooncake.sh`, or set KVT_TOKENSPEED_PYTHON)")
     netns.require_tools()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHON"))}
-    env.update({"LD_LIBRARY_PATH": _library_path(python), "MC_LOG_LEVEL": "ERROR", "MC_FORCE_TCP": "1"})
-    return python, env
+    return python, cuda13_venvs.engine_env(python, ("OTEL_", "PYTHON"))
 
 
 _GATE = r"""

@@ -27,6 +27,7 @@ import traceback
 
 import pytest
 import wrapt
+from support import vllm_ascend_source
 from support.parts import require_part
 from support.paths import ROOT
 
@@ -37,7 +38,7 @@ from otel_kvtransfer.recording.recorder import RECORDER, Sink
 
 IN_PROCESS = "KVT_CONTRACT_IN_PROCESS"  # set when this file runs inside another virtualenv
 # Backends whose library lives in another virtualenv: the test runs this file there.
-ELSEWHERE = {"otel_kvtransfer.frameworks.vllm": "vllm"}
+ELSEWHERE = {"otel_kvtransfer.frameworks.vllm": "vllm", "otel_kvtransfer.frameworks.vllm_ascend": "vllm_ascend"}
 BACKENDS = registry.ENGINES + registry.FRAMEWORKS
 
 
@@ -157,11 +158,23 @@ def _run_elsewhere(name: str, venv: str) -> None:
     python = harness.vllm_python()
     require_part(harness.vllm_ready(python), f"the {venv} virtualenv at {python} (run `bash scripts/setup-vllm.sh`)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
-    env.update({IN_PROCESS: "1", "PYTHONPATH": ROOT})
-    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", name],
+    env.update({IN_PROCESS: "1", "PYTHONPATH": os.pathsep.join(_elsewhere_path(venv))})
+    # the one case by its id (`-k vllm` would also pick vllm_ascend's)
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_backend_contract[{name}]"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+def _elsewhere_path(module: str) -> tuple:
+    """What the vLLM venv needs first on its path for `module`: vllm-ascend's source and the stand-in of its NPU
+    library (tests/frameworks/vllm_ascend), or nothing but this checkout."""
+    if module != "vllm_ascend":
+        return (ROOT,)
+    require_part(vllm_ascend_source.ready(),
+                 f"vllm-ascend's source at {vllm_ascend_source.source_dir()} (run `bash scripts/setup-vllm-ascend.sh`)")
+    return vllm_ascend_source.STANDIN, vllm_ascend_source.source_dir(), ROOT
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -226,8 +226,8 @@ def test_dashboard_and_alert_rules_ship_in_the_wheel(wheel, venv):
             assert installed.read() == source.read(), name
 
 
-COMPILED = "otel_kvtransfer/recording/_async_compiled."
-SAYS_COMPILED = ("import json; from otel_kvtransfer.recording import compiled; "
+COMPILED = "otel_kvtransfer/engines/mooncake/_async_compiled."
+SAYS_COMPILED = ("import json; from otel_kvtransfer.engines.mooncake import compiled; "
                  "print(json.dumps([compiled.available(), compiled.chosen() is not None]))")
 
 

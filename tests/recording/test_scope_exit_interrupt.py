@@ -10,12 +10,12 @@ signal handlers (a function's start, the instruction after a call or a backward 
 `with` runs through with no point left to interrupt.
 """
 
-import dis
 import inspect
 import sys
 import threading
 
 import pytest
+from support.interrupt_seam import Seam
 
 from otel_kvtransfer import integration as kvt
 from otel_kvtransfer import semconv
@@ -28,44 +28,6 @@ RAW = 777  # the raw engine call each round makes after the interrupt
 IN_SCOPE = 55  # the call each scope carries
 AGAIN = 33  # its call when entered again
 FIRST_KEY = 9_100_000
-
-
-# The instructions after which CPython runs pending signal handlers (and raises what PyThreadState_SetAsyncExc
-# set): a call (of C code: after it returned), a backward jump; and a function's start. 3.10-3.13 names; a name a
-# release lacks just gives no point.
-_CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW",
-                                               "CALL_FUNCTION_EX", "CALL_METHOD", "JUMP_BACKWARD", "JUMP_ABSOLUTE")
-                  if name in dis.opmap}
-
-
-class Seam:
-    """A trace function that raises KeyboardInterrupt at the `at`-th point where CPython may raise an asynchronous
-    exception (a function's start, the instruction after a call or a backward jump), in every frame it sees;
-    `fired` says where. `skip(frame, event)` leaves a point out."""
-
-    def __init__(self, at: int, skip=None):
-        self.at, self.seen, self.fired, self.skip = at, 0, None, skip
-        self._last = {}  # frame -> the opcode it ran last
-
-    def __call__(self, frame, event, arg):
-        frame.f_trace_opcodes = True
-        return self.local(frame, event, arg)
-
-    def local(self, frame, event, arg):
-        if event == "opcode":
-            last, self._last[frame] = self._last.get(frame), frame.f_code.co_code[frame.f_lasti]
-            point = last in _CHECKED_AFTER
-        else:
-            point = event == "call"
-        if not point or (self.skip is not None and self.skip(frame, event)):
-            return self.local
-        if self.seen == self.at:
-            self.seen += 1
-            self.fired = (frame.f_code.co_name, event, frame.f_lineno)
-            self._last.clear()
-            raise KeyboardInterrupt
-        self.seen += 1
-        return self.local
 
 
 def _call(nbytes):
@@ -97,7 +59,7 @@ def _rounds(engine, receiver, skip=None):
     for k in range(100_000):
         key = FIRST_KEY + k
         scope = kvt.transfer_scope(key, chunk_index=0, is_last_chunk=True)
-        seam = Seam(k, skip)
+        seam = Seam(k, None if skip is None else lambda frame, event: not skip(frame, event))
         try:
             sys.settrace(seam)
             with scope:

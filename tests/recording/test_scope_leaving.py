@@ -11,11 +11,11 @@ and on a full queue, every send queued or counted.
 - A scope's leave on a full queue queues what fits and counts the rest as `queue_full`: spans + drops = sends.
 """
 
-import dis
 import sys
 import threading
 
 import pytest
+from support.interrupt_seam import Seam
 
 from otel_kvtransfer import config, semconv
 from otel_kvtransfer import integration as kvt
@@ -26,10 +26,6 @@ from otel_kvtransfer.recording.clock import now_ns
 IN_SCOPE = 55  # the call each scope carries
 RAW = 777  # a call made outside any scope
 LATE = 99  # a call made in a scope left attached to its thread, after its request ended
-
-_CHECKED_AFTER = {dis.opmap[name] for name in ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW",
-                                               "CALL_FUNCTION_EX", "CALL_METHOD", "JUMP_BACKWARD", "JUMP_ABSOLUTE")
-                  if name in dis.opmap}
 
 
 def _call(nbytes):
@@ -108,34 +104,6 @@ def test_an_exit_looked_up_inside_nested_scopes_by_hand_leaves_its_own(telemetry
 
 # --- interrupts where leaving is abandoned ---------------------------------------------------------------------
 
-class Seam:
-    """A trace function that raises KeyboardInterrupt at the `at`-th point where CPython may raise an asynchronous
-    exception (a function's start, the instruction after a call or a backward jump), in the frames `where` admits;
-    `fired` says where. (A trace function that raises is switched off: one interrupt per trace.)"""
-
-    def __init__(self, at, where):
-        self.at, self.where, self.seen, self.fired, self._last = at, where, 0, None, {}
-
-    def __call__(self, frame, event, arg):
-        frame.f_trace_opcodes = True
-        return self.local(frame, event, arg)
-
-    def local(self, frame, event, arg):
-        if event == "opcode":
-            last, self._last[frame] = self._last.get(frame), frame.f_code.co_code[frame.f_lasti]
-            point = last in _CHECKED_AFTER
-        else:
-            point = event == "call"
-        if not point or not self.where(frame):
-            return self.local
-        if self.seen == self.at:
-            self.seen += 1
-            self.fired = (frame.f_code.co_name, event, frame.f_lineno)
-            raise KeyboardInterrupt
-        self.seen += 1
-        return self.local
-
-
 def _interrupted_rounds(first_key, leave, where):
     """One round per point: a request, a scope of it entered and its body run, `leave(scope)` interrupted at that
     point (of the frames `where` admits), the request's end, then the thread asks for its scope (as framework hooks
@@ -146,7 +114,7 @@ def _interrupted_rounds(first_key, leave, where):
         key = first_key + k
         kvt.begin_request(key, backend="test-engine")
         scope = kvt.transfer_scope(key, chunk_index=0, is_last_chunk=True)
-        seam = Seam(k, where)
+        seam = Seam(k, lambda frame, event: where(frame))
         leave(scope, seam)
         left_attached = integration.THREAD.scope is scope
         if left_attached:

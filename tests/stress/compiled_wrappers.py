@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
     from otel_kvtransfer import KVTransferInstrumentor
     from otel_kvtransfer.demo.loopback import Receiver, open_engine
-    from otel_kvtransfer.recording import compiled
+    from otel_kvtransfer.engines.mooncake import compiled
 
     hot_path = os.environ.get("OTEL_KVTRANSFER_HOT_PATH", "compiled")
     if hot_path == "compiled" and not compiled.available():

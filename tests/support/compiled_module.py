@@ -5,7 +5,7 @@ import importlib.util
 import os
 import sys
 
-NAME = "otel_kvtransfer.recording._async_compiled"
+NAME = "otel_kvtransfer.engines.mooncake._async_compiled"
 VARIABLE = "KVT_COMPILED_MODULE"  # the path of that build, for the test session
 
 

@@ -14,6 +14,12 @@ the engines' are declared below and kept in step with their patch functions by t
 Mooncake's engine is a compiled extension: its method names are looked up in the binary's string table (pybind11
 keeps them there).
 
+vllm-ascend (vLLM's Ascend NPU plugin, whose own Mooncake connectors otel_kvtransfer/frameworks/vllm_ascend wraps)
+publishes some releases as an sdist only (0.23.0.post1; its wheels stop at 0.23.0): its newest release is asked for
+any kind of distribution, and one without a wheel is read from its sdist. pip fetches that with `pip download
+--no-binary :all: --no-build-isolation`, which runs the sdist's metadata step (never a build) in a small virtualenv
+of the canary's own (setuptools, setuptools-scm); the Python files and PKG-INFO are unpacked, the sdist deleted.
+
 Every published build of each engine is read, its newest release each (the build names are the engine modules'
 DISTRIBUTIONS): Mooncake's ten (CUDA 12, CPU, CUDA 13, three EFA, ROCm, NPU, MUSA, TokenSpeed's fork), each wheel's
 own compiled engine; NIXL's three (`nixl` chooses a build at import time: its code is the `nixl-cu12` release of
@@ -38,6 +44,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -136,6 +143,12 @@ MOONCAKE_OPTIONAL = ("initialize_ext", "transfer_sync", "batch_transfer_sync", "
                                                               *MOONCAKE_METHODS}))
 
 
+def _vllm_ascend_targets() -> List[Target]:
+    from otel_kvtransfer.frameworks.vllm_ascend import targets
+
+    return targets.ALL
+
+
 def _vllm_targets() -> List[Target]:
     from otel_kvtransfer.frameworks.vllm import targets
 
@@ -150,6 +163,9 @@ class Library:
     aliases: Dict[str, str] = field(default_factory=dict)  # module prefix -> where its code lives
     binary: Optional[Tuple[str, Tuple[str, ...], Tuple[str, ...]]] = None  # (file pattern, required, optional)
     supported: Optional[str] = None  # an engine's supported range: a newest release below it is not checked
+    # Set for a library that publishes releases as an sdist only: the environment its metadata step needs (the
+    # newest release is then asked for any kind of distribution, and one without a wheel is read from its sdist).
+    sdist_env: Optional[Dict[str, str]] = None
 
 
 def _nixl_build(name: str) -> Library:
@@ -163,6 +179,9 @@ def _nixl_build(name: str) -> Library:
 LIBRARIES = {
     "vllm": Library("vllm", "vllm", _vllm_targets),
     "sglang": Library("sglang", "sglang", lambda: SGLANG_TARGETS),
+    # Its setup.py asks `npu-smi` for the chip unless SOC_VERSION names one (its metadata step needs nothing else).
+    "vllm-ascend": Library("vllm-ascend", "vllm-ascend", _vllm_ascend_targets,
+                           sdist_env={"SOC_VERSION": "ascend910b1"}),
     **{name: Library(name, name, binary=(r"^mooncake/engine[^/]*\.so$", MOONCAKE_METHODS, MOONCAKE_OPTIONAL),
                      supported=mooncake_engine.SUPPORTED) for name in mooncake_engine.DISTRIBUTIONS},
     **{name: _nixl_build(name) for name in nixl_engine.DISTRIBUTIONS},
@@ -234,6 +253,16 @@ def releases(distribution: str, python: str) -> List[str]:
     raise RegistryUnreachable(f"no release list for {distribution} (Python {python}): {last}")
 
 
+def any_kind_releases(distribution: str) -> List[str]:
+    """The releases on the registry of any kind of distribution (sdists too), newest first."""
+    done = _pip("index", "versions", distribution, timeout_s=PIP_TIMEOUT_S)
+    found = re.search(r"^Available versions: (.+)$", done.stdout, re.MULTILINE)
+    if done.returncode == 0 and found:
+        return [v.strip() for v in found.group(1).split(",") if _VERSION.match(v.strip())][:1000]
+    last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+    raise RegistryUnreachable(f"no release list for {distribution}: {last}")
+
+
 def releases_by_python(distribution: str) -> Dict[str, List[str]]:
     """Each declared Python's releases of `distribution`: one look-up per Python, asked side by side, each bounded by
     pip's own network timeout and PIP_TIMEOUT_S."""
@@ -287,6 +316,10 @@ def resolve(library: "Library", version: Optional[str]) -> Resolved:
     """The release to check: `version`, or the newest with a wheel for any declared Python."""
     if version is None:
         version, wheels_for = newest(releases_by_python(library.name))
+        if library.sdist_env is not None:
+            newest_any = max(any_kind_releases(library.name), key=_order, default=None)
+            if newest_any is not None and (version is None or _order(newest_any) > _order(version)):
+                version, wheels_for = newest_any, []  # an sdist only
         if version is None:
             raise NoWheel(f"no wheel on the registry for Python {pythons_text(declared_pythons())} on this platform")
     else:
@@ -333,11 +366,16 @@ def source_dir(library: Library, version: str, pythons: Sequence[str] = ()) -> s
             break
         if _NO_WHEEL not in done.stderr or any(sign in done.stderr for sign in _NOT_REACHED):
             break  # not a missing wheel for this Python: no other Python will fare better
+    if done.returncode != 0 and library.sdist_env is not None and _NO_WHEEL in done.stderr:
+        done = _sdist_download(library, version, wheels)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
         raise RegistryUnreachable(f"could not download {library.code}=={version}: {last}")
-    pattern = re.compile(library.binary[0]) if library.binary else None
     for name in sorted(os.listdir(wheels)):
+        if name.endswith(".tar.gz"):
+            _unpack_sdist(os.path.join(wheels, name), src)
+    pattern = re.compile(library.binary[0]) if library.binary else None
+    for name in sorted(n for n in os.listdir(wheels) if n.endswith(".whl")):
         with zipfile.ZipFile(os.path.join(wheels, name)) as wheel:
             for member in wheel.namelist():
                 # Python code, its data files (small), the version metadata: the tree imports where it can
@@ -349,6 +387,68 @@ def source_dir(library: Library, version: str, pythons: Sequence[str] = ()) -> s
     with open(os.path.join(src, ".complete"), "w", encoding="utf-8") as marker:
         marker.write(version + "\n")
     return src
+
+
+SDIST_BUILD = ("setuptools>=64", "setuptools-scm>=8", "wheel", "packaging")  # what an sdist's metadata step imports
+
+
+def _build_python() -> str:
+    """A small virtualenv of the canary's own (in its cache, made once) in which pip runs an sdist's metadata step
+    with no build isolation: nothing else is installed, nothing is built."""
+    venv = os.path.join(cache_root(), "sdist-build-venv")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(os.path.join(venv, ".complete")):
+        shutil.rmtree(venv, ignore_errors=True)
+        try:
+            subprocess.run([sys.executable, "-m", "venv", venv], capture_output=True, timeout=PIP_TIMEOUT_S * 2,
+                           check=True)
+        except (subprocess.SubprocessError, OSError) as error:
+            raise RegistryUnreachable(f"could not make the sdist build virtualenv: {str(error)[:160]}") from error
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--timeout", "20",
+                               "--retries", "1", *SDIST_BUILD], capture_output=True, text=True,
+                              timeout=PIP_TIMEOUT_S * 5, check=False)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no answer"])[-1][:200]
+            raise RegistryUnreachable(f"could not install {', '.join(SDIST_BUILD)}: {last}")
+        with open(os.path.join(venv, ".complete"), "w", encoding="utf-8") as marker:
+            marker.write("\n".join(SDIST_BUILD) + "\n")
+    return python
+
+
+def _sdist_download(library: Library, version: str, folder: str) -> subprocess.CompletedProcess:
+    """The release's sdist into `folder` (pip runs its metadata step, in the build virtualenv)."""
+    command = [_build_python(), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+               "--no-cache-dir", "--disable-pip-version-check", "--timeout", "20", "--retries", "1", "-d", folder,
+               f"{library.code}=={version}"]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S * 10, check=False,
+                              env={**os.environ, **(library.sdist_env or {})})
+    except subprocess.TimeoutExpired as error:
+        raise RegistryUnreachable(f"pip download of {library.code}=={version} took too long") from error
+
+
+def _unpack_sdist(archive: str, src: str) -> None:
+    """An sdist's Python files and its PKG-INFO (as `<name>.egg-info/PKG-INFO`, so its version can be read); its
+    entry points are left out, like everything else that is not code."""
+    with tarfile.open(archive, "r:gz") as sdist:
+        for member in sdist.getmembers():
+            parts = member.name.split("/")
+            if not member.isfile() or len(parts) < 2 or ".." in parts or member.name.startswith("/"):
+                continue
+            inside = "/".join(parts[1:])  # below the sdist's own top folder
+            if inside == "PKG-INFO":
+                target = os.path.join(src, parts[0].rsplit("-", 1)[0] + ".egg-info", "PKG-INFO")
+            elif inside.endswith(".py") and "/" in inside and not inside.startswith(("tests/", "docs/",
+                                                                                        "examples/", "benchmarks/")):
+                target = os.path.join(src, *inside.split("/"))
+            else:
+                continue
+            handle = sdist.extractfile(member)
+            if handle is None or member.size > _MAX_SOURCE:
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with handle, open(target, "wb") as out:
+                out.write(handle.read())
 
 
 def tree_reader(src: str, aliases: Dict[str, str]) -> Callable[[str], Optional[ast.Module]]:
@@ -436,6 +536,8 @@ def main(argv=None) -> int:
         version, note = resolved.version, resolved.note
         if resolved.wheels_for:
             version += f" (wheels for Python {pythons_text(resolved.wheels_for)})"
+        elif library.sdist_env is not None and name not in pinned:
+            version += " (an sdist only)"
         if below_supported(library, resolved.version):
             held = "holds no engine" if any("no engine binary" in a for a in absent) else (
                 "lacks " + ", ".join(absent[:6]) if absent else "has every patch target")

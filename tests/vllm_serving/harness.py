@@ -45,12 +45,18 @@ def vllm_ready(python: str) -> bool:
         return False
 
 
-def run_pair(python: str, connector: str, out_dir: str) -> dict:
-    """Run the pair end to end (servers stopped before this returns); results.json as a dict."""
+def run_pair(python: str, connector: str, out_dir: str, nsenter=None, otlp_endpoint=None) -> dict:
+    """Run the pair end to end (servers stopped before this returns); results.json as a dict.
+
+    In a private network namespace of its own, or, with `nsenter` (the command that joins one), in that one: where
+    the tests' agent Collector listens at `otlp_endpoint`, which the servers then export to as well."""
     # This checkout's package first: the venv's own install of it may point at another clone.
     env = netns.with_pythonpath(dict(os.environ), ROOT)
+    argv = [python, PAIR, "--connector", connector, "--out", out_dir]
+    if otlp_endpoint:
+        argv += ["--otlp-endpoint", otlp_endpoint]
     with open(os.path.join(out_dir, "driver.log"), "wb") as log:
-        completed = subprocess.run(netns.private_net([python, PAIR, "--connector", connector, "--out", out_dir]),
+        completed = subprocess.run(list(nsenter) + argv if nsenter else netns.private_net(argv),
                                    env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
                                    check=False)
     path = os.path.join(out_dir, "results.json")

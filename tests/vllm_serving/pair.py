@@ -1,7 +1,7 @@
 """One real vLLM prefill/decode pair, driven end to end; run inside a private network namespace.
 
     unshare --net bash -c 'ip link set lo up; exec <vllm venv python> tests/vllm_serving/pair.py \
-        --connector mooncake|nixl --out DIR'
+        --connector mooncake|nixl --out DIR [--otlp-endpoint http://127.0.0.1:4317]'
 
 Starts `python -m vllm.entrypoints.openai.api_server` twice (prefill and decode, one core each) under
 `opentelemetry-instrument`, both exporting spans to files in DIR, measures the link capacity of the same engine
@@ -10,6 +10,11 @@ proxy's two requests (prefill with max_tokens 1, then decode with the prefill's 
 prompt, scrapes both servers' /metrics, stops both servers by their PID and writes DIR/results.json. The
 servers, the client and the engines all live in the namespace: several listeners bind all interfaces.
 Everything waits a bounded time; a failure is written to results.json as "error" with the log tails.
+
+With `--otlp-endpoint` (an OTLP gRPC receiver in the same namespace: the tests start the agent Collector there,
+with Jaeger behind it) the servers export their spans there too, beside the span files, and vLLM traces requests
+itself (`--otlp-traces-endpoint`, the same receiver). Some requests (TRACED) then come with a client's W3C
+`traceparent`, sent to both servers as a proxy forwards it: vLLM's own `llm_request` span and ours join that trace.
 
 The servers run as a user runs them: the default OpenTelemetry settings (the default builder, the
 BatchSpanProcessor's default 5 s delay), stopped with SIGTERM to each API server's PID (what `kill`, docker and
@@ -51,6 +56,8 @@ START_TIMEOUT_S = 420
 # while they did, the first request took 23-34 s to reach the decode and a 30 s lease ran out in CI).
 KV_TIMEOUT_S = 30
 LATE_WATCH_S = 600
+TRACED = (1, 4)  # with --otlp-endpoint: the requests sent with a client's traceparent (one alone, one of the two
+# decoded at once); the others keep the synthetic per-key trace
 LAST_ANSWER_TO_STOP_S = 1.0  # a user stops the servers right after the traffic (the recorder drains every 0.2 s)
 HELPERS_END_S = 180  # the builder processes export what they hold and end (each within its own 120 s bound)
 PR_SET_CHILD_SUBREAPER = 36
@@ -66,7 +73,7 @@ def kv_transfer_config(connector: str, role: str) -> dict:
             "engine_id": ENGINE_IDS[role], "kv_connector_extra_config": {"kv_lease_duration": KV_TIMEOUT_S}}
 
 
-def server_env(connector: str, role: str, out_dir: str) -> dict:
+def server_env(connector: str, role: str, out_dir: str, otlp_endpoint=None) -> dict:
     env = dict(os.environ)
     env.update({
         "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -84,6 +91,11 @@ def server_env(connector: str, role: str, out_dir: str) -> dict:
         env["OTEL_KVTRANSFER_SPAN_FILE"] = os.path.join(out_dir, f"spans-{role}.jsonl")
     else:  # until the span-file exporter lands: console JSON on stdout, parsed from the log
         env["OTEL_TRACES_EXPORTER"] = "console"
+    for name in [n for n in env if n.startswith("OTEL_EXPORTER_OTLP_")]:
+        del env[name]
+    if otlp_endpoint:  # the span files stay the reference; the same spans go to the Collector as well
+        env["OTEL_TRACES_EXPORTER"] += ",otlp"
+        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     if connector == "mooncake":
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(MOONCAKE_BOOTSTRAP_PORT)
         env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(KV_TIMEOUT_S)
@@ -105,18 +117,24 @@ def _has_file_exporter() -> bool:
     return True
 
 
-def server_command(connector: str, role: str) -> list:
+def server_command(connector: str, role: str, otlp_endpoint=None) -> list:
     instrument = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    # vLLM keeps a request's traceparent and exports its own llm_request span only when it traces itself
+    tracing = ["--otlp-traces-endpoint", otlp_endpoint] if otlp_endpoint else []
     return [instrument, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(PORTS[role]), "--model", MODEL_DIR,
             "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--skip-tokenizer-init",
             "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "bfloat16",
-            "--block-size", str(BLOCK_SIZE), "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role))]
+            "--block-size", str(BLOCK_SIZE), "--kv-transfer-config", json.dumps(kv_transfer_config(connector, role)),
+            *tracing]
 
 
-def _http(method: str, url: str, body=None, timeout_s: float = 120.0):
+def _http(method: str, url: str, body=None, timeout_s: float = 120.0, trace=None):
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if trace:  # the client's span: sampled (flags 01), as a traced client sends it
+        headers["traceparent"] = f"00-{trace['trace_id']}-{trace['span_id']}-01"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         raw = response.read(8 << 20)
     return raw.decode("utf-8", "replace")
@@ -147,17 +165,26 @@ def prompt(tokens: int, seed: int) -> list:
     return [(7 + seed * 131 + i * 17) % 1000 + 3 for i in range(tokens)]
 
 
-def prefill_step(connector: str, index: int, tokens: int) -> dict:
+def client_trace(index: int, traced: bool):
+    """The ids of the client's span a TRACED request is sent under (random, as a client makes them); else None."""
+    if not traced or index not in TRACED:
+        return None
+    return {"trace_id": os.urandom(16).hex(), "span_id": os.urandom(8).hex()}
+
+
+def prefill_step(connector: str, index: int, tokens: int, traced: bool = False) -> dict:
     """The proxy's first step: prefill only (max_tokens 1), keeping the KV for a remote decode."""
     transfer_id = f"kvt-{connector}-{index}"
+    trace = client_trace(index, traced)
     prefill_params = {"do_remote_decode": True}
     if connector == "mooncake":
         prefill_params["transfer_id"] = transfer_id
     started = time.time()
     prefill = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['prefill']}/v1/completions", {
         "model": MODEL_NAME, "prompt": prompt(tokens, index), "max_tokens": 1,
-        "kv_transfer_params": prefill_params}))
+        "kv_transfer_params": prefill_params}, trace=trace))
     return {"index": index, "prompt_tokens": tokens, "transfer_id": transfer_id, "started": started,
+            "client_trace": trace,
             "prefill_response_id": prefill.get("id"),
             "prefill_kv_transfer_params": prefill.get("kv_transfer_params") or {}}
 
@@ -172,19 +199,19 @@ def decode_step(connector: str, request: dict) -> None:
         decode_params = dict(request["prefill_kv_transfer_params"])
     decode = json.loads(_http("POST", f"http://127.0.0.1:{PORTS['decode']}/v1/completions", {
         "model": MODEL_NAME, "prompt": prompt(request["prompt_tokens"], request["index"]), "max_tokens": 4,
-        "kv_transfer_params": decode_params}))
+        "kv_transfer_params": decode_params}, trace=request.get("client_trace")))
     request["decode_response_id"] = decode.get("id")
     request["decode_finish_reason"] = str((decode.get("choices") or [{}])[0].get("finish_reason"))[:64]
 
 
-def run_request(connector: str, index: int, tokens: int) -> dict:
-    request = prefill_step(connector, index, tokens)
+def run_request(connector: str, index: int, tokens: int, traced: bool = False) -> dict:
+    request = prefill_step(connector, index, tokens, traced)
     decode_step(connector, request)
     return request
 
 
-def run_concurrent(connector: str, first_index: int) -> list:
-    requests = [prefill_step(connector, first_index + i, tokens) for i, tokens in enumerate(CONCURRENT_TOKENS)]
+def run_concurrent(connector: str, first_index: int, traced: bool = False) -> list:
+    requests = [prefill_step(connector, first_index + i, tokens, traced) for i, tokens in enumerate(CONCURRENT_TOKENS)]
     errors = []
 
     def decode(request):
@@ -351,6 +378,8 @@ def main() -> int:
     parser.add_argument("--connector", choices=("mooncake", "nixl"), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip-capacity", action="store_true")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="an OTLP gRPC receiver (http://127.0.0.1:PORT) the servers and vLLM's tracing export to")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"connector": args.connector, "model_dir": MODEL_DIR, "block_size": BLOCK_SIZE, "requests": [],
@@ -364,15 +393,17 @@ def main() -> int:
             log_path = os.path.join(args.out, f"{role}.log")
             with open(log_path, "wb") as log:
                 processes[role] = subprocess.Popen(
-                    server_command(args.connector, role), env=server_env(args.connector, role, args.out),
+                    server_command(args.connector, role, args.otlp_endpoint),
+                    env=server_env(args.connector, role, args.out, args.otlp_endpoint),
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         for role in ("prefill", "decode"):
             _wait_healthy(role, processes[role], os.path.join(args.out, f"{role}.log"))
         results["server_pids"] = {role: p.pid for role, p in processes.items()}
+        traced = bool(args.otlp_endpoint)
         for index, tokens in enumerate(PROMPT_TOKENS):
-            results["requests"].append(run_request(args.connector, index, tokens))
+            results["requests"].append(run_request(args.connector, index, tokens, traced))
             time.sleep(3)  # one request per stats interval (VLLM_LOG_STATS_INTERVAL=2)
-        results["requests"].extend(run_concurrent(args.connector, len(PROMPT_TOKENS)))
+        results["requests"].extend(run_concurrent(args.connector, len(PROMPT_TOKENS), traced))
         time.sleep(3)
         results["failures"] = run_failures(args.connector)
         time.sleep(3)  # the last stats line

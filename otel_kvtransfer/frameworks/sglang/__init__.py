@@ -18,6 +18,8 @@ What is wrapped, and why there (sglang 0.5.23):
 - bootstrap.py here: the decode's set-up steps towards a prefill (its parallel-info and bootstrap-info queries,
   its KV-layout registration), each a `kv_transfer.connect`.
 - integrity.py here: the decode's KV checksum verdict on the receive span (called from decode.py's patch).
+- client_ids.py here: the client's request id (`sglang.rid`) of each room the prefill sends, for its sends (the
+  attempts of a request a router retries share it, each with a new room).
 - hicache.py here: HiCache's NIXL storage backend, its transfers labelled `offload`.
 - plugin.py here: the `sglang.srt.plugins` entry point.
 """

@@ -2,7 +2,9 @@
 
 It opens when the receiver asks for the KV (`send_metadata`, which hands prefill the destination pages) and ends
 the first time `poll()` answers Success or Failed (or on `abort`). It is stitched into the prefill request's trace
-by room (building/stitching.py), or goes under sglang's own request span when sglang's tracing is on.
+by room (building/stitching.py), or goes under sglang's own request span when sglang's tracing is on. It carries
+the request's `sglang.rid` (the prefill's request span and sends carry the same): a router's retry of the request
+is a new room with the client's same rid.
 
 Allocation wait: `DecodePreallocQueue.add` makes the request's receiver as it admits the request; the receiver
 asks for its KV (`send_metadata`) only once the queue has reserved its KV pages (`pop_preallocated`: it waits while
@@ -23,6 +25,7 @@ from otel_kvtransfer.recording.patching import observe_call, remember_argument
 _DONE = "_otel_kvt_done"  # set on a receiver whose receive span was ended
 _PARENT = "_otel_kvt_parent"  # sglang's span of the receiver's request, when sglang's tracing is on
 _ADMITTED = "_otel_kvt_admitted_ns"  # when the prealloc queue made the receiver (admitted its request)
+_RID = "_otel_kvt_rid"  # the client's request id (sglang's rid) of the receiver's request
 _tls = threading.local()  # .req: the Req whose receiver DecodePreallocQueue is creating
 
 
@@ -50,7 +53,7 @@ def _on_send_metadata(instance, args, kwargs) -> None:
     kv_indices = args[0] if args else kwargs.get("kv_indices")
     aux_index = args[1] if len(args) > 1 else kwargs.get("aux_index")
     room = instance.bootstrap_room
-    attributes = common.room_attributes(room)
+    attributes = common.room_attributes(room, getattr(instance, _RID, None))
     attributes.update(common.rank_attributes(instance.kv_mgr))
     admitted = getattr(instance, _ADMITTED, None)
     if admitted is not None:
@@ -76,6 +79,9 @@ def _on_receiver_init(instance, args, kwargs, token, result, error) -> None:
     req = getattr(_tls, "req", None)
     if req is not None:
         setattr(instance, _ADMITTED, token)
+        rid = getattr(req, "rid", None)
+        if rid is not None:  # the body's rid: the prefill got the same one (the router sends both one body)
+            setattr(instance, _RID, rid)
         parent = common.sglang_parent(getattr(getattr(req, "time_stats", None), "trace_ctx", None))
         if parent is not None:
             setattr(instance, _PARENT, parent)

@@ -30,6 +30,7 @@ from time import time_ns
 from typing import Any, Dict
 
 from otel_kvtransfer import semconv
+from otel_kvtransfer.frameworks.sglang import client_ids
 from otel_kvtransfer.frameworks.sglang.common import (
     FRAMEWORK,
     MOONCAKE,
@@ -60,6 +61,7 @@ _MAX_ROOMS = 65536
 
 def forget_rooms() -> None:
     _next_chunk.clear()
+    client_ids.forget_all()
 
 
 def _backend(obj):
@@ -90,6 +92,7 @@ def _on_sender_init(instance, args, kwargs, token, result, error) -> None:
     stats = getattr(req, "time_stats", None) if req is not None else None
     parent = sglang_parent(getattr(stats, "trace_ctx", None)) or sglang_parent(getattr(instance, "trace_ctx", None))
     room = instance.bootstrap_room
+    client_ids.remember(room, rid)  # for its sends, which see only the room
     attributes = room_attributes(room, rid)
     attributes.update(rank_attributes(instance.kv_mgr))
     integration.begin_request(room, backend=backend, framework=FRAMEWORK, attributes=attributes, parent=parent)
@@ -114,6 +117,7 @@ _update_status_wrapper = observe_call("update_status", after=_on_update_status)
 
 def _conclude(room, error_type) -> None:
     _next_chunk.pop(room, None)
+    client_ids.forget(room)
     integration.end_request(room, error_type=error_type)
 
 
@@ -236,8 +240,9 @@ def _destination(mgr, room, session):
 
 
 def _send_attributes(room, rank) -> dict:
-    """A send's own attributes; the sending rank comes from its request (the builder repeats it)."""
-    attrs = room_attributes(room)
+    """A send's own attributes, with its request's client id (`sglang.rid`: the one id every attempt of a retried
+    request shares); the sending rank comes from its request (the builder repeats it)."""
+    attrs = room_attributes(room, client_ids.rid_of(room))
     if rank is not None:
         attrs[semconv.PEER_RANK] = rank
     return attrs

@@ -13,6 +13,7 @@ Below the range, one warning and nothing patched.
 - nixl.py: the NixlConnector in pull mode (decode initiates, key = the prefill request id).
 - payloads.py: traffic that is not KV (encoder-cache connectors, EPLB's expert weights): labelled sends, no request.
 - targets.py: what the wrappers need from vLLM (checked before patching, and by scripts/canary.py).
+- trace_context.py: a client's traceparent, from the connector's scheduler side to the worker that opens our spans.
 - events.py: the connector events no span shows alone (re-registration, re-handshake, layout resend), counted.
 - common.py: names, the one Patcher, bounded id maps.
 - plugin.py: the `vllm.general_plugins` entry point.
@@ -37,10 +38,11 @@ def _payloads(module_name: str):
 
 
 def _forget() -> None:
-    from otel_kvtransfer.frameworks.vllm import mooncake, nixl
+    from otel_kvtransfer.frameworks.vllm import mooncake, nixl, trace_context
 
     mooncake.forget()
     nixl.forget()
+    trace_context.forget()
 
 
 SPEC = FrameworkSpec(
@@ -52,6 +54,9 @@ SPEC = FrameworkSpec(
         Patch(targets.MOONCAKE, deferred(__name__, "mooncake.patch")),
         Patch(targets.NIXL_PULL, deferred(__name__, "nixl.patch")),
         Patch(targets.NIXL_STATS, deferred(__name__, "nixl.patch_stats")),
+        # the client's trace context, from the connectors' scheduler side to their workers
+        Patch(targets.MOONCAKE, deferred(__name__, "trace_context.patch_mooncake")),
+        Patch(targets.NIXL_PULL_SCHEDULER, deferred(__name__, "trace_context.patch_nixl")),
         *(Patch(module, _payloads(module)) for module in dict.fromkeys(t.module for t in targets.PAYLOAD_TARGETS)),
     ),
     forget=_forget,  # the connectors' per-request maps

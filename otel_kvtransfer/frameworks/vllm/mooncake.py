@@ -2,7 +2,8 @@
 
 Prefill side (initiator), in `MooncakeConnectorWorker`:
 - `start_load_kv(metadata)`: a request in `metadata.reqs_to_send` with blocks has finished its prefill and its KV
-  is ready to send: `kv_transfer.request` opens (role prefill, op write).
+  is ready to send: `kv_transfer.request` opens (role prefill, op write), under the client's traceparent when the
+  request came with one (trace_context.py), else under its key's synthetic parent.
 - `_build_transfer_params(ready_reqs, ...)` turns the requests one decode worker asked for into ONE descriptor
   list for ONE `batch_transfer_sync_write`. It builds the list request by request, so each request's share is
   what the same function builds for that request alone: the shares come from the connector's own block
@@ -33,7 +34,7 @@ import threading
 from typing import Any, Dict
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.frameworks.vllm import events
+from otel_kvtransfer.frameworks.vllm import events, trace_context
 from otel_kvtransfer.frameworks.vllm.common import (
     EXPIRED,
     FRAMEWORK,
@@ -78,7 +79,8 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
             if has_blocks(block_ids) and p_req_id not in _transfer_of_prefill:
                 _transfer_of_prefill[p_req_id] = transfer_id
                 kvt.begin_request(transfer_id, backend=BACKEND, framework=FRAMEWORK, role=semconv.ROLE_PREFILL,
-                                  attributes=request_attributes(instance, p_req_id, with_model=True))
+                                  attributes=request_attributes(instance, p_req_id, with_model=True),
+                                  parent=trace_context.parent_of(metadata, p_req_id))
     if consumer:
         per_block = _bytes_per_block(instance)
         for pull_metas in metadata.reqs_to_recv.values():
@@ -89,7 +91,8 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
                 blocks = sum(len(group) for group in pull_meta.local_block_ids)
                 kvt.begin_receive(pull_meta.transfer_id, backend=BACKEND, framework=FRAMEWORK,
                                   expected_bytes=blocks * per_block if per_block else None,
-                                  attributes=request_attributes(instance, d_req_id, with_model=True))
+                                  attributes=request_attributes(instance, d_req_id, with_model=True),
+                                  parent=trace_context.parent_of(metadata, d_req_id))
 
 
 _start_load_kv_wrapper = observe_call("read vLLM Mooncake connector metadata", _on_start_load_kv)

@@ -3,7 +3,8 @@
 Decode side (initiator), in `NixlPullConnectorWorker`:
 - `start_load_kv(metadata)`: each request in `metadata.reqs_to_recv` with local blocks opens
   `kv_transfer.request` (role decode, op read) under the prefill request id it reads from (`meta.remote.request_id`,
-  the id the prefill side knows it by); `vllm.request_id` is decode's own id.
+  the id the prefill side knows it by); `vllm.request_id` is decode's own id. Under the client's traceparent
+  when the request came with one (trace_context.py; the prefill's serve span likewise).
 - `_read_blocks(...)` posts one READ from one prefill rank (`make_prepped_xfer` + `transfer`): it runs inside a
   transfer scope of that request (destination index = the rank's position among the ranks read from), so the
   NIXL engine module's handle, completed when vLLM polls it, becomes a `kv_transfer.send` of the request.
@@ -34,7 +35,7 @@ from types import FrameType
 from typing import Optional
 
 from otel_kvtransfer import semconv
-from otel_kvtransfer.frameworks.vllm import common, events
+from otel_kvtransfer.frameworks.vllm import common, events, trace_context
 from otel_kvtransfer.recording import inflight
 from otel_kvtransfer.recording import integration as kvt
 from otel_kvtransfer.recording.clock import now_ns
@@ -79,12 +80,13 @@ def _on_start_load_kv(instance, args, kwargs) -> None:
         if _rehandshake_due(instance, remote):
             attributes[common.REHANDSHAKE] = True
         kvt.begin_request(remote.request_id, backend=BACKEND, framework=common.FRAMEWORK, role=semconv.ROLE_DECODE,
-                          attributes=attributes)
+                          attributes=attributes, parent=trace_context.parent_of(metadata, req_id))
     for req_id in metadata.reqs_to_send:
         if req_id not in _serving:
             _serving[req_id] = True
             kvt.begin_serve(req_id, backend=BACKEND, framework=common.FRAMEWORK,
-                            attributes=common.request_attributes(instance, req_id, with_model=True))
+                            attributes=common.request_attributes(instance, req_id, with_model=True),
+                            parent=trace_context.parent_of(metadata, req_id))
 
 
 _start_load_kv_wrapper = observe_call("read vLLM NIXL connector metadata", _on_start_load_kv)

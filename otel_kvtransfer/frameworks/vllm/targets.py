@@ -1,9 +1,10 @@
 """What the vLLM wrappers need from vLLM, per patched module: the gate checks it before patching (on any vLLM
 release, tested or newer), and scripts/canary.py checks it in each new release's source.
 
-Keep in step with mooncake.py, nixl.py and payloads.py: every `patcher.wrap`, every parameter a wrapper reads by
-name, every attribute it reads from vLLM's objects. `optional` marks what only newer releases have (0.33's paths);
-without it the wrappers do not see that path, and nothing else changes.
+Keep in step with mooncake.py, nixl.py, trace_context.py and payloads.py: every `patcher.wrap`, every parameter a
+wrapper reads by name, every attribute it reads from vLLM's objects. `optional` marks what only newer releases have
+(0.33's paths) or what only adds to the spans (the trace context): without it the wrappers do not see that path,
+and nothing else changes.
 """
 
 from otel_kvtransfer.wiring.targets import Target
@@ -15,6 +16,8 @@ NIXL_BASE = f"{_V1}.nixl.base_worker"
 NIXL_METADATA = f"{_V1}.nixl.metadata"
 NIXL_TP = f"{_V1}.nixl.tp_mapping"
 NIXL_STATS = f"{_V1}.nixl.stats"
+NIXL_PULL_SCHEDULER = f"{_V1}.nixl.pull_scheduler"
+NIXL_BASE_SCHEDULER = f"{_V1}.nixl.base_scheduler"
 CONNECTOR_BASE = f"{_V1}.base"
 UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
 
@@ -83,6 +86,19 @@ NIXL_STATS_TARGETS = [
 ]
 
 
+# The client's trace context, carried from the connector's scheduler side to its worker (trace_context.py): the
+# scheduler's hooks that see a request (its `trace_headers`, `kv_transfer_params`, `request_id`) and the builder of the
+# metadata the worker reads. Optional: without them, every request keeps its synthetic per-key trace.
+TRACE_CONTEXT_TARGETS = [
+    Target(MOONCAKE, "MooncakeConnectorScheduler", "update_state_after_alloc", ("request",), optional=True),
+    Target(MOONCAKE, "MooncakeConnectorScheduler", "request_finished", ("request",), optional=True),
+    Target(MOONCAKE, "MooncakeConnectorScheduler", "build_connector_meta", optional=True),
+    Target(NIXL_PULL_SCHEDULER, "NixlPullConnectorScheduler", "update_state_after_alloc", ("request",),
+           optional=True),
+    Target(NIXL_PULL_SCHEDULER, "NixlPullConnectorScheduler", "request_finished", ("request",), optional=True),
+    Target(NIXL_BASE_SCHEDULER, "NixlBaseConnectorScheduler", "build_connector_meta", optional=True),
+]
+
 # Traffic that is not KV (payloads.py; 0.32, 0.33 and 0.34 have all five): each entry method opens a payload scope. All
 # optional: a release without one keeps its KV wrappers, and those bytes show as raw sends.
 _EC = "vllm.distributed.ec_transfer.ec_connector"
@@ -105,11 +121,13 @@ PAYLOAD_TARGETS = [
 
 def by_module() -> dict:
     """Patched module -> the targets checked when it is imported (the gate's `targets`)."""
-    found = {MOONCAKE: MOONCAKE_TARGETS, NIXL_PULL: NIXL_TARGETS, NIXL_STATS: NIXL_STATS_TARGETS}
+    found = {MOONCAKE: MOONCAKE_TARGETS + [t for t in TRACE_CONTEXT_TARGETS if t.module == MOONCAKE],
+             NIXL_PULL: NIXL_TARGETS, NIXL_STATS: NIXL_STATS_TARGETS,
+             NIXL_PULL_SCHEDULER: [t for t in TRACE_CONTEXT_TARGETS if t.module != MOONCAKE]}
     for target in PAYLOAD_TARGETS:
         found.setdefault(target.module, []).append(target)
     return found
 
 
 # the KV connectors' (tests/frameworks/vllm/test_vllm_connector_paths.py patches them all)
-ALL = MOONCAKE_TARGETS + NIXL_TARGETS + NIXL_STATS_TARGETS
+ALL = MOONCAKE_TARGETS + NIXL_TARGETS + NIXL_STATS_TARGETS + TRACE_CONTEXT_TARGETS

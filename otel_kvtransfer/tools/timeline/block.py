@@ -3,7 +3,7 @@ peer lanes and the time axis, as drawing operations (pure data: the renderers es
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from otel_kvtransfer import semconv as sc
 from otel_kvtransfer.building import aggregate
@@ -283,34 +283,50 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
             body.append(Text(LEFT + 4, y + ROW_H - 6, clip(text, plot_w - 8), FONT - 1, MUTED, cls="more not-drawn"))
             y += ROW_H + 4
             continue
-        if kind in ("busy", "more"):
-            lane_h = 10 if kind == "busy" else ROW_H
-            rows, row_count, hidden = [], 1, 0
-        else:
-            rows = pack(spans, lambda s: s.start_time_unix_nano, lambda s: s.end_time_unix_nano)
-            row_count = min(max(rows, default=0) + 1, MAX_ROWS)
-            hidden = sum(1 for row in rows if row >= MAX_ROWS)
-            lane_h = (row_count + (1 if hidden else 0)) * ROW_H
-        body.append(Text(LEFT - 8, y + min(lane_h, ROW_H) / 2 + 4, clip(text, LEFT - 16), FONT, MUTED,
-                         anchor="end", cls="lane-label"))
-        if kind == "busy" and len(busy) > plot_w:  # more intervals than pixels: one bar per run of them
-            for x0, x1 in _pixel_runs(busy, x_of):
-                body.append(Rect(x0, y + 2, max(x1 - x0, 1), 6, BUSY_COLOR, cls="busy"))
-        elif kind == "busy":
-            for lo, hi in busy:
-                body.append(Rect(x_of(lo), y + 2, max(x_of(hi) - x_of(lo), 1), 6, BUSY_COLOR, cls="busy",
-                                 title=f"busy {fmt_ms((hi - lo) / 1e9)}"))
-        for span, row in zip(spans, rows):
-            if row < MAX_ROWS:
-                x0 = x_of(span.start_time_unix_nano)
-                w = max(x_of(span.end_time_unix_nano) - x0, 1.5)
-                body.extend(_bar(kind, span, x0, y + row * ROW_H + (ROW_H - BAR_H) / 2, w))
-        if hidden:
-            body.append(Text(LEFT + 4, y + MAX_ROWS * ROW_H + ROW_H - 6,
-                             f"+{hidden} more overlapping (not drawn; see summarize or --perfetto)", FONT - 1,
-                             MUTED, cls="more"))
-        y += lane_h + 4
-    # Grid and axis under everything.
+        y += _lane(body, text, kind, spans, busy, x_of, y, plot_w) + 4
+    grid = _grid(t0, t1, plot_w, grid_top, y)  # under everything
+    if mark is not None:  # the tail across every lane, under the grid and the bars
+        x0 = x_of(mark.compute_end_ns)
+        end = max(mark.last_byte_ns, mark.compute_end_ns)
+        grid.insert(0, Rect(x0, grid_top, max(x_of(end) - x0, 2), y - grid_top, TAIL_BAND,
+                            cls="tail-band"))
+    return Panel(width, int(y + 22), ops + grid + body, cls="request")
+
+
+def _lane(body: List[Op], text: str, kind: str, spans: List[Any], busy: List[Tuple[int, int]],
+          x_of: Callable[[int], float], y: int, plot_w: int) -> int:
+    """One lane of spans (or the busy strip) drawn into `body` at `y`: its height."""
+    if kind in ("busy", "more"):
+        lane_h = 10 if kind == "busy" else ROW_H
+        rows, row_count, hidden = [], 1, 0
+    else:
+        rows = pack(spans, lambda s: s.start_time_unix_nano, lambda s: s.end_time_unix_nano)
+        row_count = min(max(rows, default=0) + 1, MAX_ROWS)
+        hidden = sum(1 for row in rows if row >= MAX_ROWS)
+        lane_h = (row_count + (1 if hidden else 0)) * ROW_H
+    body.append(Text(LEFT - 8, y + min(lane_h, ROW_H) / 2 + 4, clip(text, LEFT - 16), FONT, MUTED,
+                     anchor="end", cls="lane-label"))
+    if kind == "busy" and len(busy) > plot_w:  # more intervals than pixels: one bar per run of them
+        for x0, x1 in _pixel_runs(busy, x_of):
+            body.append(Rect(x0, y + 2, max(x1 - x0, 1), 6, BUSY_COLOR, cls="busy"))
+    elif kind == "busy":
+        for lo, hi in busy:
+            body.append(Rect(x_of(lo), y + 2, max(x_of(hi) - x_of(lo), 1), 6, BUSY_COLOR, cls="busy",
+                             title=f"busy {fmt_ms((hi - lo) / 1e9)}"))
+    for span, row in zip(spans, rows):
+        if row < MAX_ROWS:
+            x0 = x_of(span.start_time_unix_nano)
+            w = max(x_of(span.end_time_unix_nano) - x0, 1.5)
+            body.extend(_bar(kind, span, x0, y + row * ROW_H + (ROW_H - BAR_H) / 2, w))
+    if hidden:
+        body.append(Text(LEFT + 4, y + MAX_ROWS * ROW_H + ROW_H - 6,
+                         f"+{hidden} more overlapping (not drawn; see summarize or --perfetto)", FONT - 1,
+                         MUTED, cls="more"))
+    return lane_h
+
+
+def _grid(t0: int, t1: int, plot_w: int, grid_top: int, y: int) -> List[Op]:
+    """The time grid and its axis under a request's lanes, from `grid_top` down to `y`."""
     span_s = (t1 - t0) / 1e9
     step = nice_step(span_s)
     grid: List[Op] = []
@@ -320,12 +336,7 @@ def layout_request(req: Request, width: int = WIDTH, origin_ns: Optional[int] = 
         grid.append(Line(x, grid_top, x, y, GRID))
         grid.append(Text(x, y + 13, fmt_axis_s(tick, step), FONT - 1, MUTED, anchor="middle", cls="tick"))
     grid.append(Line(LEFT, y, LEFT + plot_w, y, "#bbbbbb"))
-    if mark is not None:  # the tail across every lane, under the grid and the bars
-        x0 = x_of(mark.compute_end_ns)
-        end = max(mark.last_byte_ns, mark.compute_end_ns)
-        grid.insert(0, Rect(x0, grid_top, max(x_of(end) - x0, 2), y - grid_top, TAIL_BAND,
-                            cls="tail-band"))
-    return Panel(width, int(y + 22), ops + grid + body, cls="request")
+    return grid
 
 
 def _dest(span):

@@ -71,6 +71,24 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
     y_top = math.ceil(y_max / y_step) * y_step
     ops.append(Text(sx0, top - 4, "throughput per request over time (● true = bytes / busy time, "
                                   "○ last-chunk figure)", FONT, MUTED, cls="chart-title"))
+    ops.extend(_throughput_axes(sx0, sx1, top, h, y_top, y_step, t_max))
+    for start, true, legacy, req, fig in points[:MAX_POINTS]:
+        ops.extend(_point(sx0 + (start - origin_ns) / t_max * (sx1 - sx0), top, h, y_top, true, legacy, req, fig))
+    ops.append(Line(sx0, top + h, sx1, top + h, "#bbbbbb"))
+    # Right: histogram of per-transfer throughput (log-spaced bins).
+    ops.extend(_histogram(throughputs, int(width * 0.64), width - RIGHT, top, h))
+    ly = top + h + 36
+    ops.extend(_legend(ly))
+    if any(r.peers for r in requests):
+        ly += 18
+        ops.append(Text(8, ly, "Peer lanes (receive / serve) are on the peer engines' clocks: clocks of different "
+                               "hosts may disagree. Busy time and the tail are on the initiator's clock alone.",
+                        FONT, MUTED, cls="clock-note"))
+    return Panel(width, ly + 10, ops, cls="overview")
+
+def _throughput_axes(sx0: int, sx1: int, top: int, h: int, y_top: float, y_step: float, t_max: int) -> List[Op]:
+    """The throughput chart's grid lines and labels (y) and its time ticks (x)."""
+    ops: List[Op] = []
     for number in range(int(y_top / y_step + 1e-9) + 1):
         value = number * y_step
         yy = top + h - value / y_top * h
@@ -81,19 +99,27 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
         tick = number * x_step
         xx = sx0 + tick * 1e9 / t_max * (sx1 - sx0)
         ops.append(Text(xx, top + h + 13, fmt_axis_s(tick, x_step), FONT - 2, MUTED, anchor="middle"))
-    for start, true, legacy, req, fig in points[:MAX_POINTS]:
-        xx = sx0 + (start - origin_ns) / t_max * (sx1 - sx0)
-        key = label(req.key, 40)
-        if legacy:
-            ops.append(Circle(xx, top + h - min(legacy / y_top, 1) * h, 3, "none", "#999999",
-                              title=f"key {key}: last-chunk figure {fmt_rate(legacy)}"))
-        if true:
-            color = ERROR_COLOR if req.final_status == "ERROR" else BUSY_COLOR
-            ops.append(Circle(xx, top + h - min(true / y_top, 1) * h, 3, color,
-                              title=f"key {key}: true {fmt_rate(true)}, busy {fmt_ms(fig['busy_s'])}"))
-    ops.append(Line(sx0, top + h, sx1, top + h, "#bbbbbb"))
-    # Right: histogram of per-transfer throughput (log-spaced bins).
-    hx0, hx1 = int(width * 0.64), width - RIGHT
+    return ops
+
+
+def _point(xx: float, top: int, h: int, y_top: float, true: Optional[float], legacy: Optional[float], req: Request,
+           fig: dict) -> List[Op]:
+    """One request's marks at x `xx`: its last-chunk figure (hollow) and its true throughput (filled)."""
+    ops: List[Op] = []
+    key = label(req.key, 40)
+    if legacy:
+        ops.append(Circle(xx, top + h - min(legacy / y_top, 1) * h, 3, "none", "#999999",
+                          title=f"key {key}: last-chunk figure {fmt_rate(legacy)}"))
+    if true:
+        color = ERROR_COLOR if req.final_status == "ERROR" else BUSY_COLOR
+        ops.append(Circle(xx, top + h - min(true / y_top, 1) * h, 3, color,
+                          title=f"key {key}: true {fmt_rate(true)}, busy {fmt_ms(fig['busy_s'])}"))
+    return ops
+
+
+def _histogram(throughputs: Sequence[float], hx0: int, hx1: int, top: int, h: int) -> List[Op]:
+    """The histogram of per-transfer throughput between x `hx0` and `hx1`, its bars `h` high at most."""
+    ops: List[Op] = []
     dist = distribution(throughputs, bins=12)
     ops.append(Text(hx0, top - 4, f"per-transfer throughput ({dist['count']} transfers)", FONT, MUTED,
                     cls="chart-title"))
@@ -114,8 +140,13 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
         ops.append(Text((hx0 + hx1) / 2, top + h + 13, f"p50 {fmt_rate(dist['p50'])}", FONT - 2, MUTED,
                         anchor="middle"))
         ops.append(Text(hx1, top + h + 13, fmt_rate(dist["max"]), FONT - 2, MUTED, anchor="end"))
-    lx: float
-    ly, lx = top + h + 36, 8
+    return ops
+
+
+def _legend(ly: int) -> List[Op]:
+    """The colours' legend, one row at `ly`."""
+    ops: List[Op] = []
+    lx: float = 8
     for text, color in (("kv", PAYLOAD_COLORS["kv"]), ("aux", PAYLOAD_COLORS["aux"]),
                         ("state", PAYLOAD_COLORS["state"]), ("compute", COMPUTE_COLOR),
                         ("peer receive / serve", RECEIVE_COLOR), ("busy (union of transfers)", BUSY_COLOR),
@@ -124,9 +155,5 @@ def layout_overview(requests: Sequence[Request], width: int = WIDTH, origin_ns: 
         ops.append(Rect(lx, ly - 10, 12, 12, color, TAIL_COLOR if color == TAIL_BAND else None, cls="legend"))
         ops.append(Text(lx + 16, ly, text, FONT, TEXT))
         lx += 16 + len(text) * FONT * CHAR_W + 18
-    if any(r.peers for r in requests):
-        ly += 18
-        ops.append(Text(8, ly, "Peer lanes (receive / serve) are on the peer engines' clocks: clocks of different "
-                               "hosts may disagree. Busy time and the tail are on the initiator's clock alone.",
-                        FONT, MUTED, cls="clock-note"))
-    return Panel(width, ly + 10, ops, cls="overview")
+    return ops
+

@@ -17,6 +17,7 @@ import pytest
 from otel_kvtransfer.frameworks import vllm as vllm_framework
 from otel_kvtransfer.frameworks.vllm import mooncake as vllm_mooncake
 from otel_kvtransfer.frameworks.vllm import nixl as vllm_nixl
+from otel_kvtransfer.frameworks.vllm import trace_context as vllm_trace_context
 from otel_kvtransfer.recording.patching import FrameworkSpec, Patch, Patcher, is_ours
 from otel_kvtransfer.wiring.activation import LazyPatcher
 from otel_kvtransfer.wiring.targets import Target, missing, missing_in_source
@@ -204,7 +205,7 @@ def test_vllm_targets_name_every_wrapped_method():
     from otel_kvtransfer.frameworks.vllm import targets
 
     wrapped = set()
-    for source in (vllm_mooncake, vllm_nixl):
+    for source in (vllm_mooncake, vllm_nixl, vllm_trace_context):
         for node in ast.walk(ast.parse(open(source.__file__, encoding="utf-8").read())):
             if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "wrap" and len(node.args) >= 2
                     and isinstance(node.args[1], ast.Constant)):

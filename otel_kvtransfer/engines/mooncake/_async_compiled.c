@@ -4,7 +4,7 @@
    only that wrapper's common case, the same work with the same result (an entry in the pending table, a RAW_ASYNC
    record on the recorder's queue), without a Python frame. Anything else goes to the Python wrapper it was made
    with, which handles every case: the compiled path decides before it calls the engine whether the call is
-   its to take, so the engine is never called twice. otel_kvtransfer/recording/compiled.py says when it is used;
+   its to take, so the engine is never called twice. otel_kvtransfer/engines/mooncake/compiled.py says when it is used;
    the Python path stays the reference (tests/project/test_backend_contract.py runs both). */
 
 #define PY_SSIZE_T_CLEAN
@@ -15,6 +15,34 @@
 #include <time.h>
 
 /* time.monotonic_ns() on Linux: CLOCK_MONOTONIC, the records' clock before clock.BASE is added */
+/* The positions this part reads and builds, each declared once in Python: the pending entry
+   (recording/pending.py, ENTRY_*), the RAW_ASYNC record (recording/records.py, ASYNC_*), the last engine's forms
+   (engines/mooncake/forms.py). The module exports them as LAYOUT; tests/engines/test_compiled_layout.py fails when
+   they differ from the Python declaration (compiled.layout()). */
+#define ENTRY_START 0
+#define ENTRY_BYTES 1
+#define ENTRY_DESCRIPTORS 2
+#define ENTRY_PEER 3
+#define ENTRY_FORM 4
+#define ENTRY_INFO 5
+#define ENTRY_CONTEXT 6
+#define ENTRY_POSTED 7
+#define ENTRY_SIZE 8
+#define ASYNC_KIND 0
+#define ASYNC_START 1
+#define ASYNC_DURATION 2
+#define ASYNC_BYTES 3
+#define ASYNC_DESCRIPTORS 4
+#define ASYNC_PEER 5
+#define ASYNC_RETURN_CODE 6
+#define ASYNC_ERROR 7
+#define ASYNC_FORM 8
+#define ASYNC_CONTEXT 9
+#define ASYNC_SEEN_RUNNING 10
+#define ASYNC_POST 11
+#define ASYNC_SIZE 12
+#define FORMS_ENGINE 0
+
 static inline long long
 monotonic_ns(void)
 {
@@ -475,7 +503,7 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     PyObject *named = NULL;
     if (forms != NULL && PyTuple_CheckExact(forms) && PyTuple_GET_SIZE(forms) > self->at) {
         Py_INCREF(forms);
-        named = PyObject_CallNoArgs(PyTuple_GET_ITEM(forms, 0));
+        named = PyObject_CallNoArgs(PyTuple_GET_ITEM(forms, FORMS_ENGINE));
     }
     else
         forms = NULL;
@@ -529,9 +557,16 @@ Submission_vectorcall(Submission *self, PyObject *const *args, size_t nargsf, Py
     key = tuple_of(2, (PyObject *[]){engine_id(&self->kept, engine), Py_NewRef(batch_id)});
     if (key == NULL)
         goto error;
-    entry = tuple_of(8, (PyObject *[]){PyLong_FromLongLong(start), Py_NewRef(nbytes), PyLong_FromSsize_t(descriptors),
-                                       Py_NewRef(args[1]), Py_NewRef(form), Py_NewRef(Py_None),
-                                       Py_NewRef(PyDict_GET_SIZE(ctx) ? ctx : Py_None), PyLong_FromLongLong(posted)});
+    PyObject *fields[ENTRY_SIZE];
+    fields[ENTRY_START] = PyLong_FromLongLong(start);
+    fields[ENTRY_BYTES] = Py_NewRef(nbytes);
+    fields[ENTRY_DESCRIPTORS] = PyLong_FromSsize_t(descriptors);
+    fields[ENTRY_PEER] = Py_NewRef(args[1]);
+    fields[ENTRY_FORM] = Py_NewRef(form);
+    fields[ENTRY_INFO] = Py_NewRef(Py_None);
+    fields[ENTRY_CONTEXT] = Py_NewRef(PyDict_GET_SIZE(ctx) ? ctx : Py_None);
+    fields[ENTRY_POSTED] = PyLong_FromLongLong(posted);
+    entry = tuple_of(ENTRY_SIZE, fields);
     if (entry == NULL)
         goto error;
     PyObject *earlier = PyDict_SetDefault(self->waiting, key, entry);  /* borrowed */
@@ -628,7 +663,7 @@ static PyGetSetDef Submission_getset[] = {
 
 static PyTypeObject SubmissionType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "otel_kvtransfer.recording._async_compiled.Submission",
+    .tp_name = "otel_kvtransfer.engines.mooncake._async_compiled.Submission",
     .tp_doc = "An engine's common async submission, timed and put in the pending table without a Python frame.",
     .tp_basicsize = sizeof(Submission),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
@@ -726,7 +761,8 @@ end_entry(BatchWait *self, PyObject *entry, PyObject *handle, long long end, PyO
         }
     }
     PyObject *rec;
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 8 || PyTuple_GET_ITEM(entry, 5) != Py_None) {
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE
+        || PyTuple_GET_ITEM(entry, ENTRY_INFO) != Py_None) {
         PyObject *done = PyObject_CallFunction(self->ended, "OLOOO", entry, end, running, rc, error);
         Py_XDECREF(popped);
         if (done == NULL)
@@ -736,17 +772,26 @@ end_entry(BatchWait *self, PyObject *entry, PyObject *handle, long long end, PyO
     }
     /* records.raw_async: the start on the records' clock, the other times in ns from it */
     PyObject **held = ((PyTupleObject *)entry)->ob_item;
-    long long start = PyLong_AsLongLong(held[0]);
+    long long start = PyLong_AsLongLong(held[ENTRY_START]);
     long long seen = running == Py_None ? 0 : PyLong_AsLongLong(running);
-    long long posted = held[7] == Py_None ? 0 : PyLong_AsLongLong(held[7]);
+    long long posted = held[ENTRY_POSTED] == Py_None ? 0 : PyLong_AsLongLong(held[ENTRY_POSTED]);
     Py_XDECREF(popped);
     if (PyErr_Occurred())
         return -1;
-    rec = tuple_of(12, (PyObject *[]){Py_NewRef(self->raw_async), Py_NewRef(held[0]),
-                                      PyLong_FromLongLong(end - start), Py_NewRef(held[1]), Py_NewRef(held[2]), Py_NewRef(held[3]), Py_NewRef(rc),
-                                      Py_NewRef(error), Py_NewRef(held[4]), Py_NewRef(held[6]),
-                                      running == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(seen - start),
-                                      held[7] == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(posted - start)});
+    PyObject *fields[ASYNC_SIZE];
+    fields[ASYNC_KIND] = Py_NewRef(self->raw_async);
+    fields[ASYNC_START] = Py_NewRef(held[ENTRY_START]);
+    fields[ASYNC_DURATION] = PyLong_FromLongLong(end - start);
+    fields[ASYNC_BYTES] = Py_NewRef(held[ENTRY_BYTES]);
+    fields[ASYNC_DESCRIPTORS] = Py_NewRef(held[ENTRY_DESCRIPTORS]);
+    fields[ASYNC_PEER] = Py_NewRef(held[ENTRY_PEER]);
+    fields[ASYNC_RETURN_CODE] = Py_NewRef(rc);
+    fields[ASYNC_ERROR] = Py_NewRef(error);
+    fields[ASYNC_FORM] = Py_NewRef(held[ENTRY_FORM]);
+    fields[ASYNC_CONTEXT] = Py_NewRef(held[ENTRY_CONTEXT]);
+    fields[ASYNC_SEEN_RUNNING] = running == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(seen - start);
+    fields[ASYNC_POST] = held[ENTRY_POSTED] == Py_None ? Py_NewRef(Py_None) : PyLong_FromLongLong(posted - start);
+    rec = tuple_of(ASYNC_SIZE, fields);
     if (rec == NULL)
         return -1;
     int done = hand_over(&self->kept, self->recorder, rec);
@@ -780,9 +825,10 @@ common_ids(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject 
 static int
 posted_after(PyObject *entry, long long called)
 {
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 8 || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 7)))
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE
+        || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, ENTRY_POSTED)))
         return 0;
-    long long posted = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 7));
+    long long posted = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_POSTED));
     if (posted == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
@@ -899,7 +945,7 @@ static PyMemberDef BatchWait_members[] = {
 
 static PyTypeObject BatchWaitType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "otel_kvtransfer.recording._async_compiled.BatchWait",
+    .tp_name = "otel_kvtransfer.engines.mooncake._async_compiled.BatchWait",
     .tp_doc = "An engine's batch wait, ending the pending table's sends it saw end without a Python frame.",
     .tp_basicsize = sizeof(BatchWait),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
@@ -920,6 +966,36 @@ static PyTypeObject BatchWaitType = {
    the wrappers stand on one engine class of one interpreter, so the module says it runs in the main interpreter
    only, and with the GIL: a wrapper's kept state (the last engine's id, the queue's append, the settings' bound)
    is read and replaced without a lock of its own. */
+/* LAYOUT: the positions above by their Python names, for the test that holds them to the Python declaration. */
+static int
+add_layout(PyObject *m)
+{
+#define POSITION(name) {#name, name}
+    struct { const char *name; long value; } positions[] = {
+        POSITION(ENTRY_START), POSITION(ENTRY_BYTES), POSITION(ENTRY_DESCRIPTORS), POSITION(ENTRY_PEER),
+        POSITION(ENTRY_FORM), POSITION(ENTRY_INFO), POSITION(ENTRY_CONTEXT), POSITION(ENTRY_POSTED),
+        POSITION(ENTRY_SIZE), POSITION(ASYNC_KIND), POSITION(ASYNC_START), POSITION(ASYNC_DURATION),
+        POSITION(ASYNC_BYTES), POSITION(ASYNC_DESCRIPTORS), POSITION(ASYNC_PEER), POSITION(ASYNC_RETURN_CODE),
+        POSITION(ASYNC_ERROR), POSITION(ASYNC_FORM), POSITION(ASYNC_CONTEXT), POSITION(ASYNC_SEEN_RUNNING), POSITION(ASYNC_POST),
+        POSITION(ASYNC_SIZE), POSITION(FORMS_ENGINE)};
+#undef POSITION
+    PyObject *layout = PyDict_New();
+    if (layout == NULL)
+        return -1;
+    for (size_t i = 0; i < sizeof positions / sizeof positions[0]; i++) {
+        PyObject *value = PyLong_FromLong(positions[i].value);
+        int failed = value == NULL || PyDict_SetItemString(layout, positions[i].name, value) < 0;
+        Py_XDECREF(value);
+        if (failed) {
+            Py_DECREF(layout);
+            return -1;
+        }
+    }
+    int done = PyModule_AddObjectRef(m, "LAYOUT", layout);
+    Py_DECREF(layout);
+    return done;
+}
+
 static int
 module_exec(PyObject *m)
 {
@@ -938,7 +1014,7 @@ module_exec(PyObject *m)
     if (PyModule_AddObjectRef(m, "Submission", (PyObject *)&SubmissionType) < 0 ||
         PyModule_AddObjectRef(m, "BatchWait", (PyObject *)&BatchWaitType) < 0)
         return -1;
-    return 0;
+    return add_layout(m);
 }
 
 static PyModuleDef_Slot module_slots[] = {
@@ -953,7 +1029,7 @@ static PyModuleDef_Slot module_slots[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_async_compiled",
-    "The async send's common submission and batch wait, compiled (otel_kvtransfer.recording.compiled).", 0, NULL,
+    "The async send's common submission and batch wait, compiled (otel_kvtransfer.engines.mooncake.compiled).", 0, NULL,
     module_slots};
 
 PyMODINIT_FUNC
