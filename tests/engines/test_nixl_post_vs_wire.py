@@ -6,8 +6,10 @@ The same 32 MiB is written to the same peer twice over: as 2 descriptors of 16 M
 256 B. Over TCP, NIXL's UCX backend pushes bytes out from inside `transfer()` while it posts one operation per
 descriptor: the many-descriptor write does nearly all its work there (a descriptor storm); the few-descriptor one
 returns once its two operations are queued, each having sent at most what the socket took at once, and the rest
-of its send is the wire. So the first's post share is the larger (here 97-100% against 8-18%), taken over the
-rounds of each (one round's share moves with what the scheduler allowed).
+of its send is the wire. So the first's post share is usually the larger (97-100% against 8-18% on a quiet
+machine); that is a figure of timing, not asserted here: a CI run with both cores busy saw 13% against 18%. What
+is asserted is what each send says: its bytes, its descriptors, a post time within its duration, and one
+histogram point per post time.
 Both pipelines (spans and metric points built directly, or through the SDK) show the same.
 
 Real parts: two NIXL agents over UCX (TCP on the loopback device), the receiver in a process of its own
@@ -90,17 +92,6 @@ def test_every_send_says_how_long_its_post_took(outcomes, pipeline):
               if "kv_transfer.post_s" in s["attributes"]]
     assert result["post_metric"]["count"] == len(posted)
     assert result["post_metric"]["sum"] == pytest.approx(sum(posted))
-
-
-@pytest.mark.parametrize("pipeline", nixl_agents.PIPELINES)
-def test_many_small_descriptors_spend_a_larger_share_posting_than_few_large_ones(outcomes, pipeline):
-    sends = _measured_sends(result_of(outcomes, pipeline))
-
-    def share(shape):  # over its rounds: one round's share moves with what else the two cores were doing
-        mine = [sends[f"{shape}-{i}"] for i in range(ROUNDS)]
-        return sum(s["attributes"]["kv_transfer.post_s"] * 1e9 for s in mine) / sum(s["duration_ns"] for s in mine)
-
-    assert share("many") > share("few"), (share("many"), share("few"))
 
 
 if __name__ == "__main__":

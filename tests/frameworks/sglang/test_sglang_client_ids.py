@@ -2,7 +2,9 @@
 test, tests/deployments/test_sglang_integrity.py, shows a router's retried request on real servers): the prefill's
 request span and its sends, the decode's receive span. sglang's real classes, instrumented as a deployment is,
 around stand-ins of the methods that need a running scheduler or a peer; the one engine call of the send is handed
-to the integration API as the Mooncake wrapper hands its calls (no Mooncake peer here)."""
+to the integration API as the Mooncake wrapper hands its calls (no Mooncake peer here). The tests ask for
+`monkeypatch` before `telemetry`: the stand-ins are undone after the instrumentation that wrapped them is, so
+none is left on sglang's classes for the tests after."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -54,7 +56,7 @@ def _one(spans, name, room):
     return found[0]
 
 
-def _prefill_stand_ins(sg, monkeypatch, chunks):
+def _prefill_stand_ins(sg, monkeypatch):
     """sglang's prefill methods, in the part that matters here: the bootstrap queue makes the Req's sender; the
     worker's queue hands it the room's chunk; the manager sends the chunk (one engine call) and records the
     room's status."""
@@ -81,11 +83,19 @@ def _prefill_stand_ins(sg, monkeypatch, chunks):
     monkeypatch.setattr(sg.prefill.PrefillBootstrapQueue, "create_sender", create_sender)
     monkeypatch.setattr(manager_class, "send_kvcache", send_kvcache)
     monkeypatch.setattr(sg.common.CommonKVManager, "update_status", update_status)
-    monkeypatch.setattr(sg.utils.FastQueue, "get", lambda self, *args, **kwargs: chunks.pop(0))
     manager = manager_class.__new__(manager_class)
     manager.disaggregation_mode = SimpleNamespace(name="PREFILL")
     manager.transfer_infos, manager.request_status, manager.failure_records = {}, {}, {}
     return manager
+
+
+def _work_queue(sg, chunks):
+    """sglang's own FastQueue holding `chunks` (None: nothing more), for the worker's dequeues. The class is never
+    monkeypatched: the instrumentation wraps its `get`, and undoing a patch under our wrapper would leave it behind."""
+    work = sg.utils.FastQueue()
+    for chunk in chunks:
+        work.put(chunk)
+    return work
 
 
 def _chunk(sg, room):
@@ -94,16 +104,16 @@ def _chunk(sg, room):
     return chunk
 
 
-def test_the_prefills_request_and_its_sends_carry_the_clients_rid(sglang_classes, telemetry, monkeypatch):
+def test_the_prefills_request_and_its_sends_carry_the_clients_rid(sglang_classes, monkeypatch, telemetry):
     sg = sglang_classes
     chunks = [_chunk(sg, ROOM), None]
-    manager = _prefill_stand_ins(sg, monkeypatch, chunks)
+    manager = _prefill_stand_ins(sg, monkeypatch)
     recorded = telemetry()
     queue = sg.prefill.PrefillBootstrapQueue.__new__(sg.prefill.PrefillBootstrapQueue)
     queue.manager = manager
     queue.create_sender(SimpleNamespace(rid=RID, bootstrap_room=ROOM, time_stats=None))
     assert client_ids.rid_of(ROOM) == RID
-    work = sg.utils.FastQueue.__new__(sg.utils.FastQueue)
+    work = _work_queue(sg, chunks)
     work.get()  # the worker dequeues the room's chunk
     assert manager.send_kvcache("127.0.0.1:17000", [1], [0], [1]) == 0
     work.get()  # and then nothing
@@ -117,15 +127,15 @@ def test_the_prefills_request_and_its_sends_carry_the_clients_rid(sglang_classes
     assert send.attributes[semconv.BOOTSTRAP_ROOM] == ROOM and send.attributes[semconv.BYTES] == 4096
 
 
-def test_a_request_made_without_a_req_sends_without_a_rid(sglang_classes, telemetry, monkeypatch):
+def test_a_request_made_without_a_req_sends_without_a_rid(sglang_classes, monkeypatch, telemetry):
     """A sender made outside the bootstrap queue (sglang's own tests, a fake transfer): no rid anywhere."""
     sg = sglang_classes
     chunks = [_chunk(sg, ROOM + 1), None]
-    manager = _prefill_stand_ins(sg, monkeypatch, chunks)
+    manager = _prefill_stand_ins(sg, monkeypatch)
     recorded = telemetry()
     sender = sg.mooncake.MooncakeKVSender.__new__(sg.mooncake.MooncakeKVSender)
     sg.common.CommonKVSender.__init__(sender, manager, "127.0.0.1:8998", ROOM + 1)
-    work = sg.utils.FastQueue.__new__(sg.utils.FastQueue)
+    work = _work_queue(sg, chunks)
     work.get()
     manager.send_kvcache("127.0.0.1:17000", [1], [0], [1])
     work.get()
@@ -135,7 +145,7 @@ def test_a_request_made_without_a_req_sends_without_a_rid(sglang_classes, teleme
         assert "sglang.rid" not in _one(spans, name, ROOM + 1).attributes
 
 
-def test_the_decodes_receive_carries_the_rid_of_the_req_it_serves(sglang_classes, telemetry, monkeypatch):
+def test_the_decodes_receive_carries_the_rid_of_the_req_it_serves(sglang_classes, monkeypatch, telemetry):
     sg = sglang_classes
     receiver_class = sg.mooncake.MooncakeKVReceiver
 
@@ -160,7 +170,7 @@ def test_the_decodes_receive_carries_the_rid_of_the_req_it_serves(sglang_classes
     assert "sglang.rid" not in _one(spans, semconv.SPAN_RECEIVE, ROOM + 3).attributes
 
 
-def test_rooms_past_the_bound_let_the_oldest_go_and_count_it(telemetry, monkeypatch):
+def test_rooms_past_the_bound_let_the_oldest_go_and_count_it(monkeypatch, telemetry):
     recorded = telemetry()
     monkeypatch.setattr(client_ids, "MAX_ROOMS", 2)
     try:
